@@ -1,0 +1,14 @@
+"""k3: an open PyTorch implementation of the Kimi K3 architecture."""
+
+from k3.config import ModelConfig
+
+__all__ = ["ModelConfig", "K3ForCausalLM"]
+
+
+def __getattr__(name):
+    # The model pulls in every layer; keep `import k3` light for the CLI and the sandbox.
+    if name == "K3ForCausalLM":
+        from k3.model import K3ForCausalLM
+
+        return K3ForCausalLM
+    raise AttributeError(f"module 'k3' has no attribute {name!r}")
