@@ -1,0 +1,57 @@
+"""The `k3` command. Thin: it parses, calls the library, prints.
+
+Each subsystem owns its subcommands in a `cli.py` of its own exposing `register(subparsers)`;
+this file only lists them. Subsystems are imported lazily, so a missing optional
+dependency of one command never breaks another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# module path -> one-line description (shown when the module fails to import)
+SUBSYSTEMS = [
+    "k3.info_cli",
+    "k3.train.cli",
+    "k3.infer.cli",
+    "k3.checkpoint.cli",
+    "k3.sandbox.cli",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 architecture: train, generate, serve, sandbox.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in SUBSYSTEMS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if error.name and error.name.startswith(module_name.rsplit(".", 1)[0]):
+                continue  # subsystem not built yet
+            raise
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as error:
+        # Library errors are written to be read by people: show the message, not a traceback.
+        print(f"k3: error: {error}", file=sys.stderr)
+        return 1
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,31 @@
+import os
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_seed():
+    torch.manual_seed(0)
+    yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _nan_filled_empty():
+    """Fill torch.empty with NaN so that code reading memory it never wrote fails loudly."""
+    original = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        tensor = original(*args, **kwargs)
+        if tensor.is_floating_point() and tensor.device.type != "meta":
+            tensor.fill_(float("nan"))
+        return tensor
+
+    torch.empty = nan_empty
+    yield
+    torch.empty = original
+
+
+def pytest_configure(config):
+    os.environ.setdefault("K3_TEST", "1")
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
