@@ -1,0 +1,66 @@
+"""`k3 info`: a preset's (or a config file's) shape and parameter counts, computed without allocating."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from k3.config import PRESETS, ModelConfig
+
+
+def load_config(preset: str | None, config_path: str | None) -> ModelConfig:
+    if config_path:
+        path = Path(config_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file {path} does not exist")
+        values = json.loads(path.read_text())
+        is_hf = "model_type" in values or "text_config" in values
+        return ModelConfig.from_hf_config(values) if is_hf else ModelConfig.from_dict(values)
+    return ModelConfig.from_preset(preset or "tiny")
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3f}{unit}"
+    return str(int(n))
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from k3.model import count_parameters
+
+    config = load_config(args.preset, args.config)
+    counts = count_parameters(config)
+    report = {
+        "preset": args.preset if not args.config else None,
+        **counts,
+        "layers": config.num_layers,
+        "kda_layers": config.layer_types.count("kda"),
+        "mla_layers": config.layer_types.count("mla"),
+        "moe_layers": config.num_moe_layers,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"preset          {report['preset'] or args.config}")
+    print(f"layers          {config.num_layers} ({report['kda_layers']} KDA + {report['mla_layers']} MLA; "
+          f"{config.num_moe_layers} MoE)")
+    print(f"hidden / vocab  {config.hidden_size} / {config.vocab_size}")
+    print(f"experts         {config.num_experts} routed (top-{config.num_experts_per_tok}) + "
+          f"{config.num_shared_experts} shared; latent {config.moe_latent_size or 'none'}")
+    print(f"AttnRes block   {config.attn_res_block_size or 'off (plain residuals)'}")
+    print(f"total params    {counts['total_params']:,} ({_human(counts['total_params'])})")
+    print(f"active params   {counts['active_params']:,} ({_human(counts['active_params'])}) "
+          f"per token, excluding the input embedding")
+    return 0
+
+
+def register(subparsers) -> None:
+    parser = subparsers.add_parser("info", help="show a model's shape and parameter counts (no allocation)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="named preset (default: tiny)")
+    parser.add_argument("--config", default=None, help="a config.json (k3 or Hugging Face format) instead")
+    parser.add_argument("--json", action="store_true", help="print JSON with total_params and active_params")
+    parser.set_defaults(func=run_info)

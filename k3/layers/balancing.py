@@ -1,0 +1,62 @@
+"""Expert balancing: Quantile Balancing (K3) and the loss-free sign update (DeepSeek-V3 baseline).
+
+Both act only on the router's selection bias b [E] (never on the gate weights), and only in training;
+at eval time the bias is frozen and routing is plain top-k on s + b.
+
+Quantile Balancing treats routing as a linear program (each token picks k experts, each expert receives
+exactly q = k*T/E tokens) whose dual variables are the biases. Per step:
+  biased = s + b; c_t = the (k+1)-th largest biased score of token t (its cutoff);
+  r_te = c_t - s_te, the bias expert e needs to win token t;
+  b_e  = the q-th smallest r_te over the batch, then b is mean-centred.
+Expert e then receives token t iff s_te + b_e > c_t. Iterating the update on one batch reaches the
+fixed point at which every expert gets exactly q tokens (ties aside).
+
+Shape suffixes: T tokens, E experts, K top-k.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def expert_load(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert [E] (float) from the chosen ids."""
+    return torch.bincount(topk_ids_TK.reshape(-1), minlength=num_experts).float()
+
+
+def maxvio(load_E: torch.Tensor) -> float:
+    """max_e(load_e / mean_load) - 1: 0 is perfect balance."""
+    mean = load_E.float().mean()
+    return float(load_E.max() / mean - 1) if mean > 0 else 0.0
+
+
+def quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
+                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """One Quantile Balancing update; returns the new mean-centred bias [E] (fp32).
+
+    `gather`, when given, concatenates the required-bias matrix over data-parallel ranks along T
+    (exact aggregation), so every rank computes the same bias."""
+    scores = scores_TE.float()
+    num_tokens, num_experts = scores.shape
+    if top_k >= num_experts:
+        return torch.zeros_like(bias_E, dtype=torch.float32)
+    biased = scores + bias_E.float()
+    cutoff_T = biased.topk(top_k + 1, dim=-1).values[:, -1]
+    required_TE = cutoff_T[:, None] - scores
+    if gather is not None:
+        required_TE = gather(required_TE)
+        num_tokens = required_TE.shape[0]
+    quota = top_k * num_tokens / num_experts
+    # Bias between the q-th and (q+1)-th smallest required bias: exactly q tokens satisfy r < b.
+    q = max(1, min(num_tokens, int(round(quota))))
+    sorted_TE = required_TE.sort(dim=0).values
+    upper = sorted_TE[min(q, num_tokens - 1)] if q < num_tokens else sorted_TE[-1] + 1.0
+    new_bias = 0.5 * (sorted_TE[q - 1] + upper)
+    return new_bias - new_bias.mean()
+
+
+def loss_free_bias(load_E: torch.Tensor, bias_E: torch.Tensor, gamma: float) -> torch.Tensor:
+    """DeepSeek-V3: b_e += gamma * sign(mean_load - load_e)."""
+    return bias_E + gamma * torch.sign(load_E.float().mean() - load_E.float())

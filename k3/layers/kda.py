@@ -1,0 +1,90 @@
+"""Kimi Delta Attention layer: projections, short convs, decay gate, beta, gated RMSNorm output.
+
+Per head the state S [dk, dv] follows  S_t = (I - b_t k_t k_t^T) Diag(a_t) S_{t-1} + b_t k_t v_t^T,
+o_t = S_t^T q_t; the recurrence itself lives in k3.ops.kda (chunked for prefill, recurrent for decode).
+Decoding needs only S and the last (kernel-1) inputs of each short conv, whatever the context length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from k3.config import ModelConfig
+from k3.layers.conv import ShortConv
+from k3.layers.norm import GatedRMSNorm
+from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
+
+# Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.
+RECURRENT_MAX_TOKENS = 16
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        d, h, dk = config.hidden_size, config.kda_num_heads, config.kda_head_dim
+        self.num_heads, self.head_dim = h, dk
+        width = h * dk
+        self.q_proj = nn.Linear(d, width, bias=False)
+        self.k_proj = nn.Linear(d, width, bias=False)
+        self.v_proj = nn.Linear(d, width, bias=False)
+        self.q_conv1d = ShortConv(width, config.kda_conv_kernel)
+        self.k_conv1d = ShortConv(width, config.kda_conv_kernel)
+        self.v_conv1d = ShortConv(width, config.kda_conv_kernel)
+        # Decay gate: low-rank f_b(f_a(x)) per channel, plus per-channel dt_bias and per-head A_log.
+        self.f_a_proj = nn.Linear(d, dk, bias=False)
+        self.f_b_proj = nn.Linear(dk, width, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(config.kda_a_log_size or h))
+        self.dt_bias = nn.Parameter(torch.zeros(width))
+        self.lower_bound = config.gate_lower_bound if config.kda_gate == "lower_bound" else None
+        self.b_proj = nn.Linear(d, h, bias=False)
+        if config.kda_output_gate == "full_rank":
+            self.g_proj = nn.Linear(d, width, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(d, dk, bias=False)
+            self.g_b_proj = nn.Linear(dk, width, bias=False)
+        self.o_norm = GatedRMSNorm(dk, config.rms_norm_eps)
+        self.o_proj = nn.Linear(width, d, bias=False)
+
+    @torch.no_grad()
+    def reset_gate_parameters(self) -> None:
+        """Decay rates start spread log-uniformly in [1e-3, 1e-1] per step (as Mamba/fla initialise dt)."""
+        h = self.num_heads
+        self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1.0, 16.0).log())
+        rate = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)))
+        if self.lower_bound is None:
+            # softplus(dt_bias) * exp(A_log) = rate  ->  dt_bias = inverse_softplus(rate / exp(A_log))
+            a = self.A_log[:h].exp().repeat_interleave(self.head_dim)
+            target = (rate / a).clamp_min(1e-6)
+            self.dt_bias.copy_(target + torch.log(-torch.expm1(-target)))
+        else:
+            # lb * sigmoid(exp(A_log) * dt_bias) = -rate  ->  dt_bias = logit(rate / |lb|) / exp(A_log)
+            a = self.A_log[:h].exp().repeat_interleave(self.head_dim)
+            p = (rate / abs(self.lower_bound)).clamp(1e-6, 1 - 1e-6)
+            self.dt_bias.copy_(torch.log(p / (1 - p)) / a)
+
+    def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None,
+                position_in_doc: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. `cache` is this layer's KDACacheSlot (or None). Packed documents are
+        given by cu_seqlens [N+1] (B must be 1) together with position_in_doc [T]."""
+        batch, length, _ = x.shape
+        shape = (batch, length, self.num_heads, self.head_dim)
+        tails = cache.conv_tails if cache is not None else (None, None, None)
+        q, tail_q = self.q_conv1d(self.q_proj(x), tails[0], position_in_doc)
+        k, tail_k = self.k_conv1d(self.k_proj(x), tails[1], position_in_doc)
+        v, tail_v = self.v_conv1d(self.v_proj(x), tails[2], position_in_doc)
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(shape), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())
+        state = cache.state if cache is not None else None
+        kernel = fused_recurrent_kda if (cache is not None and length <= RECURRENT_MAX_TOKENS) else chunk_kda
+        o, new_state = kernel(q.view(shape), k.view(shape), v.view(shape), g, beta, initial_state=state,
+                              output_final_state=cache is not None, use_qk_l2norm_in_kernel=True,
+                              cu_seqlens=cu_seqlens)
+        if cache is not None:
+            cache.update(new_state, (tail_q, tail_k, tail_v))
+        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        o = self.o_norm(o.to(x.dtype), gate.view(shape))
+        return self.o_proj(o.reshape(batch, length, -1))

@@ -1,0 +1,114 @@
+"""Gated Multi-head Latent Attention (DeepSeek-style MLA, NoPE, with K3's sigmoid output gate).
+
+Keys and values come from a shared latent c = RMSNorm(W_dkv x) of width kv_lora_rank, plus one shared
+"rope" key part of width qk_rope_head_dim that is used without rotation (K3 has no positional encoding).
+
+Two equal computations:
+- expanded (prefill/training): k_nope, v = W_ukv c, then scaled-dot-product attention per head;
+- absorbed (decode): W_uk is folded into the query and W_uv into the output, so attention runs directly
+  against the cached latent and the cache holds only kv_lora_rank + qk_rope_head_dim numbers per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import ModelConfig
+from k3.layers.norm import RMSNorm
+
+
+class GatedMLA(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.layer_index = layer_index
+        d, h = config.hidden_size, config.mla_num_heads
+        self.num_heads = h
+        self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        self.scaling = (self.nope + self.rope) ** -0.5
+        q_out = h * (self.nope + self.rope)
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(d, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if config.mla_output_gate else None
+        self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
+        # Decode against the latent cache (absorbed) unless told otherwise; tests flip this to compare.
+        self.absorb_in_decode = True
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:2], self.num_heads, self.nope + self.rope)  # [B, T, H, nope+rope]
+
+    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self.kv_a_proj_with_mqa(x)
+        latent, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
+        return self.kv_a_layernorm(latent), k_rope  # [B, T, R], [B, T, rope]
+
+    def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. `cache` is this layer's MLACacheSlot (or None); `doc_ids` [T] marks the
+        document of each packed token so attention never crosses a document boundary."""
+        batch, length, _ = x.shape
+        q = self._query(x)
+        latent, k_rope = self._latent(x)
+        past = 0
+        if cache is not None:
+            past = cache.length
+            latent, k_rope = cache.append(latent, k_rope)
+        if cache is not None and self.absorb_in_decode:
+            out = self._attend_absorbed(q, latent, k_rope, past)
+        else:
+            out = self._attend_expanded(q, latent, k_rope, past, doc_ids)
+        out = out.reshape(batch, length, self.num_heads * self.v_dim)
+        if self.g_proj is not None:
+            out = out * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(out)
+
+    def _mask(self, length: int, total: int, past: int, device, doc_ids=None) -> torch.Tensor | None:
+        if doc_ids is None:
+            if past == 0:
+                return None  # plain causal: use is_causal
+            query_pos = torch.arange(past, past + length, device=device)
+            return query_pos[:, None] >= torch.arange(total, device=device)[None, :]
+        causal = torch.ones(length, total, dtype=torch.bool, device=device).tril(diagonal=past)
+        return causal & (doc_ids[:, None] == doc_ids[None, :])
+
+    def _attend_expanded(self, q, latent, k_rope, past, doc_ids):
+        batch, length = q.shape[:2]
+        total = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(batch, total, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+        mask = self._mask(length, total, past, q.device, doc_ids)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+            attn_mask=mask, is_causal=mask is None and length > 1, scale=self.scaling)
+        return out.transpose(1, 2)  # [B, T, H, v]
+
+    def _attend_absorbed(self, q, latent, k_rope, past):
+        """Attention in latent space: score = (q_nope W_uk) . c + q_rope . k_rope; out = (p . c) W_uv."""
+        length, total = q.shape[1], latent.shape[1]
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]  # [H, nope, R], [H, v, R]
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk.to(q.dtype))
+        scores = torch.einsum("bhtr,bsr->bhts", q_latent, latent.to(q.dtype))
+        scores = scores + torch.einsum("bthe,bse->bhts", q_rope, k_rope.to(q.dtype))
+        scores = scores.float() * self.scaling
+        mask = self._mask(length, total, past, q.device)
+        if mask is None and length > 1:
+            mask = torch.ones(length, total, dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        probs = scores.softmax(-1).to(q.dtype)
+        out_latent = torch.einsum("bhts,bsr->bhtr", probs, latent.to(q.dtype))
+        return torch.einsum("bhtr,hvr->bthv", out_latent, w_uv.to(q.dtype))

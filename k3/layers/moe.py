@@ -1,0 +1,142 @@
+"""Stable LatentMoE: sigmoid router on the full hidden state, routed experts in a latent width, shared
+experts at full width.
+
+    scores = sigmoid(W_r x)                     (fp32, over all E experts, on the full hidden state)
+    chosen = topk(scores + b, k)                (b: balancing bias, used for selection only)
+    w      = scores[chosen] / sum * scale       (gate weights are the unbiased scores)
+    y      = up(RMSNorm(sum_k w_k expert_k(down(x)))) + shared(x)
+
+Without a latent width (Kimi Linear) down/up/norm vanish and experts run at full width.
+
+Shape suffixes (legend): B batch, T tokens (flattened B*T), D hidden, L expert input width (latent or D),
+E experts, K top-k, N = T*K routed pairs, F expert intermediate width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from k3.config import ModelConfig
+from k3.layers.balancing import expert_load, loss_free_bias, maxvio, quantile_bias
+from k3.layers.mlp import GLUMLP
+from k3.layers.norm import RMSNorm
+from k3.ops.moe import run_experts
+
+
+@dataclass
+class Routing:
+    topk_ids_TK: torch.Tensor
+    topk_weights_TK: torch.Tensor
+    scores_TE: torch.Tensor
+
+
+class Router(nn.Module):
+    """Named like published checkpoints: `gate.weight` [E, D] and `gate.e_score_correction_bias` [E]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts), persistent=True)
+        self.renormalize = config.router_renormalize
+        self.scale = config.routed_scaling_factor
+        self.balancing = config.moe_balancing
+        self.gamma = config.loss_free_gamma
+        self.force_balanced = False  # debug: ignore scores, deal tokens round-robin to experts
+        # Detached statistics of the forwards since the last balancer update (training only).
+        self._pending_scores: list[torch.Tensor] = []
+        self._pending_load: torch.Tensor | None = None
+        self.last_load_E: torch.Tensor | None = None
+
+    def forward(self, x_TD: torch.Tensor) -> Routing:
+        scores_TE = torch.sigmoid(x_TD.float() @ self.weight.float().t())
+        if self.force_balanced:
+            t = torch.arange(x_TD.shape[0], device=x_TD.device)
+            topk_ids_TK = (t[:, None] * self.top_k + torch.arange(self.top_k, device=x_TD.device)) % self.num_experts
+        else:
+            topk_ids_TK = (scores_TE.detach() + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
+        weights_TK = scores_TE.gather(1, topk_ids_TK)
+        if self.renormalize:
+            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+        weights_TK = weights_TK * self.scale
+        load_E = expert_load(topk_ids_TK.detach(), self.num_experts)
+        self.last_load_E = load_E
+        if self.training and self.balancing != "none":
+            if self.balancing == "quantile":
+                self._pending_scores.append(scores_TE.detach())
+            self._pending_load = load_E if self._pending_load is None else self._pending_load + load_E
+        return Routing(topk_ids_TK, weights_TK, scores_TE)
+
+    @torch.no_grad()
+    def update_bias(self, gather=None, all_reduce=None) -> None:
+        """Apply one balancing step from the statistics gathered since the last call (then clear them).
+        `gather` concatenates required biases over ranks (QB); `all_reduce` sums loads over ranks (loss-free)."""
+        if self.balancing == "quantile" and self._pending_scores:
+            scores_TE = torch.cat(self._pending_scores)
+            self.e_score_correction_bias.copy_(quantile_bias(scores_TE, self.e_score_correction_bias, self.top_k,
+                                                             gather))
+        elif self.balancing == "loss_free" and self._pending_load is not None:
+            load_E = self._pending_load.clone()
+            if all_reduce is not None:
+                all_reduce(load_E)
+            self.e_score_correction_bias.copy_(loss_free_bias(load_E, self.e_score_correction_bias, self.gamma))
+        self._pending_scores.clear()
+        self._pending_load = None
+
+    def maxvio(self) -> float | None:
+        return None if self.last_load_E is None else maxvio(self.last_load_E)
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        d, latent = config.hidden_size, config.moe_latent_size
+        width_in = latent or d
+        e, f = config.num_experts, config.moe_intermediate_size
+        self.gate = Router(config)
+        if latent is not None:
+            self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
+            self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps) if config.moe_latent_norm else None
+            self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
+        self.latent = latent is not None
+        # Experts stacked: w1 gate [E, F, L], w3 up [E, F, L], w2 down [E, L, F].
+        self.w1 = nn.Parameter(torch.empty(e, f, width_in))
+        self.w3 = nn.Parameter(torch.empty(e, f, width_in))
+        self.w2 = nn.Parameter(torch.empty(e, width_in, f))
+        self.shared_experts = GLUMLP(config, d, config.shared_width) if config.num_shared_experts > 0 else None
+        self.act = config.hidden_act
+        self.betas = (config.situ_beta_gate, config.situ_beta_up)
+        self.top_k = config.num_experts_per_tok
+
+    def routed(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The routed path alone: [T, D] -> [T, D]."""
+        num_tokens = x_TD.shape[0]
+        h_TL = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
+        ids_N = routing.topk_ids_TK.reshape(-1)
+        order_N = ids_N.argsort(stable=True)
+        token_N = order_N // self.top_k
+        counts_E = torch.bincount(ids_N, minlength=self.w1.shape[0])
+        y_NL = run_experts(h_TL[token_N], counts_E, self.w1, self.w3, self.w2, self.act, self.betas)
+        weights_N = routing.topk_weights_TK.reshape(-1)[order_N].unsqueeze(-1)
+        # Deterministic combine: index_add in a fixed (expert-sorted) order, accumulated in fp32.
+        out_TL = torch.zeros(num_tokens, y_NL.shape[-1], dtype=torch.float32, device=x_TD.device)
+        out_TL.index_add_(0, token_N, y_NL.float() * weights_N)
+        out_TL = out_TL.to(x_TD.dtype)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                out_TL = self.routed_expert_norm(out_TL)
+            return self.routed_expert_up_proj(out_TL)
+        return out_TL
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]."""
+        shape = x.shape
+        x_TD = x.reshape(-1, shape[-1])
+        routing = self.gate(x_TD)
+        out_TD = self.routed(x_TD, routing)
+        if self.shared_experts is not None:
+            out_TD = out_TD + self.shared_experts(x_TD)
+        return out_TD.view(shape)
