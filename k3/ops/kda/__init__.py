@@ -1,0 +1,142 @@
+"""Kimi Delta Attention (KDA) ops with fla's calling convention, dispatched to fla on CUDA or to PyTorch.
+
+Backend choice: `set_kda_backend(name)` if called (None resets), else the env var K3_KDA_BACKEND, else "auto".
+  auto  - fla's Triton kernels for CUDA tensors when `fla.ops.kda` imports, the PyTorch paths otherwise;
+  torch - always the PyTorch paths (k3/ops/kda/chunk.py, recurrent.py);
+  fla   - always fla; a RuntimeError says why when it cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from k3.ops.kda.chunk import chunk_kda_torch
+from k3.ops.kda.naive import naive_recurrent_kda
+from k3.ops.kda.recurrent import fused_recurrent_kda_torch
+from k3.ops.kda.utils import kda_gate
+
+__all__ = [
+    "chunk_kda",
+    "fused_recurrent_kda",
+    "naive_recurrent_kda",
+    "kda_gate",
+    "set_kda_backend",
+    "kda_backend",
+]
+
+_BACKENDS = ("auto", "torch", "fla")
+_ENV = "K3_KDA_BACKEND"
+_override: str | None = None
+
+
+@functools.lru_cache(maxsize=1)
+def _load_fla() -> tuple[object, object] | str:
+    """fla's (chunk_kda, fused_recurrent_kda), or the import error as text. Imported once, lazily (pulls triton)."""
+    try:
+        from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent
+    except Exception as exc:  # a broken triton install raises more than ImportError
+        return f"{type(exc).__name__}: {exc}"
+    return fla_chunk, fla_recurrent
+
+
+def _check_name(name: str, source: str) -> str:
+    name = name.strip().lower()
+    if name not in _BACKENDS:
+        raise ValueError(f"{source} must be one of {_BACKENDS}, got {name!r}")
+    return name
+
+
+def set_kda_backend(name: str | None) -> None:
+    """Force the KDA backend: "auto", "torch" or "fla"; None goes back to K3_KDA_BACKEND (default "auto")."""
+    global _override
+    if name is None:
+        _override = None
+        return
+    name = _check_name(name, "set_kda_backend(name)")
+    if name == "fla" and isinstance(_load_fla(), str):
+        raise RuntimeError(f"KDA backend 'fla' requested but fla is not importable ({_load_fla()}); "
+                           "install flash-linear-attention>=0.6.0 or use 'torch'")
+    _override = name
+
+
+def kda_backend(x: torch.Tensor | None = None) -> str:
+    """Without x: the configured backend ("auto", "torch" or "fla").
+
+    With x (any input tensor): the implementation a call on x would run, "fla" or "torch".
+    """
+    name = _override if _override is not None else _check_name(os.environ.get(_ENV, "auto"), _ENV)
+    if x is None or name != "auto":
+        return name
+    return "fla" if x.is_cuda and not isinstance(_load_fla(), str) else "torch"
+
+
+def _fla_op(x: torch.Tensor, index: int):
+    """fla's op number `index` if the backend resolves to fla for x, else None."""
+    if kda_backend(x) != "fla":
+        return None
+    ops = _load_fla()
+    if isinstance(ops, str):
+        raise RuntimeError(f"KDA backend 'fla' forced but fla is not importable ({ops}); "
+                           f"install flash-linear-attention>=0.6.0 or set {_ENV}=torch")
+    if not x.is_cuda:
+        raise RuntimeError(f"KDA backend 'fla' forced but the inputs are on {x.device}; fla's kernels need CUDA "
+                           f"tensors (set {_ENV}=auto or torch for other devices)")
+    return ops[index]
+
+
+def chunk_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA for training and prefill (fla `chunk_kda` convention).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: log decay [B, T, H, K] (<= 0); beta: [B, T, H];
+    scale: defaults to K**-0.5; initial_state: fp32 [N, H, K, V] with N = B, or N = number of sequences when
+    cu_seqlens [N+1] (int64 offsets) packs variable-length sequences into B = 1.
+    use_qk_l2norm_in_kernel: L2-normalise q and k over K (eps 1e-6) inside the op, gradients included.
+    Returns o [B, T, H, V] in v's dtype and the fp32 final state [N, H, K, V] (None unless output_final_state).
+    fla's in-kernel gate/beta keywords (use_gate_in_kernel, A_log, dt_bias, lower_bound,
+    use_beta_sigmoid_in_kernel) are honoured by both backends.
+    """
+    op = _fla_op(q, 0)
+    impl = op if op is not None else chunk_kda_torch
+    return impl(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                cu_seqlens=cu_seqlens, **kwargs)
+
+
+def fused_recurrent_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token-by-token KDA for decode (fla `fused_recurrent_kda` convention); same arguments and shapes as chunk_kda.
+
+    Pass everything after beta by keyword when code may also run against fla directly: fla's own signature puts
+    A_log and dt_bias right after beta.
+    """
+    op = _fla_op(q, 1)
+    impl = op if op is not None else fused_recurrent_kda_torch
+    return impl(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                cu_seqlens=cu_seqlens, **kwargs)

@@ -1,0 +1,190 @@
+"""Chunked KDA in PyTorch: WY representation with the UT transform, chunk 64, sub-chunks of 16.
+
+Shape legend: B batch, T time, H heads, K key dim, V value dim, N chunks (or packed sequences at the API),
+C chunk length (64), S sub-chunk length (16), NS sub-chunks per chunk (4).
+
+Within a chunk, with G the cumulative log decay from the chunk start (G_t = g_1 + ... + g_t, per channel) and
+S0 the state entering the chunk, the per-token deltas d_t = b_t (v_t - k_t^T Diag(e^{g_t}) S_{t-1}) solve
+
+    (I + A) D = diag(b) (V - (K * e^G) S0),   A_tj = b_t sum_c k_tc k_jc e^{G_tc - G_jc}  (j < t)
+
+so D = U - W S0 with U = T V, W = T (K * e^G), T = (I + A)^{-1} diag(b) (the UT transform; a unit lower
+triangular solve). Outputs and the next state follow from D with plain matmuls:
+
+    O  = (Q * e^G) S0 + M D,              M_tj = sum_c q_tc k_jc e^{G_tc - G_jc}  (j <= t)
+    S1 = Diag(e^{G_C}) S0 + (K * e^{G_C - G})^T D
+
+Everything that does not depend on S0 is computed for all chunks at once; the loop over chunks is one
+[K, K] x [K, V] matmul per chunk (S1 = P S0 + R).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from k3.ops.kda.utils import apply_fla_kwargs, check_inputs, l2norm, pack_to_padded, padded_to_pack
+
+CHUNK = 64
+SUB = 16
+# Two exp factors of at most e^44 multiply to < e^88.7 (fp32 max), so factored products stay finite.
+# With the K3 lower bound -5 the offsets inside a 16-token sub-chunk from its middle token are < 5 * 8 = 40.
+_SAFE_EXP = 44.0
+
+
+def _diag_block_scores(
+    qs: torch.Tensor, ks: torch.Tensor, Gs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairwise decayed scores inside each sub-chunk.
+
+    qs, ks, Gs: [..., NS, S, K] -> (q-k scores, k-k scores) [..., NS, S, S], entry (t, j) = sum_c x_tc k_jc e^{G_tc - G_jc},
+    valid for j <= t (callers mask the rest).
+    """
+    mid = Gs.shape[-2] // 2
+    offset = Gs - Gs[..., mid : mid + 1, :]
+    if offset.abs().amax() <= _SAFE_EXP:
+        # Bounded gates (the K3 form): fold the decay into q and k around the sub-chunk's middle token,
+        # so the block is a plain matmul.
+        up, down = offset.exp(), (-offset).exp()
+        kd = (ks * down).transpose(-1, -2)
+        return (qs * up) @ kd, (ks * up) @ kd
+    # Unbounded gates (softplus form) can decay by more than e^-88 inside a sub-chunk: form e^{G_t - G_j}
+    # per pair instead. Clamping at 0 only touches pairs j > t, which are masked later, and keeps them finite.
+    pair = (Gs.unsqueeze(-2) - Gs.unsqueeze(-3)).clamp(max=0).exp()  # [..., NS, S(t), S(j), K]
+    kp = ks.unsqueeze(-3) * pair
+    return (qs.unsqueeze(-2) * kp).sum(-1), (ks.unsqueeze(-2) * kp).sum(-1)
+
+
+def _intra_chunk_scores(
+    q: torch.Tensor, k: torch.Tensor, G: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decayed score matrices of each chunk.
+
+    q, k, G: [..., C, K] (G cumulative from the chunk start, <= 0 and non-increasing).
+    Returns M [..., C, C] (q-k, j <= t) and Akk [..., C, C] (k-k, j < t), zero elsewhere.
+    Every exponent formed here is bounded: across sub-chunks both factors are <= 1 (anchored at the last token
+    before the row's sub-chunk); inside a sub-chunk see _diag_block_scores.
+    """
+    C, K = G.shape[-2], G.shape[-1]
+    ns = C // SUB
+    qs, ks, Gs = (x.unflatten(-2, (ns, SUB)) for x in (q, k, G))
+    # Anchor of row sub-chunk a: the token just before it (a >= 1). Row sub-chunk 0 has no earlier columns;
+    # its anchor is token 0 only to keep the shapes uniform (its off-diagonal scores are masked out).
+    anchor_idx = torch.tensor([0] + [a * SUB - 1 for a in range(1, ns)], device=G.device)
+    anchor = G.index_select(-2, anchor_idx)  # [..., NS, K]
+    row_decay = (Gs - anchor.unsqueeze(-2)).exp()  # [..., NS, S, K], <= 1 for a >= 1
+    col_decay = (anchor.unsqueeze(-2) - G.unsqueeze(-3)).clamp(max=0).exp()  # [..., NS, C, K]
+    cols = (k.unsqueeze(-3) * col_decay).transpose(-1, -2)  # [..., NS, K, C]
+    off_q = (qs * row_decay) @ cols  # [..., NS, S, C]
+    off_k = (ks * row_decay) @ cols
+    diag_q, diag_k = _diag_block_scores(qs, ks, Gs)  # [..., NS, S, S]
+
+    a = torch.arange(ns, device=G.device)
+    t = torch.arange(SUB, device=G.device)
+    earlier_block = (a[:, None] > a[None, :]).view(ns, 1, ns, 1)
+    same_block = (a[:, None] == a[None, :]).view(ns, 1, ns, 1)
+    incl = (t[:, None] >= t[None, :]).view(1, SUB, 1, SUB)
+    strict = (t[:, None] > t[None, :]).view(1, SUB, 1, SUB)
+    zero = q.new_zeros(())
+
+    def assemble(off: torch.Tensor, diag: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+        off = off.unflatten(-1, (ns, SUB))  # [..., NS(a), S(t), NS(b), S(j)]
+        diag = diag.unsqueeze(-2)  # [..., NS(a), S(t), 1, S(j)]
+        out = torch.where(earlier_block, off, torch.where(same_block & lower, diag, zero))
+        return out.reshape(*off.shape[:-4], C, C)
+
+    return assemble(off_q, diag_q, incl), assemble(off_k, diag_k, strict)
+
+
+def _chunk_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    h0: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 q, k, g [B, T, H, K] (q scaled), v [B, T, H, V], beta [B, T, H], h0 [B, H, K, V].
+
+    Returns o [B, T, H, V] fp32 and the final state [B, H, K, V]. T is padded to a multiple of 64 with
+    g = k = v = beta = 0, which leaves the state untouched, so the final state is exact.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    pad = (-T) % CHUNK
+    if pad:
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    n = (T + pad) // CHUNK
+
+    def chunked(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, D] -> [B, H, N, C, D]
+        return x.transpose(1, 2).reshape(B, H, n, CHUNK, x.shape[-1])
+
+    q, k, v, g = (chunked(x) for x in (q, k, v, g))
+    beta = beta.transpose(1, 2).reshape(B, H, n, CHUNK, 1)
+    # Cumulative sums restart every chunk: |G| stays small enough for fp32 differences to be accurate.
+    G = g.cumsum(-2)
+    M, Akk = _intra_chunk_scores(q, k, G)
+
+    eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    decay = G.exp()  # [B, H, N, C, K], <= 1
+    rhs = torch.cat([v, k * decay], dim=-1) * beta
+    X = torch.linalg.solve_triangular(eye + Akk * beta, rhs, upper=False, unitriangular=True)
+    U, W = X[..., :V], X[..., V:]
+
+    last = G[..., -1:, :]  # [B, H, N, 1, K]
+    k_to_end = k * (last - G).exp()  # decay from each token to the chunk end, <= 1
+    q_read = q * decay - M @ W  # O = q_read S0 + M U
+    MU = M @ U
+    P = torch.diag_embed(last.squeeze(-2).exp()) - k_to_end.transpose(-1, -2) @ W  # [B, H, N, K, K]
+    R = k_to_end.transpose(-1, -2) @ U  # [B, H, N, K, V]
+
+    states = []
+    state = h0
+    for i in range(n):
+        states.append(state)
+        state = P[:, :, i] @ state + R[:, :, i]
+    o = q_read @ torch.stack(states, dim=2) + MU  # [B, H, N, C, V]
+    o = o.reshape(B, H, n * CHUNK, V).transpose(1, 2)[:, :T]
+    return o, state
+
+
+def chunk_kda_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked KDA (chunk 64) in PyTorch; differentiable by autograd; any T (padded internally).
+
+    q, k, g: [B, T, H, K] (g = log decay <= 0); v: [B, T, H, V]; beta: [B, T, H];
+    initial_state: [N, H, K, V] fp32, N = B, or the number of sequences when cu_seqlens [N+1] packs them into B = 1.
+    Returns o [B, T, H, V] in v's dtype and the fp32 final state [N, H, K, V] (None unless output_final_state).
+    """
+    g, beta = apply_fla_kwargs(g, beta, kwargs)
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    K, V = q.shape[-1], v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q, k, vf, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q = q * scale
+    mask = None
+    if cu_seqlens is not None:
+        # Each sequence becomes one batch row, zero-padded to whole chunks: no state crosses a boundary.
+        (q, _), (k, _), (vf, _), (g, _), (beta, mask) = (
+            pack_to_padded(x, cu_seqlens, CHUNK) for x in (q, k, vf, g, beta)
+        )
+    B, _, H, _ = q.shape
+    h0 = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
+    o, state = _chunk_fwd(q, k, vf, g, beta, h0)
+    if mask is not None:
+        o = padded_to_pack(o, mask)
+    return o.to(v.dtype), (state if output_final_state else None)
