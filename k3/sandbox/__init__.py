@@ -1,0 +1,13 @@
+"""Isolated sandboxes with snapshot, restore and fork, for agentic RL rollouts.
+
+Entry points: ``Sandbox`` (sync), ``AsyncSandbox`` (asyncio), ``SandboxPool`` (warm sandboxes,
+concurrency limit, snapshot store), ``Image`` / ``default_image`` and ``Limits``. The Ray fleet is
+in ``k3.sandbox.fleet_ray`` (imported on demand, as Ray is optional).
+"""
+
+from k3.sandbox.api import ExecResult, Sandbox
+from k3.sandbox.cgroups import Limits
+from k3.sandbox.image import Image, default_image
+from k3.sandbox.local import SandboxError
+
+__all__ = ["ExecResult", "Image", "Limits", "Sandbox", "SandboxError", "default_image"]

@@ -1,0 +1,365 @@
+"""The synchronous ``Sandbox``: create, exec, files, snapshot / restore / fork, pause, close.
+
+A sandbox is a root filesystem made of overlay layers (image at the bottom, frozen snapshot layers
+above it, one writable upper on top) and the processes that run on it, all in namespaces of their
+own and in one cgroup. Snapshots hold the filesystem only: processes running at snapshot time are
+not saved (``Sandbox.SNAPSHOT_HOLDS_MEMORY`` is False), and restore/fork start with none running.
+Memory snapshots would need CRIU; ``k3 sandbox doctor`` says whether ``criu check`` passes here.
+
+Requests to one sandbox are served one at a time (a lock): run several sandboxes for parallelism.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from dataclasses import dataclass
+
+from k3.sandbox import local
+from k3.sandbox.cgroups import Cgroup, Limits
+from k3.sandbox.image import Image, default_image
+from k3.sandbox.layers import LayerStore
+from k3.sandbox.local import SandboxError
+from k3.sandbox.paths import sandbox_home
+
+DEFAULT_MAX_OUTPUT = 16 << 20
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """What one command did. ``exit_code`` is 128 + N when killed by signal N (as in a shell).
+
+    timed_out: the timeout passed and the command's whole process tree was killed.
+    oom_killed: the memory limit was hit during the command and the kernel killed a process.
+    truncated: stdout or stderr went over ``max_output`` bytes and was cut.
+    """
+
+    stdout_bytes: bytes
+    stderr_bytes: bytes
+    exit_code: int
+    duration_s: float
+    timed_out: bool = False
+    oom_killed: bool = False
+    truncated: bool = False
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode(errors="replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode(errors="replace")
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+def _check_path(path: str) -> str:
+    if not isinstance(path, str) or not path.startswith("/"):
+        raise ValueError(f"sandbox paths must be absolute, like /work/main.py; got {path!r}")
+    return os.path.normpath(path)
+
+
+class Sandbox:
+    """An isolated Linux sandbox on this machine (needs root; see ``k3 sandbox doctor``).
+
+    >>> with Sandbox() as box:
+    ...     box.write_file("/work/hi.py", "print('hi')")
+    ...     box.exec("python3 hi.py").stdout
+    'hi\\n'
+    """
+
+    SNAPSHOT_HOLDS_MEMORY = False
+
+    def __init__(
+        self,
+        image: Image | str | None = None,
+        limits: Limits | None = None,
+        *,
+        snapshot: str | None = None,
+        hostname: str = "sandbox",
+        home: str | None = None,
+    ) -> None:
+        """Create and start a sandbox from ``image`` (default: ``default_image()``), or from
+        ``snapshot`` (a snapshot id; its image is used). ``limits`` default to ``Limits()``."""
+        self.home = home or sandbox_home()
+        self.store = LayerStore(self.home)
+        chain: list[str] = []
+        if snapshot is not None:
+            chain = self.store.chain(snapshot)
+            image_path = self.store.info(snapshot).image
+            if image is None:
+                image = Image.from_dir(image_path)
+            elif (image.path if isinstance(image, Image) else os.path.abspath(image)) != image_path:
+                raise ValueError(f"snapshot {snapshot} was taken on image {image_path}, not on {image}")
+        if image is None:
+            image = default_image(self.home)
+        elif isinstance(image, str):
+            image = Image.from_dir(image)
+        if not isinstance(image, Image):
+            raise ValueError(f"image must be an Image, a directory path or None; got {type(image).__name__}")
+        self.image = image
+        self.limits = limits or Limits()
+        self.hostname = hostname
+        self.id = uuid.uuid4().hex[:12]
+        self.run_dir = os.path.join(self.home, "run", self.id)
+        self.chain = chain
+        self.closed = False
+        self.paused = False
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._supervisor: local.Supervisor | None = None
+        self._upper = ""
+        os.makedirs(self.run_dir)
+        try:
+            self.cgroup = Cgroup.create(self.id, self.limits)
+        except BaseException:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            raise
+        local.register(self)
+        try:
+            self._start(local.spares().take(1)[0])
+        except BaseException:
+            self.close()
+            raise
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def _start(self, supervisor: local.Supervisor) -> None:
+        """Mount a fresh upper over ``self.chain`` and hand it to ``supervisor``."""
+        self._generation += 1
+        generation_dir = os.path.join(self.run_dir, str(self._generation))
+        upper, work, root = (os.path.join(generation_dir, name) for name in ("upper", "work", "root"))
+        for directory in (upper, work, root):
+            os.makedirs(directory)
+        for pid in supervisor.pids():
+            self.cgroup.add(pid)
+        self._supervisor, self._upper = supervisor, upper
+        lower = [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
+        answer = supervisor.call(
+            {"op": "setup", "lower_base": self.home, "lower": lower, "upper": upper, "work": work,
+             "root": root, "hostname": self.hostname}
+        )
+        if not answer["ok"]:
+            raise SandboxError(answer["error"])
+
+    def close(self) -> None:
+        """Kill every process of the sandbox, drop its mounts, cgroup and files. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        supervisor, self._supervisor = self._supervisor, None
+        if supervisor is not None:
+            supervisor.kill()
+        if hasattr(self, "cgroup") and self.paused:
+            self.cgroup.thaw()  # a frozen task cannot die: thaw so the SIGKILL lands
+            self.paused = False
+        if supervisor is not None:
+            supervisor.wait()
+        if hasattr(self, "cgroup"):
+            self.cgroup.remove()
+        # Replaced generations are torn down by the janitor; wait for ours before removing the dir.
+        for done in getattr(self, "_pending", []):
+            done.wait()
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def _alive(self) -> local.Supervisor:
+        if self.closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        if self.paused:
+            raise SandboxError(f"sandbox {self.id} is paused; call resume() first")
+        return self._supervisor
+
+    # -- commands and files -------------------------------------------------------------------
+
+    def exec(
+        self,
+        cmd: str | list[str],
+        timeout: float | None = 60.0,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | str | None = None,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+    ) -> ExecResult:
+        """Run ``cmd`` (a shell string for /bin/sh -c, or an argv list) and wait for it.
+
+        timeout: seconds, or None for no limit; when it passes, the command and every process it
+        started are killed and ``timed_out`` is set. env: added to the image's environment.
+        cwd: working directory inside the sandbox (default: the image's workdir).
+        """
+        if isinstance(cmd, str):
+            argv = ["/bin/sh", "-c", cmd]
+        elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
+            argv = list(cmd)
+        else:
+            raise ValueError(f"cmd must be a shell string or a non-empty list of strings, got {cmd!r}")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        full_env = dict(self.image.env)
+        full_env.update(env or {})
+        if isinstance(stdin, str):
+            stdin = stdin.encode()
+        request = {"op": "exec", "argv": argv, "env": full_env, "cwd": _check_path(cwd or self.image.workdir),
+                   "timeout": timeout, "stdin": stdin, "max_output": max_output}
+        with self._lock:
+            supervisor = self._alive()
+            oom_before = self.cgroup.oom_kills()
+            answer = supervisor.call(request)
+            oom = self.cgroup.oom_kills() > oom_before
+        if not answer["ok"]:
+            raise SandboxError(answer["error"])
+        stderr = answer["stderr"]
+        if answer["start_error"]:
+            stderr += f"k3 sandbox: cannot run {argv[0]!r}: {answer['start_error']}\n".encode()
+        return ExecResult(answer["stdout"], stderr, answer["exit_code"], answer["duration"],
+                          answer["timed_out"], oom, answer["truncated"])
+
+    def read_file(self, path: str) -> bytes:
+        """The content of ``path`` inside the sandbox; FileNotFoundError when it does not exist."""
+        with self._lock:
+            answer = self._alive().call({"op": "read", "path": _check_path(path)})
+        return self._data(answer, path)
+
+    def write_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
+        """Write ``data`` to ``path`` inside the sandbox, creating parent directories."""
+        if isinstance(data, str):
+            data = data.encode()
+        self._write([{"path": _check_path(path), "data": bytes(data), "mode": mode}], path)
+
+    def upload(self, local_path: str, sandbox_path: str) -> None:
+        """Copy a host file or directory tree to ``sandbox_path`` (modes kept, symlinks skipped)."""
+        local_path = os.path.abspath(local_path)
+        target = _check_path(sandbox_path)
+        if os.path.isfile(local_path):
+            with open(local_path, "rb") as f:
+                data = f.read()
+            self._write([{"path": target, "data": data, "mode": os.stat(local_path).st_mode & 0o7777}], sandbox_path)
+            return
+        if not os.path.isdir(local_path):
+            raise ValueError(f"upload needs an existing file or directory on the host, got {local_path!r}")
+        entries = []
+        for directory, dirnames, filenames in os.walk(local_path):
+            rel = os.path.relpath(directory, local_path)
+            base = target if rel == "." else os.path.join(target, rel)
+            entries.append({"path": base, "dir": True, "mode": os.stat(directory).st_mode & 0o7777})
+            for name in filenames:
+                source = os.path.join(directory, name)
+                if os.path.islink(source) or not os.path.isfile(source):
+                    continue
+                with open(source, "rb") as f:
+                    entries.append({"path": os.path.join(base, name), "data": f.read(),
+                                    "mode": os.stat(source).st_mode & 0o7777})
+        self._write(entries, sandbox_path)
+
+    def _write(self, entries: list[dict], shown_path: str) -> None:
+        with self._lock:
+            answer = self._alive().call({"op": "write", "entries": entries})
+        self._data(answer, shown_path)
+
+    @staticmethod
+    def _data(answer: dict, path: str) -> bytes | None:
+        if answer["ok"]:
+            return answer.get("data")
+        if answer.get("errno") is not None:
+            raise OSError(answer["errno"], f"in the sandbox: {answer['error']}", path)
+        raise SandboxError(answer["error"])
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    def snapshot(self) -> str:
+        """Freeze the current filesystem into an immutable layer; return its id.
+
+        The sandbox keeps running. Only files are saved, not processes (see the module doc).
+        """
+        with self._lock:
+            if self.closed:
+                raise SandboxError(f"sandbox {self.id} is closed")
+            was_paused = self.paused
+            if not was_paused:
+                self.cgroup.freeze()  # no process may write while the upper is copied
+            try:
+                return self.store.freeze(self._upper, self.chain[0] if self.chain else None, self.image.path)
+            finally:
+                if not was_paused:
+                    self.cgroup.thaw()
+
+    def restore(self, snapshot: str) -> None:
+        """Return this sandbox to ``snapshot``: every process is killed, files are as they were."""
+        chain = self.store.chain(snapshot)
+        if self.store.info(snapshot).image != self.image.path:
+            raise ValueError(f"snapshot {snapshot} belongs to image {self.store.info(snapshot).image}, "
+                             f"this sandbox runs {self.image.path}")
+        with self._lock:
+            if self.closed:
+                raise SandboxError(f"sandbox {self.id} is closed")
+            old, old_dir = self._supervisor, os.path.dirname(self._upper)
+            old.kill()
+            if self.paused:
+                self.cgroup.thaw()
+                self.paused = False
+            self._pending = [d for d in getattr(self, "_pending", []) if not d.is_set()]
+            self._pending.append(local.janitor.submit(old, old_dir))
+            self.chain = chain
+            self._start(local.spares().take(1)[0])
+
+    def fork(self, snapshot: str | None = None, n: int = 1) -> list["Sandbox"]:
+        """``n`` new sandboxes starting from ``snapshot`` (default: a snapshot taken now).
+
+        Each has its own upper layer, processes and cgroup: none sees another's writes.
+        """
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"fork needs n >= 1 sandboxes, got {n!r}")
+        if snapshot is None:
+            snapshot = self.snapshot()
+        local.spares().take(0)  # make sure spares are on their way before the first fork starts
+        forks: list[Sandbox] = []
+        try:
+            for _ in range(n):
+                forks.append(Sandbox(self.image, self.limits, snapshot=snapshot, hostname=self.hostname, home=self.home))
+        except BaseException:
+            for sandbox in forks:
+                sandbox.close()
+            raise
+        return forks
+
+    # -- pause / resume -----------------------------------------------------------------------
+
+    def pause(self) -> None:
+        """Freeze every process of the sandbox (cgroup freezer). exec and file calls fail until resume()."""
+        if self.closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        if not self.paused:
+            self.cgroup.freeze()
+            self.paused = True
+
+    def resume(self) -> None:
+        """Let the processes of a paused sandbox run again."""
+        if self.closed:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        if self.paused:
+            self.cgroup.thaw()
+            self.paused = False
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def memory_bytes(self) -> int:
+        """Memory charged to the sandbox's cgroup now (processes, page cache, tmpfs)."""
+        return self.cgroup.memory_bytes()
+
+    def pids(self) -> list[int]:
+        """Host pids of every process in the sandbox (its cgroup)."""
+        return self.cgroup.pids()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "paused" if self.paused else "running"
+        return f"Sandbox(id={self.id!r}, image={self.image.path!r}, layers={len(self.chain)}, {state})"
+

@@ -1,0 +1,273 @@
+"""Resource limits and freezing through cgroups, v2 where the kernel offers it, v1 otherwise.
+
+One ``Cgroup`` per sandbox, named ``k3-sandbox/<sandbox id>`` in every hierarchy it uses. The
+supervisor and, through inheritance, every process of the sandbox live in it, which gives:
+
+- limits: memory (the OOM killer acts inside the group), pids (fork bombs stop at the limit), cpu;
+- pause/resume: the freezer stops every task at once;
+- cleanup: the group lists every process that must be gone before it can be removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+PARENT = "k3-sandbox"
+V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-sandbox resource limits. ``None`` means no limit.
+
+    memory_mb: hard memory limit (RSS + page cache + tmpfs) in MiB; the OOM killer acts beyond it.
+    pids: most tasks (processes and threads) at once; stops fork bombs.
+    cpus: CPU time as a number of cores (0.5 = half a core), enforced by CFS quota.
+    """
+
+    memory_mb: int | None = 512
+    pids: int | None = 256
+    cpus: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.memory_mb is not None and self.memory_mb < 16:
+            raise ValueError(f"Limits.memory_mb must be at least 16 (MiB) or None, got {self.memory_mb}")
+        if self.pids is not None and self.pids < 8:
+            raise ValueError(f"Limits.pids must be at least 8 or None, got {self.pids}")
+        if self.cpus is not None and not self.cpus > 0:
+            raise ValueError(f"Limits.cpus must be a positive number of cores or None, got {self.cpus}")
+
+
+def detect() -> str | None:
+    """'v2' when the unified hierarchy at /sys/fs/cgroup has memory and pids, 'v1' when the v1
+    controllers are mounted, None when neither is usable (not root, or no cgroupfs)."""
+    controllers = os.path.join(CGROUP_ROOT, "cgroup.controllers")
+    if os.path.exists(controllers):
+        with open(controllers) as f:
+            available = f.read().split()
+        if {"memory", "pids"} <= set(available) and os.access(CGROUP_ROOT, os.W_OK):
+            return "v2"
+    if all(os.path.isdir(os.path.join(CGROUP_ROOT, c)) for c in V1_CONTROLLERS) and os.access(
+        os.path.join(CGROUP_ROOT, "memory"), os.W_OK
+    ):
+        return "v1"
+    return None
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _rmdir_when_empty(path: str, attempts: int = 2000) -> None:
+    # The kernel refuses (EBUSY) until the last task is gone; tasks killed a moment ago may
+    # still be exiting, so wait for them rather than leave the group behind.
+    for _ in range(attempts):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            if error.errno != errno.EBUSY:
+                raise
+            time.sleep(0.005)
+    raise RuntimeError(f"cgroup {path} still has tasks after they were killed")
+
+
+class Cgroup:
+    """The cgroup(s) of one sandbox. Use ``Cgroup.create(name, limits)``."""
+
+    version: str
+
+    @staticmethod
+    def create(name: str, limits: Limits) -> "Cgroup":
+        version = detect()
+        if version == "v2":
+            return CgroupV2(name, limits)
+        if version == "v1":
+            return CgroupV1(name, limits)
+        raise RuntimeError(
+            "no usable cgroup hierarchy: the sandbox needs root and either cgroup v2 with the memory and "
+            "pids controllers at /sys/fs/cgroup or the v1 memory, pids, cpu and freezer controllers"
+        )
+
+    def add(self, pid: int) -> None:
+        raise NotImplementedError
+
+    def freeze(self) -> None:
+        raise NotImplementedError
+
+    def thaw(self) -> None:
+        raise NotImplementedError
+
+    def pids(self) -> list[int]:
+        raise NotImplementedError
+
+    def memory_bytes(self) -> int:
+        raise NotImplementedError
+
+    def oom_kills(self) -> int:
+        raise NotImplementedError
+
+    def pids_max_hits(self) -> int:
+        raise NotImplementedError
+
+    def kill_all(self) -> None:
+        """SIGKILL every task, freezing first so that none can fork while it is being killed."""
+        self.freeze()
+        for pid in self.pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.thaw()
+
+    def remove(self) -> None:
+        raise NotImplementedError
+
+
+class CgroupV1(Cgroup):
+    version = "v1"
+
+    def __init__(self, name: str, limits: Limits):
+        self.paths = {c: os.path.join(CGROUP_ROOT, c, PARENT, name) for c in V1_CONTROLLERS}
+        for path in self.paths.values():
+            os.makedirs(path, exist_ok=True)
+        memory = self.paths["memory"]
+        if limits.memory_mb is not None:
+            limit = str(limits.memory_mb << 20)
+            _write(os.path.join(memory, "memory.limit_in_bytes"), limit)
+            memsw = os.path.join(memory, "memory.memsw.limit_in_bytes")
+            if os.path.exists(memsw):  # with swap accounting, swap must not become a way around
+                _write(memsw, limit)
+        if limits.pids is not None:
+            _write(os.path.join(self.paths["pids"], "pids.max"), str(limits.pids))
+        if limits.cpus is not None:
+            period = 100_000
+            _write(os.path.join(self.paths["cpu"], "cpu.cfs_period_us"), str(period))
+            _write(os.path.join(self.paths["cpu"], "cpu.cfs_quota_us"), str(int(limits.cpus * period)))
+
+    def add(self, pid: int) -> None:
+        for path in self.paths.values():
+            _write(os.path.join(path, "cgroup.procs"), str(pid))
+
+    def _freezer_state(self) -> str:
+        return _read(os.path.join(self.paths["freezer"], "freezer.state")).strip()
+
+    def freeze(self) -> None:
+        _write(os.path.join(self.paths["freezer"], "freezer.state"), "FROZEN")
+        while self._freezer_state() != "FROZEN":  # FREEZING until every task has stopped
+            time.sleep(0.0005)
+
+    def thaw(self) -> None:
+        _write(os.path.join(self.paths["freezer"], "freezer.state"), "THAWED")
+
+    def pids(self) -> list[int]:
+        return [int(line) for line in _read(os.path.join(self.paths["pids"], "cgroup.procs")).split()]
+
+    def memory_bytes(self) -> int:
+        return int(_read(os.path.join(self.paths["memory"], "memory.usage_in_bytes")))
+
+    def oom_kills(self) -> int:
+        for line in _read(os.path.join(self.paths["memory"], "memory.oom_control")).splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+        return 0
+
+    def pids_max_hits(self) -> int:
+        return _events(os.path.join(self.paths["pids"], "pids.events"), "max")
+
+    def remove(self) -> None:
+        if self.pids():
+            self.kill_all()
+        for path in self.paths.values():
+            _rmdir_when_empty(path)
+
+
+class CgroupV2(Cgroup):
+    version = "v2"
+
+    def __init__(self, name: str, limits: Limits):
+        parent = os.path.join(CGROUP_ROOT, PARENT)
+        os.makedirs(parent, exist_ok=True)
+        wanted = {"memory", "pids", "cpu"} & set(_read(os.path.join(CGROUP_ROOT, "cgroup.controllers")).split())
+        for directory in (CGROUP_ROOT, parent):
+            _write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in sorted(wanted)))
+        self.path = os.path.join(parent, name)
+        os.makedirs(self.path, exist_ok=True)
+        if limits.memory_mb is not None:
+            _write(os.path.join(self.path, "memory.max"), str(limits.memory_mb << 20))
+            if os.path.exists(os.path.join(self.path, "memory.swap.max")):
+                _write(os.path.join(self.path, "memory.swap.max"), "0")
+        if limits.pids is not None:
+            _write(os.path.join(self.path, "pids.max"), str(limits.pids))
+        if limits.cpus is not None and "cpu" in wanted:
+            _write(os.path.join(self.path, "cpu.max"), f"{int(limits.cpus * 100_000)} 100000")
+
+    def add(self, pid: int) -> None:
+        _write(os.path.join(self.path, "cgroup.procs"), str(pid))
+
+    def freeze(self) -> None:
+        _write(os.path.join(self.path, "cgroup.freeze"), "1")
+        while "frozen 1" not in _read(os.path.join(self.path, "cgroup.events")):
+            time.sleep(0.0005)
+
+    def thaw(self) -> None:
+        _write(os.path.join(self.path, "cgroup.freeze"), "0")
+
+    def pids(self) -> list[int]:
+        return [int(line) for line in _read(os.path.join(self.path, "cgroup.procs")).split()]
+
+    def memory_bytes(self) -> int:
+        return int(_read(os.path.join(self.path, "memory.current")))
+
+    def oom_kills(self) -> int:
+        return _events(os.path.join(self.path, "memory.events"), "oom_kill")
+
+    def pids_max_hits(self) -> int:
+        return _events(os.path.join(self.path, "pids.events"), "max")
+
+    def kill_all(self) -> None:
+        kill = os.path.join(self.path, "cgroup.kill")
+        if os.path.exists(kill):  # one write kills the whole group, forks included
+            _write(kill, "1")
+        else:
+            super().kill_all()
+
+    def remove(self) -> None:
+        if self.pids():
+            self.kill_all()
+        _rmdir_when_empty(self.path)
+
+
+def _events(path: str, key: str) -> int:
+    try:
+        text = _read(path)
+    except FileNotFoundError:
+        return 0
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return int(value)
+    return 0
+
+
+def leftover_groups() -> list[str]:
+    """Sandbox cgroups that still exist (for tests and ``k3 sandbox doctor``)."""
+    found = []
+    for base in [os.path.join(CGROUP_ROOT, c, PARENT) for c in V1_CONTROLLERS] + [os.path.join(CGROUP_ROOT, PARENT)]:
+        if os.path.isdir(base):
+            found += [os.path.join(base, name) for name in os.listdir(base) if os.path.isdir(os.path.join(base, name))]
+    return found

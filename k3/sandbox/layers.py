@@ -1,0 +1,226 @@
+"""Immutable, content-addressed filesystem layers: what a snapshot is made of.
+
+A sandbox's root is an overlay: a read-only base image, zero or more frozen layers, and one
+writable upper directory. ``freeze`` copies an upper directory into a new layer whose id is the
+SHA-256 of its parent's id and of every entry it holds (path, type, mode, owner, content), so the
+same changes on the same parent always give the same id and are stored once.
+
+Overlay's own markers are kept so that a layer means the same thing when it sits lower in a chain:
+a whiteout (character device 0:0) hides a file of the layers below, and a directory marked opaque
+(xattr ``trusted.overlay.opaque``) hides their whole directory.
+
+Store layout under the sandbox home (see ``paths.py``)::
+
+    layers/<id>/        the layer's files (an overlay lower directory; never written again)
+    layers/<id>.json    {"id", "parent", "image", "created", "bytes", "files"}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import stat
+import time
+import uuid
+from dataclasses import dataclass
+
+OPAQUE_XATTR = "trusted.overlay.opaque"
+ID_CHARS = 24  # hex digits kept in a layer id: short names keep the overlay mount option short
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """Metadata of one frozen layer. ``image`` is the base image directory of its chain."""
+
+    id: str
+    parent: str | None
+    image: str
+    created: float
+    bytes: int
+    files: int
+
+
+class LayerStore:
+    """Content-addressed layers in ``<home>/layers``."""
+
+    def __init__(self, home: str):
+        self.home = home
+        self.root = os.path.join(home, "layers")
+        os.makedirs(self.root, exist_ok=True)
+
+    def path(self, layer_id: str) -> str:
+        return os.path.join(self.root, layer_id)
+
+    def info(self, layer_id: str) -> LayerInfo:
+        """Metadata of ``layer_id``; ValueError when the store has no such layer."""
+        _check_id(layer_id)
+        try:
+            with open(os.path.join(self.root, layer_id + ".json")) as f:
+                return LayerInfo(**json.load(f))
+        except FileNotFoundError:
+            raise ValueError(f"unknown snapshot {layer_id!r}: no layer with that id in {self.root}") from None
+
+    def exists(self, layer_id: str) -> bool:
+        return os.path.exists(os.path.join(self.root, layer_id + ".json"))
+
+    def chain(self, layer_id: str | None) -> list[str]:
+        """Layer ids from ``layer_id`` down to the first layer above the image (top first)."""
+        ids = []
+        while layer_id is not None:
+            ids.append(layer_id)
+            layer_id = self.info(layer_id).parent
+        return ids
+
+    def list(self) -> list[LayerInfo]:
+        return [self.info(name[:-5]) for name in sorted(os.listdir(self.root)) if name.endswith(".json")]
+
+    def freeze(self, upper: str, parent: str | None, image: str) -> str:
+        """Copy the overlay upper directory ``upper`` into a new immutable layer; return its id.
+
+        The caller must keep writers out of ``upper`` while this runs (the sandbox is frozen).
+        """
+        staging = os.path.join(self.root, f".staging-{uuid.uuid4().hex}")
+        os.mkdir(staging)
+        digest = hashlib.sha256()
+        digest.update(f"parent={parent or ''}\nimage={image}\n".encode())
+        total_bytes, files = 0, 0
+        try:
+            for directory, dirnames, filenames in _walk_sorted(upper):
+                rel_dir = os.path.relpath(directory, upper)
+                target_dir = staging if rel_dir == "." else os.path.join(staging, rel_dir)
+                for name in dirnames:
+                    source, target = os.path.join(directory, name), os.path.join(target_dir, name)
+                    st = os.lstat(source)
+                    os.mkdir(target)
+                    opaque = _opaque(source)
+                    if opaque:
+                        os.setxattr(target, OPAQUE_XATTR, opaque)
+                    _copy_meta(st, target)
+                    digest.update(_entry(os.path.join(rel_dir, name), st, b"opaque=" + opaque))
+                for name in filenames:
+                    source, target = os.path.join(directory, name), os.path.join(target_dir, name)
+                    st = os.lstat(source)
+                    rel = os.path.join(rel_dir, name)
+                    if stat.S_ISREG(st.st_mode):
+                        content = _copy_file(source, target)
+                        total_bytes += st.st_size
+                        files += 1
+                    elif stat.S_ISLNK(st.st_mode):
+                        link = os.readlink(source)
+                        os.symlink(link, target)
+                        content = link.encode()
+                    elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+                        os.mknod(target, st.st_mode, st.st_rdev)  # whiteouts are char devices 0:0
+                        content = str(st.st_rdev).encode()
+                    else:
+                        continue  # sockets do not survive a snapshot
+                    _copy_meta(st, target)
+                    digest.update(_entry(rel, st, content))
+            _copy_meta(os.lstat(upper), staging)
+            layer_id = digest.hexdigest()[:ID_CHARS]
+            final = self.path(layer_id)
+            if os.path.exists(final + ".json"):
+                shutil.rmtree(staging)  # the same content was frozen before: reuse it
+                return layer_id
+            if os.path.exists(final):  # a half-written layer from a crash: replace it
+                shutil.rmtree(final)
+            os.rename(staging, final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        meta = LayerInfo(layer_id, parent, image, time.time(), total_bytes, files)
+        tmp = os.path.join(self.root, f".{layer_id}.json.{uuid.uuid4().hex}")
+        with open(tmp, "w") as f:
+            json.dump(meta.__dict__, f)
+        os.rename(tmp, final + ".json")  # the json appears last: a layer with metadata is complete
+        return layer_id
+
+    def remove(self, layer_id: str) -> None:
+        """Delete one layer (metadata first, so a half-deleted layer is never seen as complete)."""
+        _check_id(layer_id)
+        try:
+            os.unlink(os.path.join(self.root, layer_id + ".json"))
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(self.path(layer_id), ignore_errors=True)
+
+    def export(self, layer_id: str) -> dict:
+        """The layer and its ancestors as a picklable dict, to ship to another machine."""
+        import io
+        import tarfile
+
+        layers = []
+        for one in self.chain(layer_id):
+            buffer = io.BytesIO()
+            with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                tar.add(self.path(one), arcname=".")
+            layers.append({"info": self.info(one).__dict__, "tar": buffer.getvalue(), "opaque": self._opaque_dirs(one)})
+        return {"layers": layers}
+
+    def import_(self, exported: dict) -> str:
+        """Store layers made by ``export`` (possibly on another machine); return the top id."""
+        import io
+        import tarfile
+
+        for layer in reversed(exported["layers"]):
+            info = LayerInfo(**layer["info"])
+            _check_id(info.id)
+            if self.exists(info.id):
+                continue
+            staging = os.path.join(self.root, f".staging-{uuid.uuid4().hex}")
+            with tarfile.open(fileobj=io.BytesIO(layer["tar"])) as tar:
+                tar.extractall(staging, filter="fully_trusted")
+            for rel in layer["opaque"]:
+                os.setxattr(os.path.join(staging, rel), OPAQUE_XATTR, b"y")
+            os.rename(staging, self.path(info.id))
+            with open(self.path(info.id) + ".json", "w") as f:
+                json.dump(info.__dict__, f)
+        return exported["layers"][0]["info"]["id"]
+
+    def _opaque_dirs(self, layer_id: str) -> list[str]:
+        base = self.path(layer_id)
+        return [os.path.relpath(d, base) for d, _, _ in os.walk(base) if _opaque(d)]
+
+
+def _check_id(layer_id: str) -> None:
+    if not isinstance(layer_id, str) or len(layer_id) != ID_CHARS or any(c not in "0123456789abcdef" for c in layer_id):
+        raise ValueError(f"snapshot id must be {ID_CHARS} lowercase hex digits, got {layer_id!r}")
+
+
+def _walk_sorted(top: str):
+    # Sorted so that the digest does not depend on directory order on disk.
+    for directory, dirnames, filenames in os.walk(top):
+        dirnames.sort()
+        filenames.sort()
+        yield directory, dirnames, filenames
+
+
+def _opaque(path: str) -> bytes:
+    try:
+        return os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False)
+    except OSError:
+        return b""
+
+
+def _entry(rel: str, st: os.stat_result, content: bytes) -> bytes:
+    head = f"{rel}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0{len(content)}\0".encode()
+    return head + content + b"\n"
+
+
+def _copy_file(source: str, target: str) -> bytes:
+    """Copy one regular file; return a digest of its content (not the content, to stay small)."""
+    digest = hashlib.sha256()
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            digest.update(chunk)
+            dst.write(chunk)
+    return digest.digest()
+
+
+def _copy_meta(st: os.stat_result, target: str) -> None:
+    os.chown(target, st.st_uid, st.st_gid, follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(target, stat.S_IMODE(st.st_mode))
+    os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)

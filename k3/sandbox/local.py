@@ -1,0 +1,235 @@
+"""The Linux side of a sandbox: starting supervisors in fresh namespaces and talking to them.
+
+``unshare(1)`` (util-linux) creates the mount, pid, net, ipc and uts namespaces and runs
+``supervisor.py`` as PID 1 inside them. A new network namespace has only a loopback device, and
+it is down, so nothing, not even 127.0.0.1, can be reached. Mounts live in the sandbox's private
+mount namespace: when its last process dies, the kernel drops them, so no mount can outlive it.
+
+Starting Python takes tens of milliseconds, far more than mounting an overlay, so a few supervisors
+are started ahead of need (``Spares``) and wait, namespaces made, for their filesystem; restore and
+fork take one, which is what brings them down to a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import marshal
+import os
+import queue
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+
+SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
+NAMESPACES = ("--mount", "--pid", "--net", "--ipc", "--uts")
+
+
+class SandboxError(RuntimeError):
+    """A sandbox operation failed (the message says which and why)."""
+
+
+def unshare_path() -> str:
+    path = shutil.which("unshare") or shutil.which("unshare", path="/usr/bin:/bin")
+    if not path:
+        raise RuntimeError("the sandbox needs unshare(1) from util-linux (apt-get install util-linux)")
+    return path
+
+
+class Supervisor:
+    """One supervisor process (see supervisor.py) and the pipe protocol to it."""
+
+    def __init__(self) -> None:
+        debug = bool(os.environ.get("K3_SANDBOX_DEBUG"))
+        command = [unshare_path(), *NAMESPACES, "--fork", "--kill-child", "--propagation", "private"]
+        command += [sys.executable, "-I", "-S", SUPERVISOR]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=None if debug else subprocess.DEVNULL, bufsize=0, close_fds=True, env={},
+        )
+        self._in = self.process.stdin.fileno()
+        self._out = self.process.stdout.fileno()
+        self.host_pid: int | None = None
+        self._pidfd: int | None = None
+        self.dead = False
+
+    def wait_hello(self) -> None:
+        """Block until the supervisor has started; learn its pid on the host."""
+        hello = self._recv()
+        if hello is None:
+            raise SandboxError(
+                "the sandbox supervisor exited at start: run `k3 sandbox doctor` (are you root, "
+                "and does unshare(1) work here?)"
+            )
+        self.host_pid = hello["host_pid"]
+        # A pidfd names this very process, so a later kill can never hit a reused pid.
+        self._pidfd = os.pidfd_open(self.host_pid)
+
+    def call(self, request: dict) -> dict:
+        """Send one request and return its answer; SandboxError when the supervisor is gone."""
+        if self.dead:
+            raise SandboxError("the sandbox's processes are gone (killed, or closed)")
+        try:
+            self._send(request)
+            answer = self._recv()
+        except (BrokenPipeError, ConnectionResetError):
+            answer = None
+        if answer is None:
+            self.dead = True
+            raise SandboxError(
+                "the sandbox supervisor died (its PID 1 was killed, perhaps by the memory limit); "
+                "restore() a snapshot or create a new sandbox"
+            )
+        return answer
+
+    def kill(self) -> None:
+        """SIGKILL PID 1 of the sandbox: the kernel then kills every process in its namespace."""
+        self.dead = True
+        if self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if self.process.poll() is None:
+            self.process.kill()  # unshare --kill-child passes SIGKILL on to its child
+
+    def wait(self) -> None:
+        """Wait until the whole namespace is gone (unshare exits only after PID 1 is reaped)."""
+        self.process.wait()
+        if self._pidfd is not None:
+            select.select([self._pidfd], [], [])  # readable once the process has exited
+            os.close(self._pidfd)
+            self._pidfd = None
+        for stream in (self.process.stdin, self.process.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    def pids(self) -> list[int]:
+        return [self.process.pid] + ([self.host_pid] if self.host_pid else [])
+
+    def _send(self, message: dict) -> None:
+        body = marshal.dumps(message)
+        view = memoryview(struct.pack("<I", len(body)) + body)
+        while view:
+            view = view[os.write(self._in, view) :]
+
+    def _recv(self) -> dict | None:
+        header = _read_exact(self._out, 4)
+        if header is None:
+            return None
+        body = _read_exact(self._out, struct.unpack("<I", header)[0])
+        return None if body is None else marshal.loads(body)
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    chunks = []
+    while n:
+        chunk = os.read(fd, min(n, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+class Spares:
+    """Supervisors started ahead of need: namespaces made, Python loaded, filesystem not yet."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self._lock = threading.Lock()
+        self._ready: list[Supervisor] = []
+
+    def take(self, n: int = 1) -> list[Supervisor]:
+        with self._lock:
+            taken, self._ready = self._ready[:n], self._ready[n:]
+            taken += [Supervisor() for _ in range(n - len(taken))]  # start the missing ones at once
+            self._ready += [Supervisor() for _ in range(self.target - len(self._ready))]
+        try:
+            for supervisor in taken:
+                supervisor.wait_hello()
+        except BaseException:
+            for supervisor in taken:
+                supervisor.kill()
+                supervisor.wait()
+            raise
+        return taken
+
+    def shutdown(self) -> None:
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for supervisor in ready:
+            supervisor.kill()
+        for supervisor in ready:
+            supervisor.wait()
+
+
+_spares: Spares | None = None
+_spares_lock = threading.Lock()
+
+
+def spares() -> Spares:
+    """The process-wide spare supervisors (``K3_SANDBOX_SPARES``, default 2; 0 disables)."""
+    global _spares
+    with _spares_lock:
+        if _spares is None:
+            _spares = Spares(int(os.environ.get("K3_SANDBOX_SPARES", "2")))
+        return _spares
+
+
+class Janitor:
+    """Tears down replaced supervisors and their directories off the caller's critical path.
+
+    ``restore`` must not wait for the old namespace to die; ``close`` waits for its own jobs.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, supervisor: Supervisor, directory: str) -> threading.Event:
+        done = threading.Event()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="k3-sandbox-janitor", daemon=True)
+                self._thread.start()
+        self._jobs.put((supervisor, directory, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            supervisor, directory, done = self._jobs.get()
+            try:
+                supervisor.kill()
+                supervisor.wait()
+                shutil.rmtree(directory, ignore_errors=True)
+            finally:
+                done.set()
+
+
+janitor = Janitor()
+
+# Sandboxes still open when the interpreter exits are closed, so a crash leaves nothing running.
+_live: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def register(sandbox) -> None:
+    _live.add(sandbox)
+
+
+@atexit.register
+def _close_everything() -> None:
+    for sandbox in list(_live):
+        try:
+            sandbox.close()
+        except Exception:  # noqa: BLE001 - best effort at exit; the error was already visible
+            pass
+    if _spares is not None:
+        _spares.shutdown()

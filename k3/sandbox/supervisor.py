@@ -1,0 +1,433 @@
+"""The process that runs as PID 1 inside one sandbox.
+
+This file is executed as a script (``python -I -S supervisor.py``) by ``unshare(1)``, which has
+already given it fresh mount, pid, net, ipc and uts namespaces. It must not import anything from
+``k3``: after ``pivot_root`` the host's files are gone, so every module it needs is imported up
+front, before the host hands over the filesystem layout.
+
+Life of a supervisor:
+1. start, import what it needs, send ``hello`` (its pid on the host) and wait: this is a warm spare;
+2. ``setup``: mount the overlay (layers + fresh upper), /dev, pivot into it, mount /proc, mask the
+   dangerous bits of /proc, set the hostname, answer ``ready``;
+3. serve requests one at a time (exec, read, write, upload) until its stdin closes.
+
+Each ``exec`` is run by a forked manager that is a child subreaper: every descendant of the command,
+even one that daemonises, stays below the manager, so a timeout can stop and kill the whole tree
+without touching other processes of the sandbox. The command itself runs with no capabilities
+(bounding set emptied) and ``no_new_privs``, so root inside the sandbox cannot mount, load modules,
+change the hostname of the host, or gain privileges from a setuid file.
+
+Wire format in both directions: 4-byte little-endian length, then ``marshal`` of a dict. Host and
+supervisor run the same interpreter, so ``marshal`` is compatible and needs no import after pivot.
+"""
+
+import ctypes
+import ctypes.util
+import errno
+import marshal
+import os
+import platform
+import select
+import signal
+import struct
+import sys
+import time
+
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MNT_DETACH = 2
+PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 36, 24, 38
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}.get(platform.machine(), 155)
+SYS_CAPSET = {"x86_64": 126, "aarch64": 91, "ppc64le": 184, "s390x": 185}.get(platform.machine(), 126)
+
+with open("/proc/sys/kernel/cap_last_cap") as _f:
+    CAP_LAST = int(_f.read())
+
+IN, OUT = sys.stdin.buffer.raw, sys.stdout.buffer.raw
+# Nothing but frames may ever reach the host's pipe; stray prints would corrupt the stream.
+sys.stdout = sys.stderr
+
+
+def _check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def mount(source, target, fstype, flags=0, data=None):
+    _check(
+        libc.mount(
+            source.encode() if source else None,
+            target.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        ),
+        f"mount {fstype or source} on {target}",
+    )
+
+
+def read_exact(fd, n):
+    chunks = []
+    while n:
+        chunk = os.read(fd, n)
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def recv():
+    header = read_exact(IN.fileno(), 4)
+    if header is None:
+        return None
+    body = read_exact(IN.fileno(), struct.unpack("<I", header)[0])
+    return None if body is None else marshal.loads(body)
+
+
+def send(message):
+    body = marshal.dumps(message)
+    data = struct.pack("<I", len(body)) + body
+    view = memoryview(data)
+    while view:
+        view = view[os.write(OUT.fileno(), view) :]
+
+
+def reap(signum=None, frame=None):
+    # PID 1 inherits every orphan of the sandbox; reap them so no zombie outlives its parent.
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def make_dev(root):
+    dev = os.path.join(root, "dev")
+    mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=65536k")
+    for name, major, minor in (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)):
+        path = os.path.join(dev, name)
+        os.mknod(path, 0o666 | 0o020000, os.makedev(major, minor))
+        os.chmod(path, 0o666)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, os.path.join(dev, name))
+    os.mkdir(os.path.join(dev, "shm"), 0o1777)
+    os.chmod(os.path.join(dev, "shm"), 0o1777)
+
+
+def mask_proc():
+    # Root without capabilities may still write files owned by uid 0: /proc/sys and
+    # /proc/sysrq-trigger are global, so they are made read-only or hidden.
+    for path in ("/proc/sys", "/proc/bus", "/proc/fs", "/proc/irq"):
+        if os.path.isdir(path):
+            mount(path, path, None, MS_BIND | MS_REC)
+            mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for path in ("/proc/sysrq-trigger", "/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug", "/proc/kmsg"):
+        if os.path.exists(path):
+            mount("/dev/null", path, None, MS_BIND)
+
+
+def setup(request):
+    root = request["root"]
+    os.chdir(request["lower_base"])  # lower dirs are given relative to it: keeps the option short
+    options = "lowerdir={},upperdir={},workdir={},redirect_dir=off,index=off,metacopy=off,xino=off,volatile".format(
+        ":".join(request["lower"]), request["upper"], request["work"]
+    )
+    mount("overlay", root, "overlay", 0, options)
+    for name, mode in (("proc", 0o555), ("dev", 0o755), ("tmp", 0o1777)):
+        path = os.path.join(root, name)
+        if not os.path.isdir(path):
+            os.mkdir(path, mode)
+    make_dev(root)
+    os.chdir(root)
+    _check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
+    _check(libc.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k")
+    mask_proc()
+    hostname = request.get("hostname", "sandbox").encode()
+    _check(libc.sethostname(hostname, len(hostname)), "sethostname")
+
+
+def drop_privileges():
+    for cap in range(CAP_LAST + 1):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all zero
+    _check(libc.syscall(SYS_CAPSET, header, data), "capset")
+    _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+
+def descendants(ancestor):
+    """Pids below ``ancestor``, read from /proc (the sandbox's own pid namespace)."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(name))
+    found, todo = [], [ancestor]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_tree(ancestor):
+    # Stop first so nothing can fork while we look, then kill what is stopped; repeat until empty.
+    for _ in range(1000):
+        pids = descendants(ancestor)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        for pid in descendants(ancestor):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        time.sleep(0.001)
+
+
+def run_command(request, result_fd):
+    """Body of the per-exec manager process; writes one marshal'd result to ``result_fd``."""
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    exec_r, exec_w = os.pipe()  # close-on-exec: EOF means the command started
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.dup2(in_r, 0)
+            os.dup2(out_w, 1)
+            os.dup2(err_w, 2)
+            os.set_inheritable(exec_w, False)
+            os.closerange(3, exec_w)
+            os.closerange(exec_w + 1, 65536)
+            for sig in (signal.SIGPIPE, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ):
+                signal.signal(sig, signal.SIG_DFL)
+            os.setsid()
+            try:
+                with open("/proc/self/oom_score_adj", "w") as f:
+                    f.write("500")  # under memory pressure the command goes before PID 1
+            except OSError:
+                pass
+            os.umask(0o022)
+            os.chdir(request["cwd"])
+            drop_privileges()
+            os.execvpe(request["argv"][0], request["argv"], request["env"])
+        except BaseException as error:  # noqa: BLE001 - report any failure to start, then die
+            message = f"{type(error).__name__}: {error}".encode()
+            os.write(exec_w, message[:4000])
+        os._exit(127)
+    for fd in (in_r, out_w, err_w, exec_w):
+        os.close(fd)
+    start_error = b""
+    while True:
+        chunk = os.read(exec_r, 4096)
+        if not chunk:
+            break
+        start_error += chunk
+    os.close(exec_r)
+
+    stdin_data = memoryview(request.get("stdin") or b"")
+    limit = request["max_output"]
+    outputs = {out_r: bytearray(), err_r: bytearray()}
+    truncated = False
+    deadline = None if request["timeout"] is None else started + request["timeout"]
+    poller = select.poll()
+    poller.register(out_r, select.POLLIN)
+    poller.register(err_r, select.POLLIN)
+    if stdin_data:
+        poller.register(in_w, select.POLLOUT)
+    else:
+        os.close(in_w)
+    open_fds = {out_r, err_r} | ({in_w} if stdin_data else set())
+    timed_out = False
+    status = None
+    while open_fds - {in_w} or status is None:
+        if status is None:
+            done, raw = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = raw
+                if not (open_fds - {in_w}):
+                    break
+        wait_ms = 50 if status is None else None
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            wait_ms = min(wait_ms if wait_ms is not None else 1 << 30, int(left * 1000) + 1)
+        for fd, event in poller.poll(wait_ms):
+            if fd == in_w:
+                try:
+                    written = os.write(in_w, stdin_data[:65536])
+                    stdin_data = stdin_data[written:]
+                except BrokenPipeError:
+                    stdin_data = stdin_data[:0]
+                if not stdin_data:
+                    poller.unregister(in_w)
+                    os.close(in_w)
+                    open_fds.discard(in_w)
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                poller.unregister(fd)
+                os.close(fd)
+                open_fds.discard(fd)
+                continue
+            buffer = outputs[fd]
+            room = limit - len(buffer)
+            if room < len(chunk):
+                truncated = True
+            buffer += chunk[: max(room, 0)]
+    if timed_out:
+        kill_tree(os.getpid())
+        try:
+            status = os.waitpid(pid, 0)[1]
+        except ChildProcessError:
+            status = status if status is not None else 9
+    duration = time.monotonic() - started
+    if os.WIFSIGNALED(status):
+        exit_code, term_signal = 128 + os.WTERMSIG(status), os.WTERMSIG(status)
+    else:
+        exit_code, term_signal = os.WEXITSTATUS(status), 0
+    result = {
+        "ok": True,
+        "stdout": bytes(outputs[out_r]),
+        "stderr": bytes(outputs[err_r]),
+        "exit_code": exit_code,
+        "signal": term_signal,
+        "timed_out": timed_out,
+        "truncated": truncated,
+        "duration": duration,
+        "start_error": start_error.decode(errors="replace"),
+    }
+    data = marshal.dumps(result)
+    view = memoryview(struct.pack("<I", len(data)) + data)
+    while view:
+        view = view[os.write(result_fd, view) :]
+
+
+def do_exec(request):
+    result_r, result_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(result_r)
+            os.close(IN.fileno())
+            os.close(OUT.fileno())
+            run_command(request, result_w)
+        except BaseException as error:  # noqa: BLE001 - the manager must always answer
+            try:
+                data = marshal.dumps({"ok": False, "error": f"exec failed: {type(error).__name__}: {error}"})
+                os.write(result_w, struct.pack("<I", len(data)) + data)
+            except OSError:
+                pass
+            code = 1
+        os._exit(code)
+    os.close(result_w)
+    header = read_exact(result_r, 4)
+    body = read_exact(result_r, struct.unpack("<I", header)[0]) if header else None
+    os.close(result_r)
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass  # already reaped by the SIGCHLD handler
+    if body is None:
+        return {"ok": False, "error": "exec manager died without a result (killed by the memory limit?)"}
+    return marshal.loads(body)
+
+
+def do_write(entry):
+    path, data, mode = entry["path"], entry.get("data"), entry.get("mode")
+    parent = os.path.dirname(path)
+    if parent and not os.path.isdir(parent):
+        os.makedirs(parent, exist_ok=True)
+    if entry.get("dir"):
+        os.makedirs(path, exist_ok=True)
+        if mode is not None:
+            os.chmod(path, mode)
+        return
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644 if mode is None else mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if mode is not None:
+            os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def handle(request):
+    op = request["op"]
+    if op == "exec":
+        return do_exec(request)
+    if op == "read":
+        with open(request["path"], "rb") as f:
+            return {"ok": True, "data": f.read()}
+    if op == "write":
+        for entry in request["entries"]:
+            do_write(entry)
+        return {"ok": True}
+    if op == "ping":
+        return {"ok": True}
+    return {"ok": False, "error": f"unknown request {op!r}"}
+
+
+def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    # /proc is still the host's procfs here, so /proc/self names our pid on the host.
+    send({"ok": True, "host_pid": int(os.readlink("/proc/self"))})
+    request = recv()
+    if request is None:
+        return
+    try:
+        setup(request)
+    except OSError as error:
+        send({"ok": False, "error": f"sandbox setup failed: {error}"})
+        return
+    signal.signal(signal.SIGCHLD, reap)
+    send({"ok": True})
+    while True:
+        request = recv()
+        if request is None:
+            return
+        try:
+            response = handle(request)
+        except OSError as error:
+            response = {"ok": False, "error": f"{error.strerror or error}: {error.filename or ''}".strip(": "), "errno": error.errno}
+        send(response)
+
+
+if __name__ == "__main__":
+    main()
