@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import uuid
 from dataclasses import dataclass
 
 from k3.sandbox import local
@@ -104,24 +103,19 @@ class Sandbox:
         self.image = image
         self.limits = limits or Limits()
         self.hostname = hostname
-        self.id = uuid.uuid4().hex[:12]
-        self.run_dir = os.path.join(self.home, "run", self.id)
         self.chain = chain
         self.closed = False
         self.paused = False
         self._lock = threading.Lock()
         self._generation = 0
-        self._supervisor: local.Supervisor | None = None
-        self._upper = ""
-        os.makedirs(self.run_dir)
-        try:
-            self.cgroup = Cgroup.create(self.id, self.limits)
-        except BaseException:
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            raise
+        self._pending: list = []
+        self._supervisor = supervisor = local.spares().take(1)[0]
+        self.id = supervisor.name
+        self.run_dir = os.path.join(self.home, "run", self.id)
         local.register(self)
         try:
-            self._start(local.spares().take(1)[0])
+            os.makedirs(self.run_dir)
+            self._start(supervisor)
         except BaseException:
             self.close()
             raise
@@ -135,8 +129,7 @@ class Sandbox:
         upper, work, root = (os.path.join(generation_dir, name) for name in ("upper", "work", "root"))
         for directory in (upper, work, root):
             os.makedirs(directory)
-        for pid in supervisor.pids():
-            self.cgroup.add(pid)
+        supervisor.cgroup.set_limits(self.limits)
         self._supervisor, self._upper = supervisor, upper
         lower = [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
         answer = supervisor.call(
@@ -152,25 +145,29 @@ class Sandbox:
             return
         self.closed = True
         supervisor, self._supervisor = self._supervisor, None
-        if supervisor is not None:
-            supervisor.kill()
-        if hasattr(self, "cgroup") and self.paused:
-            self.cgroup.thaw()  # a frozen task cannot die: thaw so the SIGKILL lands
+        supervisor.kill()
+        if self.paused:
+            supervisor.cgroup.thaw()  # a frozen task cannot die: thaw so the SIGKILL lands
             self.paused = False
-        if supervisor is not None:
-            supervisor.wait()
-        if hasattr(self, "cgroup"):
-            self.cgroup.remove()
+        supervisor.wait()  # also removes its cgroup
         # Replaced generations are torn down by the janitor; wait for ours before removing the dir.
-        for done in getattr(self, "_pending", []):
+        for done in self._pending:
             done.wait()
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if hasattr(self, "run_dir"):
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def __enter__(self) -> "Sandbox":
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+    @property
+    def cgroup(self) -> Cgroup:
+        """The cgroup of the sandbox's current processes (a new one after each restore)."""
+        if self._supervisor is None:
+            raise SandboxError(f"sandbox {self.id} is closed")
+        return self._supervisor.cgroup
 
     def _alive(self) -> local.Supervisor:
         if self.closed:
@@ -303,10 +300,8 @@ class Sandbox:
                 raise SandboxError(f"sandbox {self.id} is closed")
             old, old_dir = self._supervisor, os.path.dirname(self._upper)
             old.kill()
-            if self.paused:
-                self.cgroup.thaw()
-                self.paused = False
-            self._pending = [d for d in getattr(self, "_pending", []) if not d.is_set()]
+            self.paused = False  # the janitor thaws the old group so its processes can die
+            self._pending = [d for d in self._pending if not d.is_set()]
             self._pending.append(local.janitor.submit(old, old_dir))
             self.chain = chain
             self._start(local.spares().take(1)[0])

@@ -91,19 +91,28 @@ class Cgroup:
     version: str
 
     @staticmethod
-    def create(name: str, limits: Limits) -> "Cgroup":
+    def create(name: str) -> "Cgroup":
+        """A new, empty group with no limits yet (see ``set_limits``)."""
         version = detect()
         if version == "v2":
-            return CgroupV2(name, limits)
+            return CgroupV2(name)
         if version == "v1":
-            return CgroupV1(name, limits)
+            return CgroupV1(name)
         raise RuntimeError(
             "no usable cgroup hierarchy: the sandbox needs root and either cgroup v2 with the memory and "
             "pids controllers at /sys/fs/cgroup or the v1 memory, pids, cpu and freezer controllers"
         )
 
-    def add(self, pid: int) -> None:
+    def procs_files(self) -> list[str]:
+        """The files a process writes its pid to, to join this group (one per hierarchy)."""
         raise NotImplementedError
+
+    def set_limits(self, limits: Limits) -> None:
+        raise NotImplementedError
+
+    def add(self, pid: int) -> None:
+        for path in self.procs_files():
+            _write(path, str(pid))
 
     def freeze(self) -> None:
         raise NotImplementedError
@@ -140,10 +149,15 @@ class Cgroup:
 class CgroupV1(Cgroup):
     version = "v1"
 
-    def __init__(self, name: str, limits: Limits):
+    def __init__(self, name: str):
         self.paths = {c: os.path.join(CGROUP_ROOT, c, PARENT, name) for c in V1_CONTROLLERS}
         for path in self.paths.values():
             os.makedirs(path, exist_ok=True)
+
+    def procs_files(self) -> list[str]:
+        return [os.path.join(path, "cgroup.procs") for path in self.paths.values()]
+
+    def set_limits(self, limits: Limits) -> None:
         memory = self.paths["memory"]
         if limits.memory_mb is not None:
             limit = str(limits.memory_mb << 20)
@@ -157,10 +171,6 @@ class CgroupV1(Cgroup):
             period = 100_000
             _write(os.path.join(self.paths["cpu"], "cpu.cfs_period_us"), str(period))
             _write(os.path.join(self.paths["cpu"], "cpu.cfs_quota_us"), str(int(limits.cpus * period)))
-
-    def add(self, pid: int) -> None:
-        for path in self.paths.values():
-            _write(os.path.join(path, "cgroup.procs"), str(pid))
 
     def _freezer_state(self) -> str:
         return _read(os.path.join(self.paths["freezer"], "freezer.state")).strip()
@@ -199,25 +209,27 @@ class CgroupV1(Cgroup):
 class CgroupV2(Cgroup):
     version = "v2"
 
-    def __init__(self, name: str, limits: Limits):
+    def __init__(self, name: str):
         parent = os.path.join(CGROUP_ROOT, PARENT)
         os.makedirs(parent, exist_ok=True)
-        wanted = {"memory", "pids", "cpu"} & set(_read(os.path.join(CGROUP_ROOT, "cgroup.controllers")).split())
+        self.controllers = {"memory", "pids", "cpu"} & set(_read(os.path.join(CGROUP_ROOT, "cgroup.controllers")).split())
         for directory in (CGROUP_ROOT, parent):
-            _write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in sorted(wanted)))
+            _write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in sorted(self.controllers)))
         self.path = os.path.join(parent, name)
         os.makedirs(self.path, exist_ok=True)
+
+    def procs_files(self) -> list[str]:
+        return [os.path.join(self.path, "cgroup.procs")]
+
+    def set_limits(self, limits: Limits) -> None:
         if limits.memory_mb is not None:
             _write(os.path.join(self.path, "memory.max"), str(limits.memory_mb << 20))
             if os.path.exists(os.path.join(self.path, "memory.swap.max")):
                 _write(os.path.join(self.path, "memory.swap.max"), "0")
         if limits.pids is not None:
             _write(os.path.join(self.path, "pids.max"), str(limits.pids))
-        if limits.cpus is not None and "cpu" in wanted:
+        if limits.cpus is not None and "cpu" in self.controllers:
             _write(os.path.join(self.path, "cpu.max"), f"{int(limits.cpus * 100_000)} 100000")
-
-    def add(self, pid: int) -> None:
-        _write(os.path.join(self.path, "cgroup.procs"), str(pid))
 
     def freeze(self) -> None:
         _write(os.path.join(self.path, "cgroup.freeze"), "1")

@@ -58,19 +58,26 @@ class Image:
         return Image(path, workdir, dict(DEFAULT_ENV) if env is None else dict(env))
 
 
+_default_images: dict[str, Image] = {}
+
+
 def default_image(home: str | None = None) -> Image:
     """The minimal image built from host binaries (built on first use, then reused)."""
     home = home or sandbox_home()
-    files = _host_files()
+    if home in _default_images:
+        return _default_images[home]
+    # The name depends on the host binaries and the stdlib directory: an upgrade gives a new image.
+    python = _find_python()
     key = hashlib.sha256()
-    for path in files:
+    for path in _executables() + [python, os.path.dirname(os.path.realpath(python))]:
         st = os.stat(path)
         key.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    key.update(_stdlib(python).encode() + str(os.stat(_stdlib(python)).st_mtime_ns).encode())
     target = os.path.join(home, "images", "default-" + key.hexdigest()[:16])
     if not os.path.exists(os.path.join(target, ".k3-image-complete")):
         staging = target + f".staging-{uuid.uuid4().hex[:8]}"
         try:
-            _assemble(staging, files)
+            _assemble(staging, _host_files())
             open(os.path.join(staging, ".k3-image-complete"), "w").close()
             if os.path.exists(target):
                 shutil.rmtree(target)
@@ -78,7 +85,9 @@ def default_image(home: str | None = None) -> Image:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    return Image(target, "/work", dict(DEFAULT_ENV))
+    image = Image(target, "/work", dict(DEFAULT_ENV))
+    _default_images[home] = image
+    return image
 
 
 def _find_python() -> str:
@@ -91,20 +100,28 @@ def _find_python() -> str:
     return found
 
 
-def _host_files() -> list[str]:
-    """Every host path that goes into the default image (binaries, libraries, stdlib)."""
-    executables = [shutil.which(name, path="/usr/bin:/bin") for name in SHELLS + tuple(TOOLS)]
-    executables = [path for path in executables if path]
-    if not any(os.path.basename(p) == "sh" for p in executables):
+def _executables() -> list[str]:
+    found = [shutil.which(name, path="/usr/bin:/bin") for name in SHELLS + tuple(TOOLS)]
+    found = [path for path in found if path]
+    if not any(os.path.basename(p) == "sh" for p in found):
         raise RuntimeError("no /bin/sh on this host to put in the default image")
-    python = _find_python()
-    stdlib = subprocess.run(
+    return found
+
+
+def _stdlib(python: str) -> str:
+    return subprocess.run(
         [python, "-I", "-S", "-c", "import sysconfig; print(sysconfig.get_paths()['stdlib'])"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()
+
+
+def _host_files() -> list[str]:
+    """Every host path that goes into the default image (binaries, libraries, stdlib)."""
+    executables = _executables()
+    python = _find_python()
     files = executables + [python]
     extensions = []
-    for directory, dirnames, filenames in os.walk(stdlib):
+    for directory, dirnames, filenames in os.walk(_stdlib(python)):
         dirnames[:] = sorted(d for d in dirnames if d not in STDLIB_SKIP)
         for name in sorted(filenames):
             path = os.path.join(directory, name)

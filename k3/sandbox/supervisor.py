@@ -22,26 +22,23 @@ supervisor run the same interpreter, so ``marshal`` is compatible and needs no i
 """
 
 import ctypes
-import ctypes.util
-import errno
 import marshal
 import os
-import platform
 import select
 import signal
 import struct
 import sys
 import time
 
-libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's own libc; find_library would fork
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 36, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
-SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}.get(platform.machine(), 155)
-SYS_CAPSET = {"x86_64": 126, "aarch64": 91, "ppc64le": 184, "s390x": 185}.get(platform.machine(), 126)
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}.get(os.uname().machine, 155)
+SYS_CAPSET = {"x86_64": 126, "aarch64": 91, "ppc64le": 184, "s390x": 185}.get(os.uname().machine, 126)
 
 with open("/proc/sys/kernel/cap_last_cap") as _f:
     CAP_LAST = int(_f.read())
@@ -269,23 +266,24 @@ def run_command(request, result_fd):
     else:
         os.close(in_w)
     open_fds = {out_r, err_r} | ({in_w} if stdin_data else set())
+    # A pidfd turns "the command exited" into a poll event, next to its output pipes.
+    pidfd = os.pidfd_open(pid)
+    poller.register(pidfd, select.POLLIN)
     timed_out = False
     status = None
-    while open_fds - {in_w} or status is None:
-        if status is None:
-            done, raw = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = raw
-                if not (open_fds - {in_w}):
-                    break
-        wait_ms = 50 if status is None else None
+    while status is None or open_fds - {in_w}:
+        wait_ms = None
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 timed_out = True
                 break
-            wait_ms = min(wait_ms if wait_ms is not None else 1 << 30, int(left * 1000) + 1)
+            wait_ms = int(left * 1000) + 1
         for fd, event in poller.poll(wait_ms):
+            if fd == pidfd:
+                poller.unregister(pidfd)
+                status = os.waitpid(pid, 0)[1]
+                continue
             if fd == in_w:
                 try:
                     written = os.write(in_w, stdin_data[:65536])
@@ -308,6 +306,7 @@ def run_command(request, result_fd):
             if room < len(chunk):
                 truncated = True
             buffer += chunk[: max(room, 0)]
+    os.close(pidfd)
     if timed_out:
         kill_tree(os.getpid())
         try:
