@@ -56,6 +56,9 @@ class ModelConfig:
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
     mla_output_gate: bool = True
+    # eps of the q/kv latent RMSNorms; None = rms_norm_eps. Kimi Linear (transformers and Moonshot's code)
+    # builds these two norms with a fixed 1e-6.
+    mla_latent_norm_eps: float | None = None
 
     # --- Attention Residuals (block form); 0 = plain residual connections -----------------------
     attn_res_block_size: int = 12
@@ -231,7 +234,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocab_size=163840, hidden_size=2304, num_layers=27, full_attn_layers=[4, 8, 12, 16, 20, 24, 27],
         kda_num_heads=32, kda_head_dim=128, kda_gate="softplus", kda_output_gate="low_rank",
         mla_num_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, mla_output_gate=False,
+        v_head_dim=128, mla_output_gate=False, mla_latent_norm_eps=1e-6,
         attn_res_block_size=0,
         first_k_dense_replace=1, intermediate_size=9216,
         num_experts=256, num_experts_per_tok=8, num_shared_experts=1, moe_intermediate_size=1024,

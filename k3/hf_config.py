@@ -61,6 +61,9 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     first_k_dense = _first(text, "first_k_dense_replace", default=None)
     if first_k_dense is None and text.get("mlp_layer_types"):
         first_k_dense = sum(1 for t in text["mlp_layer_types"] if t == "dense")
+        if any(t == "dense" for t in text["mlp_layer_types"][first_k_dense:]):
+            raise ValueError(f"mlp_layer_types {text['mlp_layer_types']} puts dense layers after MoE layers; "
+                             f"k3 supports dense layers only as a prefix (first_k_dense_replace)")
     num_shared = int(_first(text, "num_shared_experts", "n_shared_experts", default=1))
     moe_inter = int(_first(text, "moe_intermediate_size", default=1024))
     latent = _first(text, "routed_expert_hidden_size", "moe_latent_size")
@@ -90,6 +93,9 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
         qk_rope_head_dim=int(text.get("qk_rope_head_dim", 64)),
         v_head_dim=int(text.get("v_head_dim", 128)),
         mla_output_gate=bool(_first(text, "mla_use_output_gate", "mla_output_gate", default=False)),
+        # Kimi Linear's q/kv latent norms use a fixed eps of 1e-6 (transformers and Moonshot's modeling code);
+        # K3's use rms_norm_eps.
+        mla_latent_norm_eps=_first(text, "mla_latent_norm_eps", default=None if "text_config" in hf else 1e-6),
         attn_res_block_size=int(text.get("attn_res_block_size") or 0),
         first_k_dense_replace=int(first_k_dense if first_k_dense is not None else 1),
         intermediate_size=int(text.get("intermediate_size", 9216)),
@@ -186,4 +192,6 @@ def to_hf_config(config: ModelConfig, model_type: str | None = None) -> dict[str
         "activation_situ_linear_beta": config.situ_beta_up,
         "moe_balancing": config.moe_balancing,
     })
+    if config.mla_latent_norm_eps is not None:
+        text["mla_latent_norm_eps"] = config.mla_latent_norm_eps
     return {"model_type": "kimi_k3", "architectures": ["KimiK3ForConditionalGeneration"], "text_config": text}

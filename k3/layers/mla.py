@@ -28,16 +28,17 @@ class GatedMLA(nn.Module):
         self.nope, self.rope, self.v_dim = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
         self.kv_lora_rank = config.kv_lora_rank
         self.q_lora_rank = config.q_lora_rank
+        latent_eps = config.rms_norm_eps if config.mla_latent_norm_eps is None else config.mla_latent_norm_eps
         self.scaling = (self.nope + self.rope) ** -0.5
         q_out = h * (self.nope + self.rope)
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(d, q_out, bias=False)
         else:
             self.q_a_proj = nn.Linear(d, self.q_lora_rank, bias=False)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, latent_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, latent_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if config.mla_output_gate else None
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
