@@ -1,0 +1,332 @@
+"""Load a local Hugging Face-format directory (Kimi-Linear or Kimi-K3) into a K3ForCausalLM.
+
+The model is built on the meta device (no memory), then every checkpoint tensor is read on its own with
+safetensors' safe_open, renamed and reshaped into its native place, and the finished tensors are attached
+with load_state_dict(assign=True). Peak memory is the model plus one checkpoint tensor (plus, for MXFP4
+experts, that tensor's dequantised copy), never a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from k3.checkpoint.hf_names import (
+    FORMATS,
+    Piece,
+    checkpoint_to_native,
+    expert_names,
+    is_stacked_expert,
+    native_to_checkpoint,
+    strip_prefix,
+)
+from k3.checkpoint.mxfp4 import dequantize_mxfp4
+from k3.config import ModelConfig
+from k3.hf_config import K3_WRAPPER_TYPES, from_hf_config
+from k3.model import K3ForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Kept in fp32 whatever dtype is asked for: tiny tensors whose precision decides routing ties and decay rates.
+FP32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias")
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+# --- config -------------------------------------------------------------------------------------------------
+def read_hf_config(path: str | os.PathLike) -> tuple[ModelConfig, dict, str]:
+    """(ModelConfig, the raw config.json dict, format 'kimi_linear' | 'kimi_k3') of an HF directory."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory} is not a directory; from_pretrained needs a local HF-format "
+                                f"directory holding config.json and model.safetensors[.index.json]")
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json; an HF-format checkpoint directory needs one")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{config_file} is not valid JSON ({error})") from error
+    model_type = raw.get("model_type")
+    fmt = "kimi_k3" if ("text_config" in raw or model_type in K3_WRAPPER_TYPES) else "kimi_linear"
+    if fmt == "kimi_linear" and model_type not in ("kimi_linear", None):
+        raise ValueError(f"{config_file}: unknown model_type {model_type!r}; k3 loads 'kimi_linear' checkpoints and "
+                         f"the Kimi-K3 wrapper ({', '.join(repr(t) for t in K3_WRAPPER_TYPES)} with a text_config)")
+    _check_supported(raw.get("text_config", raw), config_file)
+    return from_hf_config(raw), raw, fmt
+
+
+def _check_supported(text: dict, config_file: Path) -> None:
+    """Refuse switches of the published configs that k3's model does not implement, instead of running wrong."""
+    groups = text.get("num_expert_group", text.get("n_group")) or 1
+    topk_groups = text.get("topk_group") or groups
+    if groups > 1 and topk_groups < groups:
+        raise ValueError(f"{config_file}: group-limited routing (num_expert_group={groups}, topk_group={topk_groups}) "
+                         f"is not implemented in k3; only topk_group == num_expert_group (or 1 group) is supported")
+    activation = text.get("moe_router_activation_func", "sigmoid")
+    if activation != "sigmoid":
+        raise ValueError(f"{config_file}: moe_router_activation_func={activation!r} is not supported; k3's router "
+                         f"uses 'sigmoid'")
+
+
+# --- files --------------------------------------------------------------------------------------------------
+def weight_map(path: str | os.PathLike) -> dict[str, str]:
+    """Tensor name -> file name (relative to the directory), from the index or the single file."""
+    directory = Path(path)
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            mapping = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{index} is not a safetensors index (JSON with a 'weight_map' object): {error}") from error
+        missing = sorted({f for f in mapping.values() if not (directory / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard(s) missing from {directory}: {', '.join(missing)}; "
+                                    f"copy the complete checkpoint (every file named in the index)")
+        return dict(mapping)
+    single = directory / SINGLE_FILE
+    if single.is_file():
+        with _open_safetensors(single) as handle:
+            return {name: SINGLE_FILE for name in handle.keys()}
+    raise FileNotFoundError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}; an HF-format checkpoint "
+                            f"stores its weights in one of them")
+
+
+def _open_safetensors(file: Path):
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or corrupt?): {error}") from error
+
+
+class _Shards:
+    """Open shard files on first use (memory-mapped: opening costs nothing until a tensor is read)."""
+
+    def __init__(self, directory: Path, mapping: dict[str, str], stack: contextlib.ExitStack) -> None:
+        self.directory, self.mapping, self.stack = directory, mapping, stack
+        self.handles: dict[str, object] = {}
+
+    def _handle(self, file: str):
+        if file not in self.handles:
+            self.handles[file] = self.stack.enter_context(_open_safetensors(self.directory / file))
+        return self.handles[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.mapping[name]).get_slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        from safetensors import SafetensorError
+
+        file = self.mapping[name]
+        handle = self._handle(file)
+        if name not in handle.keys():
+            raise ValueError(f"{self.directory / file} does not hold {name}, but the index says it does")
+        try:
+            return handle.get_tensor(name)
+        except SafetensorError as error:
+            raise ValueError(f"{self.directory / file}: cannot read {name} ({error})") from error
+
+
+# --- weights ------------------------------------------------------------------------------------------------
+def _target_dtype(native_name: str, stored: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    if not stored.is_floating_point:
+        return stored
+    if dtype is None:
+        return stored
+    return torch.float32 if native_name.endswith(FP32_SUFFIXES) else dtype
+
+
+class _Assembler:
+    """Collects native tensors on `device`; stacked experts arrive one expert at a time."""
+
+    def __init__(self, native_shapes: dict[str, tuple[int, ...]], dtype: torch.dtype | None,
+                 device: torch.device) -> None:
+        self.shapes, self.dtype, self.device = native_shapes, dtype, device
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.filled: dict[str, set[int]] = {}
+        self.origin: dict[str, str] = {}
+
+    def put(self, piece: Piece, value: torch.Tensor, source_name: str, file: str) -> None:
+        target = piece.target
+        if target not in self.shapes:
+            raise ValueError(f"{file}: {source_name} maps to {target}, which this config does not have")
+        full = self.shapes[target]
+        expected = full[1:] if piece.expert is not None else full
+        if tuple(value.shape) != tuple(expected):
+            if not (piece.reshape and value.numel() == _numel(expected)):
+                raise ValueError(f"{file}: {source_name} has shape {tuple(value.shape)} but config.json implies "
+                                 f"{tuple(expected)} for it; the weights do not belong to this config")
+            value = value.reshape(expected)
+        if target not in self.tensors:
+            dtype = self.dtype_for(target, value.dtype)
+            self.tensors[target] = torch.empty(full, dtype=dtype, device=self.device)
+            self.filled[target] = set()
+        slot = -1 if piece.expert is None else piece.expert
+        if piece.expert is not None and not 0 <= piece.expert < full[0]:
+            raise ValueError(f"{file}: {source_name} is expert {piece.expert} but the config has {full[0]} experts")
+        if slot in self.filled[target]:
+            raise ValueError(f"{file}: {source_name} fills {target} a second time (first from "
+                             f"{self.origin[target]}); the checkpoint holds the same tensor under two names")
+        self.filled[target].add(slot)
+        self.origin[target] = source_name
+        destination = self.tensors[target] if piece.expert is None else self.tensors[target][piece.expert]
+        destination.copy_(value)
+
+    def dtype_for(self, target: str, stored: torch.dtype) -> torch.dtype:
+        return _target_dtype(target, stored, self.dtype)
+
+    def missing(self) -> list[str]:
+        out = []
+        for name, shape in self.shapes.items():
+            done = self.filled.get(name, set())
+            need = set(range(shape[0])) if is_stacked_expert(name) else {-1}
+            if is_stacked_expert(name) and -1 in done:
+                continue
+            if not need <= done:
+                out.append(name)
+        return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _pieces_for(name: str, fmt: str, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                mapping: dict[str, str]) -> list[Piece] | None:
+    """Pieces of one checkpoint tensor; None when it is skipped on purpose, [] when it is unknown."""
+    stripped = strip_prefix(name, fmt)
+    if stripped is None:
+        return None
+    if stripped.endswith(".weight_scale") and name[: -len("weight_scale")] + "weight_packed" in mapping:
+        return None  # read together with its weight_packed sibling
+    return checkpoint_to_native(stripped, config, shapes)
+
+
+def _expected_names(native: str, config: ModelConfig, fmt: str) -> list[str]:
+    prefix = "language_model." if fmt == "kimi_k3" else ""
+    if is_stacked_expert(native):
+        return [prefix + n for n in expert_names(native, config.num_experts, fmt, mxfp4=False)[:2]] + ["..."]
+    return [prefix + native_to_checkpoint(native, fmt)]
+
+
+def load_hf_weights(model: K3ForCausalLM, path: str | os.PathLike, fmt: str, dtype: torch.dtype | None = None,
+                    device: str | torch.device = "cpu", progress: bool = True) -> K3ForCausalLM:
+    """Fill a (meta-device) model from the safetensors files of an HF directory, tensor by tensor."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+    directory = Path(path)
+    mapping = weight_map(directory)
+    config = model.config
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    assembler = _Assembler(shapes, dtype, torch.device(device))
+    unknown: list[str] = []
+    by_file: dict[str, list[str]] = {}
+    for name, file in mapping.items():
+        by_file.setdefault(file, []).append(name)
+    with contextlib.ExitStack() as stack:
+        shards = _Shards(directory, mapping, stack)
+        for file in tqdm(sorted(by_file), desc="loading shards", unit="shard", disable=not progress):
+            for name in sorted(by_file[file]):
+                pieces = _pieces_for(name, fmt, config, shapes, mapping)
+                if pieces is None:
+                    continue
+                if not pieces:
+                    unknown.append(name)
+                    continue
+                value = shards.read(name)
+                if pieces[0].mxfp4:
+                    value = _dequantize(name, value, shards, mapping, assembler.dtype_for(pieces[0].target,
+                                                                                          torch.bfloat16))
+                for piece in pieces:
+                    part = value if piece.source is None else value.narrow(
+                        piece.source_dim, piece.source.start, piece.source.stop - piece.source.start)
+                    assembler.put(piece, part, name, str(directory / file))
+                del value
+    if unknown:
+        warnings.warn(f"{directory}: {len(unknown)} tensor(s) not used by the k3 model, e.g. {unknown[:5]}",
+                      stacklevel=2)
+    missing = assembler.missing()
+    if missing:
+        examples = "; ".join(f"{n} (stored as {', '.join(_expected_names(n, config, fmt))})" for n in missing[:5])
+        raise ValueError(f"{directory} lacks {len(missing)} tensor(s) the config needs, e.g. {examples}")
+    state = assembler.tensors
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise RuntimeError(f"after loading, {still_meta[:5]} are still unmaterialised (meta tensors)")
+    return model
+
+
+def _dequantize(name: str, packed: torch.Tensor, shards: _Shards, mapping: dict[str, str],
+                dtype: torch.dtype) -> torch.Tensor:
+    scale_name = name[: -len("weight_packed")] + "weight_scale"
+    if scale_name not in mapping:
+        raise ValueError(f"{name} is MXFP4-packed but its scales {scale_name} are not in the checkpoint")
+    scale = shards.read(scale_name)
+    try:
+        return dequantize_mxfp4(packed, scale, dtype)
+    except ValueError as error:
+        raise ValueError(f"{name}: {error}") from error
+
+
+def _detect_a_log_size(config: ModelConfig, shards: _Shards, mapping: dict[str, str]) -> ModelConfig:
+    """K3 stores A_log longer than the head count (e.g. [128] for 96 heads); size the native tensor to match,
+    so that saving again writes the same tensor back."""
+    for name in mapping:
+        if name.endswith(("self_attn.A_log", "forget_gate.A_log")):
+            size = _numel(shards.shape(name))
+            if size != config.kda_num_heads and size != (config.kda_a_log_size or config.kda_num_heads):
+                return dataclasses.replace(config, kda_a_log_size=size)
+            return config
+    return config
+
+
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: str | torch.device = "cpu", tokenizer: bool = True,
+                    progress: bool = True) -> tuple[K3ForCausalLM, object | None]:
+    """Load (model, tokenizer) from a local HF-format directory (Kimi-Linear or Kimi-K3).
+
+    dtype None keeps each tensor's stored dtype (MXFP4 experts become bf16); a dtype converts every floating
+    tensor except A_log, dt_bias and the routing bias, which stay fp32. The model is returned in eval mode.
+    The tokenizer is None when tokenizer=False or the directory holds no tokenizer files."""
+    dtype = parse_dtype(dtype)
+    config, _, fmt = read_hf_config(path)
+    mapping = weight_map(path)
+    with contextlib.ExitStack() as stack:
+        config = _detect_a_log_size(config, _Shards(Path(path), mapping, stack), mapping)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    load_hf_weights(model, path, fmt, dtype, device, progress)
+    model.eval()
+    loaded_tokenizer = None
+    if tokenizer:
+        from k3.checkpoint.hf_tokenizer import load_hf_tokenizer
+
+        loaded_tokenizer = load_hf_tokenizer(path, required=False)
+    return model, loaded_tokenizer
