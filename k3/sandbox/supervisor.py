@@ -43,6 +43,7 @@ SYS_CAPSET = {"x86_64": 126, "aarch64": 91, "ppc64le": 184, "s390x": 185}.get(os
 with open("/proc/sys/kernel/cap_last_cap") as _f:
     CAP_LAST = int(_f.read())
 
+errno_enoent = 2
 IN, OUT = sys.stdin.buffer.raw, sys.stdout.buffer.raw
 # Nothing but frames may ever reach the host's pipe; stray prints would corrupt the stream.
 sys.stdout = sys.stderr
@@ -163,6 +164,22 @@ def drop_privileges():
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
 
+def execvpe(argv, env):
+    # os.execvpe imports modules lazily, and after pivot_root the host's stdlib is gone.
+    name = argv[0]
+    if "/" in name:
+        os.execve(name, argv, env)
+    error = FileNotFoundError(errno_enoent, f"{name}: command not found")
+    for directory in env.get("PATH", "/usr/local/bin:/usr/bin:/bin").split(":"):
+        try:
+            os.execve(os.path.join(directory or ".", name), argv, env)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except PermissionError as denied:
+            error = denied
+    raise error
+
+
 def descendants(ancestor):
     """Pids below ``ancestor``, read from /proc (the sandbox's own pid namespace)."""
     children = {}
@@ -238,7 +255,7 @@ def run_command(request, result_fd):
             os.umask(0o022)
             os.chdir(request["cwd"])
             drop_privileges()
-            os.execvpe(request["argv"][0], request["argv"], request["env"])
+            execvpe(request["argv"], request["env"])
         except BaseException as error:  # noqa: BLE001 - report any failure to start, then die
             message = f"{type(error).__name__}: {error}".encode()
             os.write(exec_w, message[:4000])
@@ -342,8 +359,12 @@ def do_exec(request):
         code = 0
         try:
             os.close(result_r)
-            os.close(IN.fileno())
-            os.close(OUT.fileno())
+            # Point 0 and 1 (the host's pipe) at /dev/null rather than closing them, so that the
+            # command's pipes never land on 0/1, where dup2 onto themselves would keep CLOEXEC.
+            null = os.open("/dev/null", os.O_RDWR)
+            os.dup2(null, IN.fileno(), inheritable=False)
+            os.dup2(null, OUT.fileno(), inheritable=False)
+            os.close(null)
             run_command(request, result_w)
         except BaseException as error:  # noqa: BLE001 - the manager must always answer
             try:

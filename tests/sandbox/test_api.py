@@ -1,0 +1,173 @@
+"""The Sandbox API: exec, files, snapshot / restore / fork, pause / resume, close."""
+
+import os
+import time
+
+import pytest
+
+from k3.sandbox import Image, Limits, Sandbox, SandboxError
+
+
+def test_exec_returns_output_exit_code_and_duration(box):
+    result = box.exec("echo out; echo err >&2; exit 3")
+    assert result.stdout == "out\n"
+    assert result.stderr == "err\n"
+    assert result.exit_code == 3
+    assert result.duration_s > 0
+    assert not result.timed_out and not result.ok
+
+
+def test_exec_env_cwd_argv_and_stdin(box):
+    assert box.exec("echo $GREETING", env={"GREETING": "hello"}).stdout == "hello\n"
+    assert box.exec("pwd", cwd="/tmp").stdout == "/tmp\n"
+    assert box.exec("pwd").stdout == "/work\n"  # the default image's workdir
+    assert box.exec(["python3", "-c", "import sys; print(sys.argv[1])", "a b"]).stdout == "a b\n"
+    assert box.exec("tr a-z A-Z", stdin="shout").stdout == "SHOUT"
+
+
+def test_exec_of_a_missing_program_is_exit_127(box):
+    result = box.exec(["/no/such/program"])
+    assert result.exit_code == 127
+    assert "/no/such/program" in result.stderr
+
+
+def test_exec_output_is_capped(box):
+    result = box.exec("yes | head -c 100000", max_output=1000)
+    assert len(result.stdout_bytes) == 1000
+    assert result.truncated
+
+
+def test_exec_rejects_bad_arguments(box):
+    with pytest.raises(ValueError, match="cmd must be"):
+        box.exec([])
+    with pytest.raises(ValueError, match="timeout must be"):
+        box.exec("true", timeout=0)
+    with pytest.raises(ValueError, match="absolute"):
+        box.exec("true", cwd="relative/dir")
+
+
+def test_hostname_and_pid_namespace(box):
+    assert box.exec("uname -n").stdout == "sandbox\n"
+    # PID 1 is the sandbox's supervisor: the sandbox has a pid namespace of its own.
+    assert box.exec("cat /proc/1/cmdline | tr '\\0' ' '").stdout.rstrip().endswith("supervisor.py")
+
+
+def test_write_read_and_upload(box, tmp_path):
+    box.write_file("/work/pkg/hello.txt", "hi there")
+    assert box.read_file("/work/pkg/hello.txt") == b"hi there"
+    assert box.exec("cat /work/pkg/hello.txt").stdout == "hi there"
+    box.write_file("/work/run.sh", "#!/bin/sh\necho ran\n", mode=0o755)
+    assert box.exec("/work/run.sh").stdout == "ran\n"
+
+    (tmp_path / "project" / "src").mkdir(parents=True)
+    (tmp_path / "project" / "src" / "a.py").write_text("A = 1\n")
+    (tmp_path / "project" / "README").write_text("readme\n")
+    box.upload(str(tmp_path / "project"), "/work/project")
+    assert box.read_file("/work/project/src/a.py") == b"A = 1\n"
+    assert box.exec("cat /work/project/README").stdout == "readme\n"
+    box.upload(str(tmp_path / "project" / "README"), "/work/single")
+    assert box.read_file("/work/single") == b"readme\n"
+
+
+def test_file_errors(box):
+    with pytest.raises(FileNotFoundError):
+        box.read_file("/work/missing")
+    with pytest.raises(ValueError, match="absolute"):
+        box.read_file("work/relative")
+
+
+def test_snapshot_restore_brings_files_back(box):
+    box.write_file("/work/state.txt", "v1")
+    box.exec("rm /usr/bin/yes")  # a deletion of an image file must be restored too
+    snapshot = box.snapshot()
+    box.write_file("/work/state.txt", "v2")
+    box.write_file("/work/later.txt", "created after the snapshot")
+    box.exec("cp /bin/true /usr/bin/yes")
+    box.restore(snapshot)
+    assert box.read_file("/work/state.txt") == b"v1"
+    assert box.exec("test -e /work/later.txt").exit_code == 1
+    assert box.exec("test -e /usr/bin/yes").exit_code == 1  # the whiteout was frozen into the layer
+    assert box.exec("test -e /usr/bin/head").exit_code == 0
+
+
+def test_snapshot_keeps_opaque_directories(box):
+    box.exec("mkdir -p /work/d && echo old > /work/d/old")
+    first = box.snapshot()
+    box.restore(first)  # /work/d/old now lives in a lower layer
+    box.exec("rm -rf /work/d && mkdir /work/d && echo new > /work/d/new")
+    second = box.snapshot()
+    [fork] = box.fork(second)
+    with fork:
+        assert fork.exec("ls /work/d").stdout == "new\n"
+
+
+def test_snapshot_ids_are_content_addresses(sandbox_home):
+    with Sandbox() as a, Sandbox() as b:
+        a.write_file("/work/same.txt", "same content")
+        b.write_file("/work/same.txt", "same content")
+        assert a.snapshot() == b.snapshot()
+        b.write_file("/work/same.txt", "different content")
+        assert a.snapshot() != b.snapshot()
+
+
+def test_snapshots_stack_across_restores(box):
+    box.write_file("/work/one", "1")
+    box.restore(box.snapshot())
+    box.write_file("/work/two", "2")
+    top = box.snapshot()
+    assert len(box.store.chain(top)) == 2
+    with Sandbox(snapshot=top) as again:
+        assert again.exec("cat /work/one /work/two").stdout == "12"
+
+
+def test_fork_gives_independent_copies(box):
+    box.write_file("/work/base.txt", "base")
+    forks = box.fork(n=3)
+    try:
+        for index, fork in enumerate(forks):
+            fork.write_file("/work/base.txt", f"fork {index}")
+        for index, fork in enumerate(forks):
+            assert fork.read_file("/work/base.txt") == f"fork {index}".encode()
+        assert box.read_file("/work/base.txt") == b"base"
+    finally:
+        for fork in forks:
+            fork.close()
+
+
+def test_pause_freezes_every_process(box):
+    box.exec("(while true; do echo x >> /tmp/ticks; done) > /dev/null 2>&1 &")
+    box.pause()
+    with pytest.raises(SandboxError, match="paused"):
+        box.exec("true")
+    ticks = os.path.join(box._upper, "tmp", "ticks")
+    size = os.path.getsize(ticks)
+    time.sleep(0.2)  # frozen processes make no progress, however long we look
+    assert os.path.getsize(ticks) == size
+    box.resume()
+    assert box.exec("echo awake").stdout == "awake\n"
+
+
+def test_close_is_idempotent_and_final(sandbox_home):
+    sandbox = Sandbox()
+    sandbox.close()
+    sandbox.close()
+    with pytest.raises(SandboxError, match="closed"):
+        sandbox.exec("true")
+
+
+def test_image_from_a_directory(sandbox_home, tmp_path):
+    from k3.sandbox import default_image
+
+    # An image is any directory tree: here the default image plus one file, as a second layer-free dir.
+    base = default_image()
+    with Sandbox(Image.from_dir(base.path, workdir="/tmp")) as sandbox:
+        assert sandbox.exec("pwd").stdout == "/tmp\n"
+    with pytest.raises(ValueError, match="existing directory"):
+        Image.from_dir(str(tmp_path / "nope"))
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="memory_mb"):
+        Limits(memory_mb=1)
+    with pytest.raises(ValueError, match="cpus"):
+        Limits(cpus=0)
