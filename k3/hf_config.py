@@ -67,8 +67,8 @@ def from_hf_config(hf: dict[str, Any]) -> ModelConfig:
     num_shared = int(_first(text, "num_shared_experts", "n_shared_experts", default=1))
     moe_inter = int(_first(text, "moe_intermediate_size", default=1024))
     latent = _first(text, "routed_expert_hidden_size", "moe_latent_size")
-    balancing = "quantile" if text.get("moe_balancing") == "quantile" or model_type in K3_WRAPPER_TYPES \
-        or latent is not None else "loss_free"
+    balancing = text.get("moe_balancing") or ("quantile" if model_type in K3_WRAPPER_TYPES or latent is not None
+                                              else "loss_free")
     a_log_size = _first(linear, "a_log_size", default=None)
     return ModelConfig(
         vocab_size=int(text["vocab_size"]),
