@@ -15,7 +15,7 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.layers.conv import ShortConv
 from k3.layers.norm import GatedRMSNorm
-from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_gate
+from k3.ops.kda import chunk_kda, fused_recurrent_kda
 
 # Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.
 RECURRENT_MAX_TOKENS = 16
@@ -66,6 +66,16 @@ class KimiDeltaAttention(nn.Module):
             p = (rate / abs(self.lower_bound)).clamp(1e-6, 1 - 1e-6)
             self.dt_bias.copy_(torch.log(p / (1 - p)) / a)
 
+    def gate_kwargs(self) -> dict:
+        """fla's in-kernel gate and beta options for this layer (A_log sliced to one entry per head).
+        The bounded K3 gate takes fla's safe-gate path (bounded decays allow its faster M=16 tensor-core
+        sub-chunks); fla accepts it only for lower bounds in [-5, 0)."""
+        kwargs = dict(use_gate_in_kernel=True, A_log=self.A_log[: self.num_heads], dt_bias=self.dt_bias,
+                      use_beta_sigmoid_in_kernel=True)
+        if self.lower_bound is not None:
+            kwargs.update(lower_bound=self.lower_bound, safe_gate=-5.0 <= self.lower_bound < 0.0)
+        return kwargs
+
     def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None,
                 position_in_doc: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. `cache` is this layer's KDACacheSlot (or None). Packed documents are
@@ -76,13 +86,15 @@ class KimiDeltaAttention(nn.Module):
         q, tail_q = self.q_conv1d(self.q_proj(x), tails[0], position_in_doc)
         k, tail_k = self.k_conv1d(self.k_proj(x), tails[1], position_in_doc)
         v, tail_v = self.v_conv1d(self.v_proj(x), tails[2], position_in_doc)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(shape), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())
+        # The decay gate, beta's sigmoid and the q/k L2 norm run inside the KDA op (fused into fla's kernels on
+        # CUDA; the PyTorch twin applies the same formulas), so only the raw projections are formed here.
+        raw_gate = self.f_b_proj(self.f_a_proj(x)).view(shape)
+        beta_logits = self.b_proj(x)
         state = cache.state if cache is not None else None
         kernel = fused_recurrent_kda if (cache is not None and length <= RECURRENT_MAX_TOKENS) else chunk_kda
-        o, new_state = kernel(q.view(shape), k.view(shape), v.view(shape), g, beta, initial_state=state,
-                              output_final_state=cache is not None, use_qk_l2norm_in_kernel=True,
-                              cu_seqlens=cu_seqlens)
+        o, new_state = kernel(q.view(shape), k.view(shape), v.view(shape), raw_gate, beta_logits,
+                              initial_state=state, output_final_state=cache is not None,
+                              use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **self.gate_kwargs())
         if cache is not None:
             cache.update(new_state, (tail_q, tail_k, tail_v))
         gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
