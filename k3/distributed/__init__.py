@@ -1,0 +1,24 @@
+"""Scale-out: FSDP2 and (balanced) expert parallelism on torch.distributed, applied from outside the model.
+
+    env = init_distributed()                       # torchrun env -> process group (NCCL on GPU, gloo on CPU)
+    model = parallelize(model.to(env.device), ep_size=env.world_size, balanced=True)
+    ... train; model.update_balancers() now agrees across ranks ...
+    save_checkpoint(model, path)                   # loads under any other layout
+"""
+
+from k3.distributed.balanced import balanced_plan, imbalance, skewed_routing
+from k3.distributed.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
+from k3.distributed.dispatcher import DispatchStats, ExpertPlan, all_to_all, home_plan
+from k3.distributed.launch import (DistEnv, all_gather_cat, all_reduce_sum, barrier, get_rank, get_world_size,
+                                   init_distributed, is_distributed, is_main, shard_batch, shutdown)
+from k3.distributed.loop import global_mean, train_steps
+from k3.distributed.parallelize import (ExpertParallelMoE, dispatch_stats, global_moe_maxvio, parallelize,
+                                        set_balanced)
+
+__all__ = [
+    "DispatchStats", "DistEnv", "ExpertParallelMoE", "ExpertPlan", "all_gather_cat", "all_reduce_sum", "all_to_all",
+    "balanced_plan", "barrier", "dispatch_stats", "full_state_dict", "get_rank", "get_world_size",
+    "global_mean", "global_moe_maxvio", "home_plan", "imbalance", "init_distributed", "is_distributed", "is_main",
+    "load_checkpoint", "parallelize", "save_checkpoint", "set_balanced", "shard_batch", "shutdown",
+    "skewed_routing", "train_steps",
+]

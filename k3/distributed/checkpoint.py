@@ -1,0 +1,81 @@
+"""Layout-independent checkpoints: the full (single-device) state dict, gathered on rank 0.
+
+The file is exactly what a single-device K3ForCausalLM.state_dict() holds (expert stacks [E, ...] whole,
+FSDP shards joined), so a checkpoint saved under any layout (1 process, EP=2, EP=4, FSDP only) loads under
+any other, and into a plain single-device model with `load_state_dict`. Gathering on rank 0 needs the
+whole model in rank 0's CPU memory: right for the sizes trained here (`small` and below), not for K3 itself.
+
+File: torch.save({"model": state_dict, "config": ModelConfig.to_dict(), "format": FORMAT}), written
+atomically (temporary file in the same folder, fsync, os.replace).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from k3.distributed.launch import barrier, is_distributed, is_main
+
+FORMAT = "k3-full-state-dict-v1"
+
+
+def _is_parallel(model: nn.Module) -> bool:
+    layout = getattr(model, "parallel_layout", None)
+    return layout is not None and layout.world_size > 1
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The single-device state dict on CPU; complete on rank 0, empty on other ranks. Collective."""
+    if not _is_parallel(model):
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _atomic_save(payload: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(payload, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_checkpoint(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write the model's full state dict (and config) to `path` from rank 0. Collective: call on every rank."""
+    state = full_state_dict(model)
+    if is_main():
+        config = getattr(model, "config", None)
+        _atomic_save({"format": FORMAT, "model": state, "config": config.to_dict() if config is not None else None},
+                     Path(path))
+    barrier()
+
+
+def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> dict:
+    """Load a checkpoint written by `save_checkpoint` under any layout into `model` (parallelized or not).
+    Collective for a parallelized model. Returns the file's payload (config included)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist; give the file written by save_checkpoint")
+    payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} checkpoint (found format "
+                         f"{payload.get('format') if isinstance(payload, dict) else type(payload).__name__!r})")
+    state = payload["model"]
+    if _is_parallel(model):
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+    else:
+        model.load_state_dict(state, strict=True)
+    if is_distributed():
+        barrier()
+    return payload

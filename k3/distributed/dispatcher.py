@@ -1,0 +1,250 @@
+"""Expert-parallel dispatch and combine over `all_to_all_single`.
+
+Each EP rank owns a contiguous block of experts (its "home" experts). One MoE step:
+
+    1. counts: every rank all-gathers the per-expert pair counts of every rank -> C [R, E]
+    2. plan:   an `ExpertPlan` (identical on every rank, computed from C) says which rank computes which
+               pairs of which expert: the plain plan keeps every expert at home; the balanced plan
+               (balanced.py) also places pieces of hot experts on under-loaded ranks
+    3. dispatch: pairs are permuted by (destination rank, expert) and the LATENT vectors are sent with
+               `all_to_all_single` and split sizes (K3 sends the latent, half the bytes of the hidden state)
+    4. experts: the receiver reorders pairs from (source, expert) to (expert, source) and runs its
+               experts grouped (`k3.ops.moe.run_experts`)
+    5. combine: the outputs travel back by the reverse all_to_all and are un-permuted to [T, K, L];
+               the caller sums over K in a fixed order (no atomics anywhere: deterministic)
+
+Replica weights (balanced plan) travel by a second all_to_all whose backward returns the replicas'
+gradients to the home rank, where autograd adds them to the home expert's gradient.
+
+Split sizes must be Python ints for `all_to_all_single`, so each MoE layer syncs the host once (after the
+count all-gather); the plan itself is a few list operations over E experts.
+
+Shape suffixes: T local tokens, K top-k, N = T*K local pairs, L expert input width (latent), F expert
+width, E experts, R EP ranks, P pieces of the plan, S slots (experts computed on this rank), M pairs
+received by this rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from k3.ops.moe import run_experts
+
+
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` along dim 0 whose backward is the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+        ctx.splits = (output_splits, input_splits)
+        ctx.group = group
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        grad_in = grad_out.new_empty((sum(input_splits),) + tuple(grad_out.shape[1:]))
+        dist.all_to_all_single(grad_in, grad_out.contiguous(), input_splits, output_splits, group=ctx.group)
+        return grad_in, None, None, None
+
+
+def all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[int], group=None) -> torch.Tensor:
+    """Differentiable `all_to_all_single` along dim 0: x [sum(input_splits), ...] -> [sum(output_splits), ...]."""
+    return _AllToAll.apply(x, output_splits, input_splits, group)
+
+
+@dataclass
+class ExpertPlan:
+    """Where the pairs of every expert are computed for one step; identical on every rank.
+
+    The pairs of expert e, ordered by (source rank, position in the source's expert-sorted list), are cut
+    into consecutive pieces; piece p (sorted by expert, then by rank) takes `piece_count[p]` of them and is
+    computed on `piece_rank[p]`. Every expert has a piece on its home rank (possibly empty); pieces on other
+    ranks are replicas whose weights are sent there for the step."""
+
+    num_ranks: int
+    experts_per_rank: int
+    piece_expert: list[int]
+    piece_rank: list[int]
+    piece_count: list[int]
+
+    def home(self, expert: int) -> int:
+        return expert // self.experts_per_rank
+
+    def pairs_per_rank(self) -> list[int]:
+        """Token-expert pairs each rank computes under this plan."""
+        pairs = [0] * self.num_ranks
+        for rank, count in zip(self.piece_rank, self.piece_count):
+            pairs[rank] += count
+        return pairs
+
+    def replicas(self) -> list[tuple[int, int]]:
+        """(expert, rank) of every piece computed away from its home rank, sorted by expert."""
+        return [(e, r) for e, r in zip(self.piece_expert, self.piece_rank) if r != self.home(e)]
+
+
+def home_plan(counts_RE: torch.Tensor) -> ExpertPlan:
+    """The plain EP plan: every expert computes all its pairs on its home rank."""
+    num_ranks, num_experts = counts_RE.shape
+    per_expert = counts_RE.sum(0).tolist()
+    experts_per_rank = num_experts // num_ranks
+    experts = list(range(num_experts))
+    return ExpertPlan(num_ranks, experts_per_rank, experts, [e // experts_per_rank for e in experts], per_expert)
+
+
+def _piece_overlap(counts_RE: torch.Tensor, plan: ExpertPlan) -> torch.Tensor:
+    """Pairs that each source rank sends to each piece: [R, P] (int64).
+
+    Within expert e, source r owns positions [prefix[r, e], prefix[r, e] + C[r, e]) of the expert's pair list;
+    a piece owns a consecutive range of it; the overlap of the two ranges is what r sends to that piece."""
+    device = counts_RE.device
+    expert_P = torch.tensor(plan.piece_expert, dtype=torch.long, device=device)
+    count_P = torch.tensor(plan.piece_count, dtype=torch.long, device=device)
+    # Start of each piece within its expert: exclusive cumsum of counts, restarted at every expert.
+    cum_P = count_P.cumsum(0) - count_P
+    first_of_expert = torch.zeros(counts_RE.shape[1], dtype=torch.long, device=device)
+    first_of_expert.scatter_reduce_(0, expert_P, cum_P, reduce="amin", include_self=False)
+    piece_start_P = cum_P - first_of_expert[expert_P]
+    piece_end_P = piece_start_P + count_P
+    src_start_RE = counts_RE.cumsum(0) - counts_RE
+    src_start_RP, src_end_RP = src_start_RE[:, expert_P], (src_start_RE + counts_RE)[:, expert_P]
+    overlap = torch.minimum(src_end_RP, piece_end_P) - torch.maximum(src_start_RP, piece_start_P)
+    return overlap.clamp_min(0)
+
+
+def source_to_slot_order(counts_RS: torch.Tensor) -> torch.Tensor:
+    """Gather index that reorders rows laid out source-major (source r, slot s) into slot-major (s, r).
+
+    counts_RS [R, S] pairs per (source, slot) -> index [M] with x_slot_major = x_source_major[index]."""
+    flat = counts_RS.reshape(-1)
+    starts_RS = (flat.cumsum(0) - flat).view_as(counts_RS)
+    counts_SR, starts_SR = counts_RS.t().reshape(-1), starts_RS.t().reshape(-1)
+    total = int(flat.sum())
+    segment_start = counts_SR.cumsum(0) - counts_SR
+    within = torch.arange(total, device=counts_RS.device) - segment_start.repeat_interleave(counts_SR)
+    return starts_SR.repeat_interleave(counts_SR) + within
+
+
+def _inverse(index: torch.Tensor) -> torch.Tensor:
+    inverse = torch.empty_like(index)
+    inverse[index] = torch.arange(index.numel(), device=index.device)
+    return inverse
+
+
+@dataclass
+class DispatchStats:
+    """What the last dispatch did, for tests and benchmarks."""
+
+    pairs_per_rank: list[int]
+    replicas: list[tuple[int, int]]
+    sent_rows: int
+    received_rows: int
+
+
+def gather_counts(counts_E: torch.Tensor, group=None) -> torch.Tensor:
+    """All ranks' per-expert pair counts, stacked: [R, E] (same on every rank)."""
+    world = dist.get_world_size(group)
+    gathered = [torch.empty_like(counts_E) for _ in range(world)]
+    dist.all_gather(gathered, counts_E, group=group)
+    return torch.stack(gathered)
+
+
+def exchange_replica_weights(plan: ExpertPlan, rank: int, w1_EFL: torch.Tensor, w3_EFL: torch.Tensor,
+                             w2_ELF: torch.Tensor, group=None) -> tuple[list[int], torch.Tensor, torch.Tensor,
+                                                                         torch.Tensor]:
+    """Send this rank's replicated experts to the ranks that compute them; receive the replicas placed here.
+
+    w*_E.. are the local (home) experts [E/R, ...]. Returns (replica expert ids, w1 [n, F, L], w3 [n, F, L],
+    w2 [n, L, F]) for the replicas computed on this rank, in ascending expert order. Differentiable: the
+    backward sends the replicas' gradients back to their home rank."""
+    first_home = rank * plan.experts_per_rank
+    outgoing = sorted((dest, e) for e, dest in plan.replicas() if plan.home(e) == rank)
+    incoming = [e for e, dest in plan.replicas() if dest == rank]
+    input_splits = [0] * plan.num_ranks
+    for dest, _ in outgoing:
+        input_splits[dest] += 1
+    output_splits = [0] * plan.num_ranks
+    for e in incoming:
+        output_splits[plan.home(e)] += 1
+    width_F, width_L = w1_EFL.shape[1], w1_EFL.shape[2]
+    # One row per expert: w1, w3 and w2 flattened side by side (each F*L values).
+    packed_E3X = torch.stack([w1_EFL.flatten(1), w3_EFL.flatten(1), w2_ELF.flatten(1)], dim=1)
+    send_index = torch.tensor([e - first_home for _, e in outgoing], dtype=torch.long, device=w1_EFL.device)
+    received = all_to_all(packed_E3X.index_select(0, send_index), output_splits, input_splits, group)
+    n = received.shape[0]
+    return (incoming, received[:, 0].reshape(n, width_F, width_L), received[:, 1].reshape(n, width_F, width_L),
+            received[:, 2].reshape(n, width_L, width_F))
+
+
+def dispatch_compute_combine(h_TL: torch.Tensor, topk_ids_TK: torch.Tensor, plan_fn, w1_EFL: torch.Tensor,
+                             w3_EFL: torch.Tensor, w2_ELF: torch.Tensor, act: str, betas: tuple[float, float],
+                             group=None) -> tuple[torch.Tensor, DispatchStats]:
+    """Run every routed pair through its expert, wherever the plan puts it.
+
+    h_TL [T, L] local latent tokens, topk_ids_TK [T, K] global expert ids, w*: this rank's home experts
+    [E/R, ...], plan_fn: counts [R, E] -> ExpertPlan. Returns y_TKL [T, K, L] (pair outputs in token order,
+    unweighted) and the step's DispatchStats."""
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    experts_per_rank = w1_EFL.shape[0]
+    num_experts = experts_per_rank * num_ranks
+    num_tokens, top_k = topk_ids_TK.shape
+    device = h_TL.device
+
+    ids_N = topk_ids_TK.reshape(-1)
+    counts_E = torch.bincount(ids_N, minlength=num_experts)
+    counts_RE = gather_counts(counts_E, group).cpu()
+    plan = plan_fn(counts_RE)
+    overlap_RP = _piece_overlap(counts_RE, plan)
+
+    # Sender: each pair's position in its expert's global pair list decides the piece (and rank) it goes to.
+    order_N = ids_N.argsort(stable=True)
+    expert_sorted_N = ids_N[order_N]
+    local_start_E = (counts_E.cumsum(0) - counts_E)
+    per_expert_totals = counts_RE.sum(0)
+    expert_base_E = (per_expert_totals.cumsum(0) - per_expert_totals).to(device)
+    prefix_E = (counts_RE.cumsum(0) - counts_RE)[rank].to(device)
+    position_N = (torch.arange(ids_N.numel(), device=device) - local_start_E[expert_sorted_N]
+                  + prefix_E[expert_sorted_N] + expert_base_E[expert_sorted_N])
+    piece_count_P = torch.tensor(plan.piece_count, dtype=torch.long, device=device)
+    piece_end_P = piece_count_P.cumsum(0)  # pieces are sorted by expert, so this is the global pair position
+    piece_rank_P = torch.tensor(plan.piece_rank, dtype=torch.long, device=device)
+    dest_N = piece_rank_P[torch.searchsorted(piece_end_P, position_N, right=True)]
+    send_perm_N = order_N[dest_N.argsort(stable=True)]  # grouped by destination, expert order kept inside
+    input_splits = torch.bincount(dest_N, minlength=num_ranks).tolist()
+
+    # Receiver: the pieces computed here are this rank's slots, in ascending expert order.
+    mine = [p for p, r in enumerate(plan.piece_rank) if r == rank]
+    slot_experts = [plan.piece_expert[p] for p in mine]
+    counts_RS = overlap_RP[:, mine]
+    output_splits = counts_RS.sum(1).tolist()
+
+    x_recv_ML = all_to_all(h_TL.index_select(0, send_perm_N // top_k), output_splits, input_splits, group)
+    slot_index_M = source_to_slot_order(counts_RS).to(device)
+    x_slot_ML = x_recv_ML.index_select(0, slot_index_M)
+
+    w1, w3, w2 = w1_EFL, w3_EFL, w2_ELF
+    replicas = plan.replicas()
+    if replicas:  # every rank takes part in the weight exchange, even with nothing to send or receive
+        replica_ids, r1, r3, r2 = exchange_replica_weights(plan, rank, w1_EFL, w3_EFL, w2_ELF, group)
+        home_ids = list(range(rank * experts_per_rank, (rank + 1) * experts_per_rank))
+        all_ids = home_ids + replica_ids
+        slot_order = sorted(range(len(all_ids)), key=all_ids.__getitem__)
+        if [all_ids[i] for i in slot_order] != slot_experts:
+            raise RuntimeError(f"expert plan inconsistent on rank {rank}: slots {slot_experts}, "
+                               f"weights for {sorted(all_ids)}")
+        pick = torch.tensor(slot_order, dtype=torch.long, device=device)
+        w1 = torch.cat([w1_EFL, r1]).index_select(0, pick)
+        w3 = torch.cat([w3_EFL, r3]).index_select(0, pick)
+        w2 = torch.cat([w2_ELF, r2]).index_select(0, pick)
+    y_slot_ML = run_experts(x_slot_ML, counts_RS.sum(0).to(device), w1, w3, w2, act, betas)
+
+    y_recv_ML = y_slot_ML.index_select(0, _inverse(slot_index_M))
+    y_sent_NL = all_to_all(y_recv_ML, input_splits, output_splits, group)
+    y_NL = y_sent_NL.index_select(0, _inverse(send_perm_N))
+    stats = DispatchStats(plan.pairs_per_rank(), replicas, int(send_perm_N.numel()), int(x_recv_ML.shape[0]))
+    return y_NL.view(num_tokens, top_k, -1), stats

@@ -1,0 +1,143 @@
+"""Worker processes for the distributed tests, launched by torchrun (gloo on CPU).
+
+    python -m torch.distributed.run --nproc-per-node N tests/distributed/worker.py SCENARIO --out FILE [...]
+
+Every scenario writes its results as JSON from rank 0; the tests compare them across layouts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from k3.config import ModelConfig
+from k3.distributed import (all_gather_cat, dispatch_stats, get_world_size, init_distributed, is_main,
+                            load_checkpoint, parallelize, save_checkpoint, set_balanced, shard_batch, shutdown,
+                            skewed_routing, train_steps)
+from k3.model import K3ForCausalLM
+
+VOCAB = 256
+
+
+def build_model(seed: int) -> K3ForCausalLM:
+    torch.manual_seed(seed)
+    # debug preset: 8 experts top-2, so EP = 1, 2 and 4 all divide the experts; float64 for a tight parity.
+    return K3ForCausalLM(ModelConfig.from_preset("debug")).double()
+
+
+def global_batches(steps: int, batch: int, length: int, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed + 1)
+    return [torch.randint(0, VOCAB, (batch, length + 1), generator=generator) for _ in range(steps)]
+
+
+def write(path: str, result: dict) -> None:
+    if is_main():
+        with open(path, "w") as handle:
+            json.dump(result, handle)
+
+
+def biases_agree(model) -> bool:
+    """Every rank's router biases equal rank 0's (all-gathered and compared)."""
+    local = torch.stack([router.e_score_correction_bias for _, router in model.routers()]).reshape(1, -1)
+    every = all_gather_cat(local)
+    return bool((every == every[0]).all())
+
+
+def scenario_parity(args) -> dict:
+    model = build_model(args.seed)
+    model = parallelize(model, ep_size=get_world_size(), balanced=args.balanced)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    losses = train_steps(model, global_batches(args.steps, args.batch, args.length, args.seed), optimizer)
+    bias = [router.e_score_correction_bias.tolist() for _, router in model.routers()]
+    return {"losses": losses, "bias": bias, "biases_agree": biases_agree(model)}
+
+
+def _forward_backward(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss on this rank's shard and every parameter's full gradient (summed over the step)."""
+    from k3.distributed.parallelize import full_tensor
+
+    model.zero_grad(set_to_none=True)
+    local = shard_batch(ids)
+    out = model(local[:, :-1], labels=local[:, 1:])
+    out.loss.backward()
+    grads = {name: full_tensor(p.grad).detach().clone() for name, p in model.named_parameters()}
+    logits = all_gather_cat(out.logits.detach().reshape(local.shape[0], -1))
+    return logits, grads
+
+
+def scenario_balanced(args) -> dict:
+    """Plain vs balanced dispatch on the same skewed batch: pair counts, logits and gradients."""
+    model = parallelize(build_model(args.seed), ep_size=get_world_size(), balanced=False)
+    ids = global_batches(1, args.batch, args.length, args.seed)[0]
+    hot = [0, 1]  # both homed on rank 0: every pair of the batch lands on one rank in the plain dispatch
+    results = {}
+    with skewed_routing(model, hot):
+        for mode in ("plain", "balanced"):
+            set_balanced(model, mode == "balanced")
+            logits, grads = _forward_backward(model, ids)
+            results[mode] = (logits, grads, [s.pairs_per_rank for s in dispatch_stats(model)],
+                             [len(s.replicas) for s in dispatch_stats(model)])
+    plain, balanced = results["plain"], results["balanced"]
+    max_grad_diff = max(float((plain[1][k] - balanced[1][k]).abs().max()) for k in plain[1])
+    max_grad = max(float(g.abs().max()) for g in plain[1].values())
+    return {
+        "pairs_plain": plain[2], "pairs_balanced": balanced[2], "replicas_balanced": balanced[3],
+        "max_logit_diff": float((plain[0] - balanced[0]).abs().max()), "max_logit": float(plain[0].abs().max()),
+        "max_grad_diff": max_grad_diff, "max_grad": max_grad,
+        "grad_names": sorted(plain[1]),
+    }
+
+
+def scenario_save(args) -> dict:
+    model = parallelize(build_model(args.seed), ep_size=get_world_size())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    train_steps(model, global_batches(3, args.batch, args.length, args.seed), optimizer)
+    save_checkpoint(model, args.checkpoint)
+    return {"logits": _eval_logits(model, args)}
+
+
+def scenario_load(args) -> dict:
+    model = parallelize(build_model(args.seed + 100), ep_size=get_world_size())  # other weights on purpose
+    load_checkpoint(model, args.checkpoint)
+    return {"logits": _eval_logits(model, args)}
+
+
+def _eval_logits(model, args) -> list:
+    ids = global_batches(1, args.batch, args.length, args.seed + 7)[0]
+    model.eval()
+    with torch.no_grad():
+        local = shard_batch(ids)
+        logits = model(local[:, :-1]).logits
+    return all_gather_cat(logits.reshape(local.shape[0], -1)).tolist()
+
+
+SCENARIOS = {"parity": scenario_parity, "balanced": scenario_balanced, "save": scenario_save,
+             "load": scenario_load}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=sorted(SCENARIOS))
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--length", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--balanced", action="store_true")
+    parser.add_argument("--checkpoint", default="")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    init_distributed(device="cpu")
+    try:
+        write(args.out, SCENARIOS[args.scenario](args))
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
