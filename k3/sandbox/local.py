@@ -127,12 +127,13 @@ class Supervisor:
         """SIGKILL PID 1 of the sandbox: the kernel then kills every process in its namespace."""
         self.dead = True
         if self._pidfd is not None:
+            # Only PID 1: unshare must stay alive to reap it, or it would linger as a zombie.
             try:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        if self.process.poll() is None:
-            self.process.kill()  # unshare --kill-child passes SIGKILL on to its child
+        elif self.process.poll() is None:
+            self.process.kill()  # before hello: unshare --kill-child passes SIGKILL on to its child
 
     def wait(self) -> None:
         """Wait until the whole namespace is gone (unshare exits only after PID 1 is reaped),

@@ -226,6 +226,13 @@ def kill_tree(ancestor):
         time.sleep(0.001)
 
 
+def keep(buffer, chunk, limit):
+    """Append what fits of ``chunk`` to ``buffer``; True when something had to be cut."""
+    room = limit - len(buffer)
+    buffer += chunk[: max(room, 0)]
+    return room < len(chunk)
+
+
 def run_command(request, result_fd):
     """Body of the per-exec manager process; writes one marshal'd result to ``result_fd``."""
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
@@ -282,13 +289,16 @@ def run_command(request, result_fd):
         poller.register(in_w, select.POLLOUT)
     else:
         os.close(in_w)
+        in_w = -1  # closed: its number may be reused below (the pidfd)
     open_fds = {out_r, err_r} | ({in_w} if stdin_data else set())
     # A pidfd turns "the command exited" into a poll event, next to its output pipes.
     pidfd = os.pidfd_open(pid)
     poller.register(pidfd, select.POLLIN)
     timed_out = False
     status = None
-    while status is None or open_fds - {in_w}:
+    # The command's exit ends the exec: output still in the pipes is drained below, but a
+    # background process it left holding them (`server &`) does not keep the caller waiting.
+    while status is None:
         wait_ms = None
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -311,6 +321,7 @@ def run_command(request, result_fd):
                     poller.unregister(in_w)
                     os.close(in_w)
                     open_fds.discard(in_w)
+                    in_w = -1
                 continue
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -318,12 +329,15 @@ def run_command(request, result_fd):
                 os.close(fd)
                 open_fds.discard(fd)
                 continue
-            buffer = outputs[fd]
-            room = limit - len(buffer)
-            if room < len(chunk):
-                truncated = True
-            buffer += chunk[: max(room, 0)]
+            truncated |= keep(outputs[fd], chunk, limit)
     os.close(pidfd)
+    for fd in open_fds - {in_w}:
+        os.set_blocking(fd, False)
+        try:
+            while chunk := os.read(fd, 65536):
+                truncated |= keep(outputs[fd], chunk, limit)
+        except BlockingIOError:
+            pass
     if timed_out:
         kill_tree(os.getpid())
         try:

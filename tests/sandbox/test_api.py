@@ -171,3 +171,9 @@ def test_limits_are_validated():
         Limits(memory_mb=1)
     with pytest.raises(ValueError, match="cpus"):
         Limits(cpus=0)
+
+
+def test_exec_returns_when_the_command_exits_even_if_a_background_child_holds_its_output(box):
+    result = box.exec("echo started; sleep 1000 &", timeout=None)
+    assert result.stdout == "started\n" and result.exit_code == 0 and not result.timed_out
+    assert "sleep" in box.exec("cat /proc/[0-9]*/comm").stdout  # the background process lives on
