@@ -21,7 +21,7 @@ from k3.sandbox.cgroups import Cgroup, Limits
 from k3.sandbox.image import Image, default_image
 from k3.sandbox.layers import LayerStore
 from k3.sandbox.local import SandboxError
-from k3.sandbox.paths import sandbox_home
+from k3.sandbox.paths import sandbox_home, scratch_dir
 
 DEFAULT_MAX_OUTPUT = 16 << 20
 
@@ -85,7 +85,8 @@ class Sandbox:
         """Create and start a sandbox from ``image`` (default: ``default_image()``), or from
         ``snapshot`` (a snapshot id; its image is used). ``limits`` default to ``Limits()``."""
         self.home = home or sandbox_home()
-        self.store = LayerStore(self.home)
+        self.scratch = scratch_dir(self.home)
+        self.store = LayerStore(self.scratch)
         chain: list[str] = []
         if snapshot is not None:
             chain = self.store.chain(snapshot)
@@ -111,7 +112,7 @@ class Sandbox:
         self._pending: list = []
         self._supervisor = supervisor = local.spares().take(1)[0]
         self.id = supervisor.name
-        self.run_dir = os.path.join(self.home, "run", self.id)
+        self.run_dir = os.path.join(self.scratch, "run", self.id)
         local.register(self)
         try:
             os.makedirs(self.run_dir)
@@ -129,11 +130,13 @@ class Sandbox:
         upper, work, root = (os.path.join(generation_dir, name) for name in ("upper", "work", "root"))
         for directory in (upper, work, root):
             os.makedirs(directory)
-        supervisor.cgroup.set_limits(self.limits)
+        if supervisor.limits != self.limits:
+            supervisor.cgroup.set_limits(self.limits)
+            supervisor.limits = self.limits
         self._supervisor, self._upper = supervisor, upper
         lower = [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
         answer = supervisor.call(
-            {"op": "setup", "lower_base": self.home, "lower": lower, "upper": upper, "work": work,
+            {"op": "setup", "lower_base": self.scratch, "lower": lower, "upper": upper, "work": work,
              "root": root, "hostname": self.hostname}
         )
         if not answer["ok"]:
@@ -280,13 +283,16 @@ class Sandbox:
         with self._lock:
             if self.closed:
                 raise SandboxError(f"sandbox {self.id} is closed")
-            was_paused = self.paused
-            if not was_paused:
-                self.cgroup.freeze()  # no process may write while the upper is copied
+            # No process may write while the upper is read. With only unshare and PID 1 in the
+            # group (and PID 1 busy with nothing: we hold the request lock) nothing can; otherwise
+            # the freezer stops every task first.
+            must_freeze = not self.paused and len(self.cgroup.pids()) > 2
+            if must_freeze:
+                self.cgroup.freeze()
             try:
                 return self.store.freeze(self._upper, self.chain[0] if self.chain else None, self.image.path)
             finally:
-                if not was_paused:
+                if must_freeze:
                     self.cgroup.thaw()
 
     def restore(self, snapshot: str) -> None:

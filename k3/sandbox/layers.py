@@ -79,51 +79,68 @@ class LayerStore:
     def freeze(self, upper: str, parent: str | None, image: str) -> str:
         """Copy the overlay upper directory ``upper`` into a new immutable layer; return its id.
 
-        The caller must keep writers out of ``upper`` while this runs (the sandbox is frozen).
+        The caller must keep writers out of ``upper`` while this runs (the sandbox is frozen or
+        idle). One pass reads and hashes everything; files are written only when the id is new,
+        so freezing the same state twice costs a read, not a copy.
         """
-        staging = os.path.join(self.root, f".staging-{uuid.uuid4().hex}")
-        os.mkdir(staging)
         digest = hashlib.sha256()
         digest.update(f"parent={parent or ''}\nimage={image}\n".encode())
+        entries = []  # (relative path, stat, kind, payload): what the second pass writes
         total_bytes, files = 0, 0
-        try:
-            for directory, dirnames, filenames in _walk_sorted(upper):
-                rel_dir = os.path.relpath(directory, upper)
-                target_dir = staging if rel_dir == "." else os.path.join(staging, rel_dir)
-                for name in dirnames:
-                    source, target = os.path.join(directory, name), os.path.join(target_dir, name)
-                    st = os.lstat(source)
-                    os.mkdir(target)
-                    opaque = _opaque(source)
-                    if opaque:
-                        os.setxattr(target, OPAQUE_XATTR, opaque)
-                    _copy_meta(st, target)
-                    digest.update(_entry(os.path.join(rel_dir, name), st, b"opaque=" + opaque))
-                for name in filenames:
-                    source, target = os.path.join(directory, name), os.path.join(target_dir, name)
-                    st = os.lstat(source)
-                    rel = os.path.join(rel_dir, name)
-                    if stat.S_ISREG(st.st_mode):
-                        content = _copy_file(source, target)
-                        total_bytes += st.st_size
-                        files += 1
-                    elif stat.S_ISLNK(st.st_mode):
-                        link = os.readlink(source)
-                        os.symlink(link, target)
-                        content = link.encode()
-                    elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
-                        os.mknod(target, st.st_mode, st.st_rdev)  # whiteouts are char devices 0:0
-                        content = str(st.st_rdev).encode()
+        for directory, dirnames, filenames in _walk_sorted(upper):
+            rel_dir = os.path.relpath(directory, upper)
+            for name in dirnames:
+                rel = os.path.join(rel_dir, name)
+                st = os.lstat(os.path.join(directory, name))
+                opaque = _opaque(os.path.join(directory, name))
+                entries.append((rel, st, "dir", opaque))
+                digest.update(_entry(rel, st, b"opaque=" + opaque))
+            for name in filenames:
+                rel, source = os.path.join(rel_dir, name), os.path.join(directory, name)
+                st = os.lstat(source)
+                if stat.S_ISREG(st.st_mode):
+                    payload = _read_small(source, st.st_size)
+                    if payload is None:  # large: hash now by streaming, copy later
+                        content = _hash_file(source)
                     else:
-                        continue  # sockets do not survive a snapshot
-                    _copy_meta(st, target)
-                    digest.update(_entry(rel, st, content))
+                        content = payload
+                    entries.append((rel, st, "file", payload))
+                    total_bytes += st.st_size
+                    files += 1
+                elif stat.S_ISLNK(st.st_mode):
+                    content = os.readlink(source).encode()
+                    entries.append((rel, st, "link", content))
+                elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+                    content = str(st.st_rdev).encode()  # whiteouts are char devices 0:0
+                    entries.append((rel, st, "node", None))
+                else:
+                    continue  # sockets do not survive a snapshot
+                digest.update(_entry(rel, st, content))
+        layer_id = digest.hexdigest()[:ID_CHARS]
+        if self.exists(layer_id):
+            return layer_id  # the same content on the same parent was frozen before
+        final = self.path(layer_id)
+        staging = os.path.join(self.root, f".staging-{uuid.uuid4().hex}")
+        os.mkdir(staging)
+        try:
+            for rel, st, kind, payload in entries:
+                target = os.path.join(staging, rel)
+                if kind == "dir":
+                    os.mkdir(target)
+                    if payload:
+                        os.setxattr(target, OPAQUE_XATTR, payload)
+                elif kind == "file":
+                    _write_file(os.path.join(upper, rel), target, payload, st)
+                    continue  # metadata set through the open descriptor
+                elif kind == "link":
+                    os.symlink(payload.decode(), target)
+                else:
+                    os.mknod(target, st.st_mode, st.st_rdev)
+                _copy_meta(st, target)
+            for rel, st, kind, _ in reversed(entries):  # children first: their writes touch mtimes
+                if kind == "dir":
+                    _copy_meta(st, os.path.join(staging, rel))
             _copy_meta(os.lstat(upper), staging)
-            layer_id = digest.hexdigest()[:ID_CHARS]
-            final = self.path(layer_id)
-            if os.path.exists(final + ".json"):
-                shutil.rmtree(staging)  # the same content was frozen before: reuse it
-                return layer_id
             if os.path.exists(final):  # a half-written layer from a crash: replace it
                 shutil.rmtree(final)
             os.rename(staging, final)
@@ -209,14 +226,49 @@ def _entry(rel: str, st: os.stat_result, content: bytes) -> bytes:
     return head + content + b"\n"
 
 
-def _copy_file(source: str, target: str) -> bytes:
-    """Copy one regular file; return a digest of its content (not the content, to stay small)."""
+SMALL = 1 << 20  # files up to this size are held in memory between the two passes
+
+
+def _read_small(path: str, size: int) -> bytes | None:
+    if size > SMALL:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        data = os.read(fd, size + 1)
+        while len(data) <= size:  # short reads are legal; loop until EOF
+            more = os.read(fd, size + 1 - len(data))
+            if not more:
+                break
+            data += more
+    finally:
+        os.close(fd)
+    return data
+
+
+def _hash_file(path: str) -> bytes:
     digest = hashlib.sha256()
-    with open(source, "rb") as src, open(target, "wb") as dst:
-        while chunk := src.read(1 << 20):
+    with open(path, "rb") as f:
+        while chunk := f.read(SMALL):
             digest.update(chunk)
-            dst.write(chunk)
     return digest.digest()
+
+
+def _write_file(source: str, target: str, payload: bytes | None, st: os.stat_result) -> None:
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if payload is None:
+            with open(source, "rb") as src:
+                while chunk := src.read(SMALL):
+                    os.write(fd, chunk)
+        else:
+            view = memoryview(payload)
+            while view:
+                view = view[os.write(fd, view) :]
+        os.fchown(fd, st.st_uid, st.st_gid)
+        os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+    finally:
+        os.close(fd)
 
 
 def _copy_meta(st: os.stat_result, target: str) -> None:

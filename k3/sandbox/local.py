@@ -23,11 +23,13 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import uuid
 import weakref
 
-from k3.sandbox.cgroups import Cgroup
+from k3.sandbox.cgroups import Cgroup, Limits
 
 SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
 NAMESPACES = ("--mount", "--pid", "--net", "--ipc", "--uts")
@@ -56,6 +58,13 @@ def supervisor_python() -> str:
     return _python
 
 
+def stage_dir() -> str:
+    """An empty directory that supervisors cover with a tmpfs of their own (only they see it)."""
+    path = os.path.join(tempfile.gettempdir(), ".k3-sandbox-stage")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
 def unshare_path() -> str:
     path = shutil.which("unshare") or shutil.which("unshare", path="/usr/bin:/bin")
     if not path:
@@ -78,7 +87,7 @@ class Supervisor:
         self.cgroup = Cgroup.create(self.name)
         join = "".join(f"echo $$ > {shlex.quote(path)} && " for path in self.cgroup.procs_files())
         command = [unshare_path(), *NAMESPACES, "--fork", "--kill-child", "--propagation", "private"]
-        command += [supervisor_python(), "-I", "-S", SUPERVISOR]
+        command += [supervisor_python(), "-I", "-S", SUPERVISOR, stage_dir()]
         try:
             self.process = subprocess.Popen(
                 ["/bin/sh", "-c", join + "exec " + shlex.join(command)],
@@ -93,14 +102,15 @@ class Supervisor:
         self.host_pid: int | None = None
         self._pidfd: int | None = None
         self.dead = False
+        self.limits: Limits | None = None  # the limits its cgroup has now
 
     def wait_hello(self) -> None:
         """Block until the supervisor has started; learn its pid on the host."""
         hello = self._recv()
-        if hello is None:
+        if hello is None or not hello["ok"]:
             raise SandboxError(
                 "the sandbox supervisor exited at start: run `k3 sandbox doctor` (are you root, "
-                "and does unshare(1) work here?)"
+                f"and does unshare(1) work here?) {hello['error'] if hello else ''}"
             )
         self.host_pid = hello["host_pid"]
         # A pidfd names this very process, so a later kill can never hit a reused pid.
@@ -203,6 +213,18 @@ class Spares:
             raise
         return taken + fresh
 
+    def wait_ready(self, timeout: float = 30.0) -> bool:
+        """Block until ``target`` spares are ready (benchmarks use it to measure steady state)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            self._wake()
+            while len(self._ready) < self.target:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(left)
+        return True
+
     def _wake(self) -> None:
         if self.target > 0 and not self._stopped:
             if self._thread is None or not self._thread.is_alive():
@@ -220,6 +242,8 @@ class Spares:
             try:
                 supervisor = Supervisor()
                 supervisor.wait_hello()
+                supervisor.cgroup.set_limits(Limits())  # most sandboxes use the defaults
+                supervisor.limits = Limits()
             except Exception as error:  # noqa: BLE001 - the caller will start its own and see why
                 print(f"k3 sandbox: could not start a spare supervisor: {error}", file=sys.stderr)
                 return
@@ -229,6 +253,16 @@ class Spares:
                     supervisor.wait()
                     return
                 self._ready.append(supervisor)
+                self._lock.notify_all()
+
+    def drain(self) -> None:
+        """Stop the spares that are ready now (they are started again on the next take)."""
+        with self._lock:
+            ready, self._ready = self._ready, []
+        for supervisor in ready:
+            supervisor.kill()
+        for supervisor in ready:
+            supervisor.wait()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -276,6 +310,10 @@ class Janitor:
         self._jobs.put((supervisor, directory, done))
         return done
 
+    def idle(self) -> None:
+        """Block until every submitted teardown has finished."""
+        self._jobs.join()
+
     def _run(self) -> None:
         while True:
             supervisor, directory, done = self._jobs.get()
@@ -288,6 +326,7 @@ class Janitor:
                 print(f"k3 sandbox: cleanup of {directory} failed: {error}", file=sys.stderr)
             finally:
                 done.set()
+                self._jobs.task_done()
 
 
 janitor = Janitor()

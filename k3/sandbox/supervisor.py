@@ -7,8 +7,9 @@ front, before the host hands over the filesystem layout.
 
 Life of a supervisor:
 1. start, import what it needs, send ``hello`` (its pid on the host) and wait: this is a warm spare;
-2. ``setup``: mount the overlay (layers + fresh upper), /dev, pivot into it, mount /proc, mask the
-   dangerous bits of /proc, set the hostname, answer ``ready``;
+1b. before that hello, ``prepare`` builds /dev and a /proc (with its dangerous files masked);
+2. ``setup``: mount the overlay (layers + fresh upper), move /dev and /proc into it, pivot into
+   it, set the hostname, answer ``ready``;
 3. serve requests one at a time (exec, read, write, upload) until its stdin closes.
 
 Each ``exec`` is run by a forked manager that is a child subreaper: every descendant of the command,
@@ -33,7 +34,7 @@ import time
 libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's own libc; find_library would fork
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC = 32, 4096, 8192, 16384
 MNT_DETACH = 2
 PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 36, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
@@ -106,8 +107,17 @@ def reap(signum=None, frame=None):
             return
 
 
-def make_dev(root):
-    dev = os.path.join(root, "dev")
+# An empty host directory, given by the host; a tmpfs is mounted on it in this namespace only.
+STAGE = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
+
+
+def prepare():
+    """Build /dev and /proc ahead of need, while this supervisor is a spare; ``setup`` then only
+    moves them into the sandbox's root, which keeps restore and fork short."""
+    mount("stage", STAGE, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=700,size=64k")
+    dev, proc = os.path.join(STAGE, "dev"), os.path.join(STAGE, "proc")
+    os.mkdir(dev)
+    os.mkdir(proc)
     mount("tmpfs", dev, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755,size=65536k")
     for name, major, minor in (("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9), ("tty", 5, 0)):
         path = os.path.join(dev, name)
@@ -115,20 +125,25 @@ def make_dev(root):
         os.chmod(path, 0o666)
     for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
         os.symlink(target, os.path.join(dev, name))
-    os.mkdir(os.path.join(dev, "shm"), 0o1777)
-    os.chmod(os.path.join(dev, "shm"), 0o1777)
+    os.mkdir(os.path.join(dev, "shm"))
+    mount("shm", os.path.join(dev, "shm"), "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k")
+    # We are PID 1 of the new pid namespace, so this proc shows the sandbox's processes only.
+    mount("proc", proc, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    mask_proc(proc, os.path.join(dev, "null"))
 
 
-def mask_proc():
+def mask_proc(proc, null):
     # Root without capabilities may still write files owned by uid 0: /proc/sys and
     # /proc/sysrq-trigger are global, so they are made read-only or hidden.
-    for path in ("/proc/sys", "/proc/bus", "/proc/fs", "/proc/irq"):
+    for name in ("sys", "bus", "fs", "irq"):
+        path = os.path.join(proc, name)
         if os.path.isdir(path):
             mount(path, path, None, MS_BIND | MS_REC)
             mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    for path in ("/proc/sysrq-trigger", "/proc/kcore", "/proc/keys", "/proc/timer_list", "/proc/sched_debug", "/proc/kmsg"):
+    for name in ("sysrq-trigger", "kcore", "keys", "timer_list", "sched_debug", "kmsg"):
+        path = os.path.join(proc, name)
         if os.path.exists(path):
-            mount("/dev/null", path, None, MS_BIND)
+            mount(null, path, None, MS_BIND)
 
 
 def setup(request):
@@ -142,14 +157,12 @@ def setup(request):
         path = os.path.join(root, name)
         if not os.path.isdir(path):
             os.mkdir(path, mode)
-    make_dev(root)
+    mount(os.path.join(STAGE, "dev"), os.path.join(root, "dev"), None, MS_MOVE)
+    mount(os.path.join(STAGE, "proc"), os.path.join(root, "proc"), None, MS_MOVE)
     os.chdir(root)
     _check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
     _check(libc.umount2(b".", MNT_DETACH), "umount old root")
     os.chdir("/")
-    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    mount("shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777,size=65536k")
-    mask_proc()
     hostname = request.get("hostname", "sandbox").encode()
     _check(libc.sethostname(hostname, len(hostname)), "sethostname")
 
@@ -441,7 +454,13 @@ def handle(request):
 def main():
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     # /proc is still the host's procfs here, so /proc/self names our pid on the host.
-    send({"ok": True, "host_pid": int(os.readlink("/proc/self"))})
+    host_pid = int(os.readlink("/proc/self"))
+    try:
+        prepare()
+    except OSError as error:
+        send({"ok": False, "error": f"sandbox preparation failed: {error}"})
+        return
+    send({"ok": True, "host_pid": host_pid})
     request = recv()
     if request is None:
         return

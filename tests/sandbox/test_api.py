@@ -49,7 +49,7 @@ def test_exec_rejects_bad_arguments(box):
 def test_hostname_and_pid_namespace(box):
     assert box.exec("uname -n").stdout == "sandbox\n"
     # PID 1 is the sandbox's supervisor: the sandbox has a pid namespace of its own.
-    assert box.exec("cat /proc/1/cmdline | tr '\\0' ' '").stdout.rstrip().endswith("supervisor.py")
+    assert "supervisor.py" in box.exec("cat /proc/1/cmdline | tr '\\0' ' '").stdout
 
 
 def test_write_read_and_upload(box, tmp_path):

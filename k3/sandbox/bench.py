@@ -1,0 +1,161 @@
+"""``k3 sandbox bench``: latency of create, exec, snapshot, restore and fork, and sandboxes per GB.
+
+The workload is the issue's: a 200 MB image (the default image plus a synthetic repository), and a
+sandbox in which 100 files of that repository have been edited, so each snapshot freezes 100
+copied-up files. Each operation is timed ``iterations`` times; p50 and p99 are reported.
+
+Between two timed operations the bench waits for the background work of the previous one (spare
+supervisors started again, replaced generations torn down): the numbers are the latency of one
+operation in steady state. ``*_cold_p50_ms`` are restore and fork with no spare ready, i.e. with
+a Python start on the critical path.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import time
+
+from k3.sandbox import local
+from k3.sandbox.api import Sandbox
+from k3.sandbox.cgroups import Limits
+from k3.sandbox.image import Image, default_image
+from k3.sandbox.paths import sandbox_home
+
+TARGET_MS = {"snapshot_p50_ms": 20.0, "restore_p50_ms": 20.0, "fork_p50_ms": 20.0}
+SOURCE_FILES = 400  # small files of the synthetic repository (100 of them get edited)
+SOURCE_BYTES = 6 * 1024
+
+
+def bench_image(size_mb: int = 200, home: str | None = None) -> Image:
+    """The default image plus a synthetic repository under /work/repo, ``size_mb`` in all."""
+    home = home or sandbox_home()
+    base = default_image(home)
+    target = os.path.join(home, "images", f"bench-{size_mb}mb-{os.path.basename(base.path)}")
+    if os.path.exists(os.path.join(target, ".k3-image-complete")):
+        return Image(target, "/work/repo", base.env)
+    staging = target + ".staging"
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(base.path, staging, symlinks=True, copy_function=os.link)
+    repo = os.path.join(staging, "work", "repo")
+    os.makedirs(os.path.join(repo, "src"))
+    os.makedirs(os.path.join(repo, "data"))
+    for index in range(SOURCE_FILES):
+        line = f"def function_{index}(x):\n    return x * {index} + 1\n\n"
+        with open(os.path.join(repo, "src", f"module_{index:04d}.py"), "w") as f:
+            f.write(line * (SOURCE_BYTES // len(line)))
+    used = _tree_bytes(staging)
+    blob = 0
+    while used < size_mb << 20:
+        chunk = min(4 << 20, (size_mb << 20) - used)
+        with open(os.path.join(repo, "data", f"blob_{blob:04d}.bin"), "wb") as f:
+            f.write(os.urandom(chunk))
+        used += chunk
+        blob += 1
+    open(os.path.join(staging, ".k3-image-complete"), "w").close()
+    os.rename(staging, target)
+    return Image(target, "/work/repo", base.env)
+
+
+def _tree_bytes(root: str) -> int:
+    total = 0
+    for directory, _, filenames in os.walk(root):
+        for name in filenames:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                total += os.path.getsize(path)
+    return total
+
+
+def _percentiles(name: str, samples: list[float]) -> dict:
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {f"{name}_p50_ms": round(statistics.median(ordered) * 1000, 2), f"{name}_p99_ms": round(p99 * 1000, 2)}
+
+
+def _settle() -> None:
+    local.janitor.idle()
+    local.spares().wait_ready()
+
+
+def _timed(operation, iterations: int, before=None, after=None) -> list[float]:
+    samples = []
+    for _ in range(iterations):
+        if before:
+            before()
+        _settle()
+        start = time.perf_counter()
+        value = operation()
+        samples.append(time.perf_counter() - start)
+        if after:
+            after(value)
+    return samples
+
+
+def run(iterations: int = 30, edits: int = 100, image_mb: int = 200, density_sandboxes: int = 16) -> dict:
+    """Run the whole benchmark; return a dict of results (see the module doc)."""
+    if not 1 <= edits <= SOURCE_FILES:
+        raise ValueError(f"edits must be between 1 and {SOURCE_FILES}, got {edits}")
+    image = bench_image(image_mb)
+    results: dict = {"image_mb": round(_tree_bytes(image.path) / (1 << 20), 1), "edits": edits, "iterations": iterations}
+    limits = Limits(memory_mb=512, pids=256, cpus=1.0)
+
+    results.update(_percentiles("create", _timed(lambda: Sandbox(image, limits), iterations, after=lambda box: box.close())))
+
+    with Sandbox(image, limits) as box:
+        results.update(_percentiles("exec", _timed(lambda: box.exec(["true"]), iterations)))
+        edited = box.exec(
+            f"for f in $(ls src | head -n {edits}); do echo '# edited' >> src/$f; done; ls src | head -n {edits} | wc -l"
+        )
+        if edited.stdout.strip() != str(edits):
+            raise RuntimeError(f"the benchmark could not edit {edits} files: {edited.stdout} {edited.stderr}")
+        snapshot = box.snapshot()
+        results["snapshot_layer_files"] = box.store.info(snapshot).files
+        results.update(_percentiles("snapshot", _timed(box.snapshot, iterations)))
+        results.update(_percentiles("restore", _timed(lambda: box.restore(snapshot), iterations)))
+        check = box.exec("grep -c '# edited' src/* | grep -c ':1$'").stdout.strip()
+        if check != str(edits):
+            raise RuntimeError(f"restore lost edits: {check} of {edits} files carry the edit")
+        results.update(_percentiles("fork", _timed(lambda: box.fork(snapshot, 1), iterations, after=lambda f: f[0].close())))
+
+        # Cold: no spare supervisor ready, so a Python start is on the critical path.
+        spares = local.spares()
+        target, spares.target = spares.target, 0
+        try:
+            count = max(3, iterations // 5)
+            cold = _timed(lambda: box.restore(snapshot), count, before=spares.drain)
+            results["restore_cold_p50_ms"] = round(statistics.median(cold) * 1000, 2)
+            cold = _timed(lambda: box.fork(snapshot, 1), count, before=spares.drain, after=lambda f: f[0].close())
+            results["fork_cold_p50_ms"] = round(statistics.median(cold) * 1000, 2)
+        finally:
+            spares.target = target
+
+        forks = box.fork(snapshot, density_sandboxes)
+        try:
+            for fork in forks:
+                fork.exec(["python3", "-c", "print(1)"])
+            per_sandbox = statistics.mean(fork.memory_bytes() for fork in forks)
+        finally:
+            for fork in forks:
+                fork.close()
+    results["memory_per_sandbox_mb"] = round(per_sandbox / (1 << 20), 2)
+    results["sandboxes_per_gb"] = round((1 << 30) / per_sandbox, 1)
+    results["targets_ms"] = TARGET_MS
+    results["targets_met"] = all(results[key] <= limit for key, limit in TARGET_MS.items())
+    return results
+
+
+def format_table(results: dict) -> str:
+    lines = [f"image {results['image_mb']} MB, {results['edits']} file edits, {results['iterations']} iterations each"]
+    lines.append(f"{'operation':<10} {'p50 ms':>9} {'p99 ms':>9} {'target':>8}")
+    for name in ("create", "exec", "snapshot", "restore", "fork"):
+        target = TARGET_MS.get(f"{name}_p50_ms")
+        lines.append(
+            f"{name:<10} {results[f'{name}_p50_ms']:>9.2f} {results[f'{name}_p99_ms']:>9.2f} "
+            f"{('<= %g' % target) if target else '':>8}"
+        )
+    lines.append(f"cold (no spare ready): restore p50 {results['restore_cold_p50_ms']} ms, fork p50 {results['fork_cold_p50_ms']} ms")
+    lines.append(f"memory per idle sandbox {results['memory_per_sandbox_mb']} MB -> {results['sandboxes_per_gb']} sandboxes per GB")
+    lines.append("targets met" if results["targets_met"] else "targets NOT met")
+    return "\n".join(lines)
