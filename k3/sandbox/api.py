@@ -130,6 +130,8 @@ class Sandbox:
         upper, work, root = (os.path.join(generation_dir, name) for name in ("upper", "work", "root"))
         for directory in (upper, work, root):
             os.makedirs(directory)
+        with open(os.path.join(generation_dir, "chain"), "w") as f:
+            f.write(" ".join(self.chain))  # read by the snapshot GC: these layers are in use
         if supervisor.limits != self.limits:
             supervisor.cgroup.set_limits(self.limits)
             supervisor.limits = self.limits
