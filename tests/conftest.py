@@ -16,6 +16,9 @@ def _nan_filled_empty():
     original = torch.empty
 
     def nan_empty(*args, **kwargs):
+        # A patched function is not seen by `with torch.device(...)`: pass the context's device on.
+        if kwargs.get("device") is None:
+            kwargs["device"] = torch.get_default_device()
         tensor = original(*args, **kwargs)
         if tensor.is_floating_point() and tensor.device.type != "meta":
             tensor.fill_(float("nan"))

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.layers.norm import RMSNorm
+from k3.layers.norm import RMSNorm, compute_dtype
+from k3.ops.attn_res import attn_res_mix
 
 
 class AttnResMix(nn.Module):
@@ -33,11 +34,8 @@ class AttnResMix(nn.Module):
         """sources: list of S tensors [B, T, D]. Returns the mixture [B, T, D] in the sources' dtype."""
         if len(sources) == 1:
             return sources[0]
-        values = torch.stack(sources, dim=0).float()  # [S, B, T, D]
-        keys = values * torch.rsqrt(values.pow(2).mean(-1, keepdim=True) + self.norm.eps)
-        query = (self.norm.weight.float() * self.proj.weight.float().squeeze(0))  # [D]
-        alpha = torch.softmax(keys @ query, dim=0)  # [S, B, T]
-        return (alpha.unsqueeze(-1) * values).sum(0).to(sources[0].dtype)
+        # Eager on CPU, torch.compile-fused on CUDA (k3.ops.attn_res; K3_ATTN_RES_BACKEND picks one).
+        return attn_res_mix(sources, self.norm.weight, self.proj.weight.squeeze(0), self.norm.eps)
 
 
 class AttnResStream:

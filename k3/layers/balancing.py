@@ -33,8 +33,9 @@ def maxvio(load_E: torch.Tensor) -> float:
 
 
 def quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
-                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
-    """One Quantile Balancing update; returns the new mean-centred bias [E] (fp32).
+                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None, center: bool = True) -> torch.Tensor:
+    """One Quantile Balancing update; returns the new bias [E] (fp32), mean-centred unless center=False
+    (centring changes no top-k choice; the raw quantiles are what the cutoff rule compares against).
 
     `gather`, when given, concatenates the required-bias matrix over data-parallel ranks along T
     (exact aggregation), so every rank computes the same bias."""
@@ -54,7 +55,20 @@ def quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
     sorted_TE = required_TE.sort(dim=0).values
     upper = sorted_TE[min(q, num_tokens - 1)] if q < num_tokens else sorted_TE[-1] + 1.0
     new_bias = 0.5 * (sorted_TE[q - 1] + upper)
-    return new_bias - new_bias.mean()
+    return new_bias - new_bias.mean() if center else new_bias
+
+
+def balance_batch(scores_TE: torch.Tensor, top_k: int, max_iters: int = 200) -> torch.Tensor:
+    """Iterate the QB update on one batch until top-k on s + b gives every expert the same load (the
+    fixed point of the update is the LP optimum); returns the bias. Used for analysis and tests."""
+    num_experts = scores_TE.shape[1]
+    bias = torch.zeros(num_experts, dtype=torch.float32, device=scores_TE.device)
+    for _ in range(max_iters):
+        bias = quantile_bias(scores_TE, bias, top_k)
+        load = expert_load((scores_TE.float() + bias).topk(top_k, dim=-1).indices, num_experts)
+        if load.max() == load.min():
+            break
+    return bias
 
 
 def loss_free_bias(load_E: torch.Tensor, bias_E: torch.Tensor, gamma: float) -> torch.Tensor:

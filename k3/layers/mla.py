@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.layers.norm import RMSNorm
+from k3.layers.norm import RMSNorm, compute_dtype
+
+# With a cache, up to this many new tokens attend in latent space (absorbed); longer inputs use expanded SDPA.
+ABSORB_MAX_TOKENS = 16
 
 
 class GatedMLA(nn.Module):
@@ -62,11 +65,17 @@ class GatedMLA(nn.Module):
         q = self._query(x)
         latent, k_rope = self._latent(x)
         past = 0
+        visible = None
         if cache is not None:
             past = cache.length
             latent, k_rope = cache.append(latent, k_rope)
-        if cache is not None and self.absorb_in_decode:
-            out = self._attend_absorbed(q, latent, k_rope, past)
+            # A preallocated (static) cache returns its whole buffer and a [T, capacity] mask of the filled
+            # slots, computed on the device, so a decode step can be captured as a CUDA graph.
+            visible = getattr(cache, "visible_mask", None)
+        # Decode attends in latent space; a long prefill takes the expanded path, whose causal SDPA call runs a
+        # flash kernel instead of materialising [H, T, T] scores.
+        if cache is not None and self.absorb_in_decode and (length <= ABSORB_MAX_TOKENS or visible is not None):
+            out = self._attend_absorbed(q, latent, k_rope, past, visible)
         else:
             out = self._attend_expanded(q, latent, k_rope, past, doc_ids)
         out = out.reshape(batch, length, self.num_heads * self.v_dim)
@@ -95,7 +104,7 @@ class GatedMLA(nn.Module):
             attn_mask=mask, is_causal=mask is None and length > 1, scale=self.scaling)
         return out.transpose(1, 2)  # [B, T, H, v]
 
-    def _attend_absorbed(self, q, latent, k_rope, past):
+    def _attend_absorbed(self, q, latent, k_rope, past, mask=None):
         """Attention in latent space: score = (q_nope W_uk) . c + q_rope . k_rope; out = (p . c) W_uv."""
         length, total = q.shape[1], latent.shape[1]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -104,8 +113,9 @@ class GatedMLA(nn.Module):
         q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk.to(q.dtype))
         scores = torch.einsum("bhtr,bsr->bhts", q_latent, latent.to(q.dtype))
         scores = scores + torch.einsum("bthe,bse->bhts", q_rope, k_rope.to(q.dtype))
-        scores = scores.float() * self.scaling
-        mask = self._mask(length, total, past, q.device)
+        scores = scores.to(compute_dtype(scores)) * self.scaling
+        if mask is None:
+            mask = self._mask(length, total, past, q.device)
         if mask is None and length > 1:
             mask = torch.ones(length, total, dtype=torch.bool, device=q.device).tril()
         if mask is not None:

@@ -23,7 +23,7 @@ from k3.config import ModelConfig
 from k3.layers.balancing import expert_load, loss_free_bias, maxvio, quantile_bias
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
-from k3.ops.moe import run_experts
+from k3.ops.moe import count_per_expert, run_experts
 
 
 @dataclass
@@ -62,7 +62,8 @@ class Router(nn.Module):
         if self.renormalize:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * self.scale
-        load_E = expert_load(topk_ids_TK.detach(), self.num_experts)
+        # Counted on the device without a host sync (torch.bincount syncs on CUDA), as expert_load would.
+        load_E = count_per_expert(topk_ids_TK.detach(), self.num_experts).float()
         self.last_load_E = load_E
         if self.training and self.balancing != "none":
             if self.balancing == "quantile":
@@ -73,7 +74,12 @@ class Router(nn.Module):
     @torch.no_grad()
     def update_bias(self, gather=None, all_reduce=None) -> None:
         """Apply one balancing step from the statistics gathered since the last call (then clear them).
-        `gather` concatenates required biases over ranks (QB); `all_reduce` sums loads over ranks (loss-free)."""
+        `gather` concatenates required biases over ranks (QB); `all_reduce` sums loads over ranks (loss-free).
+        In eval mode the bias is frozen: pending statistics are dropped and nothing changes."""
+        if not self.training:
+            self._pending_scores.clear()
+            self._pending_load = None
+            return
         if self.balancing == "quantile" and self._pending_scores:
             scores_TE = torch.cat(self._pending_scores)
             self.e_score_correction_bias.copy_(quantile_bias(scores_TE, self.e_score_correction_bias, self.top_k,
@@ -118,7 +124,7 @@ class LatentMoE(nn.Module):
         ids_N = routing.topk_ids_TK.reshape(-1)
         order_N = ids_N.argsort(stable=True)
         token_N = order_N // self.top_k
-        counts_E = torch.bincount(ids_N, minlength=self.w1.shape[0])
+        counts_E = count_per_expert(ids_N, self.w1.shape[0])
         y_NL = run_experts(h_TL[token_N], counts_E, self.w1, self.w3, self.w2, self.act, self.betas)
         weights_N = routing.topk_weights_TK.reshape(-1)[order_N].unsqueeze(-1)
         # Deterministic combine: index_add in a fixed (expert-sorted) order, accumulated in fp32.

@@ -1,9 +1,14 @@
-"""RMSNorm variants. Statistics are always taken in fp32, whatever the input dtype."""
+"""RMSNorm variants. Statistics are taken in fp32 (or fp64 for fp64 inputs), whatever the input dtype."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for low-precision inputs; fp64 stays fp64 (parity tests run in double)."""
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 class RMSNorm(nn.Module):
@@ -16,9 +21,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = x.to(compute_dtype(x))
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.float()).to(dtype)
+        return (x * self.weight.to(x.dtype)).to(dtype)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -26,6 +31,6 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (x * torch.sigmoid(gate.float())).to(dtype)
+        x = x.to(compute_dtype(x))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(x.dtype)
+        return (x * torch.sigmoid(gate.to(x.dtype))).to(dtype)
