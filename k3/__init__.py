@@ -2,7 +2,7 @@
 
 from k3.config import ModelConfig
 
-__all__ = ["ModelConfig", "K3ForCausalLM"]
+__all__ = ["ModelConfig", "K3ForCausalLM", "from_pretrained", "save_pretrained"]
 
 
 def __getattr__(name):
@@ -11,4 +11,8 @@ def __getattr__(name):
         from k3.model import K3ForCausalLM
 
         return K3ForCausalLM
+    if name in ("from_pretrained", "save_pretrained"):
+        from k3.checkpoint import hf
+
+        return getattr(hf, name)
     raise AttributeError(f"module 'k3' has no attribute {name!r}")
