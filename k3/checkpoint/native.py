@@ -1,0 +1,128 @@
+"""Native checkpoints: one torch file per checkpoint, written atomically.
+
+A training checkpoint (`DIR/checkpoint.pt`) is a dict:
+    model       the model's state_dict (balancer biases are buffers in it: `...gate.e_score_correction_bias`)
+    optimizer   the optimizer's state_dict
+    config      ModelConfig.to_dict()
+    train       the run's TrainConfig as a dict
+    step        optimizer steps done
+    data        the data position (see k3.data.packing.BatchStream.state_dict)
+    rng         torch / numpy / python RNG states
+    tokenizer   {file name: bytes} of the tokenizer files, so the checkpoint stands alone
+    format      CHECKPOINT_FORMAT
+
+Atomicity: the file is written to a temp file in the same directory, fsynced, then renamed over the old one;
+a save that dies half-way leaves the previous checkpoint in place and loadable.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from k3.config import ModelConfig
+
+CHECKPOINT_FORMAT = "k3-native-1"
+CHECKPOINT_NAME = "checkpoint.pt"
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` so readers see the old file or the whole new one, never a part."""
+    _atomic_write(Path(path), lambda handle: handle.write(data))
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are ordinary output files
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    # The rename itself must reach the disk too, or a crash can bring back the old directory entry.
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Atomically write a checkpoint dict (see the module docstring) with torch.save."""
+    state = dict(state, format=CHECKPOINT_FORMAT)
+    _atomic_write(Path(path), lambda handle: torch.save(state, handle))
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a checkpoint dict; a directory means its checkpoint.pt. Raises a clear error when the file is
+    missing, truncated, corrupt or not a k3 checkpoint."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}; give a run directory written by `k3 train` "
+                                f"(it holds {CHECKPOINT_NAME}) or the checkpoint file itself")
+    try:
+        # weights_only=False: the checkpoint holds RNG states and plain dicts of our own making.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as error:
+        raise RuntimeError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {error}); "
+                           f"restore it from a copy or train again") from error
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise RuntimeError(f"{path} is not a k3 native checkpoint (expected format {CHECKPOINT_FORMAT!r})")
+    return state
+
+
+def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """load_state_dict with an error that says which names or shapes disagree."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(own))
+    shapes = [f"{n}: checkpoint {tuple(state_dict[n].shape)} vs model {tuple(own[n].shape)}"
+              for n in sorted(set(own) & set(state_dict)) if tuple(own[n].shape) != tuple(state_dict[n].shape)]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensors (e.g. {missing[:3]})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected tensors (e.g. {unexpected[:3]})")
+        if shapes:
+            parts.append(f"{len(shapes)} shape mismatches (e.g. {shapes[:2]})")
+        raise ValueError(f"checkpoint {source} does not match the model config: " + "; ".join(parts)
+                         + ". Load it with the config saved in the checkpoint, or train a new run.")
+    model.load_state_dict(state_dict)
+
+
+def model_from_checkpoint(state: dict[str, Any], source: str = "checkpoint"):
+    """Rebuild K3ForCausalLM from a checkpoint dict (its saved config), in eval mode."""
+    from k3.model import K3ForCausalLM
+
+    config = ModelConfig.from_dict(state["config"])
+    model = K3ForCausalLM(config)
+    load_model_state(model, state["model"], source)
+    return model.eval()
+
+
+def tokenizer_from_checkpoint(state: dict[str, Any], directory: str | os.PathLike):
+    """Write the tokenizer files stored in a checkpoint into `directory` and load them."""
+    from k3.data.tokenizer import load_tokenizer
+
+    files = state.get("tokenizer") or {}
+    if not files:
+        raise RuntimeError("the checkpoint holds no tokenizer files")
+    directory = Path(directory)
+    for name, data in files.items():
+        atomic_write_bytes(directory / name, data)
+    return load_tokenizer(directory)

@@ -1,0 +1,393 @@
+"""The training loop: data -> tokenizer -> packed batches -> K3ForCausalLM -> AdamW, with QB bias updates,
+metrics, plots, periodic atomic checkpoints and exact resume.
+
+Run directory layout:
+    train_config.json   the TrainConfig
+    config.json         the ModelConfig
+    tokenizer/          the tokenizer files (trained on the corpus on first use unless one was given)
+    data/train.bin      token streams (int32, EOS after each document), fixed at the first run so a resumed
+    data/val.bin        run reads exactly the same data
+    checkpoint.pt       the last good checkpoint (see k3.checkpoint.native)
+    metrics.jsonl       one JSON per step; metrics.png the curves
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, load_checkpoint, load_model_state,
+                                  save_checkpoint)
+from k3.config import ModelConfig
+from k3.data.corpus import load_corpus, split_validation
+from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, text_row, pack_rows, \
+    tokenize_documents
+from k3.data.synthetic import RecallTask
+from k3.data.tokenizer import load_tokenizer, train_bpe
+from k3.model import K3ForCausalLM
+from k3.train.metrics import MetricsLog, plot_metrics
+from k3.train.optim import build_optimizer, lr_at
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"
+    out: str = "runs/tiny"
+    max_steps: int = 200
+    seq_len: int = 256
+    batch_size: int = 8  # rows of seq_len tokens per step, packed into one [1, batch_size*seq_len] sequence
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    dtype: str = "auto"  # auto: bf16 autocast on CUDA with bf16 support, fp32 elsewhere; or "fp32" / "bf16"
+    device: str = "auto"
+    seed: int = 0
+    data: list[str] = field(default_factory=list)  # empty: the default corpus (the stdlib on this machine)
+    max_corpus_mb: float | None = None  # cap on corpus text read (None: all of it)
+    tokenizer: str | None = None  # a tokenizer.json / tiktoken file / directory; None: train a BPE
+    tokenizer_sample_mb: float = 20.0  # text used to train the BPE
+    val_fraction: float = 0.05
+    eval_every: int = 50
+    eval_batches: int = 4
+    save_every: int = 50
+    recall_fraction: float = 0.0  # share of rows replaced by synthetic recall sequences
+    recall_pairs: int = 8
+    time_budget_s: float | None = None  # stop (and save) once training has run this long
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+        if not 0 <= self.recall_fraction <= 1:
+            raise ValueError(f"recall_fraction must be in [0, 1], got {self.recall_fraction}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype, or None for plain fp32. bf16 on CPU is slower than fp32 on most CPUs, so auto keeps
+    fp32 there."""
+    if name == "fp32":
+        return None
+    if name == "bf16":
+        return torch.bfloat16
+    if name != "auto":
+        raise ValueError(f"dtype must be auto, fp32 or bf16, got {name!r}")
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return None
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    atomic_write_bytes(path, (json.dumps(value, indent=2) + "\n").encode("utf-8"))
+
+
+def _tokenizer_files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+class Trainer:
+    """Build with `Trainer(config)`, then `train()`.
+
+    `resume=True` continues from DIR/checkpoint.pt exactly: only `config.out` is read from `config`, the rest
+    comes from the checkpoint, except the fields named in `resume_overrides` (e.g. a larger max_steps; note
+    that max_steps sets the cosine schedule's length, so changing it changes the learning rates that follow)."""
+
+    def __init__(self, config: TrainConfig, resume: bool = False, log: Callable[[str], None] = print,
+                 show_progress: bool = True, resume_overrides: dict[str, Any] | None = None) -> None:
+        self.log = log
+        self.show_progress = show_progress
+        self.out = Path(config.out)
+        checkpoint_path = self.out / CHECKPOINT_NAME
+        self.resume_state = None
+        if resume:
+            if not checkpoint_path.is_file():
+                raise FileNotFoundError(f"--resume given but {checkpoint_path} does not exist; start the run "
+                                        f"without --resume first")
+            self.resume_state = load_checkpoint(checkpoint_path)
+            saved = TrainConfig(**self.resume_state["train"])
+            # Data, model and optimizer settings must stay as they were, or the resumed run would diverge from
+            # the unbroken one; out may move with the run directory.
+            config = dataclasses.replace(saved, out=config.out, **(resume_overrides or {}))
+        elif checkpoint_path.exists():
+            raise ValueError(f"{self.out} already holds a run ({checkpoint_path}); pass --resume to continue it "
+                             f"or choose another --out")
+        self.config = config
+        self.out.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(config.seed)
+        np.random.seed(config.seed)
+        random.seed(config.seed)
+        self.device = resolve_device(config.device)
+        self.autocast = autocast_dtype(config.dtype, self.device)
+
+        self.tokenizer = self._prepare_tokenizer()
+        model_config = self._model_config()
+        self.model_config = model_config
+        self._prepare_data()
+        self.model = K3ForCausalLM(model_config).to(self.device)
+        self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
+        recall = None
+        if config.recall_fraction > 0:
+            recall = RecallTask(model_config.vocab_size, num_pairs=config.recall_pairs,
+                                num_queries=config.recall_pairs)
+        self.recall_task = recall
+        self.train_stream = BatchStream(self.train_tokens, config.seq_len, config.batch_size,
+                                        self.tokenizer.eos_token_id, seed=config.seed, recall=recall,
+                                        recall_fraction=config.recall_fraction)
+        self.step = 0
+        if self.resume_state is not None:
+            self._restore(self.resume_state)
+        else:
+            _write_json(self.out / "train_config.json", config.to_dict())
+            _write_json(self.out / "config.json", model_config.to_dict())
+        self.metrics = MetricsLog(self.out / "metrics.jsonl",
+                                  keep_through_step=self.step if self.resume_state is not None else None)
+
+    # --- setup -----------------------------------------------------------------------------------
+    def _corpus(self):
+        cap = None if self.config.max_corpus_mb is None else int(self.config.max_corpus_mb * 1e6)
+        docs = load_corpus(self.config.data or None, max_bytes=cap)
+        return split_validation(docs, self.config.val_fraction)
+
+    def _prepare_tokenizer(self):
+        tokenizer_dir = self.out / "tokenizer"
+        if tokenizer_dir.is_dir():
+            return load_tokenizer(tokenizer_dir)
+        if self.config.tokenizer:
+            tokenizer = load_tokenizer(self.config.tokenizer)
+        else:
+            vocab = ModelConfig.from_preset(self.config.preset, **self.config.model_overrides).vocab_size
+            train_docs, _ = self._corpus()
+            budget = int(self.config.tokenizer_sample_mb * 1e6)
+            sample, used = [], 0
+            for doc in train_docs:
+                if used >= budget:
+                    break
+                sample.append(doc.text)
+                used += len(doc.text)
+            self.log(f"training a byte-level BPE (vocab {vocab}) on {used / 1e6:.1f} MB of the corpus")
+            tokenizer = train_bpe(sample, vocab, show_progress=self.show_progress)
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no EOS token; documents cannot be separated. Use a tokenizer "
+                             "with an eos_token (tokenizer_config.json) or let k3 train its own BPE")
+        tokenizer.save(tokenizer_dir)
+        return tokenizer
+
+    def _model_config(self) -> ModelConfig:
+        overrides = dict(self.config.model_overrides)
+        if self.resume_state is not None:
+            return ModelConfig.from_dict(self.resume_state["config"])
+        preset_vocab = ModelConfig.from_preset(self.config.preset, **overrides).vocab_size
+        if self.tokenizer.vocab_size > preset_vocab:
+            # A given tokenizer may be larger than the preset's table: grow the table rather than fail.
+            self.log(f"tokenizer has {self.tokenizer.vocab_size} ids; vocab_size raised from {preset_vocab}")
+            overrides["vocab_size"] = self.tokenizer.vocab_size
+        overrides.setdefault("eos_token_id", self.tokenizer.eos_token_id)
+        overrides.setdefault("bos_token_id", self.tokenizer.bos_token_id)
+        return ModelConfig.from_preset(self.config.preset, **overrides)
+
+    def _prepare_data(self) -> None:
+        data_dir = self.out / "data"
+        train_path, val_path = data_dir / "train.bin", data_dir / "val.bin"
+        if not (train_path.is_file() and val_path.is_file()):
+            train_docs, val_docs = self._corpus()
+            eos = self.tokenizer.eos_token_id
+            train = tokenize_documents([d.text for d in train_docs], self.tokenizer, eos, self.show_progress)
+            val = tokenize_documents([d.text for d in val_docs], self.tokenizer, eos, self.show_progress)
+            data_dir.mkdir(parents=True, exist_ok=True)
+            save_stream(train_path, train)
+            save_stream(val_path, val)
+            self.log(f"corpus: {len(train_docs)} train documents ({len(train):,} tokens), {len(val_docs)} "
+                     f"validation documents ({len(val):,} tokens)")
+        self.train_tokens, self.val_tokens = load_stream(train_path), load_stream(val_path)
+        if len(self.val_tokens) < self.config.seq_len + 1:
+            raise ValueError(f"the validation split has {len(self.val_tokens)} tokens, fewer than one row of "
+                             f"seq_len={self.config.seq_len}; use more data, a larger val_fraction or a shorter "
+                             f"--seq-len")
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        load_model_state(self.model, state["model"], str(self.out / CHECKPOINT_NAME))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.train_stream.load_state_dict(state["data"])
+        _set_rng_state(state["rng"])
+        self.step = int(state["step"])
+
+    # --- pieces of the loop ----------------------------------------------------------------------
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        ids = batch.input_ids.to(self.device)
+        labels = batch.labels.to(self.device)
+        cu = batch.cu_seqlens.to(self.device)
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                            enabled=self.autocast is not None):
+            return self.model(ids, cu_seqlens=cu, labels=labels).loss
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first eval_batches * batch_size rows of the validation stream (fixed rows)."""
+        self.model.eval()
+        rows_per_batch = self.config.batch_size
+        num_rows = (len(self.val_tokens) - 1) // self.config.seq_len
+        total, count = 0.0, 0
+        for b in range(self.config.eval_batches):
+            indices = [(b * rows_per_batch + r) % num_rows for r in range(rows_per_batch)]
+            batch = pack_rows([text_row(self.val_tokens, i, self.config.seq_len, self.tokenizer.eos_token_id)
+                               for i in indices], self.tokenizer.eos_token_id)
+            scored = int((batch.labels != -100).sum())
+            total += float(self._forward(batch)) * scored
+            count += scored
+        self.model.train()
+        return total / max(count, 1)
+
+    def save(self) -> None:
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "config": self.model_config.to_dict(),
+            "train": self.config.to_dict(),
+            "step": self.step,
+            "data": self.train_stream.state_dict(),
+            "rng": _rng_state(),
+            "tokenizer": _tokenizer_files(self.out / "tokenizer"),
+        }
+        save_checkpoint(self.out / CHECKPOINT_NAME, state)
+
+    def plot(self) -> None:
+        plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
+
+    # --- the loop --------------------------------------------------------------------------------
+    def train(self, stop_at: int | None = None) -> dict[str, Any]:
+        """Train up to max_steps (or stop after step `stop_at`, as an interrupted run would; the schedule still
+        spans max_steps). Returns a summary: steps, first/last val loss, tokens/s, why it stopped."""
+        config = self.config
+        self.model.train()
+        summary: dict[str, Any] = {"start_step": self.step, "stopped": "max_steps"}
+        if self.step == 0:
+            first_val = self.evaluate()
+            self.metrics.write({"step": 0, "val_loss": first_val})
+            summary["first_val_loss"] = first_val
+            self.log(f"step 0: val_loss {first_val:.4f}")
+        started = time.perf_counter()
+        tokens_seen = 0
+        bar = tqdm(total=config.max_steps, initial=self.step, desc="train", unit="step",
+                   disable=not self.show_progress, dynamic_ncols=True)
+        try:
+            while self.step < config.max_steps:
+                if stop_at is not None and self.step >= stop_at:
+                    summary["stopped"] = "stop_at"
+                    break
+                if config.time_budget_s is not None and time.perf_counter() - started > config.time_budget_s:
+                    summary["stopped"] = "time_budget"
+                    break
+                record = self._train_step()
+                tokens_seen += record["tokens"]
+                if self.step % config.eval_every == 0 or self.step == config.max_steps:
+                    record["val_loss"] = self.evaluate()
+                    summary["last_val_loss"] = record["val_loss"]
+                self.metrics.write(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+                if self.step % config.save_every == 0 or self.step == config.max_steps:
+                    self.save()
+        finally:
+            bar.close()
+        elapsed = time.perf_counter() - started
+        if summary["stopped"] == "time_budget":
+            summary["last_val_loss"] = self.evaluate()
+            self.metrics.write({"step": self.step, "val_loss": summary["last_val_loss"]})
+            self.save()
+        summary.update(steps=self.step, train_seconds=elapsed,
+                       tokens_per_s=tokens_seen / elapsed if elapsed > 0 else 0.0)
+        self.plot()
+        return summary
+
+    def _train_step(self) -> dict[str, Any]:
+        config = self.config
+        lr = lr_at(self.step, config.max_steps, config.lr, config.warmup_steps, config.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        batch = self.train_stream.next_batch()
+        loss = self._forward(batch)
+        if not torch.isfinite(loss):
+            # Nothing from this step reaches the weights or the checkpoint: the last good one stays on disk.
+            self.metrics.write({"step": self.step + 1, "loss": float(loss), "lr": lr})
+            self.plot()
+            raise NonFiniteLossError(
+                f"loss became {float(loss)} at step {self.step + 1}; training stopped and the last good checkpoint "
+                f"({self.out / CHECKPOINT_NAME}, step {self._saved_step()}) was kept. Lower --lr, raise "
+                f"--warmup-steps or check the data, then continue with --resume")
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.update_balancers()
+        self.step += 1
+        elapsed = time.perf_counter() - t0
+        per_layer = self.model.moe_maxvio()
+        return {
+            "step": self.step,
+            "loss": float(loss.detach()),
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": batch.num_tokens,
+            "tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
+            "maxvio": max(per_layer.values()) if per_layer else 0.0,
+            "maxvio_per_layer": {str(k): round(v, 4) for k, v in per_layer.items()},
+            "epoch": round(self.train_stream.epoch, 4),
+        }
+
+    def _saved_step(self) -> int | str:
+        path = self.out / CHECKPOINT_NAME
+        if not path.is_file():
+            return "none yet"
+        try:
+            return int(load_checkpoint(path)["step"])
+        except RuntimeError:
+            return "unreadable"
+
+
+def train(config: TrainConfig, resume: bool = False, **kwargs: Any) -> dict[str, Any]:
+    """Build a Trainer and run it; see Trainer.train for the summary."""
+    return Trainer(config, resume=resume, **kwargs).train()
