@@ -20,7 +20,7 @@ import time
 from k3.sandbox import local
 from k3.sandbox.api import Sandbox
 from k3.sandbox.cgroups import Limits
-from k3.sandbox.image import Image, default_image
+from k3.sandbox.image import Image, build_once, default_image
 from k3.sandbox.paths import sandbox_home
 
 TARGET_MS = {"snapshot_p50_ms": 20.0, "restore_p50_ms": 20.0, "fork_p50_ms": 20.0}
@@ -33,11 +33,13 @@ def bench_image(size_mb: int = 200, home: str | None = None) -> Image:
     home = home or sandbox_home()
     base = default_image(home)
     target = os.path.join(home, "images", f"bench-{size_mb}mb-{os.path.basename(base.path)}")
-    if os.path.exists(os.path.join(target, ".k3-image-complete")):
-        return Image(target, "/work/repo", base.env)
-    staging = target + ".staging"
-    shutil.rmtree(staging, ignore_errors=True)
+    build_once(target, lambda staging: _build_bench_image(base, staging, size_mb))
+    return Image(target, "/work/repo", base.env)
+
+
+def _build_bench_image(base: Image, staging: str, size_mb: int) -> None:
     shutil.copytree(base.path, staging, symlinks=True, copy_function=os.link)
+    os.unlink(os.path.join(staging, ".k3-image-complete"))
     repo = os.path.join(staging, "work", "repo")
     os.makedirs(os.path.join(repo, "src"))
     os.makedirs(os.path.join(repo, "data"))
@@ -53,9 +55,6 @@ def bench_image(size_mb: int = 200, home: str | None = None) -> Image:
             f.write(os.urandom(chunk))
         used += chunk
         blob += 1
-    open(os.path.join(staging, ".k3-image-complete"), "w").close()
-    os.rename(staging, target)
-    return Image(target, "/work/repo", base.env)
 
 
 def _tree_bytes(root: str) -> int:

@@ -9,6 +9,7 @@ almost no disk and is built once per set of host binaries.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -74,20 +75,33 @@ def default_image(home: str | None = None) -> Image:
         key.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
     key.update(_stdlib(python).encode() + str(os.stat(_stdlib(python)).st_mtime_ns).encode())
     target = os.path.join(home, "images", "default-" + key.hexdigest()[:16])
-    if not os.path.exists(os.path.join(target, ".k3-image-complete")):
+    build_once(target, lambda staging: _assemble(staging, _host_files()))
+    image = Image(target, "/work", dict(DEFAULT_ENV))
+    _default_images[home] = image
+    return image
+
+
+def build_once(target: str, build) -> None:
+    """Run ``build(staging_dir)`` and move the result to ``target`` unless a complete ``target``
+    exists. A lock file serialises builders (several processes may start at once), and a complete
+    image is never replaced: sandboxes may be running on it."""
+    marker = os.path.join(target, ".k3-image-complete")
+    if os.path.exists(marker):
+        return
+    with open(os.path.join(os.path.dirname(target), ".build.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(marker):
+            return
         staging = target + f".staging-{uuid.uuid4().hex[:8]}"
         try:
-            _assemble(staging, _host_files())
+            build(staging)
             open(os.path.join(staging, ".k3-image-complete"), "w").close()
-            if os.path.exists(target):
+            if os.path.exists(target):  # left half-built by a crash; nothing can be using it
                 shutil.rmtree(target)
             os.rename(staging, target)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    image = Image(target, "/work", dict(DEFAULT_ENV))
-    _default_images[home] = image
-    return image
 
 
 def _find_python() -> str:
