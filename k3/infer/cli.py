@@ -1,0 +1,168 @@
+"""`k3 generate` and `k3 chat` (a later `k3 serve` registers here too)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from k3.infer.engine import Engine, Session
+from k3.infer.sampling import SamplingParams
+
+
+def load_for_inference(run: str | None, model_path: str | None, device: str = "auto"):
+    """(model, tokenizer) from a training run directory / checkpoint file, or from a Hugging Face-format
+    directory."""
+    if (run is None) == (model_path is None):
+        raise ValueError("give exactly one of --run DIR (a k3 training run) or --model PATH (a Hugging Face-format "
+                         "directory)")
+    if model_path is not None:
+        try:
+            from k3.checkpoint.hf import from_pretrained
+        except ImportError as error:
+            raise RuntimeError(f"--model needs the Hugging Face loader k3.checkpoint.hf, which is not available "
+                               f"({error}); use --run with a k3 training run instead") from error
+        model, tokenizer = from_pretrained(model_path)
+        if tokenizer is None:
+            raise FileNotFoundError(f"{model_path} holds no tokenizer files (tokenizer.json or tiktoken.model); "
+                                    f"generation needs one")
+    else:
+        from k3.checkpoint.native import load_checkpoint, model_from_checkpoint, tokenizer_from_checkpoint
+        from k3.data.tokenizer import load_tokenizer
+
+        state = load_checkpoint(run)
+        model = model_from_checkpoint(state, str(run))
+        run_dir = Path(run) if Path(run).is_dir() else Path(run).parent
+        if (run_dir / "tokenizer").is_dir():
+            tokenizer = load_tokenizer(run_dir / "tokenizer")
+        else:
+            tokenizer = tokenizer_from_checkpoint(state, tempfile.mkdtemp(prefix="k3-tokenizer-"))
+    target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if device == "auto" else device))
+    return model.to(target).eval(), tokenizer
+
+
+def _sampling(args: argparse.Namespace, tokenizer) -> SamplingParams:
+    stop_ids = []
+    for text in args.stop_token or []:
+        ids = tokenizer.encode(text)
+        if len(ids) != 1:
+            raise ValueError(f"--stop-token {text!r} is {len(ids)} tokens for this tokenizer; give text that is "
+                             f"exactly one token")
+        stop_ids.append(ids[0])
+    return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, stop_token_ids=stop_ids, seed=args.seed)
+
+
+def _prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"--prompts-file {path} does not exist")
+        prompts.extend(line for line in path.read_text(encoding="utf-8").splitlines() if line.strip())
+    if not prompts:
+        raise ValueError("no prompt given; use --prompt TEXT (repeatable) or --prompts-file FILE (one per line)")
+    return [p.encode("utf-8").decode("unicode_escape") if args.escapes else p for p in prompts]
+
+
+class _Streamer:
+    """Prints one sequence's text as its tokens arrive, holding back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer, stops: set[int], out=sys.stdout) -> None:
+        self.tokenizer, self.stops, self.out = tokenizer, stops, out
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def __call__(self, token: int) -> None:
+        if token in self.stops:
+            return
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if not text.endswith("\ufffd"):
+            self.out.write(text[self.printed:])
+            self.out.flush()
+            self.printed = len(text)
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    model, tokenizer = load_for_inference(args.run, args.model, args.device)
+    engine = Engine(model, tokenizer, max_context=args.max_context)
+    params = _sampling(args, tokenizer)
+    prompts = _prompts(args)
+    if len(prompts) == 1 and not args.no_stream:
+        streamer = _Streamer(tokenizer, engine.stop_ids(params))
+        sys.stdout.write(prompts[0])
+        engine.generate(prompts, params, on_token=lambda _, token: streamer(token))
+        sys.stdout.write("\n")
+        return 0
+    for i, (prompt, text) in enumerate(zip(prompts, engine.generate(prompts, params))):
+        print(f"=== [{i}] ===\n{prompt}{text}")
+    return 0
+
+
+def chat_command(args: argparse.Namespace) -> int:
+    """A plain-text conversation with a base model: each turn is `User: ...` then `Assistant:`; the reply
+    stops at a newline. The cache carries the whole conversation; nothing is recomputed between turns."""
+    model, tokenizer = load_for_inference(args.run, args.model, args.device)
+    engine = Engine(model, tokenizer, max_context=args.max_context)
+    params = _sampling(args, tokenizer)
+    session = Session(engine)
+    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    print("k3 chat: type a message, empty line or Ctrl-D to quit", file=sys.stderr)
+    first = True
+    while True:
+        try:
+            line = input("> " if sys.stdin.isatty() else "")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        session.feed(tokenizer.encode(("" if first else "\n") + f"User: {line}\nAssistant:"))
+        first = False
+        streamer = _Streamer(tokenizer, engine.stop_ids(params))
+
+        def on_token(token: int) -> bool:
+            streamer(token)
+            return "\n" in tokenizer.decode(streamer.ids)
+
+        session.generate(params, on_token, generator)
+        if not tokenizer.decode(streamer.ids).endswith("\n"):
+            sys.stdout.write("\n")
+        sys.stdout.flush()
+    return 0
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("model")
+    source.add_argument("--run", help="a `k3 train` run directory (or its checkpoint.pt)")
+    source.add_argument("--model", help="a Hugging Face-format model directory")
+    source.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-new-tokens", type=int, default=64)
+    sampling.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    sampling.add_argument("--top-k", type=int, default=0, help="0 = off")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    sampling.add_argument("--stop-token", action="append", help="extra stop token (text of one token); repeatable")
+    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--max-context", type=int, default=4096,
+                          help="longest prompt + generation per sequence, in tokens (default 4096)")
+
+
+def register(subparsers) -> None:
+    gen = subparsers.add_parser("generate", help="generate text from a trained run or an HF model",
+                                description="Prefill each prompt into the hybrid cache, then decode with it.")
+    _add_common(gen)
+    gen.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+    gen.add_argument("--prompts-file", help="a file with one prompt per line")
+    gen.add_argument("--escapes", action="store_true", help="interpret backslash escapes (\\n, \\t) in prompts")
+    gen.add_argument("--no-stream", action="store_true", help="print a single prompt's output only at the end")
+    gen.set_defaults(func=generate_command)
+
+    chat = subparsers.add_parser("chat", help="talk to a trained run or an HF model on the terminal",
+                                 description="A plain-text chat loop; the cache keeps the conversation.")
+    _add_common(chat)
+    chat.set_defaults(func=chat_command)

@@ -1,0 +1,67 @@
+"""One-token decode over a StaticCache, eager or captured once and replayed as a CUDA graph.
+
+`decode_step` is the plain step (any device): embed -> layers -> norm -> LM head on the last position, then the
+cache's device-side position moves on by one. It skips K3ForCausalLM.forward's input checks, which read token
+ids back to the host and so cannot be captured.
+
+`CUDAGraphDecoder` warms the step up on a side stream (fla autotuning, torch.compile), puts the cache back as
+it was, captures one step, and then replays it: the whole model step is one graph launch. `greedy` also keeps
+sampling on the device (argmax written straight into the graph's input), so a run of steps has no host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.infer.static_cache import StaticCache
+
+
+@torch.no_grad()
+def decode_step(model, cache: StaticCache, input_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids [B, 1] -> logits [B, V] for the next token; writes the token into `cache` and advances it."""
+    hidden = model.model(input_ids, cache)
+    logits = model.lm_head(hidden[:, -1])
+    cache.advance(input_ids.shape[1])
+    return logits
+
+
+class CUDAGraphDecoder:
+    """A captured decode step over `cache`. `step(ids [B, 1]) -> logits [B, V]` (a view of the graph's static
+    output: copy it before the next step if you keep it); `greedy(first [B, 1], n) -> tokens [B, n]`."""
+
+    def __init__(self, model, cache: StaticCache, warmup_steps: int = 3) -> None:
+        if not cache.position.is_cuda:
+            raise RuntimeError("CUDAGraphDecoder needs a StaticCache on a CUDA device; use decode_step elsewhere")
+        self.model, self.cache = model, cache
+        self.input_ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.position.device)
+        saved = cache.snapshot()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup_steps):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        cache.restore(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step()
+            self.next_ids = self.logits.argmax(-1, keepdim=True)
+
+    def _step(self) -> torch.Tensor:
+        return decode_step(self.model, self.cache, self.input_ids)
+
+    def step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.input_ids.copy_(input_ids)
+        self.graph.replay()
+        return self.logits
+
+    @torch.no_grad()
+    def greedy(self, first_ids: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Feed first_ids [B, 1], then each argmax; returns the num_tokens greedy tokens [B, num_tokens]."""
+        tokens = torch.empty(self.cache.batch_size, num_tokens, dtype=torch.long, device=self.input_ids.device)
+        self.input_ids.copy_(first_ids)
+        for i in range(num_tokens):
+            self.graph.replay()
+            tokens[:, i].copy_(self.next_ids[:, 0])
+            self.input_ids.copy_(self.next_ids)
+        return tokens

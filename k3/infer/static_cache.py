@@ -1,0 +1,143 @@
+"""A preallocated (static) decode cache for K3 models, for one-token steps captured as CUDA graphs.
+
+It keeps the interface the layers already use with HybridCache (per-layer slots; KDA: `state`, `conv_tails`,
+`update`; MLA: `length`, `append`), but every tensor lives at a fixed address for the cache's lifetime:
+
+- KDA slot: the fp32 recurrent state [B, H, dk, dv] and three conv tails [B, W-1, H*dk], overwritten in place;
+- MLA slot: latent [B, capacity, kv_lora_rank] and k_rope [B, capacity, qk_rope_head_dim] buffers, written at the
+  device-side position, plus `visible_mask` [T, capacity] telling attention which slots are filled.
+
+The write position is a 0-dim int64 tensor on the device shared by all slots, so advancing it needs no host
+sync and is replayed by a graph. All rows of the batch share one position (batched decode of equal lengths).
+
+Prefill long prompts into a HybridCache (its expanded attention path uses flash SDPA) and copy it in with
+`StaticCache.from_hybrid`. Memory: KDA slots are constant in context length; MLA slots cost
+(kv_lora_rank + qk_rope_head_dim) values per token of capacity.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.cache import HybridCache, KDACacheSlot, MLACacheSlot
+from k3.config import ModelConfig
+
+
+class StaticKDASlot:
+    """KDA state and conv tails at fixed addresses; `update` copies into them."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
+        heads, dim = config.kda_num_heads, config.kda_head_dim
+        width = heads * dim
+        self.state = torch.zeros(batch_size, heads, dim, dim, dtype=torch.float32, device=device)
+        self.conv_tails = tuple(torch.zeros(batch_size, config.kda_conv_kernel - 1, width, dtype=dtype,
+                                            device=device) for _ in range(3))
+
+    def update(self, state: torch.Tensor, tails: tuple[torch.Tensor, ...]) -> None:
+        self.state.copy_(state)
+        for buffer, tail in zip(self.conv_tails, tails):
+            buffer.copy_(tail)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.state, *self.conv_tails]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class StaticMLASlot:
+    """Latent and rope-key buffers of fixed capacity, written at the shared device-side position."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, capacity: int, position: torch.Tensor,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.latent = torch.zeros(batch_size, capacity, config.kv_lora_rank, dtype=dtype, device=device)
+        self.k_rope = torch.zeros(batch_size, capacity, config.qk_rope_head_dim, dtype=dtype, device=device)
+        self.position = position
+        self.slots = torch.arange(capacity, device=device)
+        self.visible_mask: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """The filled length lives on the device (`position`); attention reads `visible_mask` instead, so
+        this host-side value is never used for masking and is 0."""
+        return 0
+
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, T, R], k_rope [B, T, rope] -> the whole buffers; sets visible_mask [T, capacity]."""
+        index = self.position + torch.arange(latent.shape[1], device=latent.device)
+        self.latent.index_copy_(1, index, latent.to(self.latent.dtype))
+        self.k_rope.index_copy_(1, index, k_rope.to(self.k_rope.dtype))
+        self.visible_mask = self.slots[None, :] <= index[:, None]
+        return self.latent, self.k_rope
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [self.latent, self.k_rope]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class StaticCache:
+    """Per-layer static slots in layer order; `position` [] int64 counts the tokens written so far."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, capacity: int, device: torch.device | str,
+                 dtype: torch.dtype = torch.bfloat16) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity is the most tokens the cache will hold and must be >= 1, got {capacity}")
+        device = torch.device(device)
+        self.batch_size = batch_size
+        self.capacity = capacity
+        self.position = torch.zeros((), dtype=torch.long, device=device)
+        self.layers: list[StaticKDASlot | StaticMLASlot] = [
+            StaticMLASlot(config, batch_size, capacity, self.position, device, dtype) if kind == "mla"
+            else StaticKDASlot(config, batch_size, device, dtype) for kind in config.layer_types
+        ]
+
+    def __getitem__(self, index: int) -> StaticKDASlot | StaticMLASlot:
+        return self.layers[index]
+
+    def advance(self, num_tokens: int) -> None:
+        """Move the write position on by num_tokens (a device op: no sync, replayable in a graph)."""
+        self.position.add_(num_tokens)
+
+    def nbytes(self, kind: str | None = None) -> int:
+        """Bytes held, for all layers or only 'kda' / 'mla' ones (MLA counts the full capacity)."""
+        return sum(slot.nbytes() for slot in self.layers
+                   if kind is None or (kind == "mla") == isinstance(slot, StaticMLASlot))
+
+    def recurrent_buffers(self) -> list[torch.Tensor]:
+        """The tensors a step overwrites in place (KDA states and tails, the position); MLA buffers are only
+        written past the position, so saving these is enough to undo a step."""
+        out = [self.position]
+        for slot in self.layers:
+            if isinstance(slot, StaticKDASlot):
+                out.extend(slot.buffers())
+        return out
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [t.clone() for t in self.recurrent_buffers()]
+
+    def restore(self, saved: list[torch.Tensor]) -> None:
+        for buffer, value in zip(self.recurrent_buffers(), saved):
+            buffer.copy_(value)
+
+    @classmethod
+    def from_hybrid(cls, config: ModelConfig, cache: HybridCache, capacity: int,
+                    dtype: torch.dtype | None = None) -> "StaticCache":
+        """Copy a prefilled HybridCache (every layer run at least once) into a new static cache."""
+        if cache.seen_tokens > capacity:
+            raise ValueError(f"the cache holds {cache.seen_tokens} tokens but capacity is only {capacity}")
+        first = next((s for s in cache.layers if isinstance(s, MLACacheSlot) and s.latent is not None), None)
+        reference = first.latent if first is not None else next(
+            s.conv_tails[0] for s in cache.layers if isinstance(s, KDACacheSlot) and s.state is not None)
+        static = cls(config, cache.batch_size, capacity, reference.device, dtype or reference.dtype)
+        for source, target in zip(cache.layers, static.layers):
+            if isinstance(source, KDACacheSlot):
+                if source.state is None:
+                    raise ValueError("from_hybrid needs a prefilled cache; a KDA layer has no state yet")
+                target.update(source.state, source.conv_tails)
+            else:
+                target.latent[:, : source.length].copy_(source.latent)
+                target.k_rope[:, : source.length].copy_(source.k_rope)
+        static.position.fill_(cache.seen_tokens)
+        return static

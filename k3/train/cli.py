@@ -1,0 +1,83 @@
+"""`k3 train` and `k3 demo`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from k3.train.trainer import TrainConfig, Trainer
+
+
+def train_command(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    overrides = {}
+    if args.resume:
+        # Only what the user typed replaces the saved settings.
+        for name in ("max_steps", "time_budget_s"):
+            if getattr(args, name) is not None:
+                overrides[name] = getattr(args, name)
+        config = TrainConfig(out=args.out)
+    else:
+        fields = {name: getattr(args, name) for name in (
+            "preset", "out", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "weight_decay",
+            "grad_clip", "dtype", "device", "seed", "max_corpus_mb", "tokenizer", "val_fraction", "eval_every",
+            "eval_batches", "save_every", "recall_fraction", "time_budget_s") if getattr(args, name) is not None}
+        fields["data"] = list(args.data or [])
+        config = TrainConfig(**fields)
+    trainer = Trainer(config, resume=args.resume, resume_overrides=overrides)
+    summary = trainer.train()
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
+    print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl, metrics.png)")
+    return 0
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    from k3.train.demo import run_demo
+
+    run_demo(out=args.out, minutes=args.minutes, threads=args.threads, fresh=not args.keep)
+    return 0
+
+
+def register(subparsers) -> None:
+    train = subparsers.add_parser("train", help="train a K3-architecture model (default data: this machine's "
+                                                "Python standard library)")
+    train.add_argument("--preset", help="model preset: debug, tiny, small, kimi-linear-48b, k3 (default tiny)")
+    train.add_argument("--out", required=True, help="run directory")
+    train.add_argument("--max-steps", type=int, dest="max_steps")
+    train.add_argument("--data", action="append",
+                       help=".txt, .jsonl (\"text\" field) or .parquet file, or a directory of them; repeatable")
+    train.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    train.add_argument("--tokenizer", help="a tokenizer.json, tiktoken model file or tokenizer directory "
+                                           "(default: train a byte-level BPE on the corpus)")
+    train.add_argument("--seq-len", type=int, dest="seq_len")
+    train.add_argument("--batch-size", type=int, dest="batch_size", help="rows of --seq-len tokens per step")
+    train.add_argument("--lr", type=float)
+    train.add_argument("--warmup-steps", type=int, dest="warmup_steps")
+    train.add_argument("--weight-decay", type=float, dest="weight_decay")
+    train.add_argument("--grad-clip", type=float, dest="grad_clip")
+    train.add_argument("--dtype", choices=["auto", "fp32", "bf16"],
+                       help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    train.add_argument("--device", help="auto, cpu, cuda, cuda:N")
+    train.add_argument("--seed", type=int)
+    train.add_argument("--max-corpus-mb", type=float, dest="max_corpus_mb", help="read at most this much text")
+    train.add_argument("--val-fraction", type=float, dest="val_fraction")
+    train.add_argument("--eval-every", type=int, dest="eval_every")
+    train.add_argument("--eval-batches", type=int, dest="eval_batches")
+    train.add_argument("--save-every", type=int, dest="save_every")
+    train.add_argument("--recall-fraction", type=float, dest="recall_fraction",
+                       help="share of rows replaced by synthetic associative-recall sequences")
+    train.add_argument("--time-budget-s", type=float, dest="time_budget_s", help="stop (and save) after this long")
+    train.add_argument("--threads", type=int, help="CPU threads for torch")
+    train.set_defaults(func=train_command)
+
+    demo = subparsers.add_parser("demo", help="train the tiny preset on this machine's stdlib, sample from it and "
+                                              "test long-range recall, within about 10 minutes on 2 CPU cores")
+    demo.add_argument("--out", default="runs/demo", help="run directory (default runs/demo)")
+    demo.add_argument("--minutes", type=float, default=10.0, help="total wall-clock budget (default 10)")
+    demo.add_argument("--threads", type=int, default=0,
+                      help="CPU threads (default: the idle cores, from the load average)")
+    demo.add_argument("--keep", action="store_true", help="continue an existing demo run instead of starting over")
+    demo.set_defaults(func=demo_command)
