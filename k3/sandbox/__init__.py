@@ -9,7 +9,7 @@ from k3.sandbox.aio import AsyncSandbox
 from k3.sandbox.api import ExecResult, Sandbox
 from k3.sandbox.cgroups import Limits
 from k3.sandbox.image import Image, default_image
-from k3.sandbox.local import SandboxError
+from k3.sandbox.local import SandboxError, prewarm
 from k3.sandbox.pool import SandboxPool, SnapshotStore
 
-__all__ = ["AsyncSandbox", "ExecResult", "Image", "Limits", "Sandbox", "SandboxError", "SandboxPool", "SnapshotStore", "default_image"]
+__all__ = ["AsyncSandbox", "ExecResult", "Image", "Limits", "Sandbox", "SandboxError", "SandboxPool", "SnapshotStore", "default_image", "prewarm"]

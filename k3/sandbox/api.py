@@ -81,6 +81,7 @@ class Sandbox:
         snapshot: str | None = None,
         hostname: str = "sandbox",
         home: str | None = None,
+        _supervisor: local.Supervisor | None = None,
     ) -> None:
         """Create and start a sandbox from ``image`` (default: ``default_image()``), or from
         ``snapshot`` (a snapshot id; its image is used). ``limits`` default to ``Limits()``."""
@@ -110,7 +111,7 @@ class Sandbox:
         self._lock = threading.Lock()
         self._generation = 0
         self._pending: list = []
-        self._supervisor = supervisor = local.spares().take(1)[0]
+        self._supervisor = supervisor = _supervisor or local.spares().take(1)[0]
         self.id = supervisor.name
         self.run_dir = os.path.join(self.scratch, "run", self.id)
         local.register(self)
@@ -323,14 +324,18 @@ class Sandbox:
             raise ValueError(f"fork needs n >= 1 sandboxes, got {n!r}")
         if snapshot is None:
             snapshot = self.snapshot()
-        local.spares().take(0)  # make sure spares are on their way before the first fork starts
+        supervisors = local.spares().take(n)  # those not ready yet start in parallel
         forks: list[Sandbox] = []
         try:
-            for _ in range(n):
-                forks.append(Sandbox(self.image, self.limits, snapshot=snapshot, hostname=self.hostname, home=self.home))
+            for supervisor in supervisors:
+                forks.append(Sandbox(self.image, self.limits, snapshot=snapshot, hostname=self.hostname,
+                                     home=self.home, _supervisor=supervisor))
         except BaseException:
             for sandbox in forks:
                 sandbox.close()
+            for supervisor in supervisors[len(forks) :]:
+                supervisor.kill()
+                supervisor.wait()
             raise
         return forks
 

@@ -290,6 +290,18 @@ def spares() -> Spares:
         return _spares
 
 
+def prewarm(n: int, timeout: float = 60.0) -> bool:
+    """Keep at least ``n`` spare supervisors ready from now on, and wait until they are.
+
+    Call it before a burst of forks or restores (``fork(snapshot, n)``) so that none of them waits
+    for a Python start; each spare costs a few MB of memory while it waits."""
+    if n < 0:
+        raise ValueError(f"prewarm needs n >= 0 spares, got {n}")
+    pool = spares()
+    pool.target = max(pool.target, n)
+    return pool.wait_ready(timeout)
+
+
 class Janitor:
     """Tears down replaced supervisors and their directories off the caller's critical path.
 
