@@ -24,6 +24,9 @@ from k3.sandbox.local import SandboxError
 from k3.sandbox.paths import sandbox_home, scratch_dir
 
 DEFAULT_MAX_OUTPUT = 16 << 20
+# Deeper chains are squashed into one layer at the next snapshot: overlay's mount option must fit
+# in a page (about 120 layers with our short names) and each layer adds a little lookup cost.
+MAX_CHAIN = 48
 
 
 @dataclass(frozen=True)
@@ -293,6 +296,8 @@ class Sandbox:
             if must_freeze:
                 self.cgroup.freeze()
             try:
+                if len(self.chain) >= MAX_CHAIN:
+                    return self.store.squash(self.chain, self._upper, self.image.path)
                 return self.store.freeze(self._upper, self.chain[0] if self.chain else None, self.image.path)
             finally:
                 if must_freeze:

@@ -154,6 +154,22 @@ class LayerStore:
         os.rename(tmp, final + ".json")  # the json appears last: a layer with metadata is complete
         return layer_id
 
+    def squash(self, chain: list[str], upper: str, image: str) -> str:
+        """One layer equal to ``chain`` (top first) with ``upper`` on top, sitting right on the image.
+
+        Overlay stacks at most a few hundred lower layers (and the mount option fits in one page),
+        so a chain that has grown deep is flattened: applied bottom to top with overlay's rules,
+        a whiteout deletes, an opaque directory replaces, anything else overwrites.
+        """
+        merged = os.path.join(self.root, f".squash-{uuid.uuid4().hex}")
+        os.mkdir(merged)
+        try:
+            for source in [self.path(layer) for layer in reversed(chain)] + [upper]:
+                _apply(source, merged)
+            return self.freeze(merged, None, image)
+        finally:
+            shutil.rmtree(merged, ignore_errors=True)
+
     def remove(self, layer_id: str) -> None:
         """Delete one layer (metadata first, so a half-deleted layer is never seen as complete)."""
         _check_id(layer_id)
@@ -199,6 +215,47 @@ class LayerStore:
     def _opaque_dirs(self, layer_id: str) -> list[str]:
         base = self.path(layer_id)
         return [os.path.relpath(d, base) for d, _, _ in os.walk(base) if _opaque(d)]
+
+
+def _is_whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _clear(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def _apply(source: str, merged: str) -> None:
+    """Lay the overlay layer ``source`` over the flattened tree ``merged``."""
+    for directory, dirnames, filenames in os.walk(source):
+        rel_dir = os.path.relpath(directory, source)
+        target_dir = merged if rel_dir == "." else os.path.join(merged, rel_dir)
+        for name in dirnames:
+            src, dst = os.path.join(directory, name), os.path.join(target_dir, name)
+            st = os.lstat(src)
+            opaque = _opaque(src)
+            if opaque or not os.path.isdir(dst) or os.path.islink(dst):
+                _clear(dst)  # an opaque directory hides everything below it
+                os.mkdir(dst)
+                if opaque:
+                    os.setxattr(dst, OPAQUE_XATTR, opaque)
+            _copy_meta(st, dst)
+        for name in filenames:
+            src, dst = os.path.join(directory, name), os.path.join(target_dir, name)
+            st = os.lstat(src)
+            _clear(dst)
+            if stat.S_ISREG(st.st_mode):
+                shutil.copyfile(src, dst)
+            elif stat.S_ISLNK(st.st_mode):
+                os.symlink(os.readlink(src), dst)
+            elif _is_whiteout(st) or stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
+                os.mknod(dst, st.st_mode, st.st_rdev)  # a whiteout stays: it must still hide the image's file
+            else:
+                continue
+            _copy_meta(st, dst)
 
 
 def _check_id(layer_id: str) -> None:

@@ -177,3 +177,24 @@ def test_exec_returns_when_the_command_exits_even_if_a_background_child_holds_it
     result = box.exec("echo started; sleep 1000 &", timeout=None)
     assert result.stdout == "started\n" and result.exit_code == 0 and not result.timed_out
     assert "sleep" in box.exec("cat /proc/[0-9]*/comm").stdout  # the background process lives on
+
+
+def test_deep_chains_are_squashed_with_overlay_semantics(box, monkeypatch):
+    import k3.sandbox.api as api
+
+    monkeypatch.setattr(api, "MAX_CHAIN", 4)
+    steps = [
+        "echo 1 > /work/a; mkdir -p /work/d; echo old > /work/d/old",
+        "rm /work/a; rm /usr/bin/yes; echo 2 > /work/b",
+        "rm -rf /work/d; mkdir /work/d; echo new > /work/d/new",
+        "echo 3 > /work/a; ln -s /work/b /work/link",
+    ]
+    for step in steps:
+        assert box.exec(step).exit_code == 0
+        box.restore(box.snapshot())
+    assert len(box.chain) == 4
+    squashed = box.snapshot()
+    assert box.store.chain(squashed) == [squashed]  # one layer right on the image
+    with Sandbox(snapshot=squashed) as flat:
+        listing = "cat /work/a /work/b /work/link; ls /work/d; test -e /usr/bin/yes || echo no-yes"
+        assert flat.exec(listing).stdout == box.exec(listing).stdout == "3\n2\n2\nnew\nno-yes\n"
