@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# System packages the sandbox backend (k3.sandbox) needs, installed with apt-get as root.
+# Required: unshare(1) and the util-linux tools, ldd (libc-bin), a python3 to build the default
+# image from. Optional: criu, reported by `k3 sandbox doctor` (memory snapshots are not used).
+# Idempotent: when everything is present it does nothing and returns at once.
+set -euo pipefail
+
+required=(util-linux libc-bin python3 coreutils grep sed findutils diffutils)
+optional=(criu)
+
+missing=()
+for package in "${required[@]}" "${optional[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
+        missing+=("$package")
+    fi
+done
+if [ ${#missing[@]} -eq 0 ]; then
+    exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+    echo "install-system-deps: need root to install: ${missing[*]}" >&2
+    exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+for package in "${missing[@]}"; do
+    if [[ " ${optional[*]} " == *" $package "* ]]; then
+        apt-get install -y -qq --no-install-recommends "$package" >/dev/null \
+            || echo "install-system-deps: optional package $package is not available here; continuing" >&2
+    else
+        apt-get install -y -qq --no-install-recommends "$package" >/dev/null
+    fi
+done
