@@ -242,6 +242,10 @@ def dispatch_compute_combine(h_TL: torch.Tensor, topk_ids_TK: torch.Tensor, plan
         w3 = torch.cat([w3_EFL, r3]).index_select(0, pick)
         w2 = torch.cat([w2_ELF, r2]).index_select(0, pick)
     y_slot_ML = run_experts(x_slot_ML, counts_RS.sum(0).to(device), w1, w3, w2, act, betas)
+    if x_slot_ML.shape[0] == 0:
+        # Nothing to compute here this step: keep the empty result wired to the inputs and weights, so this
+        # rank runs the same backward collectives as the others and its experts get zero, not missing, grads.
+        y_slot_ML = y_slot_ML + (x_slot_ML.sum() + w1.sum() + w3.sum() + w2.sum()) * 0
 
     y_recv_ML = y_slot_ML.index_select(0, _inverse(slot_index_M))
     y_sent_NL = all_to_all(y_recv_ML, input_splits, output_splits, group)

@@ -47,13 +47,20 @@ def biases_agree(model) -> bool:
     return bool((every == every[0]).all())
 
 
-def scenario_parity(args) -> dict:
-    model = build_model(args.seed)
-    model = parallelize(model, ep_size=get_world_size(), balanced=args.balanced)
+def scenario_train(args) -> dict:
+    """Train `steps` steps on the shared global batches; optionally save, then optionally load another
+    layout's checkpoint. Reports the losses, the router biases and the logits after each phase."""
+    model = parallelize(build_model(args.seed), ep_size=get_world_size(), balanced=args.balanced)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses = train_steps(model, global_batches(args.steps, args.batch, args.length, args.seed), optimizer)
-    bias = [router.e_score_correction_bias.tolist() for _, router in model.routers()]
-    return {"losses": losses, "bias": bias, "biases_agree": biases_agree(model)}
+    result = {"losses": losses, "bias": [router.e_score_correction_bias.tolist() for _, router in model.routers()],
+              "biases_agree": biases_agree(model), "logits": _eval_logits(model, args)}
+    if args.checkpoint:
+        save_checkpoint(model, args.checkpoint)
+    if args.load:
+        load_checkpoint(model, args.load)
+        result["loaded_logits"] = _eval_logits(model, args)
+    return result
 
 
 def _forward_backward(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -64,7 +71,9 @@ def _forward_backward(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str,
     local = shard_batch(ids)
     out = model(local[:, :-1], labels=local[:, 1:])
     out.loss.backward()
-    grads = {name: full_tensor(p.grad).detach().clone() for name, p in model.named_parameters()}
+    # Layer 0's first AttnRes mix has one source and passes it through: its weights get no gradient.
+    grads = {name: full_tensor(p.grad).detach().clone() for name, p in model.named_parameters()
+             if p.grad is not None}
     logits = all_gather_cat(out.logits.detach().reshape(local.shape[0], -1))
     return logits, grads
 
@@ -73,7 +82,7 @@ def scenario_balanced(args) -> dict:
     """Plain vs balanced dispatch on the same skewed batch: pair counts, logits and gradients."""
     model = parallelize(build_model(args.seed), ep_size=get_world_size(), balanced=False)
     ids = global_batches(1, args.batch, args.length, args.seed)[0]
-    hot = [0, 1]  # both homed on rank 0: every pair of the batch lands on one rank in the plain dispatch
+    hot = [int(e) for e in args.hot.split(",")]
     results = {}
     with skewed_routing(model, hot):
         for mode in ("plain", "balanced"):
@@ -92,18 +101,10 @@ def scenario_balanced(args) -> dict:
     }
 
 
-def scenario_save(args) -> dict:
-    model = parallelize(build_model(args.seed), ep_size=get_world_size())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    train_steps(model, global_batches(3, args.batch, args.length, args.seed), optimizer)
-    save_checkpoint(model, args.checkpoint)
-    return {"logits": _eval_logits(model, args)}
-
-
 def scenario_load(args) -> dict:
     model = parallelize(build_model(args.seed + 100), ep_size=get_world_size())  # other weights on purpose
-    load_checkpoint(model, args.checkpoint)
-    return {"logits": _eval_logits(model, args)}
+    load_checkpoint(model, args.load)
+    return {"loaded_logits": _eval_logits(model, args)}
 
 
 def _eval_logits(model, args) -> list:
@@ -115,8 +116,7 @@ def _eval_logits(model, args) -> list:
     return all_gather_cat(logits.reshape(local.shape[0], -1)).tolist()
 
 
-SCENARIOS = {"parity": scenario_parity, "balanced": scenario_balanced, "save": scenario_save,
-             "load": scenario_load}
+SCENARIOS = {"train": scenario_train, "balanced": scenario_balanced, "load": scenario_load}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--balanced", action="store_true")
-    parser.add_argument("--checkpoint", default="")
+    parser.add_argument("--checkpoint", default="", help="save here after training")
+    parser.add_argument("--load", default="", help="checkpoint to load (after training, for `train`)")
+    parser.add_argument("--hot", default="0,1", help="experts the skewed router prefers (balanced)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     init_distributed(device="cpu")

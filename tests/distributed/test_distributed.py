@@ -1,0 +1,186 @@
+"""Distributed training on CPU with gloo: loss parity across EP layouts, balanced dispatch under skew,
+checkpoints across layouts, and the plan arithmetic the dispatcher relies on.
+
+Multi-process tests launch tests/distributed/worker.py with torchrun (one subprocess per layout) and
+compare the JSON each layout writes. Model: the debug preset (8 experts, top-2) in float64.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3.distributed.balanced import balanced_plan, imbalance
+from k3.distributed.dispatcher import _piece_overlap, home_plan, source_to_slot_order
+
+WORKER = Path(__file__).with_name("worker.py")
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 20
+
+
+def launch(tmp_path: Path, name: str, nproc: int, *args: str) -> dict:
+    """Run one worker scenario on `nproc` processes and return rank 0's JSON."""
+    out = tmp_path / f"{name}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    if nproc == 1:
+        command = [sys.executable, str(WORKER)]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                   "--standalone", str(WORKER)]
+    done = subprocess.run(command + [*args, "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    if done.returncode != 0:
+        raise AssertionError(f"{name} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    return json.loads(out.read_text())
+
+
+def assert_losses_match(reference: list[float], got: list[float], rtol: float = 1e-5) -> None:
+    assert len(reference) == len(got) == STEPS
+    worst = max(abs(a - b) / abs(a) for a, b in zip(reference, got))
+    assert worst <= rtol, f"losses differ by {worst:.3e} relative (allowed {rtol:.0e}):\n{reference}\n{got}"
+
+
+def assert_same_biases(reference: list[list[float]], got: list[list[float]]) -> None:
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(reference), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory) -> tuple[dict, Path]:
+    """The reference: one process, no parallelism, 20 steps; its checkpoint is loaded by the EP=2 run."""
+    tmp = tmp_path_factory.mktemp("ep1")
+    checkpoint = tmp / "ep1.pt"
+    return launch(tmp, "ep1", 1, "train", "--steps", str(STEPS), "--checkpoint", str(checkpoint)), checkpoint
+
+
+def test_ep2_matches_one_process_and_checkpoints_cross_layouts(single_process, tmp_path):
+    reference, ep1_checkpoint = single_process
+    ep2_checkpoint = tmp_path / "ep2.pt"
+    ep2 = launch(tmp_path, "ep2", 2, "train", "--steps", str(STEPS), "--checkpoint", str(ep2_checkpoint),
+                 "--load", str(ep1_checkpoint))
+    assert_losses_match(reference["losses"], ep2["losses"])
+    assert ep2["biases_agree"], "QB biases differ between ranks"
+    assert_same_biases(reference["bias"], ep2["bias"])
+    assert reference["losses"][-1] < reference["losses"][0], "the run did not train"
+    # EP=1 checkpoint loaded under EP=2 gives the EP=1 model's logits exactly.
+    torch.testing.assert_close(torch.tensor(ep2["loaded_logits"]), torch.tensor(reference["logits"]),
+                               rtol=1e-12, atol=1e-12)
+    # EP=2 checkpoint loaded by a single process (plain load_state_dict) gives the EP=2 model's logits.
+    ep1_load = launch(tmp_path, "ep1_load", 1, "load", "--load", str(ep2_checkpoint))
+    torch.testing.assert_close(torch.tensor(ep1_load["loaded_logits"]), torch.tensor(ep2["logits"]),
+                               rtol=1e-12, atol=1e-12)
+    # The two trained models are close but not the same tensor: the loads above really moved weights.
+    assert torch.tensor(ep2["logits"]).ne(torch.tensor(reference["logits"])).any()
+
+
+@pytest.mark.slow
+def test_ep4_matches_one_process(single_process, tmp_path):
+    reference, _ = single_process
+    ep4 = launch(tmp_path, "ep4", 4, "train", "--steps", str(STEPS))
+    assert_losses_match(reference["losses"], ep4["losses"])
+    assert ep4["biases_agree"], "QB biases differ between ranks"
+    assert_same_biases(reference["bias"], ep4["bias"])
+
+
+@pytest.mark.slow
+def test_ep2_balanced_training_matches_one_process(single_process, tmp_path):
+    reference, _ = single_process
+    balanced = launch(tmp_path, "ep2_balanced", 2, "train", "--steps", str(STEPS), "--balanced")
+    assert_losses_match(reference["losses"], balanced["losses"])
+
+
+def check_balanced(result: dict, nproc: int) -> None:
+    for plain, balanced in zip(result["pairs_plain"], result["pairs_balanced"]):
+        assert sum(plain) == sum(balanced)
+        assert imbalance(plain) > 1.5, f"the router was not skewed: plain pairs per rank {plain}"
+        assert len(balanced) == nproc and imbalance(balanced) == 1.0, f"unbalanced: {balanced}"
+    assert all(n > 0 for n in result["replicas_balanced"])
+    assert len(result["pairs_balanced"]) == 3  # one entry per MoE layer of the debug preset
+    assert result["max_logit_diff"] <= 1e-12 * max(1.0, result["max_logit"])
+    assert result["max_grad_diff"] <= 1e-12 * max(1.0, result["max_grad"])
+    assert any("block_sparse_moe.w1" in name for name in result["grad_names"])
+
+
+def test_balanced_dispatch_under_skew_two_ranks(tmp_path):
+    # Experts 0 and 1 live on rank 0: the plain dispatch puts every pair there.
+    check_balanced(launch(tmp_path, "balanced2", 2, "balanced", "--hot", "0,1"), 2)
+
+
+@pytest.mark.slow
+def test_balanced_dispatch_under_skew_four_ranks(tmp_path):
+    # Experts 0, 1 (rank 0) and 5 (rank 2) hot: two overloaded ranks shed onto two idle ones.
+    check_balanced(launch(tmp_path, "balanced4", 4, "balanced", "--hot", "0,1,5"), 4)
+
+
+# --- plan arithmetic, in one process ---------------------------------------------------------------------
+
+def skewed_counts(generator: torch.Generator, ranks: int, experts: int, pairs_per_rank: int) -> torch.Tensor:
+    """[R, E] counts: each rank's pairs drawn from a sharply peaked expert distribution."""
+    weights = torch.rand(experts, generator=generator) ** 8
+    weights[torch.randint(experts, (1,), generator=generator)] += 5.0
+    counts = torch.zeros(ranks, experts, dtype=torch.long)
+    for r in range(ranks):
+        picks = torch.multinomial(weights, pairs_per_rank, replacement=True, generator=generator)
+        counts[r] = torch.bincount(picks, minlength=experts)
+    return counts
+
+
+@pytest.mark.parametrize("ranks,experts", [(2, 8), (4, 8), (4, 16), (8, 64)])
+def test_balanced_plan_gives_every_rank_the_same_pairs(ranks, experts):
+    generator = torch.Generator().manual_seed(ranks * 100 + experts)
+    for trial in range(20):
+        counts = skewed_counts(generator, ranks, experts, pairs_per_rank=96 + 8 * trial)
+        plan = balanced_plan(counts)
+        assert plan.pairs_per_rank() == [int(counts.sum()) // ranks] * ranks
+        per_expert = counts.sum(0).tolist()
+        pieces_of = {}
+        for e, r, n in zip(plan.piece_expert, plan.piece_rank, plan.piece_count):
+            pieces_of.setdefault(e, []).append((r, n))
+        for e in range(experts):
+            owners = [r for r, _ in pieces_of[e]]
+            assert sum(n for _, n in pieces_of[e]) == per_expert[e]
+            assert plan.home(e) in owners and len(set(owners)) == len(owners) and owners == sorted(owners)
+        for e, r in plan.replicas():
+            assert pieces_of[e][[o for o, _ in pieces_of[e]].index(r)][1] > 0
+        # Plans are pure functions of the counts: every rank computes the same one.
+        assert balanced_plan(counts.clone()) == plan
+
+
+def test_balanced_plan_keeps_balanced_routing_at_home():
+    counts = torch.full((4, 8), 6, dtype=torch.long)
+    plan = balanced_plan(counts)
+    assert plan.replicas() == [] and plan == home_plan(counts)
+
+
+def test_balanced_plan_rejects_uneven_expert_split():
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        balanced_plan(torch.ones(3, 8, dtype=torch.long))
+
+
+def test_piece_overlap_matches_a_pair_by_pair_count():
+    generator = torch.Generator().manual_seed(3)
+    counts = skewed_counts(generator, 4, 8, pairs_per_rank=50)
+    plan = balanced_plan(counts)
+    overlap = _piece_overlap(counts, plan)
+    expected = torch.zeros_like(overlap)
+    for e in range(8):
+        owners = [(p, n) for p, (pe, n) in enumerate(zip(plan.piece_expert, plan.piece_count)) if pe == e]
+        slot_of_position = [p for p, n in owners for _ in range(n)]  # the expert's pair list, cut into pieces
+        position = 0
+        for r in range(4):
+            for _ in range(int(counts[r, e])):
+                expected[r, slot_of_position[position]] += 1
+                position += 1
+    assert torch.equal(overlap, expected)
+    assert torch.equal(overlap.sum(0), torch.tensor(plan.piece_count))
+
+
+def test_source_to_slot_order_is_a_transpose_of_segments():
+    counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
+    # Source-major rows: r0s0 r0s0 r0s2 | r1s0 r1s1 r1s1 r1s1 -> slot-major: s0 (r0 r0 r1), s1 (r1 x3), s2 (r0).
+    assert source_to_slot_order(counts).tolist() == [0, 1, 3, 4, 5, 6, 2]
