@@ -135,7 +135,7 @@ def test_fork_gives_independent_copies(box):
 
 
 def test_pause_freezes_every_process(box):
-    box.exec("(while true; do echo x >> /tmp/ticks; done) > /dev/null 2>&1 &")
+    box.exec("echo start > /tmp/ticks; (while true; do echo x >> /tmp/ticks; done) > /dev/null 2>&1 &")
     box.pause()
     with pytest.raises(SandboxError, match="paused"):
         box.exec("true")
