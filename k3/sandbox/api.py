@@ -140,6 +140,7 @@ class Sandbox:
             supervisor.cgroup.set_limits(self.limits)
             supervisor.limits = self.limits
         self._supervisor, self._upper = supervisor, upper
+        self._freeze_cache: dict = {}  # per upper directory: see LayerStore.freeze
         lower = [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
         answer = supervisor.call(
             {"op": "setup", "lower_base": self.scratch, "lower": lower, "upper": upper, "work": work,
@@ -298,7 +299,8 @@ class Sandbox:
             try:
                 if len(self.chain) >= MAX_CHAIN:
                     return self.store.squash(self.chain, self._upper, self.image.path)
-                return self.store.freeze(self._upper, self.chain[0] if self.chain else None, self.image.path)
+                return self.store.freeze(self._upper, self.chain[0] if self.chain else None, self.image.path,
+                                         cache=self._freeze_cache)
             finally:
                 if must_freeze:
                     self.cgroup.thaw()

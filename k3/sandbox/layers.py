@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 OPAQUE_XATTR = "trusted.overlay.opaque"
 ID_CHARS = 24  # hex digits kept in a layer id: short names keep the overlay mount option short
+FRESH_NS = 50_000_000  # files changed this recently (ns) are not trusted to the freeze cache
 
 
 @dataclass(frozen=True)
@@ -76,34 +77,47 @@ class LayerStore:
     def list(self) -> list[LayerInfo]:
         return [self.info(name[:-5]) for name in sorted(os.listdir(self.root)) if name.endswith(".json")]
 
-    def freeze(self, upper: str, parent: str | None, image: str) -> str:
+    def freeze(self, upper: str, parent: str | None, image: str, cache: dict | None = None) -> str:
         """Copy the overlay upper directory ``upper`` into a new immutable layer; return its id.
 
         The caller must keep writers out of ``upper`` while this runs (the sandbox is frozen or
-        idle). One pass reads and hashes everything; files are written only when the id is new,
-        so freezing the same state twice costs a read, not a copy.
+        idle). One pass hashes everything; files are written only when the id is new, so freezing
+        the same state twice costs a read, not a copy.
+
+        ``cache`` (a dict the caller keeps per upper directory, empty at first) makes repeated
+        snapshots incremental: a file whose inode, size, mode, owner, mtime and ctime are those it
+        had at the previous freeze is neither read nor copied again, but hard-linked from the
+        layer that already holds it (layers are immutable, so sharing their inodes is safe).
         """
+        upper = upper.rstrip("/")
         digest = hashlib.sha256()
         digest.update(f"parent={parent or ''}\nimage={image}\n".encode())
-        entries = []  # (relative path, stat, kind, payload): what the second pass writes
+        entries = []  # (relative path, stat, kind, payload[, digest]): what the second pass writes
+        known = cache if cache is not None else {}
+        fresh_after = time.time_ns() - FRESH_NS
         total_bytes, files = 0, 0
         for directory, dirnames, filenames in _walk_sorted(upper):
-            rel_dir = os.path.relpath(directory, upper)
+            rel_dir = directory[len(upper) + 1 :]
             for name in dirnames:
-                rel = os.path.join(rel_dir, name)
-                st = os.lstat(os.path.join(directory, name))
-                opaque = _opaque(os.path.join(directory, name))
+                rel = rel_dir + "/" + name if rel_dir else name
+                source = directory + "/" + name
+                st = os.lstat(source)
+                opaque = _opaque(source)
                 entries.append((rel, st, "dir", opaque))
                 digest.update(_entry(rel, st, b"opaque=" + opaque))
             for name in filenames:
-                rel, source = os.path.join(rel_dir, name), os.path.join(directory, name)
+                rel = rel_dir + "/" + name if rel_dir else name
+                source = directory + "/" + name
                 st = os.lstat(source)
                 if stat.S_ISREG(st.st_mode):
-                    payload = _read_small(source, st.st_size)
-                    if payload is None:  # large: hash now by streaming, copy later
-                        content = _hash_file(source)
+                    signature = _signature(st)
+                    hit = known.get(rel)
+                    if hit is not None and hit[0] == signature:
+                        content, payload = hit[1], hit[2]  # payload: the path of an identical layer file
                     else:
-                        content = payload
+                        data = _read_small(source, st.st_size)
+                        content = hashlib.sha256(data).digest() if data is not None else _hash_file(source)
+                        payload = data
                     entries.append((rel, st, "file", payload))
                     total_bytes += st.st_size
                     files += 1
@@ -116,30 +130,57 @@ class LayerStore:
                 else:
                     continue  # sockets do not survive a snapshot
                 digest.update(_entry(rel, st, content))
+                if stat.S_ISREG(st.st_mode):
+                    entries[-1] += (content,)
         layer_id = digest.hexdigest()[:ID_CHARS]
-        if self.exists(layer_id):
-            return layer_id  # the same content on the same parent was frozen before
         final = self.path(layer_id)
+        written = not self.exists(layer_id)
+        if written:
+            self._write_layer(upper, final, entries)
+            meta = LayerInfo(layer_id, parent, image, time.time(), total_bytes, files)
+            tmp = os.path.join(self.root, f".{layer_id}.json.{uuid.uuid4().hex}")
+            with open(tmp, "w") as f:
+                json.dump(meta.__dict__, f)
+            os.rename(tmp, final + ".json")  # the json appears last: a layer with metadata is complete
+        if cache is not None:
+            # A file changed in the same clock tick as it was read could keep its ctime: such
+            # "racy" files are not remembered, so they are read again next time.
+            cache.clear()
+            for entry in entries:
+                rel, st, kind = entry[0], entry[1], entry[2]
+                if kind == "file" and st.st_ctime_ns < fresh_after:
+                    # Link only from a layer written here: an older twin may differ in mtime.
+                    cache[rel] = (_signature(st), entry[4], final + "/" + rel if written else None)
+        return layer_id
+
+    def _write_layer(self, upper: str, final: str, entries: list) -> None:
         staging = os.path.join(self.root, f".staging-{uuid.uuid4().hex}")
         os.mkdir(staging)
         try:
-            for rel, st, kind, payload in entries:
-                target = os.path.join(staging, rel)
+            for entry in entries:
+                rel, st, kind, payload = entry[:4]
+                target = staging + "/" + rel
                 if kind == "dir":
                     os.mkdir(target)
                     if payload:
                         os.setxattr(target, OPAQUE_XATTR, payload)
                 elif kind == "file":
-                    _write_file(os.path.join(upper, rel), target, payload, st)
+                    if isinstance(payload, str):
+                        try:
+                            os.link(payload, target)  # same content and metadata, frozen before
+                            continue
+                        except FileNotFoundError:  # that layer was collected since: copy instead
+                            payload = None
+                    _write_file(upper + "/" + rel, target, payload, st)
                     continue  # metadata set through the open descriptor
                 elif kind == "link":
                     os.symlink(payload.decode(), target)
                 else:
                     os.mknod(target, st.st_mode, st.st_rdev)
                 _copy_meta(st, target)
-            for rel, st, kind, _ in reversed(entries):  # children first: their writes touch mtimes
-                if kind == "dir":
-                    _copy_meta(st, os.path.join(staging, rel))
+            for entry in reversed(entries):  # children first: their writes touch mtimes
+                if entry[2] == "dir":
+                    _copy_meta(entry[1], staging + "/" + entry[0])
             _copy_meta(os.lstat(upper), staging)
             if os.path.exists(final):  # a half-written layer from a crash: replace it
                 shutil.rmtree(final)
@@ -147,12 +188,6 @@ class LayerStore:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        meta = LayerInfo(layer_id, parent, image, time.time(), total_bytes, files)
-        tmp = os.path.join(self.root, f".{layer_id}.json.{uuid.uuid4().hex}")
-        with open(tmp, "w") as f:
-            json.dump(meta.__dict__, f)
-        os.rename(tmp, final + ".json")  # the json appears last: a layer with metadata is complete
-        return layer_id
 
     def squash(self, chain: list[str], upper: str, image: str) -> str:
         """One layer equal to ``chain`` (top first) with ``upper`` on top, sitting right on the image.
@@ -276,6 +311,10 @@ def _opaque(path: str) -> bytes:
         return os.getxattr(path, OPAQUE_XATTR, follow_symlinks=False)
     except OSError:
         return b""
+
+
+def _signature(st: os.stat_result) -> tuple:
+    return (st.st_ino, st.st_size, st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _entry(rel: str, st: os.stat_result, content: bytes) -> bytes:

@@ -198,3 +198,20 @@ def test_deep_chains_are_squashed_with_overlay_semantics(box, monkeypatch):
     with Sandbox(snapshot=squashed) as flat:
         listing = "cat /work/a /work/b /work/link; ls /work/d; test -e /usr/bin/yes || echo no-yes"
         assert flat.exec(listing).stdout == box.exec(listing).stdout == "3\n2\n2\nnew\nno-yes\n"
+
+
+def test_incremental_snapshots_share_unchanged_files(box):
+    box.exec("mkdir -p /work/many && for i in $(seq 50); do echo $i > /work/many/$i; done")
+    box.exec("sleep 0.1")  # let the files age past the freeze cache's racy-timestamp window
+    first = box.snapshot()
+    box.write_file("/work/many/7", "seven")
+    second = box.snapshot()
+    first_dir, second_dir = box.store.path(first), box.store.path(second)
+    same = os.stat(os.path.join(first_dir, "work/many/8")).st_ino == os.stat(os.path.join(second_dir, "work/many/8")).st_ino
+    assert same  # unchanged: hard-linked from the first layer, not copied
+    assert os.stat(os.path.join(first_dir, "work/many/7")).st_ino != os.stat(os.path.join(second_dir, "work/many/7")).st_ino
+    [fork] = box.fork(second)
+    with fork:
+        assert fork.exec("cat /work/many/7 /work/many/8").stdout == "seven8\n"
+    box.write_file("/work/many/7", "7\n")  # same size and content as at the first snapshot
+    assert box.snapshot() == first  # content-addressed: back to the first id

@@ -136,3 +136,8 @@ def _start_time(pid: int) -> str | None:
 def test_global_proc_files_are_not_writable(box, path):
     result = box.exec(f"echo x > {path}")
     assert result.exit_code != 0
+
+
+def test_commands_run_at_normal_priority(box):
+    # The supervisor runs at a raised priority; nothing it starts may inherit that.
+    assert box.exec("cut -d' ' -f19 /proc/self/stat").stdout.strip() == "0"
