@@ -181,20 +181,32 @@ def exchange_replica_weights(plan: ExpertPlan, rank: int, w1_EFL: torch.Tensor, 
             received[:, 2].reshape(n, width_L, width_F))
 
 
-def dispatch_compute_combine(h_TL: torch.Tensor, topk_ids_TK: torch.Tensor, plan_fn, w1_EFL: torch.Tensor,
-                             w3_EFL: torch.Tensor, w2_ELF: torch.Tensor, act: str, betas: tuple[float, float],
-                             group=None) -> tuple[torch.Tensor, DispatchStats]:
-    """Run every routed pair through its expert, wherever the plan puts it.
+@dataclass
+class Route:
+    """Everything one step's dispatch and combine need, derived from the routing alone."""
 
-    h_TL [T, L] local latent tokens, topk_ids_TK [T, K] global expert ids, w*: this rank's home experts
-    [E/R, ...], plan_fn: counts [R, E] -> ExpertPlan. Returns y_TKL [T, K, L] (pair outputs in token order,
-    unweighted) and the step's DispatchStats."""
+    plan: ExpertPlan
+    rank: int
+    top_k: int
+    input_splits: list[int]  # rows this rank sends to each rank
+    output_splits: list[int]  # rows this rank receives from each rank
+    send_perm_N: torch.Tensor  # local pair ids (t*K + k) in send order
+    slot_index_M: torch.Tensor  # received rows, source-major -> slot-major
+    slot_counts_S: torch.Tensor  # pairs per slot (expert computed here), on the tokens' device
+    slot_experts: list[int]
+
+    def stats(self) -> DispatchStats:
+        return DispatchStats(self.plan.pairs_per_rank(), self.plan.replicas(), sum(self.input_splits),
+                             sum(self.output_splits))
+
+
+def route(topk_ids_TK: torch.Tensor, experts_per_rank: int, plan_fn, group=None) -> Route:
+    """Count, plan and compute the permutations for one step (one host sync, for the split sizes).
+
+    topk_ids_TK [T, K] global expert ids; plan_fn: counts [R, E] -> ExpertPlan (home_plan or balanced_plan)."""
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
-    experts_per_rank = w1_EFL.shape[0]
     num_experts = experts_per_rank * num_ranks
-    num_tokens, top_k = topk_ids_TK.shape
-    device = h_TL.device
-
+    device = topk_ids_TK.device
     ids_N = topk_ids_TK.reshape(-1)
     counts_E = torch.bincount(ids_N, minlength=num_experts)
     counts_RE = gather_counts(counts_E, group).cpu()
@@ -204,51 +216,80 @@ def dispatch_compute_combine(h_TL: torch.Tensor, topk_ids_TK: torch.Tensor, plan
     # Sender: each pair's position in its expert's global pair list decides the piece (and rank) it goes to.
     order_N = ids_N.argsort(stable=True)
     expert_sorted_N = ids_N[order_N]
-    local_start_E = (counts_E.cumsum(0) - counts_E)
+    local_start_E = counts_E.cumsum(0) - counts_E
     per_expert_totals = counts_RE.sum(0)
     expert_base_E = (per_expert_totals.cumsum(0) - per_expert_totals).to(device)
     prefix_E = (counts_RE.cumsum(0) - counts_RE)[rank].to(device)
     position_N = (torch.arange(ids_N.numel(), device=device) - local_start_E[expert_sorted_N]
                   + prefix_E[expert_sorted_N] + expert_base_E[expert_sorted_N])
-    piece_count_P = torch.tensor(plan.piece_count, dtype=torch.long, device=device)
-    piece_end_P = piece_count_P.cumsum(0)  # pieces are sorted by expert, so this is the global pair position
+    piece_end_P = torch.tensor(plan.piece_count, dtype=torch.long, device=device).cumsum(0)
     piece_rank_P = torch.tensor(plan.piece_rank, dtype=torch.long, device=device)
+    # Pieces are sorted by expert, so piece_end_P is a position in the global expert-major pair list.
     dest_N = piece_rank_P[torch.searchsorted(piece_end_P, position_N, right=True)]
     send_perm_N = order_N[dest_N.argsort(stable=True)]  # grouped by destination, expert order kept inside
     input_splits = torch.bincount(dest_N, minlength=num_ranks).tolist()
 
     # Receiver: the pieces computed here are this rank's slots, in ascending expert order.
     mine = [p for p, r in enumerate(plan.piece_rank) if r == rank]
-    slot_experts = [plan.piece_expert[p] for p in mine]
     counts_RS = overlap_RP[:, mine]
-    output_splits = counts_RS.sum(1).tolist()
+    return Route(plan, rank, topk_ids_TK.shape[1], input_splits, counts_RS.sum(1).tolist(), send_perm_N,
+                 source_to_slot_order(counts_RS).to(device), counts_RS.sum(0).to(device),
+                 [plan.piece_expert[p] for p in mine])
 
-    x_recv_ML = all_to_all(h_TL.index_select(0, send_perm_N // top_k), output_splits, input_splits, group)
-    slot_index_M = source_to_slot_order(counts_RS).to(device)
-    x_slot_ML = x_recv_ML.index_select(0, slot_index_M)
 
-    w1, w3, w2 = w1_EFL, w3_EFL, w2_ELF
-    replicas = plan.replicas()
-    if replicas:  # every rank takes part in the weight exchange, even with nothing to send or receive
-        replica_ids, r1, r3, r2 = exchange_replica_weights(plan, rank, w1_EFL, w3_EFL, w2_ELF, group)
-        home_ids = list(range(rank * experts_per_rank, (rank + 1) * experts_per_rank))
-        all_ids = home_ids + replica_ids
-        slot_order = sorted(range(len(all_ids)), key=all_ids.__getitem__)
-        if [all_ids[i] for i in slot_order] != slot_experts:
-            raise RuntimeError(f"expert plan inconsistent on rank {rank}: slots {slot_experts}, "
-                               f"weights for {sorted(all_ids)}")
-        pick = torch.tensor(slot_order, dtype=torch.long, device=device)
-        w1 = torch.cat([w1_EFL, r1]).index_select(0, pick)
-        w3 = torch.cat([w3_EFL, r3]).index_select(0, pick)
-        w2 = torch.cat([w2_ELF, r2]).index_select(0, pick)
-    y_slot_ML = run_experts(x_slot_ML, counts_RS.sum(0).to(device), w1, w3, w2, act, betas)
+def dispatch(h_TL: torch.Tensor, routed: Route, group=None) -> torch.Tensor:
+    """Send each pair's latent vector to the rank that computes it: h_TL [T, L] -> x [M, L], grouped by slot."""
+    x_recv_ML = all_to_all(h_TL.index_select(0, routed.send_perm_N // routed.top_k), routed.output_splits,
+                           routed.input_splits, group)
+    return x_recv_ML.index_select(0, routed.slot_index_M)
+
+
+def combine(y_slot_ML: torch.Tensor, routed: Route, group=None) -> torch.Tensor:
+    """Return each pair's expert output to its token's rank: y [M, L] grouped by slot -> y_TKL [T, K, L]."""
+    y_recv_ML = y_slot_ML.index_select(0, _inverse(routed.slot_index_M))
+    y_sent_NL = all_to_all(y_recv_ML, routed.input_splits, routed.output_splits, group)
+    return y_sent_NL.index_select(0, _inverse(routed.send_perm_N)).view(-1, routed.top_k, y_sent_NL.shape[-1])
+
+
+def slot_weights(routed: Route, w1_EFL: torch.Tensor, w3_EFL: torch.Tensor, w2_ELF: torch.Tensor,
+                 group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights of this rank's slots: its home experts, plus the replicas the plan places here."""
+    if not routed.plan.replicas():
+        return w1_EFL, w3_EFL, w2_ELF
+    # Every rank takes part in the weight exchange, even with nothing to send or receive.
+    replica_ids, r1, r3, r2 = exchange_replica_weights(routed.plan, routed.rank, w1_EFL, w3_EFL, w2_ELF, group)
+    first_home = routed.rank * routed.plan.experts_per_rank
+    all_ids = list(range(first_home, first_home + routed.plan.experts_per_rank)) + replica_ids
+    slot_order = sorted(range(len(all_ids)), key=all_ids.__getitem__)
+    if [all_ids[i] for i in slot_order] != routed.slot_experts:
+        raise RuntimeError(f"expert plan inconsistent on rank {routed.rank}: slots {routed.slot_experts}, "
+                           f"weights for {sorted(all_ids)}")
+    pick = torch.tensor(slot_order, dtype=torch.long, device=w1_EFL.device)
+    return tuple(torch.cat([home, replica]).index_select(0, pick)
+                 for home, replica in ((w1_EFL, r1), (w3_EFL, r3), (w2_ELF, r2)))
+
+
+def compute_slots(x_slot_ML: torch.Tensor, routed: Route, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
+                  act: str, betas: tuple[float, float]) -> torch.Tensor:
+    """Grouped expert compute over this rank's slots: x [M, L] -> y [M, L]."""
+    y_slot_ML = run_experts(x_slot_ML, routed.slot_counts_S, w1, w3, w2, act, betas)
     if x_slot_ML.shape[0] == 0:
         # Nothing to compute here this step: keep the empty result wired to the inputs and weights, so this
         # rank runs the same backward collectives as the others and its experts get zero, not missing, grads.
         y_slot_ML = y_slot_ML + (x_slot_ML.sum() + w1.sum() + w3.sum() + w2.sum()) * 0
+    return y_slot_ML
 
-    y_recv_ML = y_slot_ML.index_select(0, _inverse(slot_index_M))
-    y_sent_NL = all_to_all(y_recv_ML, input_splits, output_splits, group)
-    y_NL = y_sent_NL.index_select(0, _inverse(send_perm_N))
-    stats = DispatchStats(plan.pairs_per_rank(), replicas, int(send_perm_N.numel()), int(x_recv_ML.shape[0]))
-    return y_NL.view(num_tokens, top_k, -1), stats
+
+def dispatch_compute_combine(h_TL: torch.Tensor, topk_ids_TK: torch.Tensor, plan_fn, w1_EFL: torch.Tensor,
+                             w3_EFL: torch.Tensor, w2_ELF: torch.Tensor, act: str, betas: tuple[float, float],
+                             group=None) -> tuple[torch.Tensor, DispatchStats]:
+    """Run every routed pair through its expert, wherever the plan puts it.
+
+    h_TL [T, L] local latent tokens, topk_ids_TK [T, K] global expert ids, w*: this rank's home experts
+    [E/R, ...], plan_fn: counts [R, E] -> ExpertPlan. Returns y_TKL [T, K, L] (pair outputs in token order,
+    unweighted) and the step's DispatchStats."""
+    routed = route(topk_ids_TK, w1_EFL.shape[0], plan_fn, group)
+    x_slot_ML = dispatch(h_TL, routed, group)
+    w1, w3, w2 = slot_weights(routed, w1_EFL, w3_EFL, w2_ELF, group)
+    y_slot_ML = compute_slots(x_slot_ML, routed, w1, w3, w2, act, betas)
+    return combine(y_slot_ML, routed, group), routed.stats()

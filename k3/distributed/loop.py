@@ -21,19 +21,22 @@ def global_mean(value: torch.Tensor) -> float:
 
 
 def train_steps(model: nn.Module, batches: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer,
-                update_balancers: bool = True) -> list[float]:
+                update_balancers: bool = True, local: bool = False) -> list[float]:
     """One optimizer step per global batch [B, T+1] of token ids (inputs ids[:, :-1], labels ids[:, 1:]).
-    Returns the global loss of every step (identical on every rank)."""
+    Returns the global loss of every step (identical on every rank).
+
+    local=True: this rank alone trains a model that is not parallelized, on whole batches, without any
+    collective (a single-device baseline inside a distributed job)."""
     device = next(model.parameters()).device
     losses = []
     model.train()
     for global_ids in batches:
-        ids = shard_batch(global_ids).to(device)
+        ids = (global_ids if local else shard_batch(global_ids)).to(device)
         loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if update_balancers:
             model.update_balancers()
-        losses.append(global_mean(loss))
+        losses.append(float(loss.detach()) if local else global_mean(loss))
     return losses
