@@ -160,11 +160,18 @@ def setup(request):
     mount(os.path.join(STAGE, "dev"), os.path.join(root, "dev"), None, MS_MOVE)
     mount(os.path.join(STAGE, "proc"), os.path.join(root, "proc"), None, MS_MOVE)
     os.chdir(root)
+    # The old root now lies stacked over the new one at "/"; detach_old_root() drops it.
     _check(libc.syscall(SYS_PIVOT_ROOT, b".", b"."), "pivot_root")
-    _check(libc.umount2(b".", MNT_DETACH), "umount old root")
-    os.chdir("/")
     hostname = request.get("hostname", "sandbox").encode()
     _check(libc.sethostname(hostname, len(hostname)), "sethostname")
+
+
+def detach_old_root():
+    # Detaching the host's mount tree waits for an RCU grace period (milliseconds on a busy
+    # machine), so it runs just after the "ready" reply, overlapped with the host's next step.
+    # It always finishes before the next request is read: no command can ever see the old root.
+    _check(libc.umount2(b"/", MNT_DETACH), "umount old root")
+    os.chdir("/")
 
 
 def drop_privileges():
@@ -481,6 +488,10 @@ def main():
         return
     signal.signal(signal.SIGCHLD, reap)
     send({"ok": True})
+    try:
+        detach_old_root()
+    except OSError:
+        return  # fail closed: never serve a request with the host's tree in view
     while True:
         request = recv()
         if request is None:
