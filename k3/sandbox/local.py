@@ -33,6 +33,7 @@ from k3.sandbox.cgroups import Cgroup, Limits
 
 SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
 NAMESPACES = ("--mount", "--pid", "--net", "--ipc", "--uts")
+REFILL_DELAY_S = 0.02
 
 
 class SandboxError(RuntimeError):
@@ -239,6 +240,8 @@ class Spares:
                     self._lock.wait()
                 if self._stopped:
                     return
+            # Let the restore or fork that took a spare finish before competing with it for CPU.
+            time.sleep(REFILL_DELAY_S)
             try:
                 supervisor = Supervisor()
                 supervisor.wait_hello()
