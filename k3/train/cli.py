@@ -16,7 +16,7 @@ def train_command(args: argparse.Namespace) -> int:
     overrides = {}
     if args.resume:
         # Only what the user typed replaces the saved settings.
-        for name in ("max_steps", "time_budget_s"):
+        for name in ("max_steps", "time_budget_s", "ep"):
             if getattr(args, name) is not None:
                 overrides[name] = getattr(args, name)
         config = TrainConfig(out=args.out)
@@ -24,11 +24,16 @@ def train_command(args: argparse.Namespace) -> int:
         fields = {name: getattr(args, name) for name in (
             "preset", "out", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "weight_decay",
             "grad_clip", "dtype", "device", "seed", "max_corpus_mb", "tokenizer", "val_fraction", "eval_every",
-            "eval_batches", "save_every", "recall_fraction", "time_budget_s") if getattr(args, name) is not None}
+            "eval_batches", "save_every", "recall_fraction", "time_budget_s", "ep") if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
         config = TrainConfig(**fields)
     trainer = Trainer(config, resume=args.resume, resume_overrides=overrides)
     summary = trainer.train()
+    if trainer.dist is not None:
+        from k3.distributed import shutdown
+        shutdown()
+        if trainer.dist.rank != 0:
+            return 0
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
     print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl, metrics.png)")
     return 0
@@ -71,6 +76,8 @@ def register(subparsers) -> None:
                        help="share of rows replaced by synthetic associative-recall sequences")
     train.add_argument("--time-budget-s", type=float, dest="time_budget_s", help="stop (and save) after this long")
     train.add_argument("--threads", type=int, help="CPU threads for torch")
+    train.add_argument("--ep", type=int, help="expert parallelism over all processes: launch with `torchrun "
+                                             "--nproc-per-node N -m k3 train ... --ep N` (FSDP2 + EP, k3.distributed)")
     train.set_defaults(func=train_command)
 
     demo = subparsers.add_parser("demo", help="train the tiny preset on this machine's stdlib, sample from it and "

@@ -66,6 +66,7 @@ class TrainConfig:
     recall_fraction: float = 0.0  # share of rows replaced by synthetic recall sequences
     recall_pairs: int = 8
     time_budget_s: float | None = None  # stop (and save) once training has run this long
+    ep: int = 0  # expert-parallel size under torchrun (= number of processes; FSDP2 over all); 0: one process
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -150,7 +151,8 @@ class Trainer:
             saved = TrainConfig(**self.resume_state["train"])
             # Data, model and optimizer settings must stay as they were, or the resumed run would diverge from
             # the unbroken one; out may move with the run directory.
-            config = dataclasses.replace(saved, out=config.out, **(resume_overrides or {}))
+            # The parallel layout is not part of the run: a resume is single-process unless --ep is given again.
+            config = dataclasses.replace(saved, out=config.out, **{"ep": 0, **(resume_overrides or {})})
         elif checkpoint_path.exists():
             raise ValueError(f"{self.out} already holds a run ({checkpoint_path}); pass --resume to continue it "
                              f"or choose another --out")
@@ -160,29 +162,47 @@ class Trainer:
         np.random.seed(config.seed)
         random.seed(config.seed)
         self.device = resolve_device(config.device)
+        self.dist = None
+        if config.ep:
+            # Distributed run (k3.distributed): every rank trains its own data rows; rank 0 logs and saves.
+            from k3.distributed import init_distributed
+            if resume:
+                raise ValueError("--resume is not supported with --ep yet; start a new run, or resume without --ep")
+            self.dist = init_distributed(device=None if config.device == "auto" else config.device)
+            self.device = self.dist.device
+            if self.dist.rank != 0:
+                self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype(config.dtype, self.device)
 
-        self.tokenizer = self._prepare_tokenizer()
-        model_config = self._model_config()
-        self.model_config = model_config
-        self._prepare_data()
-        self.model = K3ForCausalLM(model_config).to(self.device)
+        from k3.distributed import main_first
+        with main_first():  # tokenizer and tokenized data are written once, by rank 0
+            self.tokenizer = self._prepare_tokenizer()
+            model_config = self._model_config()
+            self.model_config = model_config
+            self._prepare_data()
+        if self.dist is not None:
+            from k3.distributed import parallelize
+            torch.manual_seed(config.seed)  # identical initial weights on every rank
+            self.model = parallelize(K3ForCausalLM(model_config).to(self.device), ep_size=config.ep)
+        else:
+            self.model = K3ForCausalLM(model_config).to(self.device)
         self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
         recall = None
         if config.recall_fraction > 0:
             recall = RecallTask(model_config.vocab_size, num_pairs=config.recall_pairs,
                                 num_queries=config.recall_pairs)
         self.recall_task = recall
+        rank = self.dist.rank if self.dist is not None else 0
         self.train_stream = BatchStream(self.train_tokens, config.seq_len, config.batch_size,
-                                        self.tokenizer.eos_token_id, seed=config.seed, recall=recall,
+                                        self.tokenizer.eos_token_id, seed=config.seed + rank, recall=recall,
                                         recall_fraction=config.recall_fraction)
         self.step = 0
         if self.resume_state is not None:
             self._restore(self.resume_state)
-        else:
+        elif rank == 0:
             _write_json(self.out / "train_config.json", config.to_dict())
             _write_json(self.out / "config.json", model_config.to_dict())
-        self.metrics = MetricsLog(self.out / "metrics.jsonl",
+        self.metrics = MetricsLog(self.out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"),
                                   keep_through_step=self.step if self.resume_state is not None else None)
 
     # --- setup -----------------------------------------------------------------------------------
@@ -198,7 +218,8 @@ class Trainer:
         if self.config.tokenizer:
             tokenizer = load_tokenizer(self.config.tokenizer)
         else:
-            vocab = ModelConfig.from_preset(self.config.preset, **self.config.model_overrides).vocab_size
+            # A byte-level BPE needs 256 byte ids plus EOS; tiny presets (debug: 256) get a larger table.
+            vocab = max(ModelConfig.from_preset(self.config.preset, **self.config.model_overrides).vocab_size, 320)
             train_docs, _ = self._corpus()
             budget = int(self.config.tokenizer_sample_mb * 1e6)
             sample, used = [], 0
@@ -281,9 +302,20 @@ class Trainer:
         return total / max(count, 1)
 
     def save(self) -> None:
+        if self.dist is None:
+            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+        else:
+            # Full (single-device) state gathered on rank 0: the checkpoint loads and resumes without --ep too.
+            from k3.distributed import barrier, full_state_dict
+            from k3.distributed.checkpoint import full_optimizer_state_dict
+            model_state = full_state_dict(self.model)
+            optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
+            if self.dist.rank != 0:
+                barrier()
+                return
         state = {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "config": self.model_config.to_dict(),
             "train": self.config.to_dict(),
             "step": self.step,
@@ -292,8 +324,13 @@ class Trainer:
             "tokenizer": _tokenizer_files(self.out / "tokenizer"),
         }
         save_checkpoint(self.out / CHECKPOINT_NAME, state)
+        if self.dist is not None:
+            from k3.distributed import barrier
+            barrier()
 
     def plot(self) -> None:
+        if self.dist is not None and self.dist.rank != 0:
+            return
         plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
 
     # --- the loop --------------------------------------------------------------------------------
@@ -352,10 +389,10 @@ class Trainer:
         loss = self._forward(batch)
         if not torch.isfinite(loss):
             # Nothing from this step reaches the weights or the checkpoint: the last good one stays on disk.
-            self.metrics.write({"step": self.step + 1, "loss": float(loss), "lr": lr})
+            self.metrics.write({"step": self.step + 1, "loss": float(loss.detach()), "lr": lr})
             self.plot()
             raise NonFiniteLossError(
-                f"loss became {float(loss)} at step {self.step + 1}; training stopped and the last good checkpoint "
+                f"loss became {float(loss.detach())} at step {self.step + 1}; training stopped and the last good checkpoint "
                 f"({self.out / CHECKPOINT_NAME}, step {self._saved_step()}) was kept. Lower --lr, raise "
                 f"--warmup-steps or check the data, then continue with --resume")
         loss.backward()

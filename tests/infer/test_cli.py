@@ -1,0 +1,49 @@
+import pytest
+
+from k3.cli import main
+from k3.train.trainer import TrainConfig, Trainer
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("infer")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for i in range(6):
+        (corpus / f"{i}.txt").write_text("\n".join(f"print('line {i} {j}')" for j in range(60)))
+    out = root / "run"
+    config = TrainConfig(preset="debug", out=str(out), max_steps=2, seq_len=32, batch_size=2, eval_batches=1,
+                         data=[str(corpus)], val_fraction=0.3, model_overrides={"vocab_size": 300})
+    Trainer(config, show_progress=False).train()
+    return out
+
+
+def test_generate_streams_one_prompt_and_batches_several(run, capsys):
+    assert main(["generate", "--run", str(run), "--prompt", "print(", "--max-new-tokens", "5", "--seed", "0"]) == 0
+    assert capsys.readouterr().out.startswith("print(")
+    assert main(["generate", "--run", str(run), "--prompt", "a", "--prompt", "bb", "--temperature", "0",
+                 "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "=== [0] ===\na" in out and "=== [1] ===\nbb" in out
+
+
+def test_generate_bad_input(run, tmp_path, capsys):
+    assert main(["generate", "--run", str(run), "--prompt", "x" * 200, "--max-context", "20"]) == 1
+    assert "context allows 20" in capsys.readouterr().err
+    assert main(["generate", "--run", str(tmp_path), "--prompt", "x"]) == 1
+    assert "no checkpoint at" in capsys.readouterr().err
+    (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert main(["generate", "--run", str(tmp_path), "--prompt", "x"]) == 1
+    assert "corrupt or truncated" in capsys.readouterr().err
+    assert main(["generate", "--run", str(run)]) == 1
+    assert "no prompt given" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x"]) == 1
+    assert "exactly one of --run" in capsys.readouterr().err
+
+
+def test_chat_keeps_the_conversation(run, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n\n"))
+    assert main(["chat", "--run", str(run), "--max-new-tokens", "6", "--seed", "1"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2

@@ -1,0 +1,142 @@
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3.checkpoint import native
+from k3.checkpoint.native import load_checkpoint, load_model_state, model_from_checkpoint
+from k3.cli import main
+from k3.config import ModelConfig
+from k3.model import K3ForCausalLM
+from k3.train.metrics import read_metrics
+from k3.train.optim import lr_at
+from k3.train.trainer import NonFiniteLossError, Trainer
+
+
+def losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+
+def test_run_writes_metrics_plot_checkpoint_and_learns(tmp_path, corpus_dir, small_config):
+    run = tmp_path / "run"
+    summary = Trainer(small_config(run, corpus_dir, max_steps=12, eval_every=12), show_progress=False).train()
+    records = read_metrics(run / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 13))
+    for key in ("loss", "lr", "tokens_per_s", "maxvio", "maxvio_per_layer"):
+        assert key in steps[0]
+    assert set(steps[0]["maxvio_per_layer"]) == {"1", "2", "3"}  # debug: layers 1..3 are MoE
+    assert records[0] == {"step": 0, "val_loss": summary["first_val_loss"]}
+    assert summary["last_val_loss"] < summary["first_val_loss"] - 0.5
+    assert (run / "metrics.png").stat().st_size > 1000
+    state = load_checkpoint(run)
+    assert state["step"] == 12 and state["data"]["batches_made"] == 12
+    assert any(k.endswith("e_score_correction_bias") for k in state["model"])
+    assert any(float(v.abs().sum()) > 0 for k, v in state["model"].items() if k.endswith("e_score_correction_bias"))
+    assert "tokenizer.json" in state["tokenizer"]
+
+
+def test_resume_reaches_the_same_losses_as_an_unbroken_run(tmp_path, corpus_dir, small_config):
+    unbroken = tmp_path / "unbroken"
+    Trainer(small_config(unbroken, corpus_dir), show_progress=False).train()
+    broken = tmp_path / "broken"
+    # Stop after step 5: the last checkpoint is from step 4, so step 5 is redone after the resume.
+    Trainer(small_config(broken, corpus_dir), show_progress=False).train(stop_at=5)
+    assert load_checkpoint(broken)["step"] == 4
+    Trainer(small_config(broken, corpus_dir), resume=True, show_progress=False).train()
+    assert losses(broken) == losses(unbroken)
+    assert len(losses(broken)) == 6
+    a, b = load_checkpoint(unbroken)["model"], load_checkpoint(broken)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_save_killed_half_way_leaves_the_previous_checkpoint(tmp_path, corpus_dir, small_config, monkeypatch):
+    run = tmp_path / "run"
+    trainer = Trainer(small_config(run, corpus_dir, max_steps=4, save_every=2), show_progress=False)
+    trainer.train(stop_at=2)
+    before = (run / "checkpoint.pt").read_bytes()
+
+    def dies_half_way(obj, handle, *args, **kwargs):
+        handle.write(b"PK\x03\x04 half a zip file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(native.torch, "save", dies_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train()
+    assert (run / "checkpoint.pt").read_bytes() == before
+    assert load_checkpoint(run)["step"] == 2
+    assert not [p for p in os.listdir(run) if p.endswith(".tmp")]
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, corpus_dir, small_config, monkeypatch):
+    run = tmp_path / "run"
+    trainer = Trainer(small_config(run, corpus_dir, max_steps=6, save_every=2), show_progress=False)
+    real_forward = trainer._forward
+
+    def poisoned(batch):
+        loss = real_forward(batch)
+        return loss * float("nan") if trainer.step == 3 else loss
+
+    monkeypatch.setattr(trainer, "_forward", poisoned)
+    with pytest.raises(NonFiniteLossError, match="loss became nan at step 4.*last good checkpoint.*step 2"):
+        trainer.train()
+    state = load_checkpoint(run)
+    assert state["step"] == 2
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    last = read_metrics(run / "metrics.jsonl")[-1]
+    assert last["step"] == 4 and last["loss"] is None and last["non_finite"] == ["loss"]
+
+
+def test_corrupt_and_mismatched_checkpoints(tmp_path, corpus_dir, small_config):
+    (tmp_path / "checkpoint.pt").write_bytes(b"\x00garbage" * 10)
+    with pytest.raises(RuntimeError, match="corrupt or truncated"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        load_checkpoint(tmp_path / "elsewhere")
+    run = tmp_path / "run"
+    Trainer(small_config(run, corpus_dir, max_steps=2), show_progress=False).train()
+    state = load_checkpoint(run)
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes((run / "checkpoint.pt").read_bytes()[:5000])
+    with pytest.raises(RuntimeError, match="corrupt or truncated"):
+        load_checkpoint(truncated)
+    other = K3ForCausalLM(ModelConfig.from_preset("debug", vocab_size=320, hidden_size=32))
+    with pytest.raises(ValueError, match="does not match the model config.*shape mismatches"):
+        load_model_state(other, state["model"], "run")
+    assert model_from_checkpoint(state).config.vocab_size == 320
+    with pytest.raises(ValueError, match="already holds a run.*--resume"):
+        Trainer(small_config(run, corpus_dir), show_progress=False)
+
+
+def test_lr_schedule_warms_up_then_decays_to_the_floor():
+    lrs = [lr_at(s, 100, 1.0, 10, 0.1) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:]))
+    assert lr_at(100, 100, 1.0, 10, 0.1) == pytest.approx(0.1)
+
+
+def test_cli_bad_input_messages(tmp_path, corpus_dir, capsys):
+    assert main(["train", "--out", str(tmp_path / "r"), "--data", str(tmp_path / "missing")]) == 1
+    assert "data path" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    assert main(["train", "--out", str(tmp_path / "r2"), "--data", str(empty)]) == 1
+    assert "corpus is empty" in capsys.readouterr().err
+    assert main(["train", "--out", str(tmp_path / "r3"), "--resume"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_cli_train_then_resume(tmp_path, corpus_dir, capsys):
+    run = tmp_path / "run"
+    args = ["train", "--preset", "debug", "--out", str(run), "--data", str(corpus_dir), "--max-steps", "2",
+            "--seq-len", "32", "--batch-size", "1", "--eval-batches", "1", "--val-fraction", "0.2"]
+    assert main(args) == 0
+    assert main(["train", "--out", str(run), "--resume", "--max-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.strip().splitlines()[-2])["steps"] == 3
+    assert sorted(losses(run)) == [1, 2, 3]
+    assert math.isfinite(losses(run)[3])
