@@ -3,7 +3,9 @@
 Two interchangeable paths, held equal by tests/ops/test_moe_ops.py:
 - `experts_loop`: a Python loop over experts (CPU, and the oracle);
 - `experts_grouped_mm`: one grouped GEMM per projection (torch._grouped_mm on CUDA).
-`K3_MOE_BACKEND=loop|grouped|auto` forces one.
+`K3_MOE_BACKEND=loop|grouped|auto` forces one; auto takes the grouped GEMM for bf16 CUDA tensors whose widths
+meet its 16-byte alignment rule. `count_per_expert` counts routed pairs without a host sync (torch.bincount
+on CUDA reads the input's min and max back to the host), so the grouped path can be captured in a CUDA graph.
 
 Shape suffixes: N routed pairs (tokens*top_k), E experts, F expert width, D expert input width.
 """
@@ -31,18 +33,30 @@ def experts_loop(x_ND: torch.Tensor, counts_E: list[int], w1_EFD: torch.Tensor, 
     return torch.cat(out) if out else x_ND.new_zeros(0, w2_EDF.shape[1])
 
 
+def count_per_expert(ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed pairs per expert [E] (int64) from expert ids [N], computed on the device with no host sync."""
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(
+        0, ids_N.reshape(-1), torch.ones_like(ids_N.reshape(-1), dtype=torch.int64))
+
+
 def experts_grouped_mm(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
                        w2_EDF: torch.Tensor, act: str, betas: tuple[float, float]) -> torch.Tensor:
-    offsets = torch.cumsum(counts_E.to(torch.int32), 0).to(torch.int32)
+    """x_ND sorted by expert, counts_E [E] (int, on x's device) -> [N, D]; one grouped GEMM per projection.
+    Group ends are int32 offsets (what torch._grouped_mm takes); the weights enter as transposed views, which
+    the kernel reads as column-major operands without a copy."""
+    offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     dtype = x_ND.dtype
-    gate = torch._grouped_mm(x_ND, w1_EFD.to(dtype).transpose(1, 2), offs=offsets)
-    up = torch._grouped_mm(x_ND, w3_EFD.to(dtype).transpose(1, 2), offs=offsets)
-    h = glu_activation(gate, up, act, *betas).to(dtype)
-    return torch._grouped_mm(h, w2_EDF.to(dtype).transpose(1, 2), offs=offsets)
+    gate_NF = torch._grouped_mm(x_ND, w1_EFD.to(dtype).transpose(1, 2), offs=offsets_E)
+    up_NF = torch._grouped_mm(x_ND, w3_EFD.to(dtype).transpose(1, 2), offs=offsets_E)
+    h_NF = glu_activation(gate_NF, up_NF, act, *betas).to(dtype)
+    return torch._grouped_mm(h_NF, w2_EDF.to(dtype).transpose(1, 2), offs=offsets_E)
 
 
-def _grouped_available(x: torch.Tensor) -> bool:
-    return x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
+def _grouped_available(x: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
+    """The CUDA grouped GEMM takes bf16 operands whose rows are a multiple of 16 bytes (8 bf16 values)."""
+    width_f, width_d = w1_EFD.shape[1], w1_EFD.shape[2]
+    return (x.is_cuda and hasattr(torch, "_grouped_mm") and x.dtype == torch.bfloat16
+            and width_f % 8 == 0 and width_d % 8 == 0)
 
 
 def run_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
@@ -51,6 +65,6 @@ def run_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor
     backend = os.environ.get("K3_MOE_BACKEND", "auto")
     if backend not in ("auto", "loop", "grouped"):
         raise ValueError(f"K3_MOE_BACKEND={backend!r}; use auto, loop or grouped")
-    if backend == "grouped" or (backend == "auto" and _grouped_available(x_ND)):
+    if backend == "grouped" or (backend == "auto" and _grouped_available(x_ND, w1_EFD)):
         return experts_grouped_mm(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
     return experts_loop(x_ND, counts_E.tolist(), w1_EFD, w3_EFD, w2_EDF, act, betas)

@@ -1,0 +1,135 @@
+"""Shared helpers of the GPU benchmarks: timing with CUDA events, tables with ratios, FLOP counts, JSON results.
+
+Every benchmark measures its baseline in the same process on the same device and prints ratios against it.
+Results go to stdout as a table and, with --out, to a JSON file written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+
+# Dense bf16 peak of one H200 SXM (vendor datasheet); MFU is reported against it.
+H200_BF16_PEAK_FLOPS = 989e12
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], Any], warmup: int = 2, repeats: int = 5) -> float:
+    """Median milliseconds of fn() over `repeats` timed calls after `warmup` untimed ones.
+    On CUDA each call is bracketed by events; on CPU by the wall clock."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def peak_memory_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere gives inf so it can never pass a tolerance."""
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
+
+
+def print_table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
+    """A fixed-width text table; floats get 3 significant decimals."""
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3g}" if abs(value) < 1e4 else f"{value:,.0f}"
+        return str(value)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    print(f"\n## {title}")
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(path: str | None, payload: dict[str, Any]) -> None:
+    """Atomic write: a temp file in the same directory, fsync, then os.replace."""
+    if not path:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    payload = {"device": device_name(), "torch": torch.__version__, **payload}
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(payload, handle, indent=2, default=str)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def k3_train_flops_per_token(config, seq_len: int) -> float:
+    """Model FLOPs per trained token (forward + backward = 3x forward) of a K3ForCausalLM config.
+
+    6 * active parameters (input embedding excluded, LM head included) for the matmuls, plus causal MLA
+    attention (QK^T and PV over seq_len/2 keys on average) and the KDA chunked recurrence, counted as a
+    state read-and-write per token per head (4 * dk * dv multiply-adds for decay, delta rule and output)."""
+    from k3.model import count_parameters
+
+    active = count_parameters(config)["active_params"]
+    mla_layers = config.layer_types.count("mla")
+    kda_layers = config.layer_types.count("kda")
+    attention = 2 * 2 * config.mla_num_heads * (config.qk_head_dim + config.v_head_dim) / 2 * seq_len / 2
+    recurrence = 2 * 4 * config.kda_num_heads * config.kda_head_dim * config.kda_head_dim
+    return 6 * active + 3 * (mla_layers * attention + kda_layers * recurrence)
+
+
+def hf_train_flops_per_token(model, seq_len: int, num_mla: int, mla_heads: int, qk_dim: int, v_dim: int,
+                             num_kda: int, kda_heads: int, kda_dim: int, experts: int, top_k: int) -> float:
+    """Same count for a transformers Kimi-Linear model: 6 * active parameters + attention + recurrence."""
+    total = embedding = routed = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if "embed_tokens" in name:
+            embedding += p.numel()
+        elif ".experts." in name:
+            routed += p.numel()
+    active = total - embedding - routed * (1 - top_k / experts)
+    attention = 2 * 2 * mla_heads * (qk_dim + v_dim) / 2 * seq_len / 2
+    recurrence = 2 * 4 * kda_heads * kda_dim * kda_dim
+    return 6 * active + 3 * (num_mla * attention + num_kda * recurrence)

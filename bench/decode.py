@@ -1,0 +1,188 @@
+"""Decode speed on one GPU: k3 (static cache + CUDA graph) against transformers' `generate`, in one run.
+
+Usage: python bench/decode.py [--cases 1x8192 1x131072 64x8192 64x131072] [--new 32] [--out decode.json]
+
+For each case (batch x prompt length):
+  k3     prefill into a HybridCache (flash SDPA for MLA, fla chunk_kda), copy into a StaticCache, capture one
+         decode step as a CUDA graph, then time `--new` greedy steps (sampling stays on the device).
+         Also timed: the same step run eagerly (no graph). Prompts of more than --max-real-tokens tokens in
+         total (batch x prompt) are not prefilled: the static cache is filled with random contents at that
+         position instead, which costs the decode step the same (it reads the whole cache either way).
+  peer   transformers KimiLinearForCausalLM.generate (greedy, sdpa, grouped_mm experts) at the matched peer
+         config: ms per step = (time for 1 + new tokens - time for 1 token) / new.
+Models: k3-small (the `small` preset) and k3-matched (k3 at the peer's config), random weights.
+Also printed: cache bytes per sequence against context length, split into KDA (constant) and MLA.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import traceback
+
+import torch
+
+from common import device_name, peak_memory_gib, print_table, reset_peak_memory, synchronize, time_ms, write_json
+from train import k3_matched_config, peer_model
+
+from k3 import K3ForCausalLM, ModelConfig
+from k3.infer.cuda_graph import CUDAGraphDecoder, decode_step
+from k3.infer.static_cache import StaticCache
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor, chunk_rows: int = 8):
+    """HybridCache prefill without materialising logits for every position: returns (cache, last logits)."""
+    cache = model.new_cache(ids.shape[0])
+    hidden = model.model(ids, cache)
+    cache.seen_tokens += ids.shape[1]
+    return cache, model.lm_head(hidden[:, -1])
+
+
+def synthetic_static(config: ModelConfig, batch: int, filled: int, capacity: int, device) -> StaticCache:
+    """A static cache whose first `filled` positions hold random contents (for timing only)."""
+    cache = StaticCache(config, batch, capacity, device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for slot in cache.layers:
+        for buffer in slot.buffers():
+            buffer.copy_(torch.randn(buffer.shape, generator=gen, device=device, dtype=buffer.dtype) * 0.1)
+    cache.position.fill_(filled)
+    return cache
+
+
+def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device) -> dict:
+    reset_peak_memory()
+    ids = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
+    synchronize()
+    t0 = time.perf_counter()
+    if batch * prompt <= max_real:
+        hybrid, logits = prefill(model, ids)
+        synchronize()
+        prefill_s = time.perf_counter() - t0
+        static = StaticCache.from_hybrid(config, hybrid, capacity=prompt + new + 8)
+        per_seq = {"kda": hybrid.nbytes("kda") / batch, "mla": hybrid.nbytes("mla") / batch}
+        del hybrid
+        first = logits.argmax(-1, keepdim=True)
+        synthetic = False
+    else:
+        static = synthetic_static(config, batch, prompt, prompt + new + 8, device)
+        prefill_s = float("nan")
+        per_seq = None
+        first = ids[:, -1:]
+        synthetic = True
+    saved = static.snapshot()
+    eager_ms = time_ms(lambda: (static.restore(saved), decode_step(model, static, first)), warmup=2, repeats=5)
+    static.restore(saved)
+    if device.type == "cuda":
+        decoder = CUDAGraphDecoder(model, static)
+        greedy = decoder.greedy
+    else:  # no graphs off CUDA: the same greedy loop, eagerly
+        def greedy(ids, n):
+            for _ in range(n):
+                ids = decode_step(model, static, ids).argmax(-1, keepdim=True)
+    saved = static.snapshot()
+
+    def run():
+        static.restore(saved)
+        greedy(first, new)
+
+    graph_ms = time_ms(run, warmup=1, repeats=3) / new
+    return dict(prefill_s=prefill_s, eager_step_ms=eager_ms, graph_step_ms=graph_ms,
+                tokens_per_s=batch * 1e3 / graph_ms, synthetic_cache=synthetic, cache_bytes_per_seq=per_seq,
+                peak_gib=peak_memory_gib())
+
+
+@torch.no_grad()
+def bench_peer(model, batch: int, prompt: int, new: int, device) -> dict:
+    reset_peak_memory()
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt), device=device)
+    mask = torch.ones_like(ids)
+
+    def generate(n: int):
+        return lambda: model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                      do_sample=False, pad_token_id=0)
+
+    one = time_ms(generate(1), warmup=1, repeats=2)
+    many = time_ms(generate(1 + new), warmup=0, repeats=2)
+    step_ms = (many - one) / new
+    return dict(prefill_s=one / 1e3, graph_step_ms=step_ms, tokens_per_s=batch * 1e3 / step_ms,
+                peak_gib=peak_memory_gib())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="+", default=["1x8192", "1x131072", "64x8192", "64x131072"])
+    parser.add_argument("--peer-cases", nargs="+", default=["1x8192", "1x131072", "64x8192"])
+    parser.add_argument("--models", nargs="+", default=["k3-small", "k3-matched", "peer"])
+    parser.add_argument("--new", type=int, default=32)
+    parser.add_argument("--max-real-tokens", type=int, default=1 << 20)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    results: dict[str, dict[str, dict]] = {}
+    for name in args.models:
+        torch.manual_seed(0)
+        results[name] = {}
+        if name == "peer":
+            model = peer_model(device).eval()
+            cases = args.peer_cases
+        else:
+            config = k3_matched_config() if name == "k3-matched" else ModelConfig.from_preset("small")
+            with torch.device(device):
+                model = K3ForCausalLM(config)
+            model = model.to(torch.bfloat16).eval()
+            cases = args.cases
+        for case in cases:
+            batch, prompt = (int(v) for v in case.lower().split("x"))
+            try:
+                if name == "peer":
+                    r = bench_peer(model, batch, prompt, args.new, device)
+                else:
+                    r = bench_k3(model, config, batch, prompt, args.new, args.max_real_tokens, device)
+            except Exception as exc:
+                traceback.print_exc()
+                r = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+            results[name][case] = r
+            print(name, case, r, flush=True)
+            torch.cuda.empty_cache()
+        model = None
+        torch.cuda.empty_cache()
+
+    rows = []
+    for name, cases in results.items():
+        for case, r in cases.items():
+            if "error" in r:
+                rows.append([name, case, "error", r["error"][:50], "", "", "", "", ""])
+                continue
+            peer = results.get("peer", {}).get(case, {})
+            ratio = (f"{peer['graph_step_ms'] / r['graph_step_ms']:.1f}x"
+                     if "graph_step_ms" in peer and name != "peer" else "")
+            rows.append([name, case + (" (synthetic cache)" if r.get("synthetic_cache") else ""), r["prefill_s"],
+                         r.get("eager_step_ms", float("nan")), r["graph_step_ms"], r["tokens_per_s"], ratio,
+                         r["peak_gib"]])
+    print_table(f"Decode, greedy, {args.new} new tokens, bf16, on {device_name()}",
+                ["model", "batch x prompt", "prefill s", "eager ms/step", "graph ms/step", "tokens/s",
+                 "speed-up vs peer", "peak GiB"], rows)
+
+    mem_rows = []
+    for name in ("k3-small", "k3-matched"):
+        config = k3_matched_config() if name == "k3-matched" else ModelConfig.from_preset("small")
+        kda = next((r["cache_bytes_per_seq"]["kda"] for r in results.get(name, {}).values()
+                    if r.get("cache_bytes_per_seq")), None)
+        per_token = (config.kv_lora_rank + config.qk_rope_head_dim) * 2 * config.layer_types.count("mla")
+        for context in (8192, 131072, 1 << 20):
+            measured = [r["cache_bytes_per_seq"] for c, r in results.get(name, {}).items()
+                        if r.get("cache_bytes_per_seq") and int(c.split("x")[1]) == context]
+            mla = measured[0]["mla"] if measured else per_token * context
+            mem_rows.append([name, context, (kda or 0) / 2**20, mla / 2**20, ((kda or 0) + mla) / 2**20,
+                             "measured" if measured else "bytes/token x context"])
+    print_table("Decode cache per sequence (MiB): KDA state is constant, MLA latent grows with context",
+                ["model", "context", "KDA MiB", "MLA MiB", "total MiB", "source"], mem_rows)
+    write_json(args.out, {"bench": "decode", "new_tokens": args.new, "results": results,
+                          "cache_per_sequence": [dict(zip(["model", "context", "kda_mib", "mla_mib", "total_mib",
+                                                           "source"], r)) for r in mem_rows]})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Training throughput on one GPU: k3 against transformers' KimiLinearForCausalLM (fla + grouped_mm experts).
+
+Usage: python bench/train.py [--batch 4] [--seq 4096] [--steps 6] [--variants ...] [--out train.json]
+
+One training step = forward, cross-entropy loss, backward, fused AdamW step (bf16 weights for every model),
+plus k3's balancer update. Tokens/s is batch*seq over the median step time; MFU is model FLOPs per token
+(bench.common's count: 6 x active parameters + attention + KDA recurrence) x tokens/s over 989 TFLOP/s.
+
+Models, all built in the same process on the same GPU:
+  peer        transformers KimiLinearForCausalLM at the issue's matched config, sdpa attention,
+              config._experts_implementation = "grouped_mm" (the baseline)
+  k3-matched  k3 at the same Kimi-Linear config (softplus gate, plain residuals, SiLU, no latent MoE)
+  k3-small    the `small` preset (16 layers, block AttnRes, latent MoE, SiTU, QB balancing)
+Variants of k3-small: eager AttnRes mix instead of the compiled one; torch.compile on the dense/shared MLPs
+and norms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+
+import torch
+
+from common import (H200_BF16_PEAK_FLOPS, device_name, hf_train_flops_per_token, k3_train_flops_per_token,
+                    peak_memory_gib, print_table, reset_peak_memory, time_ms, write_json)
+
+from k3 import K3ForCausalLM, ModelConfig
+from k3.layers.mlp import GLUMLP
+from k3.layers.norm import RMSNorm
+from k3.ops.attn_res import set_attn_res_backend
+
+PEER = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=12, intermediate_size=4096,
+            linear_num_heads=8, linear_head_dim=128, num_attention_heads=8, num_key_value_heads=8,
+            kv_lora_rank=256, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=128,
+            full_attention_layers=[5, 9], num_local_experts=64, num_experts_per_tok=6, moe_intermediate_size=512,
+            n_shared_experts=1, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def peer_model(device):
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    values = {k: v for k, v in PEER.items() if k != "full_attention_layers"}
+    layer_types = ["full_attention" if i + 1 in PEER["full_attention_layers"] else "linear_attention"
+                   for i in range(PEER["num_hidden_layers"])]
+    config = KimiLinearConfig(**values, layer_types=layer_types, first_k_dense_replace=1,
+                              attn_implementation="sdpa")
+    config._experts_implementation = "grouped_mm"
+    with torch.device(device):
+        model = KimiLinearForCausalLM(config)
+    return model.to(torch.bfloat16)
+
+
+def k3_matched_config() -> ModelConfig:
+    """k3 at the peer's Kimi-Linear config: same widths, layers and MLA positions."""
+    return ModelConfig(
+        vocab_size=32768, hidden_size=1024, num_layers=12, full_attn_layers=[5, 9],
+        kda_num_heads=8, kda_head_dim=128, kda_gate="softplus", kda_output_gate="low_rank",
+        mla_num_heads=8, q_lora_rank=None, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
+        v_head_dim=128, mla_output_gate=False, attn_res_block_size=0, first_k_dense_replace=1,
+        intermediate_size=4096, num_experts=64, num_experts_per_tok=6, num_shared_experts=1,
+        moe_intermediate_size=512, moe_latent_size=None, moe_latent_norm=False, hidden_act="silu",
+        moe_balancing="loss_free")
+
+
+def k3_model(config: ModelConfig, device, compile_blocks: bool):
+    with torch.device(device):
+        model = K3ForCausalLM(config)
+    model = model.to(torch.bfloat16).train()
+    if compile_blocks:
+        for module in model.modules():
+            if isinstance(module, (GLUMLP, RMSNorm)):
+                module.compile(dynamic=False)
+    return model
+
+
+def step_fn(model, ids, is_k3: bool):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def step():
+        if is_k3:
+            loss = model(ids, labels=ids).loss
+        else:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if is_k3:
+            model.update_balancers()
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--variants", nargs="+",
+                        default=["peer", "k3-matched", "k3-small", "k3-small-eager-attnres", "k3-small-compiled"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    tokens = args.batch * args.seq
+    results = {}
+    for name in args.variants:
+        torch.manual_seed(0)
+        reset_peak_memory()
+        set_attn_res_backend("eager" if name == "k3-small-eager-attnres" else None)
+        try:
+            if name == "peer":
+                model = peer_model(device)
+                c = model.config
+                flops = hf_train_flops_per_token(model, args.seq, 2, 8, 128, 128, 10, 8, 128,
+                                                 c.num_local_experts, c.num_experts_per_tok)
+            else:
+                config = k3_matched_config() if name == "k3-matched" else ModelConfig.from_preset("small")
+                model = k3_model(config, device, compile_blocks=name.endswith("compiled"))
+                flops = k3_train_flops_per_token(config, args.seq)
+            vocab = model.config.vocab_size
+            ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
+            ms = time_ms(step_fn(model, ids, name != "peer"), warmup=3, repeats=args.steps)
+            tps = tokens / (ms / 1e3)
+            params = sum(p.numel() for p in model.parameters())
+            results[name] = dict(step_ms=ms, tokens_per_s=tps, mfu=flops * tps / H200_BF16_PEAK_FLOPS,
+                                 flops_per_token=flops, params=params, peak_gib=peak_memory_gib())
+            print(name, results[name], flush=True)
+        except Exception as exc:
+            traceback.print_exc()
+            results[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            set_attn_res_backend(None)
+            model = None
+            torch.cuda.empty_cache()
+    base = results.get("peer", {}).get("tokens_per_s")
+    rows = []
+    for name, r in results.items():
+        if "error" in r:
+            rows.append([name, "error", r["error"][:60], "", "", "", ""])
+            continue
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"
+        rows.append([name, f"{r['params'] / 1e9:.2f}B", r["step_ms"], r["tokens_per_s"], f"{100 * r['mfu']:.1f}%",
+                     ratio, r["peak_gib"]])
+    print_table(f"Training step, B={args.batch} x T={args.seq}, bf16 + fused AdamW, on {device_name()}",
+                ["model", "params", "step ms", "tokens/s", "MFU", "vs peer", "peak GiB"], rows)
+    write_json(args.out, {"bench": "train", "batch": args.batch, "seq": args.seq,
+                          "env": {k: v for k, v in os.environ.items() if k.startswith("K3_")}, "results": results})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""The Attention-Residual mix over depth: one eager PyTorch path and a compiled (fused) twin.
+
+    mix = sum_i alpha_i v_i,   alpha = softmax_i( (v_i . q) / rms(v_i) ),   q = norm_weight * pseudo_query
+
+Eager, this materialises the stacked sources [S, B, T, D] in fp32 several times over (stack, upcast, keys,
+weighted values). The compiled twin is the same function handed to torch.compile, which fuses it into a couple
+of kernels that read each source once; it pays on CUDA, where the mix is memory-bound.
+
+Backend: `set_attn_res_backend(name)` if called (None resets), else the env var K3_ATTN_RES_BACKEND, else
+"auto" (compiled for CUDA tensors, eager otherwise); "eager" and "compiled" force one.
+Shape legend: S sources, B batch, T tokens, D hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_BACKENDS = ("auto", "eager", "compiled")
+_ENV = "K3_ATTN_RES_BACKEND"
+_override: str | None = None
+
+
+def attn_res_mix_eager(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """sources: S tensors [B, T, D]; norm_weight_D, query_D: [D]. Returns the mix [B, T, D] in the sources'
+    dtype, computed in fp32 (fp64 stays fp64)."""
+    values_SBTD = torch.stack(sources, dim=0)
+    compute = torch.promote_types(values_SBTD.dtype, torch.float32)
+    values_SBTD = values_SBTD.to(compute)
+    inv_rms_SBT = torch.rsqrt(values_SBTD.pow(2).mean(-1) + eps)
+    q_D = (norm_weight_D.to(compute) * query_D.to(compute))
+    alpha_SBT = torch.softmax((values_SBTD @ q_D) * inv_rms_SBT, dim=0)
+    return (alpha_SBT.unsqueeze(-1) * values_SBTD).sum(0).to(sources[0].dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled():
+    # dynamic=False: one specialisation per source count (at most num_layers / block_size + 2 of them).
+    return torch.compile(attn_res_mix_eager, dynamic=False, fullgraph=True)
+
+
+def set_attn_res_backend(name: str | None) -> None:
+    """Force "auto", "eager" or "compiled"; None goes back to K3_ATTN_RES_BACKEND (default "auto")."""
+    global _override
+    if name is not None and name not in _BACKENDS:
+        raise ValueError(f"set_attn_res_backend(name) takes one of {_BACKENDS} or None, got {name!r}")
+    _override = name
+
+
+def attn_res_backend(x: torch.Tensor | None = None) -> str:
+    """The configured backend, or with x the path a call on x would take ("eager" or "compiled")."""
+    name = _override if _override is not None else os.environ.get(_ENV, "auto").strip().lower()
+    if name not in _BACKENDS:
+        raise ValueError(f"{_ENV}={name!r}; use one of {_BACKENDS}")
+    if x is None or name != "auto":
+        return name
+    return "compiled" if x.is_cuda else "eager"
+
+
+def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Dispatching entry point; same arguments and result as attn_res_mix_eager."""
+    if attn_res_backend(sources[0]) == "compiled":
+        return _compiled()(list(sources), norm_weight_D, query_D, eps)
+    return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)
