@@ -72,8 +72,9 @@ def _prompts(args: argparse.Namespace) -> list[str]:
 class _Streamer:
     """Prints one sequence's text as its tokens arrive, holding back an incomplete UTF-8 character."""
 
-    def __init__(self, tokenizer, stops: set[int], out=sys.stdout) -> None:
-        self.tokenizer, self.stops, self.out = tokenizer, stops, out
+    def __init__(self, tokenizer, stops: set[int], out=None) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.out = out or sys.stdout  # looked up now, not at import: callers may have redirected stdout
         self.ids: list[int] = []
         self.printed = 0
 

@@ -30,9 +30,8 @@ from k3.train.trainer import TrainConfig, Trainer
 
 DEMO_MARKER = "demo.json"
 RECALL_LENGTHS = (256, 512, 1024)
-RECALL_SEQUENCES = 16
-# Seconds kept back from training for the final evaluation, the sample and the recall measurements.
-RESERVE_S = 100.0
+RECALL_SEQUENCES = 8  # per length: 8 sequences x 8 queries = 64 answers
+SAMPLE_TOKENS = 60
 
 
 def idle_cores() -> int:
@@ -80,8 +79,12 @@ def run_demo(out: str = "runs/demo", minutes: float = 10.0, threads: int = 0, fr
     summary = trainer.train(stop_at=calibration_steps)
     first_val = summary.get("first_val_loss")
     step_s = summary["train_seconds"] / max(1, summary["steps"] - summary["start_step"])
-    eval_s = step_s * 0.4 * config.eval_batches  # forward only over eval_batches batches
-    left = budget_s - (time.perf_counter() - started) - RESERVE_S
+    eval_s = step_s * 0.4 * config.eval_batches  # a forward costs about a third of forward + backward
+    # Kept back for the final evaluation, the sample and the recall measurements (all forward only), plus slack.
+    tokens_per_step = config.seq_len * config.batch_size
+    reserve_s = 0.4 * step_s * (RECALL_SEQUENCES * sum(RECALL_LENGTHS) + SAMPLE_TOKENS * 8) / tokens_per_step
+    reserve_s += eval_s + 15.0
+    left = budget_s - (time.perf_counter() - started) - reserve_s
     per_step = step_s + eval_s / config.eval_every
     fitted = max(trainer.step + 1, trainer.step + int(left / per_step))
     trainer.config.max_steps = min(fitted, 5000)
@@ -98,7 +101,7 @@ def run_demo(out: str = "runs/demo", minutes: float = 10.0, threads: int = 0, fr
 
     engine = Engine(trainer.model, trainer.tokenizer, max_context=1024)
     prompt = "def "
-    params = SamplingParams(max_new_tokens=60, temperature=0.7, top_k=40, seed=0)
+    params = SamplingParams(max_new_tokens=SAMPLE_TOKENS, temperature=0.7, top_k=40, seed=0)
     sample = engine.generate([prompt], params)[0]
     print(f"\nsample (temperature 0.7, top-k 40):\n{prompt}{sample}\n")
 
