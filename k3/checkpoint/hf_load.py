@@ -8,7 +8,6 @@ experts, that tensor's dequantised copy), never a second copy of the model.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -117,15 +116,28 @@ def _open_safetensors(file: Path):
 
 
 class _Shards:
-    """Open shard files on first use (memory-mapped: opening costs nothing until a tensor is read)."""
+    """Shard files opened on first use. They are memory-mapped, and the pages a read touches stay resident
+    while the file is open, so `close()` is called after each shard to keep peak memory near the model size."""
 
-    def __init__(self, directory: Path, mapping: dict[str, str], stack: contextlib.ExitStack) -> None:
-        self.directory, self.mapping, self.stack = directory, mapping, stack
+    def __init__(self, directory: Path, mapping: dict[str, str]) -> None:
+        self.directory, self.mapping = directory, mapping
         self.handles: dict[str, object] = {}
+        self.names: dict[str, set[str]] = {}
+
+    def __enter__(self) -> "_Shards":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for handle in self.handles.values():
+            handle.__exit__(None, None, None)
+        self.handles.clear()
 
     def _handle(self, file: str):
         if file not in self.handles:
-            self.handles[file] = self.stack.enter_context(_open_safetensors(self.directory / file))
+            self.handles[file] = _open_safetensors(self.directory / file).__enter__()
         return self.handles[file]
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -136,7 +148,9 @@ class _Shards:
 
         file = self.mapping[name]
         handle = self._handle(file)
-        if name not in handle.keys():
+        if file not in self.names:
+            self.names[file] = set(handle.keys())
+        if name not in self.names[file]:
             raise ValueError(f"{self.directory / file} does not hold {name}, but the index says it does")
         try:
             return handle.get_tensor(name)
@@ -176,6 +190,13 @@ class _Assembler:
             value = value.reshape(expected)
         if target not in self.tensors:
             dtype = self.dtype_for(target, value.dtype)
+            if piece.expert is None:
+                # A whole tensor: keep what safetensors returned (a fresh tensor), converted if needed.
+                tensor = value.to(device=self.device, dtype=dtype).contiguous()
+                if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+                    tensor = tensor.clone()  # a slice of a fused tensor: do not keep the rest alive
+                self.tensors[target], self.filled[target], self.origin[target] = tensor, {-1}, source_name
+                return
             self.tensors[target] = torch.empty(full, dtype=dtype, device=self.device)
             self.filled[target] = set()
         slot = -1 if piece.expert is None else piece.expert
@@ -245,8 +266,7 @@ def load_hf_weights(model: K3ForCausalLM, path: str | os.PathLike, fmt: str, dty
     by_file: dict[str, list[str]] = {}
     for name, file in mapping.items():
         by_file.setdefault(file, []).append(name)
-    with contextlib.ExitStack() as stack:
-        shards = _Shards(directory, mapping, stack)
+    with _Shards(directory, mapping) as shards:
         for file in tqdm(sorted(by_file), desc="loading shards", unit="shard", disable=not progress):
             for name in sorted(by_file[file]):
                 pieces = _pieces_for(name, fmt, config, shapes, mapping)
@@ -264,6 +284,7 @@ def load_hf_weights(model: K3ForCausalLM, path: str | os.PathLike, fmt: str, dty
                         piece.source_dim, piece.source.start, piece.source.stop - piece.source.start)
                     assembler.put(piece, part, name, str(directory / file))
                 del value
+            shards.close()
     if unknown:
         warnings.warn(f"{directory}: {len(unknown)} tensor(s) not used by the k3 model, e.g. {unknown[:5]}",
                       stacklevel=2)
@@ -318,8 +339,8 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
     dtype = parse_dtype(dtype)
     config, _, fmt = read_hf_config(path)
     mapping = weight_map(path)
-    with contextlib.ExitStack() as stack:
-        config = _detect_a_log_size(config, _Shards(Path(path), mapping, stack), mapping)
+    with _Shards(Path(path), mapping) as shards:
+        config = _detect_a_log_size(config, shards, mapping)
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     load_hf_weights(model, path, fmt, dtype, device, progress)

@@ -101,8 +101,9 @@ def test_transformers_checkpoint_gives_same_logits_and_greedy_continuation(name,
     with torch.no_grad():
         _assert_logits_match(hf_model(ids).logits, model(ids).logits)
         prompt = ids[:1, :7]
-        expected = hf_model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=None,
-                                     pad_token_id=0)
+        # An explicit mask: otherwise generate treats prompt tokens equal to pad_token_id as padding.
+        expected = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
         assert torch.equal(_greedy_k3(model, prompt, 8), expected)
 
 
