@@ -10,7 +10,8 @@ from k3.distributed.balanced import balanced_plan, imbalance, skewed_routing
 from k3.distributed.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from k3.distributed.dispatcher import DispatchStats, ExpertPlan, all_to_all, home_plan
 from k3.distributed.launch import (DistEnv, all_gather_cat, all_reduce_sum, barrier, get_rank, get_world_size,
-                                   init_distributed, is_distributed, is_main, shard_batch, shutdown)
+                                   init_distributed, is_distributed, is_main, main_first, shard_batch,
+                                   shutdown)
 from k3.distributed.loop import global_mean, train_steps
 from k3.distributed.parallelize import (ExpertParallelMoE, dispatch_stats, global_moe_maxvio, parallelize,
                                         set_balanced)
@@ -19,6 +20,6 @@ __all__ = [
     "DispatchStats", "DistEnv", "ExpertParallelMoE", "ExpertPlan", "all_gather_cat", "all_reduce_sum", "all_to_all",
     "balanced_plan", "barrier", "dispatch_stats", "full_state_dict", "get_rank", "get_world_size",
     "global_mean", "global_moe_maxvio", "home_plan", "imbalance", "init_distributed", "is_distributed", "is_main",
-    "load_checkpoint", "parallelize", "save_checkpoint", "set_balanced", "shard_batch", "shutdown",
+    "load_checkpoint", "main_first", "parallelize", "save_checkpoint", "set_balanced", "shard_batch", "shutdown",
     "skewed_routing", "train_steps",
 ]

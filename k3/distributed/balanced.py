@@ -91,12 +91,14 @@ def skewed_routing(model: nn.Module, hot_experts: list[int], boost: float = 10.0
     saved = []
     for module in model.modules():
         if isinstance(module, Router):
-            saved.append((module, module.e_score_correction_bias.clone()))
+            saved.append((module, module.e_score_correction_bias.clone(), module.balancing))
+            module.balancing = "none"  # QB would re-solve (and so undo) the skew inside a training forward
             with torch.no_grad():
                 module.e_score_correction_bias[hot_experts] += boost
     try:
         yield
     finally:
         with torch.no_grad():
-            for module, bias in saved:
+            for module, bias, balancing in saved:
                 module.e_score_correction_bias.copy_(bias)
+                module.balancing = balancing

@@ -79,3 +79,25 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> dict:
     if is_distributed():
         barrier()
     return payload
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer state in the single-device `optimizer.state_dict()` form (parameters numbered in group
+    order), gathered whole on rank 0 (empty on the others). Collective for a parallelized model."""
+    if not _is_parallel(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    by_name = get_optimizer_state_dict(model, optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not by_name:
+        return {}
+    # torch.distributed.checkpoint keys the state by parameter name; a plain optimizer numbers parameters in
+    # the order its groups list them, and the names (hence that order) are the single-device model's.
+    number = {}
+    for group in by_name["param_groups"]:
+        for name in group["params"]:
+            number[name] = len(number)
+    return {"state": {number[name]: value for name, value in by_name["state"].items()},
+            "param_groups": [{**group, "params": [number[n] for n in group["params"]]}
+                             for group in by_name["param_groups"]]}

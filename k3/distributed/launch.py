@@ -6,8 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,6 +71,17 @@ def is_main() -> bool:
 
 def barrier() -> None:
     if is_distributed():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first() -> Iterator[None]:
+    """Run the block on rank 0 first, then on the other ranks: shared files (tokenizer, tokenized data) are
+    written once and found by the others."""
+    if is_distributed() and not is_main():
+        dist.barrier()
+    yield
+    if is_distributed() and is_main():
         dist.barrier()
 
 

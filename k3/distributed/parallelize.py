@@ -122,7 +122,10 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
 
 
 def _wire_balancers(model: nn.Module) -> None:
-    """Rebind update_balancers so every rank aggregates the same statistics (identical biases)."""
+    """Every rank aggregates the same statistics, so biases stay identical: QB solves its bias inside the
+    training forward from the required-bias matrix gathered over ranks; the loss-free update sums loads."""
+    for _, router in model.routers():
+        router.gather = all_gather_cat
     single_device = type(model).update_balancers
     model.update_balancers = functools.partial(single_device, model, gather=all_gather_cat,
                                                all_reduce=all_reduce_sum)
