@@ -46,8 +46,10 @@ class Router(nn.Module):
         self.balancing = config.moe_balancing
         self.gamma = config.loss_free_gamma
         self.force_balanced = False  # debug: ignore scores, deal tokens round-robin to experts
-        # Detached statistics of the forwards since the last balancer update (training only).
-        self._pending_scores: list[torch.Tensor] = []
+        # QB across data-parallel ranks: concatenates the required-bias matrix over ranks (set by
+        # k3.distributed), so every rank solves the same bias from the global batch.
+        self.gather = None
+        # Loads of the training forwards since the last loss-free update.
         self._pending_load: torch.Tensor | None = None
         self.last_load_E: torch.Tensor | None = None
 
@@ -57,6 +59,12 @@ class Router(nn.Module):
             t = torch.arange(x_TD.shape[0], device=x_TD.device)
             topk_ids_TK = (t[:, None] * self.top_k + torch.arange(self.top_k, device=x_TD.device)) % self.num_experts
         else:
+            if self.training and self.balancing == "quantile":
+                # QB balances the batch being routed: the bias is solved from this batch's scores before the
+                # selection (a bias from the previous batch lags behind a router that is still moving).
+                with torch.no_grad():
+                    self.e_score_correction_bias.copy_(
+                        quantile_bias(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.gather))
             topk_ids_TK = (scores_TE.detach() + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, topk_ids_TK)
         if self.renormalize:
@@ -65,31 +73,23 @@ class Router(nn.Module):
         # Counted on the device without a host sync (torch.bincount syncs on CUDA), as expert_load would.
         load_E = count_per_expert(topk_ids_TK.detach(), self.num_experts).float()
         self.last_load_E = load_E
-        if self.training and self.balancing != "none":
-            if self.balancing == "quantile":
-                self._pending_scores.append(scores_TE.detach())
+        if self.training and self.balancing == "loss_free":
             self._pending_load = load_E if self._pending_load is None else self._pending_load + load_E
         return Routing(topk_ids_TK, weights_TK, scores_TE)
 
     @torch.no_grad()
     def update_bias(self, gather=None, all_reduce=None) -> None:
-        """Apply one balancing step from the statistics gathered since the last call (then clear them).
-        `gather` concatenates required biases over ranks (QB); `all_reduce` sums loads over ranks (loss-free).
+        """The step-end balancing update. QB needs none (it solves the bias inside each training forward);
+        the loss-free sign update applies here from the loads since the last call. `all_reduce` sums loads
+        over data-parallel ranks; `gather`, when given, is kept for QB's in-forward solve.
         In eval mode the bias is frozen: pending statistics are dropped and nothing changes."""
-        if not self.training:
-            self._pending_scores.clear()
-            self._pending_load = None
-            return
-        if self.balancing == "quantile" and self._pending_scores:
-            scores_TE = torch.cat(self._pending_scores)
-            self.e_score_correction_bias.copy_(quantile_bias(scores_TE, self.e_score_correction_bias, self.top_k,
-                                                             gather))
-        elif self.balancing == "loss_free" and self._pending_load is not None:
+        if gather is not None:
+            self.gather = gather
+        if self.training and self.balancing == "loss_free" and self._pending_load is not None:
             load_E = self._pending_load.clone()
             if all_reduce is not None:
                 all_reduce(load_E)
             self.e_score_correction_bias.copy_(loss_free_bias(load_E, self.e_score_correction_bias, self.gamma))
-        self._pending_scores.clear()
         self._pending_load = None
 
     def maxvio(self) -> float | None:

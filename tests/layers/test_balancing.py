@@ -81,8 +81,9 @@ def test_router_bias_selects_only_and_freezes_in_eval():
     before = router.e_score_correction_bias.clone()
     router(x)
     router.update_bias()
-    assert torch.equal(router.e_score_correction_bias, before)
+    assert torch.equal(router.e_score_correction_bias, before)  # frozen at eval time
     router.train()
-    router(x)
-    router.update_bias()
+    routing = router(x)  # QB solves the bias from this batch before selecting
     assert not torch.equal(router.e_score_correction_bias, before)
+    assert maxvio(expert_load(routing.topk_ids_TK, E)) < maxvio(
+        expert_load((torch.sigmoid(x @ router.weight.t()) + before).topk(K, dim=-1).indices, E))
