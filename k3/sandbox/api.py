@@ -27,6 +27,9 @@ DEFAULT_MAX_OUTPUT = 16 << 20
 # Deeper chains are squashed into one layer at the next snapshot: overlay's mount option must fit
 # in a page (about 120 layers with our short names) and each layer adds a little lookup cost.
 MAX_CHAIN = 48
+# From this many files to copy, an idle sandbox's snapshot adopts its upper directory as the layer
+# (a rename) and restarts on a fresh upper: cheaper than copying them one by one.
+ADOPT_MIN_FILES = 16
 
 
 @dataclass(frozen=True)
@@ -285,7 +288,11 @@ class Sandbox:
     def snapshot(self) -> str:
         """Freeze the current filesystem into an immutable layer; return its id.
 
-        The sandbox keeps running. Only files are saved, not processes (see the module doc).
+        The sandbox keeps running on the same files. Only files are saved, not processes (see the
+        module doc). Files unchanged since the previous snapshot are shared with it, not copied.
+        When many files would have to be copied and no command is running, the upper directory
+        itself becomes the layer and the sandbox continues on a fresh upper above it (its PID 1
+        is replaced then, which nothing inside can notice: no other process exists).
         """
         with self._lock:
             if self.closed:
@@ -293,17 +300,40 @@ class Sandbox:
             # No process may write while the upper is read. With only unshare and PID 1 in the
             # group (and PID 1 busy with nothing: we hold the request lock) nothing can; otherwise
             # the freezer stops every task first.
-            must_freeze = not self.paused and len(self.cgroup.pids()) > 2
-            if must_freeze:
-                self.cgroup.freeze()
-            try:
-                if len(self.chain) >= MAX_CHAIN:
-                    return self.store.squash(self.chain, self._upper, self.image.path)
-                return self.store.freeze(self._upper, self.chain[0] if self.chain else None, self.image.path,
-                                         cache=self._freeze_cache)
-            finally:
-                if must_freeze:
-                    self.cgroup.thaw()
+            idle = not self.paused and len(self.cgroup.pids()) <= 2
+            if len(self.chain) >= MAX_CHAIN:
+                return self._frozen(idle, lambda: self.store.squash(self.chain, self._upper, self.image.path))
+            parent = self.chain[0] if self.chain else None
+            if not idle:  # scan and copy within one freeze: the files must not move in between
+                return self._frozen(idle, lambda: self.store.freeze(self._upper, parent, self.image.path, self._freeze_cache))
+            scan = self.store.scan(self._upper, parent, self.image.path, self._freeze_cache)
+            if scan.to_copy >= ADOPT_MIN_FILES and not self.store.exists(scan.layer_id):
+                old, old_dir = self._supervisor, os.path.dirname(self._upper)
+                layer_id = self.store.commit(scan, adopt=True)
+                self._replace_generation(old, old_dir, [layer_id] + self.chain)
+                return layer_id
+            return self.store.commit(scan, self._freeze_cache)
+
+    def _frozen(self, idle: bool, work):
+        if idle or self.paused:
+            return work()
+        self.cgroup.freeze()
+        try:
+            return work()
+        finally:
+            self.cgroup.thaw()
+
+    def _replace_generation(self, old: local.Supervisor, old_dir: str, chain: list[str]) -> None:
+        """Start a fresh upper over ``chain``; ``old`` is killed and torn down by the janitor.
+
+        The old processes live in their own namespaces and write, if at all, to an upper that is
+        thrown away, so their last milliseconds cannot touch the new generation."""
+        old.dead = True  # never talk to it again
+        self.paused = False  # the janitor thaws the old group so its processes can die
+        self._pending = [d for d in self._pending if not d.is_set()]
+        self._pending.append(local.janitor.submit(old, old_dir))
+        self.chain = chain
+        self._start(local.spares().take(1)[0])
 
     def restore(self, snapshot: str) -> None:
         """Return this sandbox to ``snapshot``: every process is killed, files are as they were."""
@@ -314,13 +344,7 @@ class Sandbox:
         with self._lock:
             if self.closed:
                 raise SandboxError(f"sandbox {self.id} is closed")
-            old, old_dir = self._supervisor, os.path.dirname(self._upper)
-            old.kill()
-            self.paused = False  # the janitor thaws the old group so its processes can die
-            self._pending = [d for d in self._pending if not d.is_set()]
-            self._pending.append(local.janitor.submit(old, old_dir))
-            self.chain = chain
-            self._start(local.spares().take(1)[0])
+            self._replace_generation(self._supervisor, os.path.dirname(self._upper), chain)
 
     def fork(self, snapshot: str | None = None, n: int = 1) -> list["Sandbox"]:
         """``n`` new sandboxes starting from ``snapshot`` (default: a snapshot taken now).

@@ -31,6 +31,24 @@ ID_CHARS = 24  # hex digits kept in a layer id: short names keep the overlay mou
 FRESH_NS = 50_000_000  # files changed this recently (ns) are not trusted to the freeze cache
 
 
+@dataclass
+class Scan:
+    """A walked and hashed upper directory, ready to be committed as layer ``layer_id``.
+
+    to_copy: files that ``commit`` would have to read and copy (not shared with an earlier layer).
+    """
+
+    layer_id: str
+    parent: str | None
+    image: str
+    upper: str
+    entries: list
+    total_bytes: int
+    files: int
+    to_copy: int
+    fresh_after: int
+
+
 @dataclass(frozen=True)
 class LayerInfo:
     """Metadata of one frozen layer. ``image`` is the base image directory of its chain."""
@@ -78,7 +96,11 @@ class LayerStore:
         return [self.info(name[:-5]) for name in sorted(os.listdir(self.root)) if name.endswith(".json")]
 
     def freeze(self, upper: str, parent: str | None, image: str, cache: dict | None = None) -> str:
-        """Copy the overlay upper directory ``upper`` into a new immutable layer; return its id.
+        """Copy the overlay upper directory ``upper`` into a new immutable layer; return its id."""
+        return self.commit(self.scan(upper, parent, image, cache), cache)
+
+    def scan(self, upper: str, parent: str | None, image: str, cache: dict | None = None) -> "Scan":
+        """First half of ``freeze``: walk and hash ``upper``; nothing is written.
 
         The caller must keep writers out of ``upper`` while this runs (the sandbox is frozen or
         idle). One pass hashes everything; files are written only when the id is new, so freezing
@@ -95,7 +117,7 @@ class LayerStore:
         entries = []  # (relative path, stat, kind, payload[, digest]): what the second pass writes
         known = cache if cache is not None else {}
         fresh_after = time.time_ns() - FRESH_NS
-        total_bytes, files = 0, 0
+        total_bytes, files, to_copy = 0, 0, 0
         for directory, dirnames, filenames in _walk_sorted(upper):
             rel_dir = directory[len(upper) + 1 :]
             for name in dirnames:
@@ -115,6 +137,7 @@ class LayerStore:
                     if hit is not None and hit[0] == signature:
                         content, payload = hit[1], hit[2]  # payload: the path of an identical layer file
                     else:
+                        to_copy += 1
                         data = _read_small(source, st.st_size)
                         content = hashlib.sha256(data).digest() if data is not None else _hash_file(source)
                         payload = data
@@ -133,11 +156,27 @@ class LayerStore:
                 if stat.S_ISREG(st.st_mode):
                     entries[-1] += (content,)
         layer_id = digest.hexdigest()[:ID_CHARS]
-        final = self.path(layer_id)
+        return Scan(layer_id, parent, image, upper, entries, total_bytes, files, to_copy, fresh_after)
+
+    def commit(self, scan: "Scan", cache: dict | None = None, adopt: bool = False) -> str:
+        """Second half of ``freeze``: store the scanned layer unless its id exists already.
+
+        ``adopt=True`` renames the upper directory itself into the store instead of copying it:
+        O(1), but the upper must never be written again (its overlay is about to be discarded).
+        """
+        layer_id, final = scan.layer_id, self.path(scan.layer_id)
         written = not self.exists(layer_id)
         if written:
-            self._write_layer(upper, final, entries)
-            meta = LayerInfo(layer_id, parent, image, time.time(), total_bytes, files)
+            if adopt:
+                # Copy-up left overlay's bookkeeping xattrs (origin, impure) on some entries;
+                # overlay reads them on upper layers only (with index, metacopy and redirect_dir
+                # off, as we mount it), so in a lower layer they are inert and stay.
+                if os.path.exists(final):  # a half-written layer from a crash: replace it
+                    shutil.rmtree(final)
+                os.rename(scan.upper, final)
+            else:
+                self._write_layer(scan.upper, final, scan.entries)
+            meta = LayerInfo(layer_id, scan.parent, scan.image, time.time(), scan.total_bytes, scan.files)
             tmp = os.path.join(self.root, f".{layer_id}.json.{uuid.uuid4().hex}")
             with open(tmp, "w") as f:
                 json.dump(meta.__dict__, f)
@@ -146,9 +185,9 @@ class LayerStore:
             # A file changed in the same clock tick as it was read could keep its ctime: such
             # "racy" files are not remembered, so they are read again next time.
             cache.clear()
-            for entry in entries:
+            for entry in scan.entries:
                 rel, st, kind = entry[0], entry[1], entry[2]
-                if kind == "file" and st.st_ctime_ns < fresh_after:
+                if kind == "file" and st.st_ctime_ns < scan.fresh_after:
                     # Link only from a layer written here: an older twin may differ in mtime.
                     cache[rel] = (_signature(st), entry[4], final + "/" + rel if written else None)
         return layer_id

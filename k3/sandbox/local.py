@@ -33,7 +33,7 @@ from k3.sandbox.cgroups import Cgroup, Limits
 
 SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
 NAMESPACES = ("--mount", "--pid", "--net", "--ipc", "--uts")
-REFILL_DELAY_S = 0.02
+REFILL_DELAY_S = 0.02  # background work waits this long after the operation that caused it
 
 
 class SandboxError(RuntimeError):
@@ -332,6 +332,9 @@ class Janitor:
     def _run(self) -> None:
         while True:
             supervisor, directory, done = self._jobs.get()
+            # The caller that queued this is still finishing a restore; teardown can wait a little
+            # rather than compete with it for the GIL and the CPU.
+            time.sleep(REFILL_DELAY_S)
             try:
                 supervisor.kill()
                 supervisor.cgroup.thaw()  # in case it was paused: a frozen task cannot die

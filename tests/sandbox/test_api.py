@@ -2,6 +2,7 @@
 
 import os
 import time
+import uuid
 
 import pytest
 
@@ -201,17 +202,34 @@ def test_deep_chains_are_squashed_with_overlay_semantics(box, monkeypatch):
 
 
 def test_incremental_snapshots_share_unchanged_files(box):
+    # A running background process keeps the sandbox busy: snapshots copy (or link), never adopt.
+    box.exec("sleep 1000 > /dev/null 2>&1 &")
     box.exec("mkdir -p /work/many && for i in $(seq 50); do echo $i > /work/many/$i; done")
     box.exec("sleep 0.1")  # let the files age past the freeze cache's racy-timestamp window
     first = box.snapshot()
     box.write_file("/work/many/7", "seven")
     second = box.snapshot()
+    assert box.chain == []  # copied: the sandbox still runs on its own upper
     first_dir, second_dir = box.store.path(first), box.store.path(second)
-    same = os.stat(os.path.join(first_dir, "work/many/8")).st_ino == os.stat(os.path.join(second_dir, "work/many/8")).st_ino
-    assert same  # unchanged: hard-linked from the first layer, not copied
-    assert os.stat(os.path.join(first_dir, "work/many/7")).st_ino != os.stat(os.path.join(second_dir, "work/many/7")).st_ino
+    inode = lambda layer, name: os.stat(os.path.join(layer, "work/many", name)).st_ino  # noqa: E731
+    assert inode(first_dir, "8") == inode(second_dir, "8")  # unchanged: hard-linked, not copied
+    assert inode(first_dir, "7") != inode(second_dir, "7")
     [fork] = box.fork(second)
     with fork:
         assert fork.exec("cat /work/many/7 /work/many/8").stdout == "seven8\n"
     box.write_file("/work/many/7", "7\n")  # same size and content as at the first snapshot
     assert box.snapshot() == first  # content-addressed: back to the first id
+
+
+def test_idle_snapshot_adopts_the_upper_and_keeps_it_immutable(box):
+    box.exec("mkdir -p /work/many && for i in $(seq 50); do echo $i > /work/many/$i; done")
+    box.write_file("/work/unique", uuid.uuid4().hex)  # content no earlier test has frozen
+    snapshot = box.snapshot()
+    assert box.chain == [snapshot]  # the upper became the layer; a fresh upper sits on it
+    assert box.exec("cat /work/many/8").stdout == "8\n"
+    box.write_file("/work/many/8", "changed after the snapshot")
+    layer_file = os.path.join(box.store.path(snapshot), "work", "many", "8")
+    assert open(layer_file).read() == "8\n"
+    [fork] = box.fork(snapshot)
+    with fork:
+        assert fork.exec("cat /work/many/8").stdout == "8\n"
