@@ -47,3 +47,16 @@ def test_chat_keeps_the_conversation(run, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n\n"))
     assert main(["chat", "--run", str(run), "--max-new-tokens", "6", "--seed", "1"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+def test_generate_from_a_hugging_face_directory(run, tmp_path, capsys):
+    from k3.checkpoint.hf import save_pretrained
+    from k3.infer.cli import load_for_inference
+
+    model, tokenizer = load_for_inference(str(run), None)
+    save_pretrained(model, tokenizer, tmp_path / "hf", format="kimi_k3", progress=False)
+    args = ["--prompt", "print(", "--max-new-tokens", "6", "--temperature", "0", "--no-stream"]
+    assert main(["generate", "--run", str(run), *args]) == 0
+    from_run = capsys.readouterr().out
+    assert main(["generate", "--model", str(tmp_path / "hf"), *args]) == 0
+    assert capsys.readouterr().out == from_run
