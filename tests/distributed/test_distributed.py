@@ -184,3 +184,31 @@ def test_source_to_slot_order_is_a_transpose_of_segments():
     counts = torch.tensor([[2, 0, 1], [1, 3, 0]])
     # Source-major rows: r0s0 r0s0 r0s2 | r1s0 r1s1 r1s1 r1s1 -> slot-major: s0 (r0 r0 r1), s1 (r1 x3), s2 (r0).
     assert source_to_slot_order(counts).tolist() == [0, 1, 3, 4, 5, 6, 2]
+
+
+@pytest.mark.slow
+def test_k3_train_with_ep_under_torchrun(tmp_path):
+    """`torchrun -m k3 train --ep 2` trains, and its checkpoint opens as a single-device model."""
+    from k3.checkpoint.native import load_checkpoint, model_from_checkpoint
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = ["expert", "latent", "router", "token", "balance", "rank", "shard", "gather", "delta", "kimi"]
+    generator = torch.Generator().manual_seed(0)
+    for doc in range(6):
+        picks = torch.randint(len(words), (3000,), generator=generator).tolist()
+        (corpus / f"doc{doc}.txt").write_text(" ".join(words[i] for i in picks))
+    out = tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "k3", "train",
+         "--preset", "tiny", "--out", str(out), "--data", str(corpus), "--max-steps", "3", "--seq-len", "64",
+         "--batch-size", "2", "--eval-every", "3", "--save-every", "3", "--eval-batches", "1", "--device", "cpu",
+         "--threads", "1", "--ep", "2"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-6000:]
+    state = load_checkpoint(out / "checkpoint.pt")
+    assert state["step"] == 3
+    model = model_from_checkpoint(state)
+    assert model.model.layers[1].block_sparse_moe.w1.shape[0] == model.config.num_experts
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert any('"step": 3' in line and '"loss"' in line for line in lines)
