@@ -263,3 +263,11 @@ def test_forcing_missing_fla_fails_clearly():
         pytest.skip("fla is installed here")
     with pytest.raises(RuntimeError, match="not importable"):
         set_kda_backend("fla")
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda, naive_recurrent_kda])
+def test_zero_length_input_keeps_the_state(fn):
+    x, beta, h0 = torch.randn(2, 0, 2, 8), torch.rand(2, 0, 2), torch.randn(2, 2, 8, 8)
+    o, ht = fn(x, x, x, -x.abs(), beta, initial_state=h0, output_final_state=True)
+    assert o.shape == (2, 0, 2, 8)
+    torch.testing.assert_close(ht, h0)

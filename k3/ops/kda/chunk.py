@@ -79,23 +79,48 @@ def _intra_chunk_scores(
     diag_q, diag_k = _diag_block_scores(qs, ks, Gs)  # [..., NS, S, S]
     t = torch.arange(SUB, device=G.device)
     zero = q.new_zeros(())
-    diag_q = torch.where(t[:, None] >= t[None, :], diag_q, zero)
-    diag_k = torch.where(t[:, None] > t[None, :], diag_k, zero)
+    diag_q = torch.where(t[:, None] >= t[None, :], diag_q, zero).unbind(-3)
+    diag_k = torch.where(t[:, None] > t[None, :], diag_k, zero).unbind(-3)
+    qs, ks, Gs = qs.unbind(-3), ks.unbind(-3), Gs.unbind(-3)
     rows_q, rows_k = [], []
     for a in range(ns):
         start = a * SUB
-        blocks_q, blocks_k = [diag_q[..., a, :, :]], [diag_k[..., a, :, :]]
+        blocks_q, blocks_k = [diag_q[a]], [diag_k[a]]
         if a:
             # Columns before this sub-chunk only: the score rows of sub-chunk a cover a*S earlier tokens.
             anchor = G[..., start - 1 : start, :]  # [..., 1, K]
             cols = (k[..., :start, :] * _decay(anchor - G[..., :start, :])).transpose(-1, -2)  # [..., K, a*S]
-            row_decay = _decay(Gs[..., a, :, :] - anchor)  # [..., S, K]
-            blocks_q.insert(0, (qs[..., a, :, :] * row_decay) @ cols)
-            blocks_k.insert(0, (ks[..., a, :, :] * row_decay) @ cols)
+            row_decay = _decay(Gs[a] - anchor)  # [..., S, K]
+            blocks_q.insert(0, (qs[a] * row_decay) @ cols)
+            blocks_k.insert(0, (ks[a] * row_decay) @ cols)
         pad = (0, C - start - SUB)
         rows_q.append(F.pad(torch.cat(blocks_q, -1), pad))
         rows_k.append(F.pad(torch.cat(blocks_k, -1), pad))
     return torch.cat(rows_q, -2), torch.cat(rows_k, -2)
+
+
+def _unit_lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """Inverse of unit lower triangular matrices L [..., C, C] (C a power of two), by block forward substitution.
+
+    Starts from the 1x1 diagonal blocks and doubles: inv([[X, 0], [L21, Y]]) has blocks X^-1, Y^-1 and
+    -Y^-1 L21 X^-1. Only batched matmuls: on CPU this beats a batched LAPACK triangular solve, whose per-matrix
+    calls and layout copies dominate at C = 64, and its backward is plain matmuls too.
+    """
+    C = L.shape[-1]
+    batch = L.shape[:-2]
+    inv = torch.ones(*batch, C, 1, 1, dtype=L.dtype, device=L.device)  # [..., C/s, s, s] diagonal blocks
+    size = 1
+    while size < C:
+        pairs = C // (2 * size)
+        blocks = L.reshape(*batch, pairs, 2, size, pairs, 2, size)
+        # below-diagonal block of each pair: rows of its second half, columns of its first half
+        lower = torch.diagonal(blocks[..., :, 1, :, :, 0, :], dim1=-4, dim2=-2).movedim(-1, -3)  # [..., pairs, s, s]
+        first, second = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+        corner = -(second @ lower @ first)
+        top = torch.cat([first, torch.zeros_like(first)], -1)
+        inv = torch.cat([top, torch.cat([corner, second], -1)], -2)
+        size *= 2
+    return inv.reshape(*batch, C, C)
 
 
 def _chunk_fwd(
@@ -113,6 +138,8 @@ def _chunk_fwd(
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if T == 0:
+        return v.new_zeros(B, 0, H, V), h0
     pad = (-T) % CHUNK
     if pad:
         q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
@@ -130,9 +157,8 @@ def _chunk_fwd(
 
     eye = torch.eye(CHUNK, dtype=q.dtype, device=q.device)
     decay = _decay(G)  # [B, H, N, C, K], <= 1
-    rhs = torch.cat([v, k * decay], dim=-1) * beta
-    X = torch.linalg.solve_triangular(eye + Akk * beta, rhs, upper=False, unitriangular=True)
-    U, W = X[..., :V], X[..., V:]
+    T_ut = _unit_lower_inverse(eye + Akk * beta) * beta.transpose(-1, -2)  # (I + A)^-1 diag(beta)
+    U, W = T_ut @ v, T_ut @ (k * decay)
 
     last = G[..., -1:, :]  # [B, H, N, 1, K]
     k_to_end = k * _decay(last - G)  # decay from each token to the chunk end, <= 1
@@ -143,9 +169,10 @@ def _chunk_fwd(
 
     states = []
     state = h0
-    for i in range(n):
+    # unbind, not P[:, :, i]: the backward of one unbind is one stack, the backward of n selects is n full-size zeros.
+    for P_i, R_i in zip(P.unbind(2), R.unbind(2)):
         states.append(state)
-        state = P[:, :, i] @ state + R[:, :, i]
+        state = torch.baddbmm(R_i.flatten(0, 1), P_i.flatten(0, 1), state.flatten(0, 1)).view_as(state)
     o = q_read @ torch.stack(states, dim=2) + MU  # [B, H, N, C, V]
     o = o.reshape(B, H, n * CHUNK, V).transpose(1, 2)[:, :T].contiguous()
     return o, state

@@ -28,7 +28,8 @@ def _recurrent_fwd(
         err = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state)
         state = torch.addcmul(state, kb[:, t, :, :, None], err[:, :, None, :])
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-    return torch.stack(outs, dim=1), state
+    o = torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)
+    return o, state
 
 
 def fused_recurrent_kda_torch(
