@@ -8,8 +8,8 @@ copied-up files. Each operation is timed ``iterations`` times; p50 and p99 are r
 clean restore each round), then the sandbox is snapshotted. An idle sandbox adopts its upper
 directory as the new layer (a rename) and restarts on a fresh upper; ``snapshot_copy_*`` is the
 same with a background process running, where the files are copied instead; and
-``snapshot_incremental_*`` is one more edit after a snapshot, where unchanged files are
-hard-linked from the layer that already holds them.
+``snapshot_incremental_*`` is one more edit after a snapshot of an idle sandbox (the common case
+in a rollout that snapshots every step), where only what changed since is stored.
 
 Between two timed operations the bench waits for the background work of the previous one (spare
 supervisors started again, replaced generations torn down): the numbers are the latency of one
@@ -139,7 +139,10 @@ def run(iterations: int = 30, edits: int = 100, image_mb: int = 200, density_san
 
         results.update(_percentiles("snapshot_copy", _timed(box.snapshot, max(5, iterations // 3), before=edit_busy)))
 
-        # Incremental: one more edit after a snapshot; unchanged files are hard-linked.
+        # Incremental: one more edit after an (idle) snapshot, the common case in a rollout that
+        # snapshots every step: only what changed since is stored.
+        edit()
+        box.snapshot()
         step = lambda: box.write_file("/work/repo/step.txt", uuid.uuid4().hex)  # noqa: E731
         results.update(_percentiles("snapshot_incremental", _timed(box.snapshot, max(5, iterations // 3), before=step)))
         results.update(_percentiles("restore", _timed(lambda: box.restore(snapshot), iterations)))

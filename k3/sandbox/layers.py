@@ -369,9 +369,11 @@ def _read_small(path: str, size: int) -> bytes | None:
         return None
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        data = os.read(fd, size + 1)
-        while len(data) <= size:  # short reads are legal; loop until EOF
-            more = os.read(fd, size + 1 - len(data))
+        # No writer runs during a freeze, so the size from lstat is the size: stop there rather
+        # than spend one more read per file on seeing EOF.
+        data = os.read(fd, size)
+        while len(data) < size:  # short reads are legal
+            more = os.read(fd, size - len(data))
             if not more:
                 break
             data += more
