@@ -8,8 +8,8 @@ S0 the state entering the chunk, the per-token deltas d_t = b_t (v_t - k_t^T Dia
 
     (I + A) D = diag(b) (V - (K * e^G) S0),   A_tj = b_t sum_c k_tc k_jc e^{G_tc - G_jc}  (j < t)
 
-so D = U - W S0 with U = T V, W = T (K * e^G), T = (I + A)^{-1} diag(b) (the UT transform; a unit lower
-triangular solve). Outputs and the next state follow from D with plain matmuls:
+so D = U - W S0 with U = T V, W = T (K * e^G), T = (I + A)^{-1} diag(b) (the UT transform; the inverse is
+built by block forward substitution). Outputs and the next state follow from D with plain matmuls:
 
     O  = (Q * e^G) S0 + M D,              M_tj = sum_c q_tc k_jc e^{G_tc - G_jc}  (j <= t)
     S1 = Diag(e^{G_C}) S0 + (K * e^{G_C - G})^T D
