@@ -3,8 +3,9 @@
     k3 convert --from DIR --to DIR --format kimi_k3 [--mxfp4] [--dtype bfloat16] [--max-shard-size 5GB]
 
 The source is an HF-format directory (Kimi-Linear or Kimi-K3, detected from config.json) or a native k3
-checkpoint (read through k3.checkpoint.native when that module provides `load_model`). The target is an
-HF-format directory in the chosen layout, or a native checkpoint with --format native.
+checkpoint (a run directory holding checkpoint.pt, or the file). The target is an HF-format directory in the
+chosen layout, or with --format native a native checkpoint (DIR/checkpoint.pt) holding the model, its config
+and the tokenizer files.
 """
 
 from __future__ import annotations
@@ -27,33 +28,49 @@ def _is_hf_directory(path: Path) -> bool:
     return isinstance(raw, dict) and ("model_type" in raw or "text_config" in raw)
 
 
-def _native_module():
-    try:
-        from k3.checkpoint import native
-    except ImportError as error:
-        raise RuntimeError(f"native k3 checkpoints need k3.checkpoint.native, which is not importable ({error})") \
-            from error
-    return native
+class _TokenizerFiles:
+    """Tokenizer files carried as bytes (as a native checkpoint stores them), written out unchanged."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+
+    def save(self, directory: str | Path) -> None:
+        from k3.checkpoint.native import atomic_write_bytes
+
+        for name, data in self.files.items():
+            atomic_write_bytes(Path(directory) / name, data)
 
 
 def _load(source: Path, dtype: str | None):
-    from k3.checkpoint.hf_load import from_pretrained
+    from k3.checkpoint import native
+    from k3.checkpoint.hf_load import from_pretrained, parse_dtype
 
     if not source.exists():
         raise FileNotFoundError(f"--from {source} does not exist")
-    if _is_hf_directory(source):
+    if source.is_dir() and _is_hf_directory(source):
         return from_pretrained(source, dtype=dtype)
-    native = _native_module()
-    if not hasattr(native, "load_model"):
-        raise RuntimeError(f"{source} is not an HF-format directory (config.json with a model_type) and "
-                           f"k3.checkpoint.native has no load_model(path) to read it as a native checkpoint")
-    loaded = native.load_model(source)
-    model, tokenizer = loaded if isinstance(loaded, tuple) else (loaded, None)
+    state = native.load_checkpoint(source)
+    model = native.model_from_checkpoint(state, str(source))
     if dtype is not None:
-        from k3.checkpoint.hf_load import parse_dtype
-
         model = model.to(parse_dtype(dtype))
-    return model, tokenizer
+    files = state.get("tokenizer") or {}
+    return model, (_TokenizerFiles(files) if files else None)
+
+
+def _save_native(model, tokenizer, target: Path) -> Path:
+    import tempfile
+
+    from k3.checkpoint import native
+
+    files: dict[str, bytes] = {}
+    if tokenizer is not None:
+        with tempfile.TemporaryDirectory() as scratch:
+            tokenizer.save(scratch)
+            files = {p.name: p.read_bytes() for p in sorted(Path(scratch).iterdir()) if p.is_file()}
+    path = target / native.CHECKPOINT_NAME if target.suffix != ".pt" else target
+    native.save_checkpoint(path, {"model": model.state_dict(), "config": model.config.to_dict(), "step": 0,
+                                  "tokenizer": files})
+    return path
 
 
 def convert(args: argparse.Namespace) -> int:
@@ -61,21 +78,17 @@ def convert(args: argparse.Namespace) -> int:
 
     source, target = Path(args.source), Path(args.target)
     if source.resolve() == target.resolve():
-        raise ValueError("--from and --to name the same directory; write the converted checkpoint elsewhere")
+        raise ValueError("--from and --to name the same path; write the converted checkpoint elsewhere")
+    if args.mxfp4 and args.format != "kimi_k3":
+        raise ValueError(f"--mxfp4 applies to --format kimi_k3 only, not {args.format}")
     model, tokenizer = _load(source, args.dtype)
     if args.format == "native":
-        if args.mxfp4:
-            raise ValueError("--mxfp4 applies to the kimi_k3 layout only; drop it for --format native")
-        native = _native_module()
-        if not hasattr(native, "save_model"):
-            raise RuntimeError("k3.checkpoint.native has no save_model(model, tokenizer, path); cannot write a "
-                               "native checkpoint")
-        native.save_model(model, tokenizer, target)
+        written = _save_native(model, tokenizer, target)
     else:
-        save_pretrained(model, tokenizer, target, format=args.format, mxfp4_experts=args.mxfp4,
-                        max_shard_size=args.max_shard_size)
+        written = save_pretrained(model, tokenizer, target, format=args.format, mxfp4_experts=args.mxfp4,
+                                  max_shard_size=args.max_shard_size)
     experts = " (routed experts in MXFP4)" if args.mxfp4 else ""
-    print(f"wrote {target} as {args.format}{experts}: {model.config.num_layers} layers, "
+    print(f"wrote {written} as {args.format}{experts}: {model.config.num_layers} layers, "
           f"{sum(p.numel() for p in model.parameters()):,} parameters")
     return 0
 
@@ -84,7 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert", help="convert a checkpoint between k3 and Hugging Face layouts (Kimi-Linear, Kimi-K3)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--from", dest="source", required=True, help="source directory (HF format or native k3)")
+    parser.add_argument("--from", dest="source", required=True, help="source: HF-format directory, or a native run directory / checkpoint.pt")
     parser.add_argument("--to", dest="target", required=True, help="target directory (replaced atomically)")
     parser.add_argument("--format", choices=[*FORMATS, "native"], default="kimi_k3",
                         help="target layout (default: kimi_k3)")

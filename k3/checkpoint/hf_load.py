@@ -92,7 +92,8 @@ def weight_map(path: str | os.PathLike) -> dict[str, str]:
         try:
             mapping = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{index} is not a safetensors index (JSON with a 'weight_map' object): {error}") from error
+            raise ValueError(f"{index} is not a safetensors index (JSON with a 'weight_map' object): {error}") \
+                from error
         missing = sorted({f for f in mapping.values() if not (directory / f).is_file()})
         if missing:
             raise FileNotFoundError(f"{index} lists shard(s) missing from {directory}: {', '.join(missing)}; "
