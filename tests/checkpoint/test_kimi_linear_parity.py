@@ -142,3 +142,9 @@ def test_k3_export_loads_in_transformers(tmp_path):
     again, _ = from_pretrained(tmp_path / "k3_export", progress=False)
     for key, value in model.state_dict().items():
         assert torch.equal(value, again.state_dict()[key]), key
+    # The K3 wrapper can carry a Kimi-Linear model too: same config, same tensors.
+    save_pretrained(model, None, tmp_path / "as_k3", format="kimi_k3", progress=False)
+    as_k3, _ = from_pretrained(tmp_path / "as_k3", progress=False)
+    assert as_k3.config.to_dict() == model.config.to_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, as_k3.state_dict()[key]), key
