@@ -18,6 +18,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -156,6 +157,11 @@ class Trainer:
         elif checkpoint_path.exists():
             raise ValueError(f"{self.out} already holds a run ({checkpoint_path}); pass --resume to continue it "
                              f"or choose another --out")
+        else:
+            # Left by an attempt that stopped before its first checkpoint: made from possibly other settings.
+            for stale in ("tokenizer", "data"):
+                if (Path(config.out) / stale).is_dir():
+                    shutil.rmtree(Path(config.out) / stale)
         self.config = config
         self.out.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(config.seed)
