@@ -6,8 +6,9 @@
        goes through the all-to-all dispatcher (plain or balanced).
     2. FSDP2: `fully_shard` on the embedding, every layer's attention and feed-forward, the LM head, then
        the root (norms and AttnRes mixes), over all ranks, ignoring the expert parameters EP already placed.
-    3. Balancing: `model.update_balancers()` is rebound so QB all-gathers the required-bias matrix and
-       loss-free balancing all-reduces the loads: every rank computes identical router biases.
+    3. Balancing: each router's `gather` is set so QB (solved in the training forward) concatenates the
+       required-bias matrix over ranks, and `model.update_balancers()` is rebound so loss-free balancing
+       all-reduces the loads: every rank computes identical router biases.
 
 Layouts: EP = 1 (plain FSDP: experts sharded by FSDP like every other weight) or EP = world size
 (every rank is a data-parallel rank and an EP rank). Gradient scale: FSDP averages the non-expert
