@@ -43,6 +43,16 @@ class Limits:
             raise ValueError(f"Limits.cpus must be a positive number of cores or None, got {self.cpus}")
 
 
+def cgroup2_mount() -> str | None:
+    """Where a cgroup v2 hierarchy is mounted (the root, or /sys/fs/cgroup/unified beside v1)."""
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if fields[2] == "cgroup2":
+                return fields[1]
+    return None
+
+
 def detect() -> str | None:
     """'v2' when the unified hierarchy at /sys/fs/cgroup has memory and pids, 'v1' when the v1
     controllers are mounted, None when neither is usable (not root, or no cgroupfs)."""
@@ -209,12 +219,14 @@ class CgroupV1(Cgroup):
 class CgroupV2(Cgroup):
     version = "v2"
 
-    def __init__(self, name: str):
-        parent = os.path.join(CGROUP_ROOT, PARENT)
+    def __init__(self, name: str, root: str | None = None):
+        root = root or CGROUP_ROOT
+        parent = os.path.join(root, PARENT)
         os.makedirs(parent, exist_ok=True)
-        self.controllers = {"memory", "pids", "cpu"} & set(_read(os.path.join(CGROUP_ROOT, "cgroup.controllers")).split())
-        for directory in (CGROUP_ROOT, parent):
-            _write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in sorted(self.controllers)))
+        self.controllers = {"memory", "pids", "cpu"} & set(_read(os.path.join(root, "cgroup.controllers")).split())
+        if self.controllers:
+            for directory in (root, parent):
+                _write(os.path.join(directory, "cgroup.subtree_control"), " ".join("+" + c for c in sorted(self.controllers)))
         self.path = os.path.join(parent, name)
         os.makedirs(self.path, exist_ok=True)
 
@@ -222,11 +234,12 @@ class CgroupV2(Cgroup):
         return [os.path.join(self.path, "cgroup.procs")]
 
     def set_limits(self, limits: Limits) -> None:
-        if limits.memory_mb is not None:
+        # detect() only picks v2 when memory and pids are available; cpu may be missing.
+        if limits.memory_mb is not None and "memory" in self.controllers:
             _write(os.path.join(self.path, "memory.max"), str(limits.memory_mb << 20))
             if os.path.exists(os.path.join(self.path, "memory.swap.max")):
                 _write(os.path.join(self.path, "memory.swap.max"), "0")
-        if limits.pids is not None:
+        if limits.pids is not None and "pids" in self.controllers:
             _write(os.path.join(self.path, "pids.max"), str(limits.pids))
         if limits.cpus is not None and "cpu" in self.controllers:
             _write(os.path.join(self.path, "cpu.max"), f"{int(limits.cpus * 100_000)} 100000")
