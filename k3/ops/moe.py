@@ -21,15 +21,15 @@ from k3.layers.mlp import glu_activation
 
 def experts_loop(x_ND: torch.Tensor, counts_E: list[int], w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
                  w2_EDF: torch.Tensor, act: str, betas: tuple[float, float]) -> torch.Tensor:
+    # unbind (not w[e]) so that backward stacks the expert gradients once instead of writing a full-size
+    # zero gradient per expert slice.
+    w1s, w3s, w2s = w1_EFD.unbind(0), w3_EFD.unbind(0), w2_EDF.unbind(0)
     out = []
-    start = 0
-    for e, n in enumerate(counts_E):
-        if n == 0:
+    for e, xe in enumerate(x_ND.split(counts_E)):
+        if xe.shape[0] == 0:
             continue
-        xe = x_ND[start:start + n]
-        h = glu_activation(xe @ w1_EFD[e].t(), xe @ w3_EFD[e].t(), act, *betas)
-        out.append(h @ w2_EDF[e].t())
-        start += n
+        h = glu_activation(xe @ w1s[e].t(), xe @ w3s[e].t(), act, *betas)
+        out.append(h @ w2s[e].t())
     return torch.cat(out) if out else x_ND.new_zeros(0, w2_EDF.shape[1])
 
 
