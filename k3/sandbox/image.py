@@ -52,6 +52,9 @@ class Image:
         path = os.path.abspath(path)
         if not os.path.isdir(path):
             raise ValueError(f"an image must be an existing directory, got {path!r}")
+        if any(c in path for c in ",:\\\n"):
+            raise ValueError(f"an image path must not contain ',', ':', '\\' or a newline (overlay's option "
+                             f"syntax uses them); got {path!r}: move or link the directory elsewhere")
         if workdir is None:
             workdir = "/work" if os.path.isdir(os.path.join(path, "work")) else "/"
         if not workdir.startswith("/"):

@@ -233,3 +233,10 @@ def test_idle_snapshot_adopts_the_upper_and_keeps_it_immutable(box):
     [fork] = box.fork(snapshot)
     with fork:
         assert fork.exec("cat /work/many/8").stdout == "8\n"
+
+
+def test_image_paths_that_overlay_cannot_parse_are_refused(tmp_path):
+    odd = tmp_path / "a,b"
+    odd.mkdir()
+    with pytest.raises(ValueError, match="must not contain"):
+        Image.from_dir(str(odd))
