@@ -97,7 +97,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert", help="convert a checkpoint between k3 and Hugging Face layouts (Kimi-Linear, Kimi-K3)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--from", dest="source", required=True, help="source: HF-format directory, or a native run directory / checkpoint.pt")
+    parser.add_argument("--from", dest="source", required=True,
+                        help="source: HF-format directory, or a native run directory / checkpoint.pt")
     parser.add_argument("--to", dest="target", required=True, help="target directory (replaced atomically)")
     parser.add_argument("--format", choices=[*FORMATS, "native"], default="kimi_k3",
                         help="target layout (default: kimi_k3)")
