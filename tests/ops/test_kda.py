@@ -90,8 +90,9 @@ CASES = [
     (1, 100, 2, 64, 64, "softplus", True, True),
     (2, 150, 2, 32, 32, "softplus_large", True, True),
 ]
-# Gradient tolerances per tensor: g and beta gradients sum over many terms, so they get more room.
-TOL = {"o": 1e-5, "ht": 1e-5, "dq": 1e-5, "dk": 5e-5, "dv": 1e-5, "dg": 1e-4, "dbeta": 5e-5, "dh0": 1e-5}
+# Error-ratio tolerances per tensor, about 5x the worst seen over seeds (fp32 against fp32); dg sums the most
+# terms (a reverse cumulative sum over each chunk), so it gets more room.
+TOL = {"o": 5e-6, "ht": 5e-6, "dq": 5e-6, "dk": 5e-6, "dv": 5e-6, "dg": 2e-5, "dbeta": 5e-6, "dh0": 5e-6}
 
 
 def _check_against_naive(fn, case):
