@@ -272,3 +272,27 @@ def test_zero_length_input_keeps_the_state(fn):
     o, ht = fn(x, x, x, -x.abs(), beta, initial_state=h0, output_final_state=True)
     assert o.shape == (2, 0, 2, 8)
     torch.testing.assert_close(ht, h0)
+
+
+def test_fla_found_but_cpu_tensors_fail_clearly(monkeypatch):
+    """With an importable fla (a stand-in module here), forcing it on CPU tensors names the device problem."""
+    import sys
+    import types
+
+    fake = types.ModuleType("fla.ops.kda")
+    fake.chunk_kda = fake.fused_recurrent_kda = lambda **kw: pytest.fail("fla must not run on CPU tensors")
+    for name in ("fla", "fla.ops"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", fake)
+    kda._load_fla.cache_clear()
+    try:
+        set_kda_backend("fla")
+        assert kda.kda_backend() == "fla"
+        q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 4, 1, 8, 8))
+        with pytest.raises(RuntimeError, match="need CUDA"):
+            fused_recurrent_kda(q, k, v, g, beta)
+        set_kda_backend("auto")
+        assert kda.kda_backend(q) == "torch"  # auto keeps CPU tensors on the PyTorch path
+    finally:
+        set_kda_backend(None)
+        kda._load_fla.cache_clear()
