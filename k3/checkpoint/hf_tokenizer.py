@@ -16,9 +16,10 @@ from __future__ import annotations
 import base64
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from k3.checkpoint.native import atomic_write_bytes
 
 KIMI_NUM_RESERVED_SPECIAL_TOKENS = 256
 # The pre-tokenizer split of Kimi's tiktoken tokenizer (tokenization_kimi.py's pat_str, as published).
@@ -36,22 +37,6 @@ KIMI_PATTERN = "|".join([
 ])
 TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json", "chat_template.jinja",
                    "chat_template.json", "special_tokens_map.json")
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same directory, fsync, rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _token_text(value: Any) -> str | None:

@@ -34,10 +34,11 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so readers see the old file or the whole new one, never a part."""
-    _atomic_write(Path(path), lambda handle: handle.write(data))
+    atomic_write(Path(path), lambda handle: handle.write(data))
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """Call write(handle) on a temp file beside `path`, fsync it, rename it over `path`, fsync the directory."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -62,7 +63,7 @@ def _atomic_write(path: Path, write) -> None:
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Atomically write a checkpoint dict (see the module docstring) with torch.save."""
     state = dict(state, format=CHECKPOINT_FORMAT)
-    _atomic_write(Path(path), lambda handle: torch.save(state, handle))
+    atomic_write(Path(path), lambda handle: torch.save(state, handle))
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:

@@ -12,13 +12,13 @@ atomically (temporary file in the same folder, fsync, os.replace).
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from k3.checkpoint.native import atomic_write
 from k3.distributed.launch import barrier, is_distributed, is_main
 
 FORMAT = "k3-full-state-dict-v1"
@@ -37,18 +37,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _atomic_save(payload: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(payload, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda handle: torch.save(payload, handle))
 
 
 def save_checkpoint(model: nn.Module, path: str | os.PathLike) -> None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.layers.balancing import expert_load, loss_free_bias, maxvio, quantile_bias
+from k3.layers.balancing import loss_free_bias, maxvio, quantile_bias
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.moe import count_per_expert, run_experts

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import random
 import shutil
 import time
