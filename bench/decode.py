@@ -145,6 +145,7 @@ def main() -> None:
                 r = dict(error=f"{type(exc).__name__}: {exc}"[:300])
             results[name][case] = r
             print(name, case, r, flush=True)
+            write_json(args.out, {"bench": "decode", "partial": True, "results": results})
             torch.cuda.empty_cache()
         model = None
         torch.cuda.empty_cache()
