@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from k3.layers.norm import RMSNorm, compute_dtype
+from k3.layers.norm import RMSNorm
 from k3.ops.attn_res import attn_res_mix
 
 

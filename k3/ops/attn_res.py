@@ -23,23 +23,29 @@ _ENV = "K3_ATTN_RES_BACKEND"
 _override: str | None = None
 
 
-def attn_res_mix_eager(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
-                       eps: float) -> torch.Tensor:
-    """sources: S tensors [B, T, D]; norm_weight_D, query_D: [D]. Returns the mix [B, T, D] in the sources'
-    dtype, computed in fp32 (fp64 stays fp64)."""
-    values_SBTD = torch.stack(sources, dim=0)
+def _mix_stacked(values_SBTD: torch.Tensor, norm_weight_D: torch.Tensor, query_D: torch.Tensor,
+                 eps: float) -> torch.Tensor:
     compute = torch.promote_types(values_SBTD.dtype, torch.float32)
     values_SBTD = values_SBTD.to(compute)
     inv_rms_SBT = torch.rsqrt(values_SBTD.pow(2).mean(-1) + eps)
     q_D = (norm_weight_D.to(compute) * query_D.to(compute))
     alpha_SBT = torch.softmax((values_SBTD @ q_D) * inv_rms_SBT, dim=0)
-    return (alpha_SBT.unsqueeze(-1) * values_SBTD).sum(0).to(sources[0].dtype)
+    return (alpha_SBT.unsqueeze(-1) * values_SBTD).sum(0)
+
+
+def attn_res_mix_eager(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    """sources: S tensors [B, T, D]; norm_weight_D, query_D: [D]. Returns the mix [B, T, D] in the sources'
+    dtype, computed in fp32 (fp64 stays fp64)."""
+    return _mix_stacked(torch.stack(sources, dim=0), norm_weight_D, query_D, eps).to(sources[0].dtype)
 
 
 @functools.lru_cache(maxsize=1)
 def _compiled():
-    # dynamic=False: one specialisation per source count (at most num_layers / block_size + 2 of them).
-    return torch.compile(attn_res_mix_eager, dynamic=False, fullgraph=True)
+    # The sources enter stacked and every dimension is dynamic: one graph serves every source count
+    # (1..blocks+1), batch and length (prefill and one-token decode). Specialising per (S, B, T) instead
+    # hit dynamo's recompile limit in decode.
+    return torch.compile(_mix_stacked, dynamic=True, fullgraph=True)
 
 
 def set_attn_res_backend(name: str | None) -> None:
@@ -64,5 +70,5 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query
                  eps: float) -> torch.Tensor:
     """Dispatching entry point; same arguments and result as attn_res_mix_eager."""
     if attn_res_backend(sources[0]) == "compiled":
-        return _compiled()(list(sources), norm_weight_D, query_D, eps)
+        return _compiled()(torch.stack(sources, dim=0), norm_weight_D, query_D, eps).to(sources[0].dtype)
     return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)

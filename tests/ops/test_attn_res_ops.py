@@ -49,3 +49,20 @@ def test_compiled_mix_equals_eager():
             set_attn_res_backend(None)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_mix_serves_every_source_count_and_length():
+    """Decode changes T and every layer changes the source count; one dynamic graph must cover them all
+    (a graph specialised per shape hit dynamo's recompile limit, which fullgraph turns into an error)."""
+    torch.manual_seed(2)
+    norm_w, query = torch.rand(32), torch.randn(32)
+    set_attn_res_backend("compiled")
+    try:
+        for count in range(2, 12):
+            for length in (1, 5, 17):
+                sources = [torch.randn(2, length, 32) for _ in range(count)]
+                torch.testing.assert_close(attn_res_mix(sources, norm_w, query, 1e-5),
+                                           attn_res_mix_eager(sources, norm_w, query, 1e-5), rtol=1e-5, atol=1e-5)
+    finally:
+        set_attn_res_backend(None)
