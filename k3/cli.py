@@ -11,7 +11,7 @@ import argparse
 import importlib
 import sys
 
-# module path -> one-line description (shown when the module fails to import)
+# Modules that register subcommands, in the order `k3 --help` lists them.
 SUBSYSTEMS = [
     "k3.info_cli",
     "k3.train.cli",
@@ -22,7 +22,7 @@ SUBSYSTEMS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 architecture: train, generate, serve, sandbox.")
+    parser = argparse.ArgumentParser(prog="k3", description="Kimi K3 architecture: inspect, train, generate, convert checkpoints, run sandboxes.")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in SUBSYSTEMS:
         try:
