@@ -44,7 +44,7 @@ def timed(fn, device: torch.device, warmup: int, iters: int) -> float:
         fn()
         sync(device)
         samples.append(time.perf_counter() - start)
-    median = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+    median = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)  # NCCL: on the GPU
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return float(median)
 
