@@ -58,6 +58,58 @@ def quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
     return new_bias - new_bias.mean() if center else new_bias
 
 
+def required_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
+    """r_te = c_t - s_te, with c_t the (k+1)-th largest biased score of token t: [T, E] fp32."""
+    scores = scores_TE.float()
+    cutoff_T = (scores + bias_E.float()).topk(top_k + 1, dim=-1).values[:, -1]
+    return cutoff_T[:, None] - scores
+
+
+def quantile_bias_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
+                            reduce: Callable[[torch.Tensor, str], torch.Tensor], bins: int = 256, rounds: int = 3,
+                            center: bool = True) -> torch.Tensor:
+    """Quantile Balancing aggregated over data-parallel ranks by histograms instead of gathering [T, E].
+
+    `reduce(tensor, op)` all-reduces in place and returns it, op in {"sum", "min", "max"} (identity on one
+    rank). Each round all-reduces an [E, bins] count matrix and narrows every expert's window to the bin that
+    holds its q-th smallest required bias, so after `rounds` rounds the bias is placed to within
+    range / bins**rounds: the exact quantile up to that resolution, for E*bins numbers per round whatever the
+    number of ranks or tokens."""
+    num_experts = scores_TE.shape[1]
+    if top_k >= num_experts:
+        return torch.zeros_like(bias_E, dtype=torch.float32)
+    # float64 so that a value's bin and the window edges derived from it agree on every rank
+    required_TE = required_bias(scores_TE, bias_E, top_k).double()
+    total = reduce(torch.tensor([float(required_TE.shape[0])], dtype=torch.float64, device=required_TE.device), "sum")
+    num_tokens = int(total.item())
+    q = max(1, min(num_tokens, int(round(top_k * num_tokens / num_experts))))
+    lo_E = reduce(required_TE.min(0).values, "min")
+    hi_E = reduce(required_TE.max(0).values, "max")
+    below_E = torch.zeros(num_experts, dtype=torch.float64, device=required_TE.device)
+    experts = torch.arange(num_experts, device=required_TE.device)
+    for _ in range(rounds):
+        width_E = ((hi_E - lo_E) / bins).clamp_min(1e-12)
+        position = (required_TE - lo_E) / width_E
+        inside = (position >= 0) & (required_TE <= hi_E)
+        index = position.floor().clamp(0, bins - 1).long()
+        counts_EB = torch.zeros(num_experts, bins, dtype=torch.float64, device=required_TE.device)
+        counts_EB.index_put_((experts.expand_as(index)[inside], index[inside]),
+                             torch.ones_like(required_TE)[inside], accumulate=True)
+        counts_EB = reduce(counts_EB, "sum")
+        cumulative_EB = below_E[:, None] + counts_EB.cumsum(dim=1)
+        j_E = (cumulative_EB < q).sum(dim=1).clamp(max=bins - 1)  # first bin reaching q
+        before_E = torch.where(j_E > 0, cumulative_EB.gather(1, (j_E - 1).clamp(min=0)[:, None]).squeeze(1),
+                               below_E)
+        below_E = before_E
+        lo_E, hi_E = lo_E + j_E * width_E, lo_E + (j_E + 1) * width_E
+    # The q-th smallest lies in [lo, hi]; the bias goes just above the window (rounded up to fp32, the
+    # precision the required biases were computed in), so the q values at or below it satisfy r < b.
+    new_bias = hi_E.float()
+    new_bias = torch.where(new_bias.double() < hi_E, torch.nextafter(new_bias, torch.full_like(new_bias, float("inf"))),
+                           new_bias)
+    return new_bias - new_bias.mean() if center else new_bias
+
+
 def balance_batch(scores_TE: torch.Tensor, top_k: int, max_iters: int = 200) -> torch.Tensor:
     """Iterate the QB update on one batch until top-k on s + b gives every expert the same load (the
     fixed point of the update is the LP optimum); returns the bias. Used for analysis and tests."""

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.layers.balancing import loss_free_bias, maxvio, quantile_bias
+from k3.layers.balancing import loss_free_bias, maxvio, quantile_bias, quantile_bias_histogram
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.moe import count_per_expert, run_experts
@@ -49,6 +49,9 @@ class Router(nn.Module):
         # QB across data-parallel ranks: concatenates the required-bias matrix over ranks (set by
         # k3.distributed), so every rank solves the same bias from the global batch.
         self.gather = None
+        # At scale, gathering [T, E] from every rank is too much: `reduce(tensor, op)` (an all-reduce with
+        # op "sum" / "min" / "max") switches QB to histogram aggregation, E*bins numbers per round.
+        self.reduce = None
         # Loads of the training forwards since the last loss-free update.
         self._pending_load: torch.Tensor | None = None
         self.last_load_E: torch.Tensor | None = None
@@ -63,8 +66,13 @@ class Router(nn.Module):
                 # QB balances the batch being routed: the bias is solved from this batch's scores before the
                 # selection (a bias from the previous batch lags behind a router that is still moving).
                 with torch.no_grad():
-                    self.e_score_correction_bias.copy_(
-                        quantile_bias(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.gather))
+                    if self.reduce is not None:
+                        new_bias = quantile_bias_histogram(scores_TE.detach(), self.e_score_correction_bias,
+                                                           self.top_k, self.reduce)
+                    else:
+                        new_bias = quantile_bias(scores_TE.detach(), self.e_score_correction_bias, self.top_k,
+                                                 self.gather)
+                    self.e_score_correction_bias.copy_(new_bias)
             topk_ids_TK = (scores_TE.detach() + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, topk_ids_TK)
         if self.renormalize:
