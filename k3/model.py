@@ -71,7 +71,9 @@ class DecoderLayer(nn.Module):
 
     def attend(self, x: torch.Tensor, cache, packed: PackedDocs | None) -> torch.Tensor:
         if self.attention_type == "mla":
-            return self.self_attn(x, cache, doc_ids=None if packed is None else packed.doc_ids)
+            if packed is None:
+                return self.self_attn(x, cache)
+            return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens, doc_ids=packed.doc_ids)
         if packed is None:
             return self.self_attn(x, cache)
         return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens, position_in_doc=packed.position_in_doc)

@@ -77,7 +77,7 @@ class GatedMLA(nn.Module):
         if cache is not None and self.absorb_in_decode and (length <= ABSORB_MAX_TOKENS or visible is not None):
             out = self._attend_absorbed(q, latent, k_rope, past, visible)
         else:
-            out = self._attend_expanded(q, latent, k_rope, past, doc_ids)
+            out = self._attend_expanded(q, latent, k_rope, past, doc_ids, cu_seqlens)
         out = out.reshape(batch, length, self.num_heads * self.v_dim)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
@@ -92,12 +92,21 @@ class GatedMLA(nn.Module):
         causal = torch.ones(length, total, dtype=torch.bool, device=device).tril(diagonal=past)
         return causal & (doc_ids[:, None] == doc_ids[None, :])
 
-    def _attend_expanded(self, q, latent, k_rope, past, doc_ids):
+    def _attend_expanded(self, q, latent, k_rope, past, doc_ids, cu_seqlens=None):
         batch, length = q.shape[:2]
         total = latent.shape[1]
         kv = self.kv_b_proj(latent).view(batch, total, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+        if cu_seqlens is not None and past == 0:
+            # Packed documents: one causal SDPA call per document. Exact, keeps the fast causal kernels, and
+            # costs sum(len^2) instead of the (total)^2 of a block-diagonal mask over the whole pack.
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
+            bounds = cu_seqlens.tolist()
+            pieces = [F.scaled_dot_product_attention(qt[:, :, a:b], kt[:, :, a:b], vt[:, :, a:b],
+                                                     is_causal=b - a > 1, scale=self.scaling)
+                      for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            return torch.cat(pieces, dim=2).transpose(1, 2)  # [B, T, H, v]
         mask = self._mask(length, total, past, q.device, doc_ids)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
