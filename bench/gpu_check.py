@@ -22,7 +22,6 @@ import sys
 import traceback
 
 import torch
-import torch.nn.functional as F
 
 from common import print_table, relative_error, write_json
 

@@ -35,7 +35,6 @@ class PackedDocs:
 
     cu_seqlens: torch.Tensor  # [N+1] int, starts of documents plus the total length
     position_in_doc: torch.Tensor  # [T]
-    doc_ids: torch.Tensor  # [T]
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, length: int) -> "PackedDocs":
@@ -44,7 +43,7 @@ class PackedDocs:
             raise ValueError(f"cu_seqlens must rise from 0 to the sequence length {length}, got {cu.tolist()}")
         positions = torch.arange(length, device=cu.device)
         doc_ids = torch.searchsorted(cu[1:], positions, right=True)
-        return cls(cu, positions - cu[doc_ids], doc_ids)
+        return cls(cu, positions - cu[doc_ids])
 
 
 class DecoderLayer(nn.Module):
@@ -73,7 +72,7 @@ class DecoderLayer(nn.Module):
         if self.attention_type == "mla":
             if packed is None:
                 return self.self_attn(x, cache)
-            return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens, doc_ids=packed.doc_ids)
+            return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens)
         if packed is None:
             return self.self_attn(x, cache)
         return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens, position_in_doc=packed.position_in_doc)
@@ -181,10 +180,10 @@ class K3ForCausalLM(nn.Module):
                 if hasattr(layer, "block_sparse_moe")]
 
     @torch.no_grad()
-    def update_balancers(self, gather=None, all_reduce=None) -> None:
+    def update_balancers(self, all_reduce=None) -> None:
         """One bias update per MoE layer from the statistics of the forwards since the last call."""
         for _, router in self.routers():
-            router.update_bias(gather, all_reduce)
+            router.update_bias(all_reduce)
 
     def moe_maxvio(self) -> dict[int, float]:
         """maxvio of the last forward, per MoE layer index."""

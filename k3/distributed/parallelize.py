@@ -128,8 +128,7 @@ def _wire_balancers(model: nn.Module) -> None:
     for _, router in model.routers():
         router.gather = all_gather_cat
     single_device = type(model).update_balancers
-    model.update_balancers = functools.partial(single_device, model, gather=all_gather_cat,
-                                               all_reduce=all_reduce_sum)
+    model.update_balancers = functools.partial(single_device, model, all_reduce=all_reduce_sum)
 
 
 def parallelize(model: nn.Module, ep_size: int = 1, fsdp: bool = True, balanced: bool = False) -> nn.Module:

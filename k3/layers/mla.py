@@ -57,10 +57,9 @@ class GatedMLA(nn.Module):
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_layernorm(latent), k_rope  # [B, T, R], [B, T, rope]
 
-    def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]. `cache` is this layer's MLACacheSlot (or None); `doc_ids` [T] marks the
-        document of each packed token so attention never crosses a document boundary."""
+    def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, D] -> [B, T, D]. `cache` is this layer's MLACacheSlot (or None); packed documents are given by
+        cu_seqlens [N+1] (no cache), and attention never crosses a document boundary."""
         batch, length, _ = x.shape
         q = self._query(x)
         latent, k_rope = self._latent(x)
@@ -77,22 +76,20 @@ class GatedMLA(nn.Module):
         if cache is not None and self.absorb_in_decode and (length <= ABSORB_MAX_TOKENS or visible is not None):
             out = self._attend_absorbed(q, latent, k_rope, past, visible)
         else:
-            out = self._attend_expanded(q, latent, k_rope, past, doc_ids, cu_seqlens)
+            out = self._attend_expanded(q, latent, k_rope, past, cu_seqlens)
         out = out.reshape(batch, length, self.num_heads * self.v_dim)
         if self.g_proj is not None:
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
 
-    def _mask(self, length: int, total: int, past: int, device, doc_ids=None) -> torch.Tensor | None:
-        if doc_ids is None:
-            if past == 0:
-                return None  # plain causal: use is_causal
-            query_pos = torch.arange(past, past + length, device=device)
-            return query_pos[:, None] >= torch.arange(total, device=device)[None, :]
-        causal = torch.ones(length, total, dtype=torch.bool, device=device).tril(diagonal=past)
-        return causal & (doc_ids[:, None] == doc_ids[None, :])
+    def _mask(self, length: int, total: int, past: int, device) -> torch.Tensor | None:
+        """Causal mask for `length` queries after `past` cached tokens; None when plain is_causal does."""
+        if past == 0:
+            return None
+        query_pos = torch.arange(past, past + length, device=device)
+        return query_pos[:, None] >= torch.arange(total, device=device)[None, :]
 
-    def _attend_expanded(self, q, latent, k_rope, past, doc_ids, cu_seqlens=None):
+    def _attend_expanded(self, q, latent, k_rope, past, cu_seqlens=None):
         batch, length = q.shape[:2]
         total = latent.shape[1]
         kv = self.kv_b_proj(latent).view(batch, total, self.num_heads, self.nope + self.v_dim)
@@ -107,7 +104,7 @@ class GatedMLA(nn.Module):
                                                      is_causal=b - a > 1, scale=self.scaling)
                       for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
             return torch.cat(pieces, dim=2).transpose(1, 2)  # [B, T, H, v]
-        mask = self._mask(length, total, past, q.device, doc_ids)
+        mask = self._mask(length, total, past, q.device)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
             attn_mask=mask, is_causal=mask is None and length > 1, scale=self.scaling)

@@ -86,13 +86,10 @@ class Router(nn.Module):
         return Routing(topk_ids_TK, weights_TK, scores_TE)
 
     @torch.no_grad()
-    def update_bias(self, gather=None, all_reduce=None) -> None:
+    def update_bias(self, all_reduce=None) -> None:
         """The step-end balancing update. QB needs none (it solves the bias inside each training forward);
         the loss-free sign update applies here from the loads since the last call. `all_reduce` sums loads
-        over data-parallel ranks; `gather`, when given, is kept for QB's in-forward solve.
-        In eval mode the bias is frozen: pending statistics are dropped and nothing changes."""
-        if gather is not None:
-            self.gather = gather
+        over data-parallel ranks. In eval mode the bias is frozen: pending statistics are dropped."""
         if self.training and self.balancing == "loss_free" and self._pending_load is not None:
             load_E = self._pending_load.clone()
             if all_reduce is not None:
