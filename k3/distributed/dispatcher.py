@@ -17,7 +17,8 @@ Replica weights (balanced plan) travel by a second all_to_all whose backward ret
 gradients to the home rank, where autograd adds them to the home expert's gradient.
 
 Split sizes must be Python ints for `all_to_all_single`, so each MoE layer syncs the host once (after the
-count all-gather); the plan itself is a few list operations over E experts.
+count all-gather); the plan, the split sizes and the per-(source, slot) segment table are derived on the host
+from the counts (O(R * E) numbers); the per-pair permutations are built on the tokens' device from them.
 
 Shape suffixes: T local tokens, K top-k, N = T*K local pairs, L expert input width (latent), F expert
 width, E experts, R EP ranks, P pieces of the plan, S slots (experts computed on this rank), M pairs
@@ -117,17 +118,22 @@ def _piece_overlap(counts_RE: torch.Tensor, plan: ExpertPlan) -> torch.Tensor:
     return overlap.clamp_min(0)
 
 
-def source_to_slot_order(counts_RS: torch.Tensor) -> torch.Tensor:
+def source_to_slot_order(counts_RS: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """Gather index that reorders rows laid out source-major (source r, slot s) into slot-major (s, r).
 
-    counts_RS [R, S] pairs per (source, slot) -> index [M] with x_slot_major = x_source_major[index]."""
+    counts_RS [R, S] pairs per (source, slot), on the CPU -> index [M] on `device` with
+    x_slot_major = x_source_major[index]. Only R*S numbers are worked on the host; the M-long index is
+    built on `device` with its length known in advance, so no host sync."""
+    device = device or counts_RS.device
     flat = counts_RS.reshape(-1)
     starts_RS = (flat.cumsum(0) - flat).view_as(counts_RS)
     counts_SR, starts_SR = counts_RS.t().reshape(-1), starts_RS.t().reshape(-1)
     total = int(flat.sum())
-    segment_start = counts_SR.cumsum(0) - counts_SR
-    within = torch.arange(total, device=counts_RS.device) - segment_start.repeat_interleave(counts_SR)
-    return starts_SR.repeat_interleave(counts_SR) + within
+    # Each (s, r) segment is a run of consecutive source-major rows starting at starts_SR: the index is
+    # arange(M) shifted, per segment, by (source start - slot-major start).
+    shift_SR = (starts_SR - (counts_SR.cumsum(0) - counts_SR)).to(device)
+    shift_M = shift_SR.repeat_interleave(counts_SR.to(device), output_size=total)
+    return torch.arange(total, device=device) + shift_M
 
 
 def _inverse(index: torch.Tensor) -> torch.Tensor:
@@ -147,11 +153,11 @@ class DispatchStats:
 
 
 def gather_counts(counts_E: torch.Tensor, group=None) -> torch.Tensor:
-    """All ranks' per-expert pair counts, stacked: [R, E] (same on every rank)."""
+    """All ranks' per-expert pair counts, stacked: [R, E] (same on every rank). One collective."""
     world = dist.get_world_size(group)
-    gathered = [torch.empty_like(counts_E) for _ in range(world)]
-    dist.all_gather(gathered, counts_E, group=group)
-    return torch.stack(gathered)
+    gathered = counts_E.new_empty(world * counts_E.numel())  # flat: gloo wants the output 1-D
+    dist.all_gather_into_tensor(gathered, counts_E.contiguous(), group=group)
+    return gathered.view(world, -1)
 
 
 def exchange_replica_weights(plan: ExpertPlan, rank: int, w1_EFL: torch.Tensor, w3_EFL: torch.Tensor,
@@ -191,7 +197,10 @@ class Route:
     input_splits: list[int]  # rows this rank sends to each rank
     output_splits: list[int]  # rows this rank receives from each rank
     send_perm_N: torch.Tensor  # local pair ids (t*K + k) in send order
+    send_token_N: torch.Tensor  # the token of each sent row: send_perm_N // top_k
+    unsend_perm_N: torch.Tensor  # inverse of send_perm_N: send order -> pair id
     slot_index_M: torch.Tensor  # received rows, source-major -> slot-major
+    unslot_index_M: torch.Tensor  # inverse of slot_index_M
     slot_counts_S: torch.Tensor  # pairs per slot (expert computed here), on the tokens' device
     slot_experts: list[int]
 
@@ -201,54 +210,63 @@ class Route:
 
 
 def route(topk_ids_TK: torch.Tensor, experts_per_rank: int, plan_fn, group=None) -> Route:
-    """Count, plan and compute the permutations for one step (one host sync, for the split sizes).
+    """Count, plan and compute the permutations for one step.
 
-    topk_ids_TK [T, K] global expert ids; plan_fn: counts [R, E] -> ExpertPlan (home_plan or balanced_plan)."""
+    topk_ids_TK [T, K] global expert ids; plan_fn: counts [R, E] -> ExpertPlan (home_plan or balanced_plan).
+    One host sync (the all-gathered counts, which the split sizes need as Python ints); everything the
+    host derives from them is O(R * pieces); the O(pairs) work stays on the tokens' device."""
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     num_experts = experts_per_rank * num_ranks
     device = topk_ids_TK.device
     ids_N = topk_ids_TK.reshape(-1)
     counts_E = torch.bincount(ids_N, minlength=num_experts)
-    counts_RE = gather_counts(counts_E, group).cpu()
+    counts_RE = gather_counts(counts_E, group).cpu()  # the host sync
     plan = plan_fn(counts_RE)
     overlap_RP = _piece_overlap(counts_RE, plan)
+    piece_rank_P = torch.tensor(plan.piece_rank, dtype=torch.long)
 
-    # Sender: each pair's position in its expert's global pair list decides the piece (and rank) it goes to.
+    # Split sizes from the counts alone: what this rank sends to each piece, summed per destination.
+    input_splits = torch.zeros(num_ranks, dtype=torch.long).index_add_(0, piece_rank_P, overlap_RP[rank]).tolist()
+
+    # Sender: pairs sorted by expert; each pair's position in its expert's global pair list decides the piece
+    # (and rank) it goes to. Without replicas every piece is its expert's home, so the expert order is
+    # already grouped by destination.
     order_N = ids_N.argsort(stable=True)
-    expert_sorted_N = ids_N[order_N]
-    local_start_E = counts_E.cumsum(0) - counts_E
-    per_expert_totals = counts_RE.sum(0)
-    expert_base_E = (per_expert_totals.cumsum(0) - per_expert_totals).to(device)
-    prefix_E = (counts_RE.cumsum(0) - counts_RE)[rank].to(device)
-    position_N = (torch.arange(ids_N.numel(), device=device) - local_start_E[expert_sorted_N]
-                  + prefix_E[expert_sorted_N] + expert_base_E[expert_sorted_N])
-    piece_end_P = torch.tensor(plan.piece_count, dtype=torch.long, device=device).cumsum(0)
-    piece_rank_P = torch.tensor(plan.piece_rank, dtype=torch.long, device=device)
-    # Pieces are sorted by expert, so piece_end_P is a position in the global expert-major pair list.
-    dest_N = piece_rank_P[torch.searchsorted(piece_end_P, position_N, right=True)]
-    send_perm_N = order_N[dest_N.argsort(stable=True)]  # grouped by destination, expert order kept inside
-    input_splits = torch.bincount(dest_N, minlength=num_ranks).tolist()
+    if plan.replicas():
+        expert_sorted_N = ids_N[order_N]
+        per_expert_totals = counts_RE.sum(0)
+        # Global position of this rank's first pair of each expert, minus its local expert-sorted start.
+        offset_E = ((per_expert_totals.cumsum(0) - per_expert_totals) + (counts_RE.cumsum(0) - counts_RE)[rank]
+                    - (counts_RE[rank].cumsum(0) - counts_RE[rank])).to(device)
+        position_N = torch.arange(ids_N.numel(), device=device) + offset_E[expert_sorted_N]
+        piece_end_P = torch.tensor(plan.piece_count, dtype=torch.long).cumsum(0).to(device)
+        # Pieces are sorted by expert, so piece_end_P is a position in the global expert-major pair list.
+        dest_N = piece_rank_P.to(device)[torch.searchsorted(piece_end_P, position_N, right=True)]
+        send_perm_N = order_N[dest_N.argsort(stable=True)]  # grouped by destination, expert order kept inside
+    else:
+        send_perm_N = order_N
 
     # Receiver: the pieces computed here are this rank's slots, in ascending expert order.
     mine = [p for p, r in enumerate(plan.piece_rank) if r == rank]
     counts_RS = overlap_RP[:, mine]
+    slot_index_M = source_to_slot_order(counts_RS, device)
     return Route(plan, rank, topk_ids_TK.shape[1], input_splits, counts_RS.sum(1).tolist(), send_perm_N,
-                 source_to_slot_order(counts_RS).to(device), counts_RS.sum(0).to(device),
-                 [plan.piece_expert[p] for p in mine])
+                 send_perm_N // topk_ids_TK.shape[1], _inverse(send_perm_N), slot_index_M, _inverse(slot_index_M),
+                 counts_RS.sum(0).to(device), [plan.piece_expert[p] for p in mine])
 
 
 def dispatch(h_TL: torch.Tensor, routed: Route, group=None) -> torch.Tensor:
     """Send each pair's latent vector to the rank that computes it: h_TL [T, L] -> x [M, L], grouped by slot."""
-    x_recv_ML = all_to_all(h_TL.index_select(0, routed.send_perm_N // routed.top_k), routed.output_splits,
-                           routed.input_splits, group)
+    x_recv_ML = all_to_all(h_TL.index_select(0, routed.send_token_N), routed.output_splits, routed.input_splits,
+                           group)
     return x_recv_ML.index_select(0, routed.slot_index_M)
 
 
 def combine(y_slot_ML: torch.Tensor, routed: Route, group=None) -> torch.Tensor:
     """Return each pair's expert output to its token's rank: y [M, L] grouped by slot -> y_TKL [T, K, L]."""
-    y_recv_ML = y_slot_ML.index_select(0, _inverse(routed.slot_index_M))
+    y_recv_ML = y_slot_ML.index_select(0, routed.unslot_index_M)
     y_sent_NL = all_to_all(y_recv_ML, routed.input_splits, routed.output_splits, group)
-    return y_sent_NL.index_select(0, _inverse(routed.send_perm_N)).view(-1, routed.top_k, y_sent_NL.shape[-1])
+    return y_sent_NL.index_select(0, routed.unsend_perm_N).view(-1, routed.top_k, y_sent_NL.shape[-1])
 
 
 def slot_weights(routed: Route, w1_EFL: torch.Tensor, w3_EFL: torch.Tensor, w2_ELF: torch.Tensor,
