@@ -59,6 +59,20 @@ def grads_of(outputs: list[torch.Tensor], inputs: list[torch.Tensor], seed: int)
     return list(torch.autograd.grad(loss, inputs, allow_unused=True))
 
 
+def graph_has(output: torch.Tensor, node_name: str) -> bool:
+    """Whether the autograd graph that made `output` contains a node whose name contains `node_name`."""
+    seen, stack = set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node_name in node.name():
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
 def compare(name: str, fast: list[torch.Tensor], twin: list[torch.Tensor], labels: list[str], tol: float,
             rows: list) -> None:
     for label, a, b in zip(labels, fast, twin):
@@ -134,6 +148,10 @@ def check_moe(device, rows) -> None:
     fast = run()
     with twins(True):
         twin = run()
+    # A zero error can also mean both runs took the same path: say which kernels each one recorded.
+    kernels = (graph_has(fast[0], "GroupedMm"), graph_has(twin[0], "GroupedMm"))
+    rows.append(["moe_grouped", "path (fast, twin)", f"{'grouped' if kernels[0] else 'loop'}, "
+                 f"{'grouped' if kernels[1] else 'loop'}", "-", "ok" if kernels == (True, False) else "FAIL"])
     compare("moe_grouped", fast, twin, ["y", "dx", "dw1", "dw3", "dw2"], BF16_TOL, rows)
     bincount = torch.bincount(ids, minlength=E)
     rows.append(["moe_counts", "count_per_expert", float((counts != bincount).sum()), 0.0,
