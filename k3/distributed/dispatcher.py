@@ -178,10 +178,11 @@ def exchange_replica_weights(plan: ExpertPlan, rank: int, w1_EFL: torch.Tensor, 
     for e in incoming:
         output_splits[plan.home(e)] += 1
     width_F, width_L = w1_EFL.shape[1], w1_EFL.shape[2]
-    # One row per expert: w1, w3 and w2 flattened side by side (each F*L values).
-    packed_E3X = torch.stack([w1_EFL.flatten(1), w3_EFL.flatten(1), w2_ELF.flatten(1)], dim=1)
+    # One row per sent expert: w1, w3 and w2 flattened side by side (each F*L values). Select before packing:
+    # packing all home experts would copy every local weight each step (GBs per layer at K3's size).
     send_index = torch.tensor([e - first_home for _, e in outgoing], dtype=torch.long, device=w1_EFL.device)
-    received = all_to_all(packed_E3X.index_select(0, send_index), output_splits, input_splits, group)
+    packed_n3X = torch.stack([w.index_select(0, send_index).flatten(1) for w in (w1_EFL, w3_EFL, w2_ELF)], dim=1)
+    received = all_to_all(packed_n3X, output_splits, input_splits, group)
     n = received.shape[0]
     return (incoming, received[:, 0].reshape(n, width_F, width_L), received[:, 1].reshape(n, width_F, width_L),
             received[:, 2].reshape(n, width_L, width_F))
@@ -202,7 +203,9 @@ class Route:
     slot_index_M: torch.Tensor  # received rows, source-major -> slot-major
     unslot_index_M: torch.Tensor  # inverse of slot_index_M
     slot_counts_S: torch.Tensor  # pairs per slot (expert computed here), on the tokens' device
-    slot_experts: list[int]
+    slot_experts: list[int]  # home experts (ascending), then the replicas placed here (ascending)
+    group_slots: list[int]  # slots per weight group: [home] or [home, replicas]
+    group_rows: list[int]  # received pairs per weight group
 
     def stats(self) -> DispatchStats:
         return DispatchStats(self.plan.pairs_per_rank(), self.plan.replicas(), sum(self.input_splits),
@@ -246,13 +249,19 @@ def route(topk_ids_TK: torch.Tensor, experts_per_rank: int, plan_fn, group=None)
     else:
         send_perm_N = order_N
 
-    # Receiver: the pieces computed here are this rank's slots, in ascending expert order.
-    mine = [p for p, r in enumerate(plan.piece_rank) if r == rank]
-    counts_RS = overlap_RP[:, mine]
+    # Receiver: the pieces computed here are this rank's slots: its home experts first, then the replicas
+    # placed here, each in ascending expert order. Two weight groups, so neither is copied into one stack.
+    home = [p for p, r in enumerate(plan.piece_rank) if r == rank and plan.home(plan.piece_expert[p]) == rank]
+    away = [p for p, r in enumerate(plan.piece_rank) if r == rank and plan.home(plan.piece_expert[p]) != rank]
+    counts_RS = overlap_RP[:, home + away]
     slot_index_M = source_to_slot_order(counts_RS, device)
+    pairs_S = counts_RS.sum(0)
+    groups = [home, away] if plan.replicas() else [home]
+    group_slots = [len(g) for g in groups]
+    group_rows = [int(rows.sum()) for rows in pairs_S.split(group_slots)]
     return Route(plan, rank, topk_ids_TK.shape[1], input_splits, counts_RS.sum(1).tolist(), send_perm_N,
                  send_perm_N // topk_ids_TK.shape[1], _inverse(send_perm_N), slot_index_M, _inverse(slot_index_M),
-                 counts_RS.sum(0).to(device), [plan.piece_expert[p] for p in mine])
+                 pairs_S.to(device), [plan.piece_expert[p] for p in home + away], group_slots, group_rows)
 
 
 def dispatch(h_TL: torch.Tensor, routed: Route, group=None) -> torch.Tensor:
@@ -270,32 +279,36 @@ def combine(y_slot_ML: torch.Tensor, routed: Route, group=None) -> torch.Tensor:
 
 
 def slot_weights(routed: Route, w1_EFL: torch.Tensor, w3_EFL: torch.Tensor, w2_ELF: torch.Tensor,
-                 group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The weights of this rank's slots: its home experts, plus the replicas the plan places here."""
+                 group=None) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """The weights of this rank's slots, as groups (w1 groups, w3 groups, w2 groups): the home experts, then
+    (if the plan has replicas anywhere) the replicas placed here, possibly none. Nothing is copied."""
     if not routed.plan.replicas():
-        return w1_EFL, w3_EFL, w2_ELF
+        return [w1_EFL], [w3_EFL], [w2_ELF]
     # Every rank takes part in the weight exchange, even with nothing to send or receive.
     replica_ids, r1, r3, r2 = exchange_replica_weights(routed.plan, routed.rank, w1_EFL, w3_EFL, w2_ELF, group)
     first_home = routed.rank * routed.plan.experts_per_rank
-    all_ids = list(range(first_home, first_home + routed.plan.experts_per_rank)) + replica_ids
-    slot_order = sorted(range(len(all_ids)), key=all_ids.__getitem__)
-    if [all_ids[i] for i in slot_order] != routed.slot_experts:
+    if list(range(first_home, first_home + routed.plan.experts_per_rank)) + replica_ids != routed.slot_experts:
         raise RuntimeError(f"expert plan inconsistent on rank {routed.rank}: slots {routed.slot_experts}, "
-                           f"weights for {sorted(all_ids)}")
-    pick = torch.tensor(slot_order, dtype=torch.long, device=w1_EFL.device)
-    return tuple(torch.cat([home, replica]).index_select(0, pick)
-                 for home, replica in ((w1_EFL, r1), (w3_EFL, r3), (w2_ELF, r2)))
+                           f"replica weights for {replica_ids}")
+    return [w1_EFL, r1], [w3_EFL, r3], [w2_ELF, r2]
 
 
-def compute_slots(x_slot_ML: torch.Tensor, routed: Route, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor,
-                  act: str, betas: tuple[float, float]) -> torch.Tensor:
-    """Grouped expert compute over this rank's slots: x [M, L] -> y [M, L]."""
-    y_slot_ML = run_experts(x_slot_ML, routed.slot_counts_S, w1, w3, w2, act, betas)
-    if x_slot_ML.shape[0] == 0:
-        # Nothing to compute here this step: keep the empty result wired to the inputs and weights, so this
-        # rank runs the same backward collectives as the others and its experts get zero, not missing, grads.
-        y_slot_ML = y_slot_ML + (x_slot_ML.sum() + w1.sum() + w3.sum() + w2.sum()) * 0
-    return y_slot_ML
+def compute_slots(x_slot_ML: torch.Tensor, routed: Route, w1: list[torch.Tensor], w3: list[torch.Tensor],
+                  w2: list[torch.Tensor], act: str, betas: tuple[float, float]) -> torch.Tensor:
+    """Grouped expert compute over this rank's slots, one grouped GEMM per weight group: x [M, L] -> y [M, L].
+
+    w1, w3, w2: the weight groups from `slot_weights`."""
+    outputs = []
+    for x_ML, counts_S, g1, g3, g2 in zip(x_slot_ML.split(routed.group_rows),
+                                          routed.slot_counts_S.split(routed.group_slots), w1, w3, w2):
+        if x_ML.shape[0] == 0:
+            # Nothing to compute in this group: keep the empty result wired to the inputs and weights, so this
+            # rank runs the same backward collectives as the others (the replica exchange included) and its
+            # experts get zero, not missing, gradients.
+            outputs.append(x_ML.new_zeros(0, g2.shape[1]) + (x_ML.sum() + g1.sum() + g3.sum() + g2.sum()) * 0)
+        else:
+            outputs.append(run_experts(x_ML, counts_S, g1, g3, g2, act, betas))
+    return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def dispatch_compute_combine(h_TL: torch.Tensor, topk_ids_TK: torch.Tensor, plan_fn, w1_EFL: torch.Tensor,
