@@ -8,8 +8,9 @@ Each EP rank owns a contiguous block of experts (its "home" experts). One MoE st
                (balanced.py) also places pieces of hot experts on under-loaded ranks
     3. dispatch: pairs are permuted by (destination rank, expert) and the LATENT vectors are sent with
                `all_to_all_single` and split sizes (K3 sends the latent, half the bytes of the hidden state)
-    4. experts: the receiver reorders pairs from (source, expert) to (expert, source) and runs its
-               experts grouped (`k3.ops.moe.run_experts`)
+    4. experts: the receiver reorders pairs from (source, slot) to (slot, source) and runs its slots
+               grouped (`k3.ops.moe.run_experts`): one grouped GEMM over its home experts and, in balanced
+               mode, one over the replicas placed here (two weight groups, so no weight stack is copied)
     5. combine: the outputs travel back by the reverse all_to_all and are un-permuted to [T, K, L];
                the caller sums over K in a fixed order (no atomics anywhere: deterministic)
 
