@@ -101,6 +101,21 @@ class Router(nn.Module):
         return None if self.last_load_E is None else maxvio(self.last_load_E)
 
 
+def unpermute(y_ND: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
+    """Rows computed in `order_N` order (y_ND[i] belongs to pair order_N[i]) back in pair order."""
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
+    return y_ND.index_select(0, inverse_N)
+
+
+def weighted_sum_over_k(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * y[t, k, :] -> [T, L] in y's dtype, as one batched matmul.
+
+    Deterministic (no atomics: a scatter-add of pairs into tokens is not, on CUDA), accumulated in fp32 inside
+    the matmul for bf16 inputs, and without an fp32 copy of the [T, K, L] pair outputs."""
+    return torch.bmm(weights_TK.to(y_TKL.dtype).unsqueeze(1), y_TKL).squeeze(1)
+
+
 class LatentMoE(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -131,11 +146,8 @@ class LatentMoE(nn.Module):
         token_N = order_N // self.top_k
         counts_E = count_per_expert(ids_N, self.w1.shape[0])
         y_NL = run_experts(h_TL[token_N], counts_E, self.w1, self.w3, self.w2, self.act, self.betas)
-        weights_N = routing.topk_weights_TK.reshape(-1)[order_N].unsqueeze(-1)
-        # Deterministic combine: index_add in a fixed (expert-sorted) order, accumulated in fp32.
-        out_TL = torch.zeros(num_tokens, y_NL.shape[-1], dtype=torch.float32, device=x_TD.device)
-        out_TL.index_add_(0, token_N, y_NL.float() * weights_N)
-        out_TL = out_TL.to(x_TD.dtype)
+        out_TL = weighted_sum_over_k(unpermute(y_NL, order_N).view(num_tokens, self.top_k, -1),
+                                     routing.topk_weights_TK)
         if self.latent:
             if self.routed_expert_norm is not None:
                 out_TL = self.routed_expert_norm(out_TL)
