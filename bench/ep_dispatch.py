@@ -32,8 +32,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, warmup: int, iters: int) -> float:
-    """Median seconds of fn() over iters, the slowest rank's."""
+def local_median_seconds(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median seconds of fn() over iters on this rank; every rank starts each iteration together."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -44,7 +44,13 @@ def timed(fn, device: torch.device, warmup: int, iters: int) -> float:
         fn()
         sync(device)
         samples.append(time.perf_counter() - start)
-    median = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=device)  # NCCL: on the GPU
+    return statistics.median(samples)
+
+
+def timed(fn, device: torch.device, warmup: int, iters: int) -> float:
+    """Median seconds of fn() over iters, the slowest rank's."""
+    median = torch.tensor([local_median_seconds(fn, device, warmup, iters)], dtype=torch.float64,
+                          device=device)  # NCCL: on the GPU
     dist.all_reduce(median, op=dist.ReduceOp.MAX)
     return float(median)
 
