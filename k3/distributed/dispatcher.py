@@ -246,7 +246,10 @@ def route(topk_ids_TK: torch.Tensor, experts_per_rank: int, plan_fn, group=None)
         piece_end_P = torch.tensor(plan.piece_count, dtype=torch.long).cumsum(0).to(device)
         # Pieces are sorted by expert, so piece_end_P is a position in the global expert-major pair list.
         dest_N = piece_rank_P.to(device)[torch.searchsorted(piece_end_P, position_N, right=True)]
-        send_perm_N = order_N[dest_N.argsort(stable=True)]  # grouped by destination, expert order kept inside
+        # Grouped by destination, and inside each destination in its slot order: its home experts first, then
+        # the replicas it computes (each part in expert order, kept by the stable sort).
+        away_N = (expert_sorted_N // experts_per_rank != dest_N).long()
+        send_perm_N = order_N[(dest_N * 2 + away_N).argsort(stable=True)]
     else:
         send_perm_N = order_N
 

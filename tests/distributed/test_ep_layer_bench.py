@@ -113,10 +113,6 @@ def test_tiny_run_times_and_rates_are_positive(tiny_run):
                     assert values and all(v > 0 for v in values), (case["routing"], name, key, value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "k3.distributed.dispatcher.route lays out a rank's slots as its home experts, then the replicas placed there, "
-    "but each sender sends a destination's pairs in expert order; a replica whose id is below the receiver's home "
-    "experts then gets another expert's rows (sorting each destination's pairs home-first, replicas after, fixes it)"))
 def test_tiny_run_plain_and_balanced_layers_agree(tiny_run):
     """Same inputs, routing and weights: the balanced plan only moves pieces of experts to other ranks, so the
     output and gradients match the plain plan's up to float32 summation order (an expert's gradient is summed
