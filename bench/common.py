@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import tempfile
 import time
 from typing import Any, Callable
 
@@ -107,23 +106,13 @@ def print_table(title: str, headers: list[str], rows: list[list[Any]]) -> None:
 
 
 def write_json(path: str | None, payload: dict[str, Any]) -> None:
-    """Atomic write: a temp file in the same directory, fsync, then os.replace."""
+    """Write the payload (plus device and torch version) as JSON, atomically (k3's checkpoint writer)."""
     if not path:
         return
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    from k3.checkpoint.native import atomic_write_bytes
+
     payload = {"device": device_name(), "torch": torch.__version__, **payload}
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(payload, handle, indent=2, default=str)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, json.dumps(payload, indent=2, default=str).encode())
 
 
 def k3_train_flops_per_token(config, seq_len: int) -> float:
