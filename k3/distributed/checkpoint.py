@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 
 from k3.checkpoint.native import atomic_write
 from k3.distributed.launch import barrier, is_distributed, is_main
@@ -27,6 +28,15 @@ FORMAT = "k3-full-state-dict-v1"
 def _is_parallel(model: nn.Module) -> bool:
     layout = getattr(model, "parallel_layout", None)
     return layout is not None and layout.world_size > 1
+
+
+def _reshard(model: nn.Module) -> None:
+    """Put every FSDP unit back into its sharded form. After a forward without backward (evaluation) the root
+    unit keeps its parameters gathered (FSDP does not reshard the root after forward), and a state dict
+    loaded then would be copied into plain gathered tensors instead of being sharded."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -62,6 +72,7 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> dict:
                          f"{payload.get('format') if isinstance(payload, dict) else type(payload).__name__!r})")
     state = payload["model"]
     if _is_parallel(model):
+        _reshard(model)
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
     else:
         model.load_state_dict(state, strict=True)

@@ -1,7 +1,8 @@
 """Process-group setup for torchrun (NCCL on GPUs, gloo on CPU) and small rank helpers.
 
-`torchrun --nproc-per-node N -m k3 train ... --ep N` sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT;
-`init_distributed()` reads them. Without them the process is a world of one and nothing is initialised.
+`torchrun --nproc-per-node N -m k3 train ... --ep P` (P divides N: N/P EP groups of P ranks) sets RANK,
+WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT; `init_distributed()` reads them. Without them the process is a
+world of one and nothing is initialised.
 """
 
 from __future__ import annotations

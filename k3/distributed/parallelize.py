@@ -2,19 +2,31 @@
 
     1. EP: each LatentMoE becomes an ExpertParallelMoE (a subclass swapped onto the same object, so
        parameter names stay `...block_sparse_moe.w1/w3/w2` and checkpoints load unchanged); its stacked
-       experts become DTensors sharded along the expert dimension over the EP ranks, and its routed path
-       goes through the all-to-all dispatcher (plain or balanced).
+       experts become DTensors sharded along the expert dimension over its EP group, and its routed path
+       goes through the all-to-all dispatcher (plain or balanced) within that group.
     2. FSDP2: `fully_shard` on the embedding, every layer's attention and feed-forward, the LM head, then
        the root (norms and AttnRes mixes), over all ranks, ignoring the expert parameters EP already placed.
     3. Balancing: each router's `gather` is set so QB (solved in the training forward) concatenates the
-       required-bias matrix over ranks, and `model.update_balancers()` is rebound so loss-free balancing
-       all-reduces the loads: every rank computes identical router biases.
+       required-bias matrix over all ranks, and `model.update_balancers()` is rebound so loss-free balancing
+       all-reduces the loads over all ranks: every rank computes identical router biases from the global batch.
 
-Layouts: EP = 1 (plain FSDP: experts sharded by FSDP like every other weight) or EP = world size
-(every rank is a data-parallel rank and an EP rank). Gradient scale: FSDP averages the non-expert
-gradients over the ranks; an expert's gradient arrives as the sum of every rank's contribution through
-the all-to-all backward, so it is scaled by 1/world to match (the global loss is the mean of the ranks'
-local mean losses, with equal local batches).
+Layouts, for W ranks and EP size P (P divides W and the expert count):
+
+    P = 1   plain FSDP: experts sharded by FSDP like every other weight.
+    P = W   every rank is a data-parallel rank and an EP rank.
+    1 < P < W   a 2D mesh (edp, ep) of shape (W/P, P) over ranks 0..W-1 in row-major order: an EP group is
+            P consecutive ranks (on GPUs, those of one node), and each group holds a whole copy of the
+            experts, sharded over its P ranks. The W/P groups are data-parallel replicas of the experts (the
+            "edp" dim): rank r's edp peers hold the same expert block in the other groups.
+
+Gradient scale (the global loss is the mean of the ranks' local mean losses, with equal local batches): FSDP
+averages the non-expert gradients over all W ranks. An expert's gradient arrives as the sum of its EP group's
+contributions through the all-to-all backward; the backward of `_ExpertGradMean` (one node per MoE layer)
+then sums it over the W/P replicas (all-reduce over the "edp" peers) and scales it by 1/W, so every replica
+of an expert gets the same gradient (the mean over all ranks) and the replicas stay identical after every
+optimizer step. This is the gradient FSDP over the edp dim would give; the experts are replicated rather than
+sharded over edp because an FSDP unit has one mesh and w1/w3/w2 sit on the LatentMoE itself, next to the
+router and shared expert whose gradients must be averaged over all ranks.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -31,29 +44,46 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from k3.distributed.balanced import balanced_plan
 from k3.distributed.dispatcher import DispatchStats, dispatch_compute_combine, home_plan
 from k3.distributed.launch import all_gather_cat, all_reduce_sum, get_world_size
-from k3.layers.moe import LatentMoE, Routing
+from k3.layers.moe import LatentMoE, Routing, weighted_sum_over_k
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
+class _ExpertGradMean(torch.autograd.Function):
+    """Identity on this rank's expert blocks (w1, w3, w2) in forward. In backward their gradients (already
+    summed over the EP group by the all-to-all backward) are summed over the expert replicas (`group`, the
+    edp dim; None when there is a single replica) and scaled by `scale` = 1/world: the mean over all ranks.
+
+    One node for the three weights, so every rank runs the same collectives in the same order."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
+    def forward(ctx, scale: float, group, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor):
+        ctx.scale, ctx.group = scale, group
+        ctx.layouts = [(w.shape, w.dtype, w.device) for w in (w1, w3, w2)]
+        return w1.view_as(w1), w3.view_as(w3), w2.view_as(w2)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        means = []
+        for grad, (shape, dtype, device) in zip(grads, ctx.layouts):
+            # A weight whose output got no gradient still takes part, so the collectives match across ranks.
+            mean = torch.zeros(shape, dtype=dtype, device=device) if grad is None else (grad * ctx.scale).contiguous()
+            if ctx.group is not None:
+                dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=ctx.group)
+            means.append(mean)
+        return (None, None, *means)
 
 
 class ExpertParallelMoE(LatentMoE):
     """LatentMoE with its routed experts spread over EP ranks (made by `parallelize`, never constructed).
 
-    w1/w3/w2 are DTensors [E, ...] sharded on dim 0 over the EP mesh; this rank computes with its local
-    block [E/R, ...] plus, in balanced mode, the replicas the plan places here."""
+    w1/w3/w2 are DTensors [E, ...] sharded on dim 0 over the EP mesh (this rank's EP group of P ranks); this
+    rank computes with its local block [E/P, ...] plus, in balanced mode, the replicas the plan places here.
+    replica_group: the process group of the ranks holding the same block in the other EP groups (None when
+    the EP group spans every rank)."""
 
     ep_mesh: DeviceMesh
+    replica_group: dist.ProcessGroup | None
     balanced: bool
     grad_scale: float
     last_dispatch: DispatchStats | None
@@ -61,12 +91,13 @@ class ExpertParallelMoE(LatentMoE):
     def routed(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The routed path over EP ranks: [T, D] -> [T, D] (T local tokens)."""
         h_TL = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
-        w1, w3, w2 = (_ScaleGrad.apply(getattr(self, name).to_local(), self.grad_scale) for name in EXPERT_WEIGHTS)
+        w1, w3, w2 = _ExpertGradMean.apply(self.grad_scale, self.replica_group,
+                                           *(getattr(self, name).to_local() for name in EXPERT_WEIGHTS))
         plan_fn = balanced_plan if self.balanced else home_plan
         y_TKL, self.last_dispatch = dispatch_compute_combine(
             h_TL, routing.topk_ids_TK, plan_fn, w1, w3, w2, self.act, self.betas, self.ep_mesh.get_group())
-        # Deterministic combine: a weighted sum over the K slots of each token in fixed order, in fp32.
-        out_TL = (y_TKL.float() * routing.topk_weights_TK.float().unsqueeze(-1)).sum(1).to(x_TD.dtype)
+        # The single-device combine (deterministic batched matmul over K), so both layouts compute the same sums.
+        out_TL = weighted_sum_over_k(y_TKL, routing.topk_weights_TK)
         if self.latent:
             if self.routed_expert_norm is not None:
                 out_TL = self.routed_expert_norm(out_TL)
@@ -80,30 +111,53 @@ class ParallelLayout:
     ep_size: int
     fsdp: bool
     balanced: bool
-    mesh: DeviceMesh | None
+    mesh: DeviceMesh | None  # 1D ("dp",) over all ranks: FSDP2 of the non-expert weights
+    expert_mesh: DeviceMesh | None = None  # 2D ("edp", "ep") of shape (world / ep, ep) when ep > 1
 
 
 def _moe_modules(model: nn.Module) -> list[LatentMoE]:
     return [m for m in model.modules() if isinstance(m, LatentMoE)]
 
 
-def _apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, balanced: bool) -> set[nn.Parameter]:
-    ep_size = mesh.size()
+def check_ep_size(ep_size: int, world_size: int, num_experts: int | None) -> None:
+    """Raise ValueError unless `ep_size` ranks can hold the experts: it must divide both the world size (the
+    EP groups tile the ranks) and the expert count (every EP rank holds the same number of experts).
+    num_experts None: a model without MoE layers (only the world size matters)."""
+    experts = num_experts or world_size
+    choices = (f"use an EP size that divides both the {world_size} ranks and the {experts} experts: "
+               f"{_divisors_of_both(world_size, experts)}")
+    if world_size == 1 and ep_size > 1:
+        choices += f" (for EP={ep_size}, launch {ep_size} or a multiple of {ep_size} processes with torchrun)"
+    if ep_size < 1:
+        raise ValueError(f"ep_size (--ep) must be at least 1 (1: no expert parallelism), got {ep_size}; {choices}")
+    if world_size % ep_size:
+        raise ValueError(f"ep_size (--ep) {ep_size} does not split the {world_size} ranks into whole EP groups; "
+                         f"{choices}")
+    if experts % ep_size:
+        raise ValueError(f"{experts} experts cannot be split evenly over EP={ep_size} ranks; {choices}")
+
+
+def _divisors_of_both(a: int, b: int) -> list[int]:
+    return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
+
+
+def _apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, balanced: bool) -> set[nn.Parameter]:
+    ep_mesh = expert_mesh["ep"]
+    replicas = expert_mesh.size(0)
+    replica_group = expert_mesh.get_group("edp") if replicas > 1 else None
     placed: set[nn.Parameter] = set()
     for moe in _moe_modules(model):
-        num_experts = moe.w1.shape[0]
-        if num_experts % ep_size:
-            raise ValueError(f"{num_experts} experts cannot be split over EP={ep_size} ranks; "
-                             f"choose an EP size that divides {num_experts}")
         for name in EXPERT_WEIGHTS:
-            # Rank 0's weights are scattered, so every rank starts from the same experts.
-            sharded = nn.Parameter(distribute_tensor(getattr(moe, name).detach(), mesh, [Shard(0)]))
+            # The first rank of each EP group scatters its weights; every rank starts from the same experts
+            # (same seed), so the replicas in the other groups start equal too.
+            sharded = nn.Parameter(distribute_tensor(getattr(moe, name).detach(), ep_mesh, [Shard(0)]))
             setattr(moe, name, sharded)
             placed.add(sharded)
         moe.__class__ = ExpertParallelMoE
-        moe.ep_mesh = mesh
+        moe.ep_mesh = ep_mesh
+        moe.replica_group = replica_group
         moe.balanced = balanced
-        moe.grad_scale = 1.0 / mesh.size()
+        moe.grad_scale = 1.0 / expert_mesh.size()
         moe.last_dispatch = None
     return placed
 
@@ -135,12 +189,14 @@ def parallelize(model: nn.Module, ep_size: int = 1, fsdp: bool = True, balanced:
     """Shard `model` (a K3ForCausalLM already on this rank's device, created with the same seed on every rank)
     over all ranks in place and return it.
 
-    ep_size: 1 (no EP) or the world size. fsdp: shard the non-expert weights with FSDP2 (required when
-    more than one rank: it is what keeps their gradients in sync). balanced: MoonEP-style balanced dispatch."""
+    ep_size: ranks per EP group; must divide the world size and the expert count. 1: no EP (plain FSDP);
+    the world size: experts over every rank; in between: world / ep_size EP groups, each holding all experts
+    (data-parallel replicas of them). fsdp: shard the non-expert weights with FSDP2 over all ranks (required
+    when more than one rank: it is what keeps their gradients in sync). balanced: MoonEP-style balanced
+    dispatch within each EP group."""
     world = get_world_size()
-    if ep_size not in (1, world):
-        raise ValueError(f"--ep {ep_size} with {world} ranks is not supported; use --ep 1 (FSDP only) or "
-                         f"--ep {world} (experts over every rank)")
+    moes = _moe_modules(model)
+    check_ep_size(ep_size, world, moes[0].w1.shape[0] if moes else None)
     if world > 1 and not fsdp:
         raise ValueError("with more than one rank the non-expert weights need FSDP to keep gradients in sync; "
                          "use fsdp=True")
@@ -150,7 +206,11 @@ def parallelize(model: nn.Module, ep_size: int = 1, fsdp: bool = True, balanced:
     if world > 1:
         device_type = next(model.parameters()).device.type
         layout.mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
-        ignored = _apply_expert_parallel(model, layout.mesh, balanced) if ep_size > 1 else set()
+        ignored: set[nn.Parameter] = set()
+        if ep_size > 1:
+            layout.expert_mesh = init_device_mesh(device_type, (world // ep_size, ep_size),
+                                                  mesh_dim_names=("edp", "ep"))
+            ignored = _apply_expert_parallel(model, layout.expert_mesh, balanced)
         for unit in _fsdp_units(model):
             fully_shard(unit, mesh=layout.mesh, ignored_params=ignored)
         fully_shard(model, mesh=layout.mesh, ignored_params=ignored)

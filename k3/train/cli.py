@@ -76,8 +76,9 @@ def register(subparsers) -> None:
                        help="share of rows replaced by synthetic associative-recall sequences")
     train.add_argument("--time-budget-s", type=float, dest="time_budget_s", help="stop (and save) after this long")
     train.add_argument("--threads", type=int, help="CPU threads for torch")
-    train.add_argument("--ep", type=int, help="expert parallelism over all processes: launch with `torchrun "
-                                             "--nproc-per-node N -m k3 train ... --ep N` (FSDP2 + EP, k3.distributed)")
+    train.add_argument("--ep", type=int, help="expert parallelism under `torchrun --nproc-per-node N -m k3 train "
+                                             "... --ep P`: experts sharded over groups of P ranks (P divides N and "
+                                             "the expert count; N/P groups replicate them), FSDP2 over all N")
     train.set_defaults(func=train_command)
 
     demo = subparsers.add_parser("demo", help="train the tiny preset on this machine's stdlib, sample from it and "

@@ -34,6 +34,7 @@ from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, 
     tokenize_documents
 from k3.data.synthetic import RecallTask
 from k3.data.tokenizer import load_tokenizer, train_bpe
+from k3.distributed.loop import clip_grad_norm_
 from k3.model import K3ForCausalLM
 from k3.train.metrics import MetricsLog, plot_metrics
 from k3.train.optim import build_optimizer, lr_at
@@ -65,7 +66,7 @@ class TrainConfig:
     recall_fraction: float = 0.0  # share of rows replaced by synthetic recall sequences
     recall_pairs: int = 8
     time_budget_s: float | None = None  # stop (and save) once training has run this long
-    ep: int = 0  # expert-parallel size under torchrun (= number of processes; FSDP2 over all); 0: one process
+    ep: int = 0  # under torchrun: ranks per EP group (divides the processes; FSDP2 over all); 0: one process
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -169,11 +170,14 @@ class Trainer:
         self.dist = None
         if config.ep:
             # Distributed run (k3.distributed): every rank trains its own data rows; rank 0 logs and saves.
-            from k3.distributed import init_distributed
+            from k3.distributed import check_ep_size, init_distributed
             if resume:
                 raise ValueError("--resume is not supported with --ep yet; start a new run, or resume without --ep")
             self.dist = init_distributed(device=None if config.device == "auto" else config.device)
             self.device = self.dist.device
+            # Before the data is prepared: a bad --ep fails at once.
+            check_ep_size(config.ep, self.dist.world_size,
+                          ModelConfig.from_preset(config.preset, **config.model_overrides).num_experts)
             if self.dist.rank != 0:
                 self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype(config.dtype, self.device)
@@ -400,7 +404,7 @@ class Trainer:
                 f"({self.out / CHECKPOINT_NAME}, step {self._saved_step()}) was kept. Lower --lr, raise "
                 f"--warmup-steps or check the data, then continue with --resume")
         loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)
+        grad_norm = clip_grad_norm_(self.model.parameters(), config.grad_clip)  # any parallel layout
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.update_balancers()

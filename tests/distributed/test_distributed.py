@@ -2,7 +2,9 @@
 checkpoints across layouts, and the plan arithmetic the dispatcher relies on.
 
 Multi-process tests launch tests/distributed/worker.py with torchrun (one subprocess per layout) and
-compare the JSON each layout writes. Model: the debug preset (8 experts, top-2) in float64.
+compare the JSON each layout writes. Model: the debug preset (8 experts, top-2) in float64. Layouts:
+1 process; EP=2 on 2 ranks; EP=2 on 4 ranks (two EP groups, each a replica of the experts); EP=4 (slow).
+The trained runs chain their checkpoints: 1 process -> EP=2 on 2 ranks -> EP=2 on 4 ranks -> 1 process / EP=4.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3.config import ModelConfig
 from k3.distributed.balanced import balanced_plan, imbalance
 from k3.distributed.dispatcher import _piece_overlap, home_plan, source_to_slot_order
+from k3.distributed.parallelize import check_ep_size, parallelize
+from k3.model import K3ForCausalLM
 
 WORKER = Path(__file__).with_name("worker.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +55,21 @@ def assert_same_biases(reference: list[list[float]], got: list[list[float]]) -> 
     torch.testing.assert_close(torch.tensor(got), torch.tensor(reference), rtol=0, atol=1e-5)
 
 
+def assert_same_logits(reference: list, got: list) -> None:
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(reference), rtol=1e-12, atol=1e-12)
+
+
+def assert_trains_like_one_process(reference: dict, got: dict) -> None:
+    """Same losses, router biases equal on every rank and equal the single process's, same gradient norm
+    (clip_grad_norm_ over the layout's meshes) and clipping to half of it leaves half."""
+    assert_losses_match(reference["losses"], got["losses"])
+    assert got["biases_agree"], "QB biases differ between ranks"
+    assert_same_biases(reference["bias"], got["bias"])
+    norm, clipped = got["grad_norms"]
+    assert norm == pytest.approx(reference["grad_norms"][0], rel=1e-5)
+    assert clipped == pytest.approx(norm / 2, rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory) -> tuple[dict, Path]:
     """The reference: one process, no parallelism, 20 steps; its checkpoint is loaded by the EP=2 run."""
@@ -58,33 +78,58 @@ def single_process(tmp_path_factory) -> tuple[dict, Path]:
     return launch(tmp, "ep1", 1, "train", "--steps", str(STEPS), "--checkpoint", str(checkpoint)), checkpoint
 
 
-def test_ep2_matches_one_process_and_checkpoints_cross_layouts(single_process, tmp_path):
-    reference, ep1_checkpoint = single_process
-    ep2_checkpoint = tmp_path / "ep2.pt"
-    ep2 = launch(tmp_path, "ep2", 2, "train", "--steps", str(STEPS), "--checkpoint", str(ep2_checkpoint),
-                 "--load", str(ep1_checkpoint))
-    assert_losses_match(reference["losses"], ep2["losses"])
-    assert ep2["biases_agree"], "QB biases differ between ranks"
-    assert_same_biases(reference["bias"], ep2["bias"])
+@pytest.fixture(scope="module")
+def ep2_two_ranks(single_process, tmp_path_factory) -> tuple[dict, Path]:
+    """EP=2 on 2 ranks: trains, saves its checkpoint, then loads the single process's."""
+    tmp = tmp_path_factory.mktemp("ep2")
+    checkpoint = tmp / "ep2.pt"
+    return launch(tmp, "ep2", 2, "train", "--steps", str(STEPS), "--checkpoint", str(checkpoint),
+                  "--load", str(single_process[1])), checkpoint
+
+
+@pytest.fixture(scope="module")
+def ep2_four_ranks(ep2_two_ranks, tmp_path_factory) -> tuple[dict, Path]:
+    """EP=2 on 4 ranks (2 EP groups x 2 ranks; the groups are data-parallel replicas of the experts): trains,
+    saves its checkpoint, then loads the EP=2-on-2-ranks one."""
+    tmp = tmp_path_factory.mktemp("ep2x4")
+    checkpoint = tmp / "ep2x4.pt"
+    return launch(tmp, "ep2x4", 4, "train", "--ep", "2", "--steps", str(STEPS), "--checkpoint", str(checkpoint),
+                  "--load", str(ep2_two_ranks[1])), checkpoint
+
+
+def test_ep2_matches_one_process(single_process, ep2_two_ranks):
+    reference, ep2 = single_process[0], ep2_two_ranks[0]
+    assert_trains_like_one_process(reference, ep2)
     assert reference["losses"][-1] < reference["losses"][0], "the run did not train"
     # EP=1 checkpoint loaded under EP=2 gives the EP=1 model's logits exactly.
-    torch.testing.assert_close(torch.tensor(ep2["loaded_logits"]), torch.tensor(reference["logits"]),
-                               rtol=1e-12, atol=1e-12)
-    # EP=2 checkpoint loaded by a single process (plain load_state_dict) gives the EP=2 model's logits.
-    ep1_load = launch(tmp_path, "ep1_load", 1, "load", "--load", str(ep2_checkpoint))
-    torch.testing.assert_close(torch.tensor(ep1_load["loaded_logits"]), torch.tensor(ep2["logits"]),
-                               rtol=1e-12, atol=1e-12)
-    # The two trained models are close but not the same tensor: the loads above really moved weights.
+    assert_same_logits(reference["logits"], ep2["loaded_logits"][0])
+    # The two trained models are close but not the same tensor: the loads really moved weights.
     assert torch.tensor(ep2["logits"]).ne(torch.tensor(reference["logits"])).any()
 
 
+def test_ep2_on_four_ranks_matches_one_process(single_process, ep2_two_ranks, ep2_four_ranks):
+    reference, ep2, ep2x4 = single_process[0], ep2_two_ranks[0], ep2_four_ranks[0]
+    assert_trains_like_one_process(reference, ep2x4)
+    # EP=2-on-2-ranks checkpoint loaded under EP=2 on 4 ranks gives that model's logits exactly.
+    assert_same_logits(ep2["logits"], ep2x4["loaded_logits"][0])
+    assert torch.tensor(ep2x4["logits"]).ne(torch.tensor(ep2["logits"])).any()
+
+
+def test_ep2_checkpoints_load_in_one_process(ep2_two_ranks, ep2_four_ranks, tmp_path):
+    """Both EP=2 layouts' checkpoints load into a single process (plain load_state_dict) with their logits."""
+    (ep2, ep2_checkpoint), (ep2x4, ep2x4_checkpoint) = ep2_two_ranks, ep2_four_ranks
+    loaded = launch(tmp_path, "ep1_load", 1, "load", "--load", str(ep2_checkpoint), "--load", str(ep2x4_checkpoint))
+    assert_same_logits(ep2["logits"], loaded["loaded_logits"][0])
+    assert_same_logits(ep2x4["logits"], loaded["loaded_logits"][1])
+
+
 @pytest.mark.slow
-def test_ep4_matches_one_process(single_process, tmp_path):
-    reference, _ = single_process
-    ep4 = launch(tmp_path, "ep4", 4, "train", "--steps", str(STEPS))
-    assert_losses_match(reference["losses"], ep4["losses"])
-    assert ep4["biases_agree"], "QB biases differ between ranks"
-    assert_same_biases(reference["bias"], ep4["bias"])
+def test_ep4_matches_one_process(single_process, ep2_four_ranks, tmp_path):
+    reference, (ep2x4, ep2x4_checkpoint) = single_process[0], ep2_four_ranks
+    ep4 = launch(tmp_path, "ep4", 4, "train", "--steps", str(STEPS), "--load", str(ep2x4_checkpoint))
+    assert_trains_like_one_process(reference, ep4)
+    # EP=2-on-4-ranks checkpoint loaded under EP=4.
+    assert_same_logits(ep2x4["logits"], ep4["loaded_logits"][0])
 
 
 @pytest.mark.slow
@@ -92,6 +137,21 @@ def test_ep2_balanced_training_matches_one_process(single_process, tmp_path):
     reference, _ = single_process
     balanced = launch(tmp_path, "ep2_balanced", 2, "train", "--steps", str(STEPS), "--balanced")
     assert_losses_match(reference["losses"], balanced["losses"])
+
+
+def test_parallelize_rejects_ep_sizes_that_do_not_divide():
+    with pytest.raises(ValueError, match=r"--ep\) 3 does not split the 4 ranks .* \[1, 2, 4\]"):
+        check_ep_size(3, world_size=4, num_experts=8)
+    with pytest.raises(ValueError, match=r"6 experts cannot be split evenly over EP=4 .* \[1, 2\]"):
+        check_ep_size(4, world_size=8, num_experts=6)
+    with pytest.raises(ValueError, match="at least 1"):
+        check_ep_size(0, world_size=4, num_experts=8)
+    check_ep_size(2, world_size=4, num_experts=8)
+    # In one process (no torchrun) EP=2 has no ranks to use: parallelize says so before touching the model.
+    model = K3ForCausalLM(ModelConfig.from_preset("debug"))
+    with pytest.raises(ValueError, match="does not split the 1 ranks.*launch 2 or a multiple of 2 processes"):
+        parallelize(model, ep_size=2)
+    assert not hasattr(model, "parallel_layout")
 
 
 def check_balanced(result: dict, nproc: int) -> None:

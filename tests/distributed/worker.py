@@ -14,9 +14,9 @@ import sys
 import torch
 
 from k3.config import ModelConfig
-from k3.distributed import (all_gather_cat, dispatch_stats, get_world_size, init_distributed, is_main,
-                            load_checkpoint, parallelize, save_checkpoint, set_balanced, shard_batch, shutdown,
-                            skewed_routing, train_steps)
+from k3.distributed import (all_gather_cat, clip_grad_norm_, dispatch_stats, get_world_size, init_distributed,
+                            is_main, load_checkpoint, parallelize, save_checkpoint, set_balanced, shard_batch,
+                            shutdown, skewed_routing, train_steps)
 from k3.model import K3ForCausalLM
 
 VOCAB = 256
@@ -39,6 +39,11 @@ def write(path: str, result: dict) -> None:
             json.dump(result, handle)
 
 
+def ep_size(args) -> int:
+    """--ep, or every rank when not given."""
+    return args.ep or get_world_size()
+
+
 def biases_agree(model) -> bool:
     """Every rank's router biases equal rank 0's (all-gathered and compared)."""
     local = torch.stack([router.e_score_correction_bias for _, router in model.routers()]).reshape(1, -1)
@@ -47,19 +52,36 @@ def biases_agree(model) -> bool:
 
 
 def scenario_train(args) -> dict:
-    """Train `steps` steps on the shared global batches; optionally save, then optionally load another
-    layout's checkpoint. Reports the losses, the router biases and the logits after each phase."""
-    model = parallelize(build_model(args.seed), ep_size=get_world_size(), balanced=args.balanced)
+    """Train `steps` steps on the shared global batches; optionally save, then optionally load other layouts'
+    checkpoints. Reports the losses, the router biases, the gradient norm and the logits after each phase."""
+    model = parallelize(build_model(args.seed), ep_size=ep_size(args), balanced=args.balanced)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses = train_steps(model, global_batches(args.steps, args.batch, args.length, args.seed), optimizer)
     result = {"losses": losses, "bias": [router.e_score_correction_bias.tolist() for _, router in model.routers()],
-              "biases_agree": biases_agree(model), "logits": _eval_logits(model, args)}
+              "biases_agree": biases_agree(model), "grad_norms": _clipped_grad_norms(model, args),
+              "logits": _eval_logits(model, args)}
     if args.checkpoint:
         save_checkpoint(model, args.checkpoint)
-    if args.load:
-        load_checkpoint(model, args.load)
-        result["loaded_logits"] = _eval_logits(model, args)
+    result["loaded_logits"] = []
+    for path in args.load:
+        load_checkpoint(model, path)
+        result["loaded_logits"].append(_eval_logits(model, args))
     return result
+
+
+def _clipped_grad_norms(model, args) -> list[float]:
+    """Global gradient norm of the loss on a fixed batch (eval mode: the router biases stay), then the norm
+    after clipping to half of it. The gradients are cleared again."""
+    ids = global_batches(1, args.batch, args.length, args.seed + 7)[0]
+    model.eval()
+    local = shard_batch(ids)
+    model(local[:, :-1], labels=local[:, 1:]).loss.backward()
+    norm = float(clip_grad_norm_(model.parameters(), max_norm=1e9))
+    clip_grad_norm_(model.parameters(), max_norm=norm / 2)
+    clipped = float(clip_grad_norm_(model.parameters(), max_norm=1e9))
+    model.zero_grad(set_to_none=True)
+    model.train()
+    return [norm, clipped]
 
 
 def _forward_backward(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -101,9 +123,13 @@ def scenario_balanced(args) -> dict:
 
 
 def scenario_load(args) -> dict:
-    model = parallelize(build_model(args.seed + 100), ep_size=get_world_size())  # other weights on purpose
-    load_checkpoint(model, args.load)
-    return {"loaded_logits": _eval_logits(model, args)}
+    """Load each --load checkpoint into a model made with other weights on purpose; logits after each."""
+    model = parallelize(build_model(args.seed + 100), ep_size=ep_size(args))
+    loaded = []
+    for path in args.load:
+        load_checkpoint(model, path)
+        loaded.append(_eval_logits(model, args))
+    return {"loaded_logits": loaded}
 
 
 def _eval_logits(model, args) -> list:
@@ -126,9 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--ep", type=int, default=0, help="EP group size (default: every rank)")
     parser.add_argument("--balanced", action="store_true")
     parser.add_argument("--checkpoint", default="", help="save here after training")
-    parser.add_argument("--load", default="", help="checkpoint to load (after training, for `train`)")
+    parser.add_argument("--load", action="append", default=[],
+                        help="checkpoint to load (after training, for `train`); repeatable")
     parser.add_argument("--hot", default="0,1", help="experts the skewed router prefers (balanced)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
