@@ -70,15 +70,20 @@ def load_checkpoint(model: nn.Module, path: str | os.PathLike) -> dict:
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"{path} is not a {FORMAT} checkpoint (found format "
                          f"{payload.get('format') if isinstance(payload, dict) else type(payload).__name__!r})")
-    state = payload["model"]
+    load_full_state_dict(model, payload["model"])
+    if is_distributed():
+        barrier()
+    return payload
+
+
+def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a single-device state dict (every rank holds the whole of it) into `model`, parallelized or not.
+    Collective for a parallelized model: each rank keeps its own shards."""
     if _is_parallel(model):
         _reshard(model)
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
     else:
         model.load_state_dict(state, strict=True)
-    if is_distributed():
-        barrier()
-    return payload
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
@@ -101,3 +106,28 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
     return {"state": {number[name]: value for name, value in by_name["state"].items()},
             "param_groups": [{**group, "params": [number[n] for n in group["params"]]}
                              for group in by_name["param_groups"]]}
+
+
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Load an optimizer state in the single-device `optimizer.state_dict()` form (as `full_optimizer_state_dict`
+    writes it; every rank holds the whole of it) into the optimizer of a parallelized model: each rank keeps
+    the state of its own shards. Collective for a parallelized model."""
+    if not _is_parallel(model):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    # The inverse of full_optimizer_state_dict's numbering: parameter i of the groups, in order, is the i-th
+    # name. FSDP2 and EP keep the single-device parameter names, so the names come from the model itself.
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(state["param_groups"]) != len(optimizer.param_groups) or \
+            sum(len(g["params"]) for g in state["param_groups"]) != len(names):
+        raise ValueError("the saved optimizer state has other parameter groups than this optimizer; was it saved "
+                         "from another model config or optimizer setup?")
+    by_name = {"state": {names[number]: value for number, value in state["state"].items()},
+               "param_groups": [{**group, "params": [names[n] for n in group["params"]]}
+                                for group in state["param_groups"]]}
+    _reshard(model)
+    # Not strict: parameters that never had a gradient have no optimizer state.
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -171,8 +171,6 @@ class Trainer:
         if config.ep:
             # Distributed run (k3.distributed): every rank trains its own data rows; rank 0 logs and saves.
             from k3.distributed import check_ep_size, init_distributed
-            if resume:
-                raise ValueError("--resume is not supported with --ep yet; start a new run, or resume without --ep")
             self.dist = init_distributed(device=None if config.device == "auto" else config.device)
             self.device = self.dist.device
             # Before the data is prepared: a bad --ep fails at once.
@@ -277,9 +275,25 @@ class Trainer:
                              f"--seq-len")
 
     def _restore(self, state: dict[str, Any]) -> None:
-        load_model_state(self.model, state["model"], str(self.out / CHECKPOINT_NAME))
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.train_stream.load_state_dict(state["data"])
+        if self.dist is None:
+            load_model_state(self.model, state["model"], str(self.out / CHECKPOINT_NAME))
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            # Every rank read the whole checkpoint and keeps its own shards. The data streams are per rank
+            # (seed + rank) and advance alike, so rank 0's position is every rank's: with the same number of
+            # ranks the resumed run continues exactly; with another number it continues on other rows.
+            from k3.distributed.checkpoint import load_full_optimizer_state_dict, load_full_state_dict
+            load_full_state_dict(self.model, state["model"])
+            load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        per_rank = state.get("data_per_rank")
+        if self.dist is not None and per_rank is not None and len(per_rank) == self.dist.world_size:
+            self.train_stream.load_state_dict(per_rank[self.dist.rank])
+        else:
+            if self.dist is not None or per_rank is not None:
+                self.log(f"resuming on {self.dist.world_size if self.dist else 1} rank(s) a run saved on "
+                         f"{len(per_rank) if per_rank else 1}: model and optimizer continue exactly, the data "
+                         "rows differ from an unbroken run's")
+            self.train_stream.load_state_dict(state["data"])
         _set_rng_state(state["rng"])
         self.step = int(state["step"])
 
@@ -314,10 +328,13 @@ class Trainer:
             model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         else:
             # Full (single-device) state gathered on rank 0: the checkpoint loads and resumes without --ep too.
+            # Each rank reads its own data stream (its recall rows differ), so every rank's position is kept.
             from k3.distributed import barrier, full_state_dict
             from k3.distributed.checkpoint import full_optimizer_state_dict
             model_state = full_state_dict(self.model)
             optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
+            data_per_rank = [None] * self.dist.world_size
+            torch.distributed.all_gather_object(data_per_rank, self.train_stream.state_dict())
             if self.dist.rank != 0:
                 barrier()
                 return
@@ -328,6 +345,7 @@ class Trainer:
             "train": self.config.to_dict(),
             "step": self.step,
             "data": self.train_stream.state_dict(),
+            **({"data_per_rank": data_per_rank} if self.dist is not None else {}),
             "rng": _rng_state(),
             "tokenizer": _tokenizer_files(self.out / "tokenizer"),
         }
