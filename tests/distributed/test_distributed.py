@@ -154,10 +154,10 @@ def test_parallelize_rejects_ep_sizes_that_do_not_divide():
     assert not hasattr(model, "parallel_layout")
 
 
-def check_balanced(result: dict, nproc: int) -> None:
+def check_balanced(result: dict, nproc: int, min_plain_imbalance: float = 1.5) -> None:
     for plain, balanced in zip(result["pairs_plain"], result["pairs_balanced"]):
         assert sum(plain) == sum(balanced)
-        assert imbalance(plain) > 1.5, f"the router was not skewed: plain pairs per rank {plain}"
+        assert imbalance(plain) > min_plain_imbalance, f"the router was not skewed: plain pairs per rank {plain}"
         assert len(balanced) == nproc and imbalance(balanced) == 1.0, f"unbalanced: {balanced}"
     assert all(n > 0 for n in result["replicas_balanced"])
     assert len(result["pairs_balanced"]) == 3  # one entry per MoE layer of the debug preset
@@ -169,6 +169,12 @@ def check_balanced(result: dict, nproc: int) -> None:
 def test_balanced_dispatch_under_skew_two_ranks(tmp_path):
     # Experts 0 and 1 live on rank 0: the plain dispatch puts every pair there.
     check_balanced(launch(tmp_path, "balanced2", 2, "balanced", "--hot", "0,1"), 2)
+
+
+def test_balanced_dispatch_when_a_rank_computes_home_pairs_and_replicas(tmp_path):
+    # Only expert 0 is hot: every token takes it plus a second expert of its own choice, so rank 1 computes
+    # pairs of its home experts (4..7) and a replica of expert 0, whose id sorts before them.
+    check_balanced(launch(tmp_path, "balanced2_mixed", 2, "balanced", "--hot", "0"), 2, min_plain_imbalance=1.2)
 
 
 @pytest.mark.slow
