@@ -153,11 +153,15 @@ class DispatchStats:
     received_rows: int
 
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older torch has only the first.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def gather_counts(counts_E: torch.Tensor, group=None) -> torch.Tensor:
     """All ranks' per-expert pair counts, stacked: [R, E] (same on every rank). One collective."""
     world = dist.get_world_size(group)
     gathered = counts_E.new_empty(world * counts_E.numel())  # flat: gloo wants the output 1-D
-    dist.all_gather_into_tensor(gathered, counts_E.contiguous(), group=group)
+    _all_gather_single(gathered, counts_E.contiguous(), group=group)
     return gathered.view(world, -1)
 
 

@@ -156,10 +156,9 @@ class LatentMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]."""
-        shape = x.shape
-        x_TD = x.reshape(-1, shape[-1])
+        x_TD = x.reshape(-1, x.shape[-1])
         routing = self.gate(x_TD)
-        out_TD = self.routed(x_TD, routing)
-        if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
-        return out_TD.view(shape)
+        out = self.routed(x_TD, routing).view(x.shape)
+        # The result must not be a view: FSDP2 hooks a unit's output for backward, and an in-place op on a
+        # view would drop that hook. Adding the shared experts makes a new tensor; without them, a copy does.
+        return out + self.shared_experts(x) if self.shared_experts is not None else out.clone()
