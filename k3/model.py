@@ -16,6 +16,7 @@ from torch import nn
 from k3.cache import HybridCache
 from k3.config import ModelConfig
 from k3.layers.attn_res import AttnResMix, AttnResStream
+from k3.layers.conv import ShortConv
 from k3.layers.kda import KimiDeltaAttention
 from k3.layers.mla import GatedMLA
 from k3.layers.mlp import GLUMLP
@@ -115,6 +116,33 @@ class K3Model(nn.Module):
         return self.norm(h)
 
 
+@torch.no_grad()
+def init_module(module: nn.Module, std: float) -> None:
+    """Initialise the tensors `module` holds itself (not its children's)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=std)
+    elif isinstance(module, RMSNorm):
+        nn.init.ones_(module.weight)
+    elif isinstance(module, Router):
+        nn.init.normal_(module.weight, std=std)
+        module.e_score_correction_bias.zero_()
+    elif isinstance(module, LatentMoE):
+        for w in (module.w1, module.w3, module.w2):
+            nn.init.normal_(w, std=std)
+    elif isinstance(module, KimiDeltaAttention):
+        module.reset_gate_parameters()
+    elif isinstance(module, ShortConv):
+        module.reset_parameters()  # nn.Conv1d's own init
+
+
+@torch.no_grad()
+def zero_attn_res_queries(model: nn.Module) -> None:
+    """Pseudo-queries start at zero: the first mixtures are uniform means."""
+    for module in model.modules():
+        if isinstance(module, AttnResMix):
+            module.proj.weight.zero_()
+
+
 class K3ForCausalLM(nn.Module):
     """model(input_ids [B, T], cache=None, cu_seqlens=None, labels=None) -> CausalLMOutput(logits [B, T, V])."""
 
@@ -130,23 +158,12 @@ class K3ForCausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        std = self.config.initializer_range
+        """Write every parameter and buffer from the global RNG (a model built on the meta device and moved with
+        `to_empty` holds garbage until this runs). k3.distributed.init.init_weights_seeded is the
+        layout-independent form for sharded models."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, Router):
-                nn.init.normal_(module.weight, std=std)
-                module.e_score_correction_bias.zero_()
-            elif isinstance(module, LatentMoE):
-                for w in (module.w1, module.w3, module.w2):
-                    nn.init.normal_(w, std=std)
-            elif isinstance(module, KimiDeltaAttention):
-                module.reset_gate_parameters()
-        for module in self.modules():  # pseudo-queries start at zero: the first mixtures are uniform means
-            if isinstance(module, AttnResMix):
-                nn.init.zeros_(module.proj.weight)
+            init_module(module, self.config.initializer_range)
+        zero_attn_res_queries(self)
 
     def new_cache(self, batch_size: int) -> HybridCache:
         return HybridCache(self.config.layer_types, batch_size)

@@ -205,6 +205,8 @@ def parallelize(model: nn.Module, ep_size: int = 1, fsdp: bool = True, balanced:
     layout = ParallelLayout(world, ep_size, fsdp, balanced, None)
     if world > 1:
         device_type = next(model.parameters()).device.type
+        if device_type == "meta":  # built without storage (build_parallel_model): the ranks' own device kind
+            device_type = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
         layout.mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp",))
         ignored: set[nn.Parameter] = set()
         if ep_size > 1:

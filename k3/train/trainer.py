@@ -187,9 +187,10 @@ class Trainer:
             self.model_config = model_config
             self._prepare_data()
         if self.dist is not None:
-            from k3.distributed import parallelize
-            torch.manual_seed(config.seed)  # identical initial weights on every rank
-            self.model = parallelize(K3ForCausalLM(model_config).to(self.device), ep_size=config.ep)
+            # Built on the meta device and sharded before any storage exists, so no rank ever holds the whole
+            # model; the seeded init gives the same weights under every layout.
+            from k3.distributed.init import build_parallel_model
+            self.model = build_parallel_model(model_config, self.device, ep_size=config.ep, seed=config.seed)
         else:
             self.model = K3ForCausalLM(model_config).to(self.device)
         self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
