@@ -1,5 +1,6 @@
-"""Seeded, layout-independent initialisation: a model built on the meta device and sharded (FSDP2, EP) gets
-exactly the weights one process gets from the same seed, and every tensor is written."""
+"""Initialisation of models built on the meta device: both init_weights and the seeded, layout-independent
+init write every tensor, and a model built sharded (FSDP2, EP) gets exactly the weights one process gets
+from the same seed."""
 
 from __future__ import annotations
 
@@ -19,15 +20,27 @@ WORKER = Path(__file__).with_name("init_worker.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def seeded_debug_model(seed: int) -> K3ForCausalLM:
+def meta_built_debug_model(init) -> K3ForCausalLM:
+    """Built on the meta device, given NaN-filled storage, then initialised by init(model) alone."""
     with torch.device("meta"):
         model = K3ForCausalLM(ModelConfig.from_preset("debug"))
     model.to_empty(device="cpu")
     with torch.no_grad():
         for tensor in list(model.parameters()) + list(model.buffers()):
             tensor.fill_(float("nan"))
-    init_weights_seeded(model, seed)
+    init(model)
     return model
+
+
+def seeded_debug_model(seed: int) -> K3ForCausalLM:
+    return meta_built_debug_model(lambda model: init_weights_seeded(model, seed))
+
+
+def test_init_weights_writes_every_parameter_and_buffer():
+    model = meta_built_debug_model(K3ForCausalLM.init_weights)
+    unwritten = [name for name, t in list(model.named_parameters()) + list(model.named_buffers())
+                 if not torch.isfinite(t).all()]
+    assert not unwritten, f"init_weights left these untouched: {unwritten}"
 
 
 def test_seeded_init_writes_everything_and_depends_on_the_seed_only():
