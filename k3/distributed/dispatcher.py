@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from k3.ops.moe import run_experts
+from k3.ops.moe import inverse_permutation, run_experts
 
 
 class _AllToAll(torch.autograd.Function):
@@ -135,12 +135,6 @@ def source_to_slot_order(counts_RS: torch.Tensor, device: torch.device | None = 
     shift_SR = (starts_SR - (counts_SR.cumsum(0) - counts_SR)).to(device)
     shift_M = shift_SR.repeat_interleave(counts_SR.to(device), output_size=total)
     return torch.arange(total, device=device) + shift_M
-
-
-def _inverse(index: torch.Tensor) -> torch.Tensor:
-    inverse = torch.empty_like(index)
-    inverse[index] = torch.arange(index.numel(), device=index.device)
-    return inverse
 
 
 @dataclass
@@ -268,8 +262,9 @@ def route(topk_ids_TK: torch.Tensor, experts_per_rank: int, plan_fn, group=None)
     group_slots = [len(g) for g in groups]
     group_rows = [int(rows.sum()) for rows in pairs_S.split(group_slots)]
     return Route(plan, rank, topk_ids_TK.shape[1], input_splits, counts_RS.sum(1).tolist(), send_perm_N,
-                 send_perm_N // topk_ids_TK.shape[1], _inverse(send_perm_N), slot_index_M, _inverse(slot_index_M),
-                 pairs_S.to(device), [plan.piece_expert[p] for p in home + away], group_slots, group_rows)
+                 send_perm_N // topk_ids_TK.shape[1], inverse_permutation(send_perm_N), slot_index_M,
+                 inverse_permutation(slot_index_M), pairs_S.to(device), [plan.piece_expert[p] for p in home + away],
+                 group_slots, group_rows)
 
 
 def dispatch(h_TL: torch.Tensor, routed: Route, group=None) -> torch.Tensor:

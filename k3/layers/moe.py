@@ -23,7 +23,7 @@ from k3.config import ModelConfig
 from k3.layers.balancing import loss_free_bias, maxvio, quantile_bias, quantile_bias_histogram
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
-from k3.ops.moe import count_per_expert, run_experts
+from k3.ops.moe import count_per_expert, inverse_permutation, run_experts
 
 
 @dataclass
@@ -103,9 +103,7 @@ class Router(nn.Module):
 
 def unpermute(y_ND: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
     """Rows computed in `order_N` order (y_ND[i] belongs to pair order_N[i]) back in pair order."""
-    inverse_N = torch.empty_like(order_N)
-    inverse_N[order_N] = torch.arange(order_N.numel(), device=order_N.device)
-    return y_ND.index_select(0, inverse_N)
+    return y_ND.index_select(0, inverse_permutation(order_N))
 
 
 def weighted_sum_over_k(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:

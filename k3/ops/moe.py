@@ -33,6 +33,13 @@ def experts_loop(x_ND: torch.Tensor, counts_E: list[int], w1_EFD: torch.Tensor, 
     return torch.cat(out) if out else x_ND.new_zeros(0, w2_EDF.shape[1])
 
 
+def inverse_permutation(index_N: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes `index_N`: x[index_N][inverse_permutation(index_N)] == x (no host sync)."""
+    inverse_N = torch.empty_like(index_N)
+    inverse_N[index_N] = torch.arange(index_N.numel(), device=index_N.device)
+    return inverse_N
+
+
 def count_per_expert(ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Routed pairs per expert [E] (int64) from expert ids [N], computed on the device with no host sync."""
     return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(
