@@ -87,7 +87,10 @@ def main_first() -> Iterator[None]:
 
 
 def shutdown() -> None:
+    """Leave together: a rank that tears its process group down while a peer is still busy (saving, say) can
+    make gloo abort ("terminate called without an active exception"), so every rank waits at a barrier first."""
     if is_distributed():
+        dist.barrier()
         dist.destroy_process_group()
 
 
