@@ -206,16 +206,14 @@ def main() -> int:
         raise SystemExit("run under torchrun with at least 2 processes, e.g. torchrun --nproc-per-node 2 ...")
     device = env.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    try:
-        say(f"{env.world_size} ranks, backend {env.backend}, device {device.type}"
-            + ("  [CPU functional run: not a performance result]" if device.type == "cpu" else ""))
-        say("plain all_to_all_single:")
-        baseline = bench_all_to_all(args.sizes_mib, device, dtype, args.warmup, args.iters)
-        bench_dispatch(args, device, dtype, baseline)
-        if not args.skip_model:
-            bench_model(args, device, dtype)
-    finally:
-        shutdown()
+    say(f"{env.world_size} ranks, backend {env.backend}, device {device.type}"
+        + ("  [CPU functional run: not a performance result]" if device.type == "cpu" else ""))
+    say("plain all_to_all_single:")
+    baseline = bench_all_to_all(args.sizes_mib, device, dtype, args.warmup, args.iters)
+    bench_dispatch(args, device, dtype, baseline)
+    if not args.skip_model:
+        bench_model(args, device, dtype)
+    shutdown()  # not in a finally: its barrier would hang a rank whose peer raised
     return 0
 
 

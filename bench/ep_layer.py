@@ -457,40 +457,38 @@ def main() -> int:
     # moe_balancing "none": the routing is forced, so the router's balancing bias would have no effect.
     config = ModelConfig.from_preset("k3", **dims, moe_balancing="none")
     num_experts, top_k = config.num_experts, config.num_experts_per_tok
-    try:
-        say(f"command: {command_line(env.world_size)}")
-        say(f"{env.world_size} ranks, backend {env.backend}, device {device.type}, {dtype}"
-            + (f"  {CPU_NOTE}" if device.type == "cpu" else ""))
-        say(f"layer: hidden {config.hidden_size}, latent {config.moe_latent_size}, expert width "
-            f"{config.moe_intermediate_size}, {num_experts} experts (top-{top_k}, {num_experts // env.world_size} "
-            f"per rank), {config.num_shared_experts} shared experts")
-        routings = [{"routing": "uniform", "target_maxvio": None, "zipf_exponent": 0.0, "expected_maxvio": 0.0}]
-        for target in args.maxvio:
-            skew = solve_zipf_exponent(target, num_experts, top_k)
-            routings.append({"routing": f"maxvio={target:g}", "target_maxvio": target, "zipf_exponent": skew,
-                             "expected_maxvio": expected_maxvio(skew, num_experts, top_k)})
-            say(f"maxvio target {target:g}: Zipf exponent {skew:.5f} (expected maxvio "
-                f"{routings[-1]['expected_maxvio']:.5f})")
-        link = link_peak(args, device, dtype)
-        moe = build_layer(config, device, dtype, args.seed)
-        forced = ForcedRouting(moe.gate)
-        generator = torch.Generator().manual_seed(args.seed + 1000 * (1 + env.rank))
-        cases = []
-        for tokens in args.tokens:
-            for routing in routings:
-                cases.append(bench_case(moe, forced, tokens, routing, args, device, dtype, generator))
-                print_case(cases[-1], link)
-        sync(device)
-        if args.json and is_main():
-            result = {"command": command_line(env.world_size), "world_size": env.world_size, "backend": env.backend,
-                      "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                      "cpu_functional_run": device.type == "cpu", "dtype": str(dtype), "torch": torch.__version__,
-                      "layer": dims, "warmup": args.warmup, "iters": args.iters, "link_peak": link,
-                      "published_anchor": DEEPEP_H800_EP8, "cases": cases}
-            atomic_write_bytes(args.json, json.dumps(result, indent=1).encode())
-            say(f"\nwrote {args.json}")
-    finally:
-        shutdown()
+    say(f"command: {command_line(env.world_size)}")
+    say(f"{env.world_size} ranks, backend {env.backend}, device {device.type}, {dtype}"
+        + (f"  {CPU_NOTE}" if device.type == "cpu" else ""))
+    say(f"layer: hidden {config.hidden_size}, latent {config.moe_latent_size}, expert width "
+        f"{config.moe_intermediate_size}, {num_experts} experts (top-{top_k}, {num_experts // env.world_size} "
+        f"per rank), {config.num_shared_experts} shared experts")
+    routings = [{"routing": "uniform", "target_maxvio": None, "zipf_exponent": 0.0, "expected_maxvio": 0.0}]
+    for target in args.maxvio:
+        skew = solve_zipf_exponent(target, num_experts, top_k)
+        routings.append({"routing": f"maxvio={target:g}", "target_maxvio": target, "zipf_exponent": skew,
+                         "expected_maxvio": expected_maxvio(skew, num_experts, top_k)})
+        say(f"maxvio target {target:g}: Zipf exponent {skew:.5f} (expected maxvio "
+            f"{routings[-1]['expected_maxvio']:.5f})")
+    link = link_peak(args, device, dtype)
+    moe = build_layer(config, device, dtype, args.seed)
+    forced = ForcedRouting(moe.gate)
+    generator = torch.Generator().manual_seed(args.seed + 1000 * (1 + env.rank))
+    cases = []
+    for tokens in args.tokens:
+        for routing in routings:
+            cases.append(bench_case(moe, forced, tokens, routing, args, device, dtype, generator))
+            print_case(cases[-1], link)
+    sync(device)
+    if args.json and is_main():
+        result = {"command": command_line(env.world_size), "world_size": env.world_size, "backend": env.backend,
+                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  "cpu_functional_run": device.type == "cpu", "dtype": str(dtype), "torch": torch.__version__,
+                  "layer": dims, "warmup": args.warmup, "iters": args.iters, "link_peak": link,
+                  "published_anchor": DEEPEP_H800_EP8, "cases": cases}
+        atomic_write_bytes(args.json, json.dumps(result, indent=1).encode())
+        say(f"\nwrote {args.json}")
+    shutdown()  # not in a finally: its barrier would hang a rank whose peer raised
     return 0
 
 
