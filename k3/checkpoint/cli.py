@@ -3,7 +3,7 @@
     k3 convert --from DIR --to DIR --format kimi_k3 [--mxfp4] [--dtype bfloat16] [--max-shard-size 5GB]
 
 The source is an HF-format directory (Kimi-Linear or Kimi-K3, detected from config.json) or a native k3
-checkpoint (a run directory holding checkpoint.pt, or the file). The target is an HF-format directory in the
+checkpoint (a run directory holding checkpoint.pt or a sharded checkpoint/, or either one itself). The target is an HF-format directory in the
 chosen layout, or with --format native a native checkpoint (DIR/checkpoint.pt) holding the model, its config
 and the tokenizer files.
 """
@@ -42,15 +42,14 @@ class _TokenizerFiles:
 
 
 def _load(source: Path, dtype: str | None):
-    from k3.checkpoint import native
     from k3.checkpoint.hf_load import from_pretrained, parse_dtype
+    from k3.checkpoint.run import load_run_model
 
     if not source.exists():
         raise FileNotFoundError(f"--from {source} does not exist")
     if source.is_dir() and _is_hf_directory(source):
         return from_pretrained(source, dtype=dtype)
-    state = native.load_checkpoint(source)
-    model = native.model_from_checkpoint(state, str(source))
+    model, state = load_run_model(source)
     if dtype is not None:
         model = model.to(parse_dtype(dtype))
     files = state.get("tokenizer") or {}
@@ -98,7 +97,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "convert", help="convert a checkpoint between k3 and Hugging Face layouts (Kimi-Linear, Kimi-K3)",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--from", dest="source", required=True,
-                        help="source: HF-format directory, or a native run directory / checkpoint.pt")
+                        help="source: HF-format directory, or a k3 run directory / its checkpoint.pt / its sharded "
+                             "checkpoint/")
     parser.add_argument("--to", dest="target", required=True, help="target directory (replaced atomically)")
     parser.add_argument("--format", choices=[*FORMATS, "native"], default="kimi_k3",
                         help="target layout (default: kimi_k3)")

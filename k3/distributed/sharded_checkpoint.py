@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -30,6 +32,14 @@ from k3.distributed.launch import barrier, is_distributed, is_main
 
 FORMAT = "k3-sharded-dcp-v1"
 _META = ".metadata"  # DCP's own index file: present in every finished checkpoint directory
+
+
+@contextmanager
+def _quiet_single_process():
+    """DCP warns on every single-process save/load ("assuming the intent is ..."); here that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled|unavailable)", category=UserWarning)
+        yield
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
@@ -60,7 +70,8 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
     barrier()
     state = _state(model, optimizer)
     state["k3"] = {"format": FORMAT, "extra_json": json.dumps(extra or {})}
-    dcp.save(state, checkpoint_id=str(staging))
+    with _quiet_single_process():
+        dcp.save(state, checkpoint_id=str(staging), no_dist=not is_distributed())
     barrier()
     if is_main():
         old = path.with_name(f".{path.name}.old")
@@ -74,6 +85,21 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     return (Path(path) / _META).is_file()
+
+
+def read_sharded_extra(path: str | os.PathLike) -> dict:
+    """The `extra` dict of a finished sharded checkpoint, without loading any tensor. Runs in any process, with
+    or without a process group (it reads only the small metadata entries)."""
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise FileNotFoundError(f"{path} is not a finished sharded checkpoint (no {_META}); give the directory "
+                                "written by save_sharded")
+    state = {"k3": {"format": None, "extra_json": None}}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
+    if state["k3"]["format"] != FORMAT:
+        raise ValueError(f"{path} is not a {FORMAT} checkpoint (found format {state['k3']['format']!r})")
+    return json.loads(state["k3"]["extra_json"])
 
 
 def load_sharded(path: str | os.PathLike, model: nn.Module,
@@ -96,7 +122,9 @@ def load_sharded(path: str | os.PathLike, model: nn.Module,
                          "saved from a model of another config?")
     # Partial load for the optimizer only: torch fills a fresh optimizer with zero state for every parameter,
     # while the saved one has none for parameters that never had a gradient (equivalent for AdamW).
-    dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True))
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True),
+                 no_dist=not is_distributed())
     if state["k3"]["format"] != FORMAT:
         raise ValueError(f"{path} is not a {FORMAT} checkpoint (found format {state['k3']['format']!r})")
     _reshard(model)  # as load_checkpoint does: after an eval forward FSDP's root keeps parameters gathered

@@ -30,12 +30,13 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
             raise FileNotFoundError(f"{model_path} holds no tokenizer files (tokenizer.json or tiktoken.model); "
                                     f"generation needs one")
     else:
-        from k3.checkpoint.native import load_checkpoint, model_from_checkpoint, tokenizer_from_checkpoint
+        from k3.checkpoint.native import tokenizer_from_checkpoint
+        from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME, load_run_model
         from k3.data.tokenizer import load_tokenizer
 
-        state = load_checkpoint(run)
-        model = model_from_checkpoint(state, str(run))
-        run_dir = Path(run) if Path(run).is_dir() else Path(run).parent
+        model, state = load_run_model(run)
+        inside = Path(run).is_file() or Path(run).name == SHARDED_CHECKPOINT_NAME
+        run_dir = Path(run).parent if inside else Path(run)
         if (run_dir / "tokenizer").is_dir():
             tokenizer = load_tokenizer(run_dir / "tokenizer")
         else:
@@ -139,7 +140,7 @@ def chat_command(args: argparse.Namespace) -> int:
 
 def _add_common(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("model")
-    source.add_argument("--run", help="a `k3 train` run directory (or its checkpoint.pt)")
+    source.add_argument("--run", help="a `k3 train` run directory (or its checkpoint.pt or sharded checkpoint/)")
     source.add_argument("--model", help="a Hugging Face-format model directory")
     source.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
     sampling = parser.add_argument_group("sampling")

@@ -16,7 +16,7 @@ def train_command(args: argparse.Namespace) -> int:
     overrides = {}
     if args.resume:
         # Only what the user typed replaces the saved settings.
-        for name in ("max_steps", "time_budget_s", "ep"):
+        for name in ("max_steps", "time_budget_s", "ep", "checkpoint_format"):
             if getattr(args, name) is not None:
                 overrides[name] = getattr(args, name)
         config = TrainConfig(out=args.out)
@@ -24,7 +24,7 @@ def train_command(args: argparse.Namespace) -> int:
         fields = {name: getattr(args, name) for name in (
             "preset", "out", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "weight_decay",
             "grad_clip", "dtype", "device", "seed", "max_corpus_mb", "tokenizer", "val_fraction", "eval_every",
-            "eval_batches", "save_every", "recall_fraction", "time_budget_s", "ep") if getattr(args, name) is not None}
+            "eval_batches", "save_every", "recall_fraction", "time_budget_s", "ep", "checkpoint_format") if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
         config = TrainConfig(**fields)
     trainer = Trainer(config, resume=args.resume, resume_overrides=overrides)
@@ -35,7 +35,8 @@ def train_command(args: argparse.Namespace) -> int:
         if trainer.dist.rank != 0:
             return 0
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
-    print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl, metrics.png)")
+    kept = "checkpoint/" if trainer.config.checkpoint_format == "sharded" else "checkpoint.pt"
+    print(f"run written to {trainer.out} ({kept}, metrics.jsonl, metrics.png)")
     return 0
 
 
@@ -79,6 +80,10 @@ def register(subparsers) -> None:
     train.add_argument("--ep", type=int, help="expert parallelism under `torchrun --nproc-per-node N -m k3 train "
                                              "... --ep P`: experts sharded over groups of P ranks (P divides N and "
                                              "the expert count; N/P groups replicate them), FSDP2 over all N")
+    train.add_argument("--checkpoint-format", choices=["full", "sharded"], dest="checkpoint_format",
+                       help="full (default): DIR/checkpoint.pt, gathered on rank 0; sharded: DIR/checkpoint/, "
+                            "every rank writes its own shards (for models too large to gather); both resume under "
+                            "any layout and load in `k3 generate`")
     train.set_defaults(func=train_command)
 
     demo = subparsers.add_parser("demo", help="train the tiny preset on this machine's stdlib, sample from it and "

@@ -7,13 +7,16 @@ Run directory layout:
     tokenizer/          the tokenizer files (trained on the corpus on first use unless one was given)
     data/train.bin      token streams (int32, EOS after each document), fixed at the first run so a resumed
     data/val.bin        run reads exactly the same data
-    checkpoint.pt       the last good checkpoint (see k3.checkpoint.native)
+    checkpoint.pt       the last good checkpoint (see k3.checkpoint.native), or with checkpoint_format
+    checkpoint/         "sharded" a torch.distributed.checkpoint directory of every rank's shards
     metrics.jsonl       one JSON per step; metrics.png the curves
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import json
 import random
 import shutil
@@ -28,6 +31,8 @@ from tqdm import tqdm
 
 from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, load_checkpoint, load_model_state,
                                   save_checkpoint)
+from k3.checkpoint.run import FORMATS as CHECKPOINT_FORMATS
+from k3.checkpoint.run import checkpoint_path, saved_format
 from k3.config import ModelConfig
 from k3.data.corpus import load_corpus, split_validation
 from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, text_row, pack_rows, \
@@ -67,6 +72,8 @@ class TrainConfig:
     recall_pairs: int = 8
     time_budget_s: float | None = None  # stop (and save) once training has run this long
     ep: int = 0  # under torchrun: ranks per EP group (divides the processes; FSDP2 over all); 0: one process
+    # "full": DIR/checkpoint.pt gathered on rank 0; "sharded": DIR/checkpoint/, each rank writes its own shards
+    checkpoint_format: str = "full"
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -77,6 +84,8 @@ class TrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.recall_fraction <= 1:
             raise ValueError(f"recall_fraction must be in [0, 1], got {self.recall_fraction}")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,6 +130,18 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _encode_rng(state: dict[str, Any]) -> str:
+    """The RNG states as text, for the JSON metadata of a sharded checkpoint."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _decode_rng(text: str) -> dict[str, Any]:
+    # weights_only=False: numpy and python RNG states, written by _encode_rng into our own checkpoint.
+    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+
+
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     atomic_write_bytes(path, (json.dumps(value, indent=2) + "\n").encode("utf-8"))
 
@@ -141,21 +162,29 @@ class Trainer:
         self.log = log
         self.show_progress = show_progress
         self.out = Path(config.out)
-        checkpoint_path = self.out / CHECKPOINT_NAME
+        found = saved_format(self.out)
         self.resume_state = None
         if resume:
-            if not checkpoint_path.is_file():
-                raise FileNotFoundError(f"--resume given but {checkpoint_path} does not exist; start the run "
+            if found is None:
+                raise FileNotFoundError(f"--resume given but {self.out} holds no finished checkpoint "
+                                        f"({CHECKPOINT_NAME} or a sharded checkpoint/ directory); start the run "
                                         f"without --resume first")
-            self.resume_state = load_checkpoint(checkpoint_path)
+            if found == "full":
+                self.resume_state = load_checkpoint(self.out / CHECKPOINT_NAME)
+            else:
+                from k3.distributed.sharded_checkpoint import read_sharded_extra
+                # Model and optimizer shards load later, into the parallel layout; here only the run's state.
+                self.resume_state = read_sharded_extra(checkpoint_path(self.out, "sharded"))
+                self.resume_state["rng"] = _decode_rng(self.resume_state["rng"])
+            self.resume_state["saved_format"] = found
             saved = TrainConfig(**self.resume_state["train"])
             # Data, model and optimizer settings must stay as they were, or the resumed run would diverge from
             # the unbroken one; out may move with the run directory.
             # The parallel layout is not part of the run: a resume is single-process unless --ep is given again.
             config = dataclasses.replace(saved, out=config.out, **{"ep": 0, **(resume_overrides or {})})
-        elif checkpoint_path.exists():
-            raise ValueError(f"{self.out} already holds a run ({checkpoint_path}); pass --resume to continue it "
-                             f"or choose another --out")
+        elif found is not None:
+            raise ValueError(f"{self.out} already holds a run ({checkpoint_path(self.out, found)}); pass --resume "
+                             f"to continue it or choose another --out")
         else:
             # Left by an attempt that stopped before its first checkpoint: made from possibly other settings.
             for stale in ("tokenizer", "data"):
@@ -276,7 +305,11 @@ class Trainer:
                              f"--seq-len")
 
     def _restore(self, state: dict[str, Any]) -> None:
-        if self.dist is None:
+        if state["saved_format"] == "sharded":
+            # DCP reshards: the saved layout (1 process, FSDP, any EP) need not be this one.
+            from k3.distributed.sharded_checkpoint import load_sharded
+            load_sharded(checkpoint_path(self.out, "sharded"), self.model, self.optimizer)
+        elif self.dist is None:
             load_model_state(self.model, state["model"], str(self.out / CHECKPOINT_NAME))
             self.optimizer.load_state_dict(state["optimizer"])
         else:
@@ -325,27 +358,57 @@ class Trainer:
         return total / max(count, 1)
 
     def save(self) -> None:
+        if self.config.checkpoint_format == "sharded":
+            self._save_sharded()
+        else:
+            self._save_full()
+        # One kind of checkpoint per run: a resume must not find an older one of the other kind.
+        if self.dist is None or self.dist.rank == 0:
+            other = checkpoint_path(self.out, "full" if self.config.checkpoint_format == "sharded" else "sharded")
+            if other.is_dir():
+                shutil.rmtree(other)
+            elif other.exists():
+                other.unlink()
+
+    def _run_state(self) -> dict[str, Any]:
+        """Everything of a checkpoint but the model, optimizer and tokenizer."""
+        return {"config": self.model_config.to_dict(), "train": self.config.to_dict(), "step": self.step,
+                "data": self.train_stream.state_dict()}
+
+    def _data_per_rank(self) -> list[dict] | None:
+        """Each rank reads its own data stream (its recall rows differ), so every rank's position is kept."""
+        if self.dist is None:
+            return None
+        data_per_rank = [None] * self.dist.world_size
+        torch.distributed.all_gather_object(data_per_rank, self.train_stream.state_dict())
+        return data_per_rank
+
+    def _save_sharded(self) -> None:
+        from k3.distributed.sharded_checkpoint import save_sharded
+
+        extra = {**self._run_state(), "rng": _encode_rng(_rng_state())}
+        data_per_rank = self._data_per_rank()
+        if data_per_rank is not None:
+            extra["data_per_rank"] = data_per_rank
+        save_sharded(checkpoint_path(self.out, "sharded"), self.model, self.optimizer, extra=extra)
+
+    def _save_full(self) -> None:
         if self.dist is None:
             model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         else:
             # Full (single-device) state gathered on rank 0: the checkpoint loads and resumes without --ep too.
-            # Each rank reads its own data stream (its recall rows differ), so every rank's position is kept.
             from k3.distributed import barrier, full_state_dict
             from k3.distributed.checkpoint import full_optimizer_state_dict
             model_state = full_state_dict(self.model)
             optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
-            data_per_rank = [None] * self.dist.world_size
-            torch.distributed.all_gather_object(data_per_rank, self.train_stream.state_dict())
+            data_per_rank = self._data_per_rank()
             if self.dist.rank != 0:
                 barrier()
                 return
         state = {
             "model": model_state,
             "optimizer": optimizer_state,
-            "config": self.model_config.to_dict(),
-            "train": self.config.to_dict(),
-            "step": self.step,
-            "data": self.train_stream.state_dict(),
+            **self._run_state(),
             **({"data_per_rank": data_per_rank} if self.dist is not None else {}),
             "rng": _rng_state(),
             "tokenizer": _tokenizer_files(self.out / "tokenizer"),
@@ -443,12 +506,15 @@ class Trainer:
         }
 
     def _saved_step(self) -> int | str:
-        path = self.out / CHECKPOINT_NAME
-        if not path.is_file():
+        found = saved_format(self.out)
+        if found is None:
             return "none yet"
         try:
-            return int(load_checkpoint(path)["step"])
-        except RuntimeError:
+            if found == "sharded":
+                from k3.distributed.sharded_checkpoint import read_sharded_extra
+                return int(read_sharded_extra(checkpoint_path(self.out, "sharded"))["step"])
+            return int(load_checkpoint(self.out / CHECKPOINT_NAME)["step"])
+        except (RuntimeError, ValueError, OSError):
             return "unreadable"
 
 

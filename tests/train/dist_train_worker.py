@@ -1,6 +1,7 @@
 """Runs k3's Trainer under torchrun (gloo on CPU) for the distributed resume test.
 
     python -m torch.distributed.run --nproc-per-node 2 tests/train/dist_train_worker.py OUT CORPUS EP [--stop-at N] [--resume]
+        [--checkpoint-format full|sharded]
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ def main() -> None:
     parser.add_argument("ep", type=int)
     parser.add_argument("--stop-at", type=int)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--checkpoint-format", default="full")
     args = parser.parse_args()
-    config = _small_config(Path(args.out), Path(args.corpus), ep=args.ep, device="cpu")
+    config = _small_config(Path(args.out), Path(args.corpus), ep=args.ep, device="cpu",
+                           checkpoint_format=args.checkpoint_format)
     trainer = Trainer(config, resume=args.resume, resume_overrides={"ep": args.ep, "device": "cpu"},
                       show_progress=False)
     trainer.train(stop_at=args.stop_at)

@@ -1,5 +1,5 @@
 """A run trained under torchrun with expert parallelism (EP=2 on 2 gloo ranks), stopped and resumed with --ep,
-reaches the same losses and weights as the unbroken run."""
+reaches the same losses and weights as the unbroken run, with a gathered checkpoint.pt or a sharded one."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from k3.checkpoint.native import load_checkpoint
+from k3.checkpoint.run import load_run_model, saved_format
 from k3.train.metrics import read_metrics
 
 WORKER = Path(__file__).with_name("dist_train_worker.py")
@@ -41,3 +42,18 @@ def test_ep2_run_resumed_under_ep2_matches_the_unbroken_run(tmp_path, corpus_dir
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     for number, entry in a["optimizer"]["state"].items():
         assert all(torch.equal(value, b["optimizer"]["state"][number][key]) for key, value in entry.items())
+
+
+def test_ep2_run_with_sharded_checkpoints_resumed_under_ep2_matches_the_unbroken_run(tmp_path, corpus_dir):
+    unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
+    train(unbroken, corpus_dir)
+    train(broken, corpus_dir, "--stop-at", "5", "--checkpoint-format", "sharded")
+    assert saved_format(broken) == "sharded"
+    train(broken, corpus_dir, "--resume")  # the format is the run's: sharded again
+    assert saved_format(broken) == "sharded"
+    assert len(losses(unbroken)) == 6 and losses(broken) == losses(unbroken)
+    # Every rank wrote its own shards; one process reads them whole and equals rank 0's gathered checkpoint.
+    reference = load_checkpoint(unbroken)["model"]
+    model, meta = load_run_model(broken)
+    assert meta["step"] == 6 and len(meta["data_per_rank"]) == 2
+    assert all(torch.equal(reference[k], v) for k, v in model.state_dict().items())

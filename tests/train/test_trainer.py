@@ -127,7 +127,7 @@ def test_cli_bad_input_messages(tmp_path, corpus_dir, capsys):
     assert main(["train", "--out", str(tmp_path / "r2"), "--data", str(empty)]) == 1
     assert "corpus is empty" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path / "r3"), "--resume"]) == 1
-    assert "does not exist" in capsys.readouterr().err
+    assert "holds no finished checkpoint" in capsys.readouterr().err
 
 
 def test_cli_train_then_resume(tmp_path, corpus_dir, capsys):

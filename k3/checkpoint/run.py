@@ -1,0 +1,67 @@
+"""Which checkpoint a `k3 train` run directory holds, and loading its model for inference or conversion.
+
+A run keeps one of two kinds (TrainConfig.checkpoint_format):
+    DIR/checkpoint.pt   "full": one torch file, gathered on rank 0 (k3.checkpoint.native)
+    DIR/checkpoint/     "sharded": a torch.distributed.checkpoint directory, every rank writing its own shards
+                        (k3.distributed.sharded_checkpoint); for models too large to gather on one rank
+
+Both load into a single process, or under any parallel layout.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from k3.checkpoint.native import CHECKPOINT_NAME
+
+SHARDED_CHECKPOINT_NAME = "checkpoint"
+FORMATS = ("full", "sharded")
+
+
+def checkpoint_path(run_dir: str | os.PathLike, fmt: str) -> Path:
+    if fmt not in FORMATS:
+        raise ValueError(f"checkpoint format must be one of {FORMATS}, got {fmt!r}")
+    return Path(run_dir) / (CHECKPOINT_NAME if fmt == "full" else SHARDED_CHECKPOINT_NAME)
+
+
+def saved_format(run_dir: str | os.PathLike) -> str | None:
+    """"full" or "sharded" for the finished checkpoint in run_dir, or None when it holds none. A trainer keeps
+    one kind at a time (saving one removes the other), so at most one is found."""
+    from k3.distributed.sharded_checkpoint import is_sharded_checkpoint
+
+    run_dir = Path(run_dir)
+    if (run_dir / CHECKPOINT_NAME).is_file():
+        return "full"
+    if is_sharded_checkpoint(run_dir / SHARDED_CHECKPOINT_NAME):
+        return "sharded"
+    return None
+
+
+def load_run_model(run: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+    """(model in eval mode, checkpoint dict without model/optimizer) from a run directory, its checkpoint.pt,
+    or its sharded checkpoint directory. The dict holds at least `config`, `step` and, when saved, `tokenizer`
+    ({file name: bytes})."""
+    from k3.checkpoint.native import load_checkpoint, model_from_checkpoint
+
+    run = Path(run)
+    sharded = run if run.name == SHARDED_CHECKPOINT_NAME and run.is_dir() else run / SHARDED_CHECKPOINT_NAME
+    if run.is_dir() and saved_format(run) != "full" and sharded.is_dir():
+        from k3.config import ModelConfig
+        from k3.distributed.sharded_checkpoint import load_sharded, read_sharded_extra
+        from k3.model import K3ForCausalLM
+
+        meta = read_sharded_extra(sharded)
+        if "config" not in meta:
+            raise ValueError(f"{sharded} holds no model config: it was not written by `k3 train`")
+        model = K3ForCausalLM(ModelConfig.from_dict(meta["config"]))
+        load_sharded(sharded, model)
+        # The shards hold no tokenizer; the run directory beside them does.
+        tokenizer_dir = sharded.parent / "tokenizer"
+        if "tokenizer" not in meta and tokenizer_dir.is_dir():
+            meta["tokenizer"] = {p.name: p.read_bytes() for p in sorted(tokenizer_dir.iterdir()) if p.is_file()}
+        return model.eval(), meta
+    state = load_checkpoint(run)
+    model = model_from_checkpoint(state, str(run))
+    return model, {k: v for k, v in state.items() if k not in ("model", "optimizer")}
