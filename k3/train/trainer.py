@@ -238,6 +238,11 @@ class Trainer:
         elif rank == 0:
             _write_json(self.out / "train_config.json", config.to_dict())
             _write_json(self.out / "config.json", model_config.to_dict())
+        if self.dist is not None and config.checkpoint_format == "full":
+            # Model + AdamW moments, fp32, gathered whole in rank 0's memory at every save.
+            gathered_mb = 3 * 4 * sum(p.numel() for p in self.model.parameters()) / 1e6
+            self.log(f"checkpoints: full ({CHECKPOINT_NAME}, about {gathered_mb:,.0f} MB gathered on rank 0 per save); "
+                     "--checkpoint-format sharded has every rank write its own shards instead")
         self.metrics = MetricsLog(self.out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"),
                                   keep_through_step=self.step if self.resume_state is not None else None)
 
