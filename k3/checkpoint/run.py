@@ -28,13 +28,18 @@ def checkpoint_path(run_dir: str | os.PathLike, fmt: str) -> Path:
 
 def saved_format(run_dir: str | os.PathLike) -> str | None:
     """"full" or "sharded" for the finished checkpoint in run_dir, or None when it holds none. A trainer keeps
-    one kind at a time (saving one removes the other), so at most one is found."""
-    from k3.distributed.sharded_checkpoint import is_sharded_checkpoint
+    one kind at a time (saving one removes the other); a crash between the two leaves both, and the newer one
+    is the run's."""
+    from k3.distributed.sharded_checkpoint import METADATA_NAME, is_sharded_checkpoint
 
     run_dir = Path(run_dir)
-    if (run_dir / CHECKPOINT_NAME).is_file():
+    full = run_dir / CHECKPOINT_NAME
+    sharded = run_dir / SHARDED_CHECKPOINT_NAME
+    if full.is_file() and is_sharded_checkpoint(sharded):
+        return "full" if full.stat().st_mtime >= (sharded / METADATA_NAME).stat().st_mtime else "sharded"
+    if full.is_file():
         return "full"
-    if is_sharded_checkpoint(run_dir / SHARDED_CHECKPOINT_NAME):
+    if is_sharded_checkpoint(sharded):
         return "sharded"
     return None
 

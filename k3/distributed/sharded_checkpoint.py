@@ -31,7 +31,7 @@ from k3.distributed.checkpoint import _reshard
 from k3.distributed.launch import barrier, is_distributed, is_main
 
 FORMAT = "k3-sharded-dcp-v1"
-_META = ".metadata"  # DCP's own index file: present in every finished checkpoint directory
+METADATA_NAME = ".metadata"  # DCP's own index file: present in every finished checkpoint directory
 
 
 @contextmanager
@@ -84,7 +84,7 @@ def save_sharded(path: str | os.PathLike, model: nn.Module, optimizer: torch.opt
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
-    return (Path(path) / _META).is_file()
+    return (Path(path) / METADATA_NAME).is_file()
 
 
 def read_sharded_extra(path: str | os.PathLike) -> dict:
@@ -92,8 +92,8 @@ def read_sharded_extra(path: str | os.PathLike) -> dict:
     or without a process group (it reads only the small metadata entries)."""
     path = Path(path)
     if not is_sharded_checkpoint(path):
-        raise FileNotFoundError(f"{path} is not a finished sharded checkpoint (no {_META}); give the directory "
-                                "written by save_sharded")
+        raise FileNotFoundError(f"{path} is not a finished sharded checkpoint (no {METADATA_NAME}); give the "
+                                "directory written by save_sharded")
     state = {"k3": {"format": None, "extra_json": None}}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path), planner=DefaultLoadPlanner(allow_partial_load=True), no_dist=True)
@@ -111,7 +111,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module,
         raise FileNotFoundError(f"sharded checkpoint {path} does not exist; give the directory written by "
                                 "save_sharded")
     if not is_sharded_checkpoint(path):
-        raise ValueError(f"{path} has no {_META}: not a finished sharded checkpoint (an interrupted save "
+        raise ValueError(f"{path} has no {METADATA_NAME}: not a finished sharded checkpoint (an interrupted save "
                          "leaves only a hidden .tmp directory beside it)")
     state = _state(model, optimizer)
     state["k3"] = {"format": None, "extra_json": None}  # placeholders DCP overwrites with the saved values

@@ -3,6 +3,8 @@ resume exactly, switch format on resume, and load for generation and conversion 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -69,3 +71,15 @@ def test_unfinished_sharded_checkpoint_is_not_resumed(tmp_path, corpus_dir, smal
         Trainer(small_config(run, corpus_dir), resume=True, show_progress=False)
     with pytest.raises(FileNotFoundError, match="not a finished sharded checkpoint"):
         load_run_model(run / "checkpoint")
+
+
+def test_when_a_crash_leaves_both_kinds_the_newer_one_is_resumed(tmp_path, corpus_dir, small_config):
+    run = tmp_path / "run"
+    Trainer(small_config(run, corpus_dir, max_steps=2), show_progress=False).train()
+    older = (run / "checkpoint.pt").read_bytes()
+    Trainer(small_config(run, corpus_dir), resume=True, show_progress=False,
+            resume_overrides={"max_steps": 4, "checkpoint_format": "sharded"}).train()
+    (run / "checkpoint.pt").write_bytes(older)  # as if the save had died before removing the old kind
+    os.utime(run / "checkpoint.pt", (1, 1))
+    assert saved_format(run) == "sharded"
+    assert Trainer(small_config(run, corpus_dir), resume=True, show_progress=False).step == 4
