@@ -109,14 +109,14 @@ def init_weights_seeded(model: K3ForCausalLM, seed: int = 0) -> None:
 
 
 def build_parallel_model(config: ModelConfig, device: torch.device | str, ep_size: int = 1,
-                         balanced: bool = False, seed: int = 0) -> K3ForCausalLM:
+                         balanced: bool = False, seed: int = 0, qb_aggregate: str = "gather") -> K3ForCausalLM:
     """A K3ForCausalLM sharded over all ranks (FSDP2 + EP, as `parallelize`), whose full weights never exist on
     any one rank. Collective: call on every rank with the same arguments."""
     from k3.distributed.parallelize import parallelize
 
     with torch.device("meta"):
         model = K3ForCausalLM(config)
-    model = parallelize(model, ep_size=ep_size, balanced=balanced)
+    model = parallelize(model, ep_size=ep_size, balanced=balanced, qb_aggregate=qb_aggregate)
     model.to_empty(device=device)
     init_weights_seeded(model, seed)
     return model

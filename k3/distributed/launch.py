@@ -118,6 +118,16 @@ def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
     return x
 
 
+def all_reduce_op(x: torch.Tensor, op: str, group=None) -> torch.Tensor:
+    """Reduce x over ranks in place with op "sum", "min" or "max" (and return it)."""
+    ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+    if op not in ops:
+        raise ValueError(f"op must be one of {sorted(ops)}, got {op!r}")
+    if is_distributed():
+        dist.all_reduce(x, op=ops[op], group=group)
+    return x
+
+
 def shard_batch(batch: torch.Tensor, rank: int | None = None, world_size: int | None = None) -> torch.Tensor:
     """Rows [rank*B/W, (rank+1)*B/W) of a global batch [B, ...]: the ranks' shards concatenate to the batch."""
     rank = get_rank() if rank is None else rank

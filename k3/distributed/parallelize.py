@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from k3.distributed.balanced import balanced_plan
 from k3.distributed.dispatcher import DispatchStats, dispatch_compute_combine, home_plan
-from k3.distributed.launch import all_gather_cat, all_reduce_sum, get_world_size
+from k3.distributed.launch import all_gather_cat, all_reduce_op, all_reduce_sum, get_world_size
 from k3.layers.moe import LatentMoE, Routing, weighted_sum_over_k
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -176,16 +176,25 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def _wire_balancers(model: nn.Module) -> None:
+QB_AGGREGATES = ("gather", "histogram")
+
+
+def _wire_balancers(model: nn.Module, qb_aggregate: str) -> None:
     """Every rank aggregates the same statistics, so biases stay identical: QB solves its bias inside the
-    training forward from the required-bias matrix gathered over ranks; the loss-free update sums loads."""
+    training forward from the required-bias matrix gathered over ranks ("gather": exact, [T, E] floats from
+    every rank per MoE layer) or from all-reduced histograms ("histogram": E x 256 counts per round, a few
+    rounds; the same expert loads, biases equal to ~1e-3); the loss-free update sums loads."""
     for _, router in model.routers():
-        router.gather = all_gather_cat
+        if qb_aggregate == "histogram":
+            router.reduce = all_reduce_op
+        else:
+            router.gather = all_gather_cat
     single_device = type(model).update_balancers
     model.update_balancers = functools.partial(single_device, model, all_reduce=all_reduce_sum)
 
 
-def parallelize(model: nn.Module, ep_size: int = 1, fsdp: bool = True, balanced: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, ep_size: int = 1, fsdp: bool = True, balanced: bool = False,
+                qb_aggregate: str = "gather") -> nn.Module:
     """Shard `model` (a K3ForCausalLM already on this rank's device, created with the same seed on every rank)
     over all ranks in place and return it.
 
@@ -193,7 +202,10 @@ def parallelize(model: nn.Module, ep_size: int = 1, fsdp: bool = True, balanced:
     the world size: experts over every rank; in between: world / ep_size EP groups, each holding all experts
     (data-parallel replicas of them). fsdp: shard the non-expert weights with FSDP2 over all ranks (required
     when more than one rank: it is what keeps their gradients in sync). balanced: MoonEP-style balanced
-    dispatch within each EP group."""
+    dispatch within each EP group. qb_aggregate: how Quantile Balancing pools its statistics over ranks,
+    "gather" or "histogram" (see _wire_balancers)."""
+    if qb_aggregate not in QB_AGGREGATES:
+        raise ValueError(f"qb_aggregate must be one of {QB_AGGREGATES}, got {qb_aggregate!r}")
     world = get_world_size()
     moes = _moe_modules(model)
     check_ep_size(ep_size, world, moes[0].w1.shape[0] if moes else None)
@@ -216,7 +228,7 @@ def parallelize(model: nn.Module, ep_size: int = 1, fsdp: bool = True, balanced:
         for unit in _fsdp_units(model):
             fully_shard(unit, mesh=layout.mesh, ignored_params=ignored)
         fully_shard(model, mesh=layout.mesh, ignored_params=ignored)
-        _wire_balancers(model)
+        _wire_balancers(model, qb_aggregate)
     model.parallel_layout = layout
     return model
 

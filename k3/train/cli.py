@@ -16,7 +16,7 @@ def train_command(args: argparse.Namespace) -> int:
     overrides = {}
     if args.resume:
         # Only what the user typed replaces the saved settings.
-        for name in ("max_steps", "time_budget_s", "ep", "checkpoint_format"):
+        for name in ("max_steps", "time_budget_s", "ep", "checkpoint_format", "ep_balanced", "qb_aggregate"):
             if getattr(args, name) is not None:
                 overrides[name] = getattr(args, name)
         config = TrainConfig(out=args.out)
@@ -24,7 +24,8 @@ def train_command(args: argparse.Namespace) -> int:
         fields = {name: getattr(args, name) for name in (
             "preset", "out", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "weight_decay",
             "grad_clip", "dtype", "device", "seed", "max_corpus_mb", "tokenizer", "val_fraction", "eval_every",
-            "eval_batches", "save_every", "recall_fraction", "time_budget_s", "ep", "checkpoint_format") if getattr(args, name) is not None}
+            "eval_batches", "save_every", "recall_fraction", "time_budget_s", "ep", "checkpoint_format",
+            "ep_balanced", "qb_aggregate") if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
         config = TrainConfig(**fields)
     trainer = Trainer(config, resume=args.resume, resume_overrides=overrides)
@@ -80,6 +81,13 @@ def register(subparsers) -> None:
     train.add_argument("--ep", type=int, help="expert parallelism under `torchrun --nproc-per-node N -m k3 train "
                                              "... --ep P`: experts sharded over groups of P ranks (P divides N and "
                                              "the expert count; N/P groups replicate them), FSDP2 over all N")
+    train.add_argument("--ep-balanced", action="store_const", const=True, dest="ep_balanced",
+                       help="with --ep: balanced dispatch, every rank computes the same number of token-expert "
+                            "pairs however skewed the routing (the hottest experts are replicated for the step)")
+    train.add_argument("--qb-aggregate", choices=["gather", "histogram"], dest="qb_aggregate",
+                       help="under torchrun: how Quantile Balancing pools statistics over ranks; gather (default, "
+                            "exact: [tokens, experts] from every rank per MoE layer) or histogram (E x 256 counts "
+                            "per round; for many ranks or experts)")
     train.add_argument("--checkpoint-format", choices=["full", "sharded"], dest="checkpoint_format",
                        help="full (default): DIR/checkpoint.pt, gathered on rank 0; sharded: DIR/checkpoint/, "
                             "every rank writes its own shards (for models too large to gather); both resume under "

@@ -74,6 +74,8 @@ class TrainConfig:
     ep: int = 0  # under torchrun: ranks per EP group (divides the processes; FSDP2 over all); 0: one process
     # "full": DIR/checkpoint.pt gathered on rank 0; "sharded": DIR/checkpoint/, each rank writes its own shards
     checkpoint_format: str = "full"
+    ep_balanced: bool = False  # under --ep: MoonEP-style balanced dispatch (replicates the hottest experts)
+    qb_aggregate: str = "gather"  # under torchrun: QB pools ranks' statistics exactly ("gather") or by histograms
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -84,6 +86,10 @@ class TrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.recall_fraction <= 1:
             raise ValueError(f"recall_fraction must be in [0, 1], got {self.recall_fraction}")
+        if self.qb_aggregate not in ("gather", "histogram"):
+            raise ValueError(f"qb_aggregate must be gather or histogram, got {self.qb_aggregate!r}")
+        if self.ep_balanced and self.ep < 2:
+            raise ValueError(f"ep_balanced needs expert parallelism: give --ep 2 or more (got ep={self.ep})")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
 
@@ -180,8 +186,10 @@ class Trainer:
             saved = TrainConfig(**self.resume_state["train"])
             # Data, model and optimizer settings must stay as they were, or the resumed run would diverge from
             # the unbroken one; out may move with the run directory.
-            # The parallel layout is not part of the run: a resume is single-process unless --ep is given again.
-            config = dataclasses.replace(saved, out=config.out, **{"ep": 0, **(resume_overrides or {})})
+            # The parallel layout is not part of the run: a resume is single-process unless --ep (and
+            # --ep-balanced) are given again.
+            config = dataclasses.replace(saved, out=config.out,
+                                         **{"ep": 0, "ep_balanced": False, **(resume_overrides or {})})
         elif found is not None:
             raise ValueError(f"{self.out} already holds a run ({checkpoint_path(self.out, found)}); pass --resume "
                              f"to continue it or choose another --out")
@@ -219,7 +227,8 @@ class Trainer:
             # Built on the meta device and sharded before any storage exists, so no rank ever holds the whole
             # model; the seeded init gives the same weights under every layout.
             from k3.distributed.init import build_parallel_model
-            self.model = build_parallel_model(model_config, self.device, ep_size=config.ep, seed=config.seed)
+            self.model = build_parallel_model(model_config, self.device, ep_size=config.ep, seed=config.seed,
+                                              balanced=config.ep_balanced, qb_aggregate=config.qb_aggregate)
         else:
             self.model = K3ForCausalLM(model_config).to(self.device)
         self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
