@@ -65,7 +65,7 @@ def _save_native(model, tokenizer, target: Path) -> Path:
     if tokenizer is not None:
         with tempfile.TemporaryDirectory() as scratch:
             tokenizer.save(scratch)
-            files = {p.name: p.read_bytes() for p in sorted(Path(scratch).iterdir()) if p.is_file()}
+            files = native.directory_files(scratch)
     path = target / native.CHECKPOINT_NAME if target.suffix != ".pt" else target
     native.save_checkpoint(path, {"model": model.state_dict(), "config": model.config.to_dict(), "step": 0,
                                   "tokenizer": files})

@@ -60,6 +60,11 @@ def atomic_write(path: Path, write) -> None:
         os.close(dir_fd)
 
 
+def directory_files(directory: str | os.PathLike) -> dict[str, bytes]:
+    """{file name: bytes} of the files directly in `directory` (a tokenizer's, say), in name order."""
+    return {p.name: p.read_bytes() for p in sorted(Path(directory).iterdir()) if p.is_file()}
+
+
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Atomically write a checkpoint dict (see the module docstring) with torch.save."""
     state = dict(state, format=CHECKPOINT_FORMAT)

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from k3.checkpoint.native import CHECKPOINT_NAME
+from k3.checkpoint.native import CHECKPOINT_NAME, directory_files
 
 SHARDED_CHECKPOINT_NAME = "checkpoint"
 FORMATS = ("full", "sharded")
@@ -65,7 +65,7 @@ def load_run_model(run: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
         # The shards hold no tokenizer; the run directory beside them does.
         tokenizer_dir = sharded.parent / "tokenizer"
         if "tokenizer" not in meta and tokenizer_dir.is_dir():
-            meta["tokenizer"] = {p.name: p.read_bytes() for p in sorted(tokenizer_dir.iterdir()) if p.is_file()}
+            meta["tokenizer"] = directory_files(tokenizer_dir)
         return model.eval(), meta
     state = load_checkpoint(run)
     model = model_from_checkpoint(state, str(run))

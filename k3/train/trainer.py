@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, load_checkpoint, load_model_state,
-                                  save_checkpoint)
+from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, directory_files, load_checkpoint,
+                                  load_model_state, save_checkpoint)
 from k3.checkpoint.run import FORMATS as CHECKPOINT_FORMATS
 from k3.checkpoint.run import checkpoint_path, saved_format
 from k3.config import ModelConfig
@@ -150,10 +150,6 @@ def _decode_rng(text: str) -> dict[str, Any]:
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     atomic_write_bytes(path, (json.dumps(value, indent=2) + "\n").encode("utf-8"))
-
-
-def _tokenizer_files(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
 class Trainer:
@@ -425,7 +421,7 @@ class Trainer:
             **self._run_state(),
             **({"data_per_rank": data_per_rank} if self.dist is not None else {}),
             "rng": _rng_state(),
-            "tokenizer": _tokenizer_files(self.out / "tokenizer"),
+            "tokenizer": directory_files(self.out / "tokenizer"),
         }
         save_checkpoint(self.out / CHECKPOINT_NAME, state)
         if self.dist is not None:
