@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from k3.distributed.balanced import balanced_plan
 from k3.distributed.dispatcher import DispatchStats, dispatch_compute_combine, home_plan
 from k3.distributed.launch import all_gather_cat, all_reduce_op, all_reduce_sum, get_world_size
+from k3.layers.balancing import QB_AGGREGATES
 from k3.layers.moe import LatentMoE, Routing, weighted_sum_over_k
 
 EXPERT_WEIGHTS = ("w1", "w3", "w2")
@@ -174,9 +175,6 @@ def _fsdp_units(model: nn.Module) -> list[nn.Module]:
         units.append(layer.block_sparse_moe if hasattr(layer, "block_sparse_moe") else layer.mlp)
     units.append(model.lm_head)
     return units
-
-
-QB_AGGREGATES = ("gather", "histogram")
 
 
 def _wire_balancers(model: nn.Module, qb_aggregate: str) -> None:

@@ -21,6 +21,10 @@ from typing import Callable
 import torch
 
 
+# How QB pools its statistics over data-parallel ranks: the exact [T, E] gather or histograms (k3.distributed).
+QB_AGGREGATES = ("gather", "histogram")
+
+
 def expert_load(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens per expert [E] (float) from the chosen ids."""
     return torch.bincount(topk_ids_TK.reshape(-1), minlength=num_experts).float()

@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from k3.layers.balancing import QB_AGGREGATES
 from k3.train.trainer import TrainConfig, Trainer
 
 
@@ -84,7 +85,7 @@ def register(subparsers) -> None:
     train.add_argument("--ep-balanced", action="store_const", const=True, dest="ep_balanced",
                        help="with --ep: balanced dispatch, every rank computes the same number of token-expert "
                             "pairs however skewed the routing (the hottest experts are replicated for the step)")
-    train.add_argument("--qb-aggregate", choices=["gather", "histogram"], dest="qb_aggregate",
+    train.add_argument("--qb-aggregate", choices=QB_AGGREGATES, dest="qb_aggregate",
                        help="under torchrun: how Quantile Balancing pools statistics over ranks; gather (default, "
                             "exact: [tokens, experts] from every rank per MoE layer) or histogram (E x 256 counts "
                             "per round; for many ranks or experts)")

@@ -34,6 +34,7 @@ from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, directory
 from k3.checkpoint.run import FORMATS as CHECKPOINT_FORMATS
 from k3.checkpoint.run import checkpoint_path, saved_format
 from k3.config import ModelConfig
+from k3.layers.balancing import QB_AGGREGATES
 from k3.data.corpus import load_corpus, split_validation
 from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, text_row, pack_rows, \
     tokenize_documents
@@ -86,8 +87,8 @@ class TrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.recall_fraction <= 1:
             raise ValueError(f"recall_fraction must be in [0, 1], got {self.recall_fraction}")
-        if self.qb_aggregate not in ("gather", "histogram"):
-            raise ValueError(f"qb_aggregate must be gather or histogram, got {self.qb_aggregate!r}")
+        if self.qb_aggregate not in QB_AGGREGATES:
+            raise ValueError(f"qb_aggregate must be one of {QB_AGGREGATES}, got {self.qb_aggregate!r}")
         if self.ep_balanced and self.ep < 2:
             raise ValueError(f"ep_balanced needs expert parallelism: give --ep 2 or more (got ep={self.ep})")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
