@@ -1,0 +1,56 @@
+"""Bidirectional attention isolated per image (or per video clip: all its frames attend to each other).
+
+Two paths, picked by name:
+- "sdpa": one torch scaled_dot_product_attention call per image. Plain PyTorch, runs anywhere; the oracle.
+- "varlen": one flash-attention call over the whole pack with cu_seqlens (torch.nn.attention.varlen), CUDA
+  with fp16/bf16 only. Held equal to "sdpa" by tests/vision/test_attention_cuda.py.
+"auto" takes "varlen" where it can run and "sdpa" otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "varlen")
+
+
+def cu_seqlens_from_grid(grid_thw: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
+    """[num_images + 1] int32 starts of each image's patches in the pack, plus the total."""
+    lengths = grid_thw.prod(dim=-1).to(torch.int32)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=grid_thw.device)
+    cu[1:] = torch.cumsum(lengths, 0)
+    return cu.to(device) if device is not None else cu
+
+
+def _varlen_available(q: torch.Tensor) -> bool:
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8:
+        return False
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     backend: str = "auto") -> torch.Tensor:
+    """q, k, v [N, H, D] packed images; cu_seqlens [n + 1] -> [N, H, D]. Softmax scale 1/sqrt(D)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    if backend == "varlen" and not _varlen_available(q):
+        raise ValueError(f"the 'varlen' attention backend needs CUDA, fp16/bf16 and head_dim % 8 == 0 "
+                         f"(got {q.device.type}, {q.dtype}, head_dim {q.shape[-1]}); use 'sdpa' or 'auto'")
+    if backend == "varlen" or (backend == "auto" and _varlen_available(q)):
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
+        return varlen_attn(q, k, v, cu, cu, longest, longest)
+    bounds = cu_seqlens.tolist()
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        # [1, H, L, D]: heads as the batch dims SDPA expects
+        segment = [x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v)]
+        outputs.append(F.scaled_dot_product_attention(*segment).squeeze(0).transpose(0, 1))
+    return torch.cat(outputs) if outputs else torch.empty_like(q)
