@@ -2,9 +2,11 @@
 
 A sandbox is a root filesystem made of overlay layers (image at the bottom, frozen snapshot layers
 above it, one writable upper on top) and the processes that run on it, all in namespaces of their
-own and in one cgroup. Snapshots hold the filesystem only: processes running at snapshot time are
-not saved (``Sandbox.SNAPSHOT_HOLDS_MEMORY`` is False), and restore/fork start with none running.
-Memory snapshots would need CRIU; ``k3 sandbox doctor`` says whether ``criu check`` passes here.
+own and in one cgroup. Snapshots hold the filesystem only by default: processes running at
+snapshot time are not saved (``Sandbox.SNAPSHOT_HOLDS_MEMORY`` is False), and restore/fork start
+with none running. ``snapshot(memory=True)`` also saves the sandbox's Python REPLs (``repl()``)
+with their variables, and restore/fork bring them back (``memory.py`` says how, and why not CRIU).
+``enable_web()`` gives processes inside the sandbox the offline web (``web/``) through PID 1.
 
 Requests to one sandbox are served one at a time (a lock): run several sandboxes for parallelism.
 """
@@ -17,6 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from k3.sandbox import local
+from k3.sandbox import memory as memory_snapshots
 from k3.sandbox.cgroups import Cgroup, Limits
 from k3.sandbox.image import Image, default_image
 from k3.sandbox.layers import LayerStore
@@ -117,6 +120,8 @@ class Sandbox:
         self._lock = threading.Lock()
         self._generation = 0
         self._pending: list = []
+        self._repls: dict = {}
+        self._web = None
         self._supervisor = supervisor = _supervisor or local.spares().take(1)[0]
         self.id = supervisor.name
         self.run_dir = os.path.join(self.scratch, "run", self.id)
@@ -124,6 +129,8 @@ class Sandbox:
         try:
             os.makedirs(self.run_dir)
             self._start(supervisor)
+            if snapshot is not None:
+                memory_snapshots.resume(self)
         except BaseException:
             self.close()
             raise
@@ -181,6 +188,11 @@ class Sandbox:
         if self._supervisor is None:
             raise SandboxError(f"sandbox {self.id} is closed")
         return self._supervisor.cgroup
+
+    def _request(self, request: dict) -> dict:
+        """One request to PID 1 under the sandbox's lock (REPL and web ops use it)."""
+        with self._lock:
+            return self._alive().call(request)
 
     def _alive(self) -> local.Supervisor:
         if self.closed:
@@ -285,15 +297,18 @@ class Sandbox:
 
     # -- snapshots ----------------------------------------------------------------------------
 
-    def snapshot(self) -> str:
+    def snapshot(self, memory: bool = False) -> str:
         """Freeze the current filesystem into an immutable layer; return its id.
 
-        The sandbox keeps running on the same files. Only files are saved, not processes (see the
-        module doc). Files unchanged since the previous snapshot are shared with it, not copied.
+        memory: also save the state of the sandbox's running Python REPLs, so that restore and fork
+        bring them back with their variables (see ``k3.sandbox.memory``). Without it, only files
+        are saved, not processes (see the module doc). Files unchanged since the previous snapshot are shared with it, not copied.
         When many files would have to be copied and no command is running, the upper directory
         itself becomes the layer and the sandbox continues on a fresh upper above it (its PID 1
         is replaced then, which nothing inside can notice: no other process exists).
         """
+        if memory:
+            return memory_snapshots.take(self)
         with self._lock:
             if self.closed:
                 raise SandboxError(f"sandbox {self.id} is closed")
@@ -345,6 +360,9 @@ class Sandbox:
             if self.closed:
                 raise SandboxError(f"sandbox {self.id} is closed")
             self._replace_generation(self._supervisor, os.path.dirname(self._upper), chain)
+        if self._web is not None:
+            self.enable_web(*self._web)  # the relay lived in the old generation's PID 1
+        memory_snapshots.resume(self)
 
     def fork(self, snapshot: str | None = None, n: int = 1) -> list["Sandbox"]:
         """``n`` new sandboxes starting from ``snapshot`` (default: a snapshot taken now).
@@ -361,6 +379,8 @@ class Sandbox:
             for supervisor in supervisors:
                 forks.append(Sandbox(self.image, self.limits, snapshot=snapshot, hostname=self.hostname,
                                      home=self.home, _supervisor=supervisor))
+                if self._web is not None:
+                    forks[-1].enable_web(*self._web)
         except BaseException:
             for sandbox in forks:
                 sandbox.close()
@@ -369,6 +389,31 @@ class Sandbox:
                 supervisor.wait()
             raise
         return forks
+
+    # -- long-lived tools: the Python REPL and the offline web --------------------------------
+
+    def repl(self, name: str = "python", python: str = "python3"):
+        """The sandbox's persistent Python REPL called ``name`` (see ``k3.sandbox.repl.Repl``);
+        its process starts on the first ``run``."""
+        from k3.sandbox.repl import Repl
+
+        if name not in self._repls:
+            self._repls[name] = Repl(self, name, python)
+        return self._repls[name]
+
+    def enable_web(self, tools=None, socket_path: str = "/run/k3/web.sock") -> None:
+        """Let processes in the sandbox use the offline web (``k3.sandbox.web``): requests to the
+        Unix socket ``socket_path`` reach ``tools`` (default: the standard corpus) through PID 1,
+        with the network still off; ``/usr/local/bin/web`` is a client (search, open, find).
+        Survives restore and fork."""
+        from k3.sandbox.web import relay
+
+        if tools is None:
+            from k3.sandbox.web.tools import default_tools
+
+            tools = default_tools()
+        self._web = (tools, socket_path)
+        relay.attach(self, tools, socket_path)
 
     # -- pause / resume -----------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import select
 import shlex
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -88,16 +89,21 @@ class Supervisor:
         self.cgroup = Cgroup.create(self.name)
         join = "".join(f"echo $$ > {shlex.quote(path)} && " for path in self.cgroup.procs_files())
         command = [unshare_path(), *NAMESPACES, "--fork", "--kill-child", "--propagation", "private"]
-        command += [supervisor_python(), "-I", "-S", SUPERVISOR, stage_dir()]
+        # Calls from inside the sandbox to the host (the offline web) come back on this pair.
+        self.upcall, upcall_child = socket.socketpair()
+        command += [supervisor_python(), "-I", "-S", SUPERVISOR, stage_dir(), str(upcall_child.fileno())]
         try:
             self.process = subprocess.Popen(
                 ["/bin/sh", "-c", join + "exec " + shlex.join(command)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(upcall_child.fileno(),),
                 stderr=None if debug else subprocess.DEVNULL, bufsize=0, close_fds=True, env={},
             )
         except BaseException:
             self.cgroup.remove()
+            self.upcall.close()
             raise
+        finally:
+            upcall_child.close()
         self._in = self.process.stdin.fileno()
         self._out = self.process.stdout.fileno()
         self.host_pid: int | None = None
@@ -154,7 +160,7 @@ class Supervisor:
             select.select([self._pidfd], [], [])  # readable once the process has exited
             os.close(self._pidfd)
             self._pidfd = None
-        for stream in (self.process.stdin, self.process.stdout):
+        for stream in (self.process.stdin, self.process.stdout, self.upcall):
             try:
                 stream.close()
             except OSError:

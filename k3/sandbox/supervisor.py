@@ -10,7 +10,8 @@ Life of a supervisor:
 1b. before that hello, ``prepare`` builds /dev and a /proc (with its dangerous files masked);
 2. ``setup``: mount the overlay (layers + fresh upper), move /dev and /proc into it, pivot into
    it, set the hostname, answer ``ready``;
-3. serve requests one at a time (exec, read, write, upload) until its stdin closes.
+3. serve requests one at a time (exec, read, write, upload, the REPL and web ops of
+   ``supervisor_extra.py``) until its stdin closes.
 
 Each ``exec`` is run by a forked manager that is a child subreaper: every descendant of the command,
 even one that daemonises, stays below the manager, so a timeout can stop and kill the whole tree
@@ -27,6 +28,7 @@ import marshal
 import os
 import select
 import signal
+import socket
 import struct
 import sys
 import time
@@ -109,6 +111,11 @@ def reap(signum=None, frame=None):
 
 # An empty host directory, given by the host; a tmpfs is mounted on it in this namespace only.
 STAGE = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
+# One end of a socket pair to the host, for calls made from inside the sandbox (the offline web).
+UPCALL_FD = int(sys.argv[2]) if len(sys.argv) > 2 else -1
+# The REPL and web-relay ops live in a second file, read now: after pivot_root it is out of reach.
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor_extra.py")) as _f:
+    exec(compile(_f.read(), "supervisor_extra.py", "exec"))
 
 
 def prepare():
@@ -456,6 +463,8 @@ def handle(request):
         return {"ok": True}
     if op == "ping":
         return {"ok": True}
+    if op in EXTRA_OPS:
+        return EXTRA_OPS[op](request)
     return {"ok": False, "error": f"unknown request {op!r}"}
 
 
