@@ -1,108 +1,426 @@
-"""Generation: prefill the prompt into a HybridCache, then decode one token at a time against the cache.
+"""The inference engine: one loop that `k3 generate`, `k3 chat`, `k3 serve`, evaluation and RL rollouts share.
 
-Batches stay exact: prompts are grouped by token length and each group runs as one batch with no padding
-(the cache has no notion of padded positions, and padding a KDA state would change it). Finished rows leave
-the batch through `HybridCache.select`. MoE routing in eval mode is per token, so batching never changes a row.
+    engine = Engine(model, tokenizer, max_context=4096, max_batch=32)
+    outs = engine.complete([ids_a, ids_b], SamplingParams(max_new_tokens=64, temperature=0, logprobs=0))
 
-`Session` holds one conversation's cache (chat): feed tokens, generate, feed more; nothing is recomputed.
+Requests join the running batch at step boundaries and leave when they finish (stop token, stop string,
+max tokens, context, abort). Each `step()` runs the scheduler's plan (decodes first, then prefill chunks
+within a token budget) through the runner, samples every row on the device with its own parameters, and
+returns the new tokens as events. Memory is a `CachePool` (KDA state slots + paged MLA latents) with exact
+prefix caching; see scheduler.py and prefix_cache.py for the rules.
+
+Exactness: greedy output of a request does not depend on what else runs (prompts are cut into the same
+chunks whatever the load, decode rows never mix, MoE routing in eval mode is per token); the tests check it
+against a recompute-everything reference.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import itertools
+import time
+from dataclasses import dataclass, field
 
 import torch
 
-from k3.cache import HybridCache
-from k3.infer.sampling import SamplingParams, sample_next
+from k3.infer.cache_pool import CachePool
+from k3.infer.prefix_cache import PrefixCache
+from k3.infer.runner import ModelRunner
+from k3.infer.sampling import SamplingParams, sample_rows
+from k3.infer.scheduler import DECODE, FINISHED, PREFILL, Request, Scheduler, Sequence, pages_for
 
-TokenCallback = Callable[[int, int], None]  # (prompt index, token id)
+
+@dataclass
+class TokenEvent:
+    """One new token of one sample (finished events carry the reason; an abort event has token_id None)."""
+
+    request_id: str
+    index: int
+    token_id: int | None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class Completion:
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[Completion] = field(default_factory=list)
+
+
+@dataclass
+class ScoreOutput:
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class Engine:
-    """model: K3ForCausalLM (put in eval mode here); tokenizer: the project's tokenizer interface.
-    max_context bounds prompt + generated tokens per sequence."""
+    """model: K3ForCausalLM (put in eval mode here); tokenizer: the project's tokenizer interface or None.
 
-    def __init__(self, model, tokenizer, max_context: int = 4096) -> None:
-        if max_context < 1:
-            raise ValueError(f"max_context must be positive, got {max_context}")
+    max_context: longest prompt + generation per sequence. max_batch: most sequences running at once (KDA
+    slots for requests). page_size: tokens per MLA page. prefill_chunk: longest prefill forward (a multiple of
+    page_size). max_step_tokens: token budget of a step (decodes count one each). prefix_slots: KDA slots
+    kept for prefix-cache states (0 turns prefix caching off). num_pages: MLA pages in the pool (default:
+    enough for max_batch full contexts)."""
+
+    def __init__(self, model, tokenizer=None, max_context: int = 4096, max_batch: int = 32, page_size: int = 32,
+                 prefill_chunk: int = 512, max_step_tokens: int | None = None, prefix_cache: bool = True,
+                 prefix_slots: int | None = None, num_pages: int | None = None, dtype: torch.dtype | None = None,
+                 use_cuda_graphs: bool | None = None) -> None:
+        if max_context < 2:
+            raise ValueError(f"max_context must be >= 2 (a prompt token and a new one), got {max_context}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.max_context = max_context
+        self.config = model.config
+        self.max_context, self.max_batch = max_context, max_batch
         self.device = next(model.parameters()).device
+        dtype = dtype or next(model.parameters()).dtype
+        prefill_chunk = max(page_size, (prefill_chunk // page_size) * page_size)
+        max_pages = pages_for(max_context, page_size)
+        prefix_slots = (max_batch if prefix_cache else 0) if prefix_slots is None else prefix_slots
+        if num_pages is None:
+            num_pages = max_batch * max_pages + (prefix_slots * max_pages // 2)
+        self.pool = CachePool(self.config, max_batch + prefix_slots, num_pages, page_size, self.device, dtype)
+        self.prefix_cache = PrefixCache(self.pool, prefix_slots) if prefix_slots > 0 else None
+        self.scheduler = Scheduler(self.pool, self.prefix_cache, max_batch, max_context, prefill_chunk,
+                                   max_step_tokens or prefill_chunk + max_batch)
+        self.runner = ModelRunner(self.model, self.pool, max_pages, use_cuda_graphs)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self.stats_counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0}
 
-    def _check_prompt(self, ids: list[int], index: int) -> None:
-        if not ids:
-            raise ValueError(f"prompt {index} is empty after tokenization; give at least one token of text")
-        if len(ids) >= self.max_context:
-            raise ValueError(f"prompt {index} has {len(ids)} tokens but the context allows {self.max_context} "
-                             f"(prompt plus at least one new token); shorten the prompt or raise --max-context")
-        vocab = self.model.config.vocab_size
-        if max(ids) >= vocab or min(ids) < 0:
-            raise ValueError(f"prompt {index} holds token ids outside [0, {vocab}); the tokenizer does not match "
-                             f"the model")
-
+    # --- requests -----------------------------------------------------------------------------------
     def stop_ids(self, params: SamplingParams) -> set[int]:
         stops = set(params.stop_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
             stops.add(self.tokenizer.eos_token_id)
         return stops
 
+    def check_prompt(self, ids: list[int], params: SamplingParams, name: str = "the prompt") -> None:
+        """Raise ValueError, saying what is wrong, for a prompt the engine cannot run."""
+        if not ids:
+            raise ValueError(f"{name} is empty after tokenization; give at least one token")
+        if len(ids) >= self.max_context:
+            raise ValueError(f"{name} has {len(ids)} tokens but the context allows {self.max_context} (prompt "
+                             f"plus at least one new token); shorten it or raise max_context")
+        vocab = self.config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"{name} holds token ids outside [0, {vocab}); the tokenizer does not match the model")
+        if params.n > self.max_batch:
+            raise ValueError(f"n={params.n} samples cannot run at once with max_batch={self.max_batch}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the engine to have a tokenizer")
+        size = self.pool.page_size
+        total = pages_for(min(len(ids) + params.max_new_tokens, self.max_context), size)
+        need = total + (params.n - 1) * (total - len(ids) // size)
+        if need > self.pool.num_pages or params.n > self.pool.num_slots:
+            raise ValueError(f"{name} needs {need} MLA pages but the pool has {self.pool.num_pages}; lower "
+                             f"max_new_tokens or n, or give the engine more pages")
+
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        prompt = [int(t) for t in prompt]
+        self.check_prompt(prompt, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, prompt, params)
+        self.requests[request_id] = request
+        self.scheduler.waiting.append(request)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its slot and pages. False when it is unknown or already done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self.scheduler.waiting:
+            self.scheduler.waiting.remove(request)
+        for seq in request.sequences:
+            if seq.status != FINISHED:
+                seq.status, seq.finish_reason = FINISHED, "abort"
+                self.scheduler.release(seq)
+        self.scheduler.release_reserved(request)
+        if request in self.scheduler.running:
+            self.scheduler.running.remove(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    # --- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
-                     on_token: TokenCallback | None = None) -> list[list[int]]:
-        """prompts: token id lists -> the new tokens of each (stop token included when one ended it)."""
-        for i, ids in enumerate(prompts):
-            self._check_prompt(ids, i)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        outputs: list[list[int]] = [[] for _ in prompts]
-        groups: dict[int, list[int]] = {}
-        for i, ids in enumerate(prompts):
-            groups.setdefault(len(ids), []).append(i)
-        for length in sorted(groups):
-            members = groups[length]
-            batch = torch.tensor([prompts[i] for i in members], device=self.device)
-            self._generate_group(batch, members, params, generator, outputs, on_token)
+    def step(self) -> list[TokenEvent]:
+        plan = self.scheduler.plan()
+        rows: list[Sequence] = []
+        logits = []
+        if plan.decodes:
+            logits.append(self.runner.decode(plan.decodes))
+            for seq in plan.decodes:
+                seq.num_cached += 1
+            rows.extend(plan.decodes)
+        for seq, start, end in plan.prefills:
+            last = self.runner.prefill(seq, start, end)
+            seq.num_cached = end
+            self.stats_counters["prompt_tokens"] += end - start
+            if self.prefix_cache is not None and end in seq.register_at:
+                self.prefix_cache.insert(seq.tokens, end, seq.pages, seq.slot)
+            if end == seq.prompt_len:
+                seq.status = DECODE
+                request = self.requests[seq.request_id]
+                group = [seq] + (self.scheduler.fork(request) if request.params.n > 1 else [])
+                logits.append(last[None].expand(len(group), -1))
+                rows.extend(group)
+        self.stats_counters["steps"] += 1
+        if not rows:
+            return []
+        events = self._sample(rows, torch.cat(logits))
+        for request in self.scheduler.remove_finished():
+            self.requests.pop(request.request_id, None)
+            self.stats_counters["finished"] += 1
+        return events
+
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        vocab = logits.shape[-1]
+        for seq in rows:
+            if seq.params.seed is not None and seq.generator is None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed + seq.index)
+            if seq.params.penalised and seq.output_counts is None:
+                seq.output_counts = torch.zeros(vocab, dtype=torch.long, device=self.device)
+                seq.prompt_counts = torch.bincount(torch.tensor(seq.tokens[: seq.prompt_len], device=self.device),
+                                                   minlength=vocab)
+        want = [seq.params.logprobs for seq in rows if seq.params.logprobs is not None]
+        top_n = max(want, default=0)
+        sampled = sample_rows(logits, [s.params for s in rows], [s.generator for s in rows],
+                              [(s.prompt_counts, s.output_counts) if s.params.penalised else None for s in rows],
+                              want_logprobs=bool(want), top_n=top_n)
+        tokens = sampled.tokens.tolist()
+        logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
+        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+        top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        now = time.monotonic()
+        events = []
+        for row, (seq, token) in enumerate(zip(rows, tokens)):
+            seq.tokens.append(token)
+            seq.first_token_time = seq.first_token_time or now
+            if seq.output_counts is not None:
+                seq.output_counts[token] += 1
+            event = TokenEvent(seq.request_id, seq.index, token)
+            if seq.params.logprobs is not None:
+                event.logprob = logprobs[row]
+                seq.logprobs.append(event.logprob)
+                k = seq.params.logprobs
+                if k > 0:
+                    event.top_logprobs = list(zip(top_ids[row][:k], top_values[row][:k]))
+                    seq.top_logprobs.append(event.top_logprobs)
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                seq.status, seq.finish_reason = FINISHED, reason
+                event.finished, event.finish_reason = True, reason
+                self.scheduler.release(seq)
+            events.append(event)
+        self.stats_counters["generated_tokens"] += len(tokens)
+        return events
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token in self.stop_ids(seq.params):
+            return "stop"
+        if seq.params.stop and self._hits_stop_string(seq):
+            return "stop"
+        if len(seq.generated) >= seq.params.max_new_tokens or len(seq.tokens) >= self.max_context:
+            return "length"
+        return None
+
+    def _hits_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.generated)
+        longest = max(len(s) for s in seq.params.stop)
+        # Only text that can still complete a stop string is searched again (with a margin: a multi-byte
+        # character decodes as replacement characters until its last byte arrives, then shrinks).
+        window = text[max(0, seq.text_offset - longest - 8):]
+        seq.text_offset = len(text)
+        return any(s in window for s in seq.params.stop)
+
+    # --- whole-batch helpers ------------------------------------------------------------------------
+    def run_until_done(self, request_ids: list[str]) -> dict[str, list[Sequence]]:
+        pending = {rid: self.requests[rid] for rid in request_ids}
+        while any(not r.finished for r in pending.values()):
+            if not self.has_unfinished():
+                raise RuntimeError("the engine stopped with requests still unfinished")
+            self.step()
+        return {rid: sorted(r.sequences, key=lambda s: s.index) for rid, r in pending.items()}
+
+    def text_of(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        stops = self.stop_ids(seq.params)
+        text = self.tokenizer.decode([t for t in seq.generated if t not in stops])
+        for stop in seq.params.stop:
+            if stop in text:
+                text = text[: text.index(stop)]
+        return text
+
+    def complete(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to the end through continuous batching; one RequestOutput per prompt, in order."""
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
+        for i, (ids, p) in enumerate(zip(prompts, params_list)):
+            self.check_prompt(list(ids), p, name=f"prompt {i}")
+        ids = [self.add_request(list(p), sp) for p, sp in zip(prompts, params_list)]
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(ids), desc="generate", unit="req")
+        pending = {rid: self.requests[rid] for rid in ids}
+        done = 0
+        while any(not r.finished for r in pending.values()):
+            self.step()
+            if progress is not None:
+                now = sum(r.finished for r in pending.values())
+                progress.update(now - done)
+                done = now
+        if progress is not None:
+            progress.close()
+        outputs = []
+        for rid in ids:
+            request = pending[rid]
+            out = RequestOutput(rid, request.prompt)
+            for seq in sorted(request.sequences, key=lambda s: s.index):
+                want = seq.params.logprobs is not None
+                out.outputs.append(Completion(seq.index, seq.generated, self.text_of(seq), seq.finish_reason,
+                                              seq.logprobs if want else None,
+                                              seq.top_logprobs if want and seq.params.logprobs else None))
+            outputs.append(out)
         return outputs
 
-    def _generate_group(self, batch: torch.Tensor, members: list[int], params: SamplingParams,
-                        generator: torch.Generator | None, outputs: list[list[int]],
-                        on_token: TokenCallback | None) -> None:
-        """batch [B, L] prompts of one length; appends each row's new tokens to outputs[members[row]]."""
-        budget = min(params.max_new_tokens, self.max_context - batch.shape[1])
-        if budget <= 0:
-            return
-        stops = self.stop_ids(params)
-        cache = self.model.new_cache(batch.shape[0])
-        logits = self.model(batch, cache=cache).logits[:, -1]  # prefill
-        alive = list(members)
-        for step in range(budget):
-            tokens = sample_next(logits, params, generator)  # [B_alive]
-            keep = []
-            for row, (index, token) in enumerate(zip(alive, tokens.tolist())):
-                outputs[index].append(token)
-                if on_token is not None:
-                    on_token(index, token)
-                if token not in stops:
-                    keep.append(row)
-            if not keep or step == budget - 1:
-                break
-            if len(keep) < len(alive):
-                keep_index = torch.tensor(keep, device=self.device)
-                cache.select(keep_index)
-                tokens = tokens[keep_index]
-                alive = [alive[r] for r in keep]
-            logits = self.model(tokens[:, None], cache=cache).logits[:, -1]  # one cached decode step
+    def generate_ids(self, prompts: list[list[int]], params: SamplingParams,
+                     on_token=None) -> list[list[int]]:
+        """prompts: token id lists -> the new tokens of each (a stop token that ended it included).
+        on_token(prompt index, token id) is called as tokens arrive."""
+        if params.n != 1:
+            raise ValueError("generate_ids returns one sequence per prompt; use complete() for n > 1")
+        for i, ids in enumerate(prompts):
+            self.check_prompt(list(ids), params, name=f"prompt {i}")
+        if params.max_new_tokens == 0:
+            return [[] for _ in prompts]
+        index = {self.add_request(list(p), params): i for i, p in enumerate(prompts)}
+        outputs: list[list[int]] = [[] for _ in prompts]
+        while any(rid in self.requests for rid in index):
+            for event in self.step():
+                if event.request_id in index and event.token_id is not None:
+                    outputs[index[event.request_id]].append(event.token_id)
+                    if on_token is not None:
+                        on_token(index[event.request_id], event.token_id)
+        return outputs
 
-    def generate(self, prompts: list[str], params: SamplingParams,
-                 on_token: TokenCallback | None = None) -> list[str]:
-        """Text in, generated text out (stop tokens removed)."""
+    def generate(self, prompts: list[str], params: SamplingParams, on_token=None) -> list[str]:
+        """Text in, generated text out (stop tokens and stop strings removed)."""
+        if self.tokenizer is None:
+            raise ValueError("generate() needs a tokenizer; use generate_ids() with token ids")
         ids = [self.tokenizer.encode(p) for p in prompts]
+        outs = self.generate_ids(ids, params, on_token)
         stops = self.stop_ids(params)
-        out = self.generate_ids(ids, params, on_token)
-        return [self.tokenizer.decode([t for t in seq if t not in stops]) for seq in out]
+        texts = []
+        for seq in outs:
+            text = self.tokenizer.decode([t for t in seq if t not in stops])
+            for stop in params.stop:
+                if stop in text:
+                    text = text[: text.index(stop)]
+            texts.append(text)
+        return texts
+
+    # --- scoring ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int = 0,
+              max_tokens_per_forward: int | None = None) -> list[ScoreOutput]:
+        """log p(seq[t] | seq[:t]) for t in [starts[i], len) of every sequence, by packed prefill (documents
+        never see each other), several sequences per forward up to a token budget."""
+        if len(sequences) != len(starts):
+            raise ValueError(f"got {len(sequences)} sequences but {len(starts)} starts")
+        for i, (seq, start) in enumerate(zip(sequences, starts)):
+            if not 1 <= start <= len(seq):
+                raise ValueError(f"starts[{i}]={start} must be in [1, {len(seq)}] (the first token has no "
+                                 f"prediction)")
+            if len(seq) > self.max_context:
+                raise ValueError(f"sequence {i} has {len(seq)} tokens but the context allows {self.max_context}")
+        budget = max_tokens_per_forward or max(self.scheduler.prefill_chunk * 4, max(map(len, sequences)))
+        results: list[ScoreOutput | None] = [None] * len(sequences)
+        batch: list[int] = []
+        for i in sorted(range(len(sequences)), key=lambda j: len(sequences[j])):
+            if batch and sum(len(sequences[j]) for j in batch) + len(sequences[i]) > budget:
+                self._score_packed(sequences, starts, batch, top_k, results)
+                batch = []
+            batch.append(i)
+        if batch:
+            self._score_packed(sequences, starts, batch, top_k, results)
+        return results  # type: ignore[return-value]
+
+    def _score_packed(self, sequences, starts, batch, top_k, results) -> None:
+        ids = torch.tensor([[t for j in batch for t in sequences[j]]], device=self.device)
+        lengths = [len(sequences[j]) for j in batch]
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), device=self.device)
+        logits = self.model(ids, cu_seqlens=cu).logits[0].float()
+        offset = 0
+        for j, length in zip(batch, lengths):
+            start = starts[j]
+            log_probs = logits[offset + start - 1: offset + length - 1].log_softmax(-1)
+            targets = torch.tensor(sequences[j][start:], device=self.device)
+            picked = log_probs.gather(1, targets[:, None])[:, 0].tolist()
+            top = None
+            if top_k > 0:
+                values, index = log_probs.topk(top_k, dim=-1)
+                top = [list(zip(i_row, v_row)) for i_row, v_row in zip(index.tolist(), values.tolist())]
+            results[j] = ScoreOutput(picked, top)
+            offset += length
+
+    # --- accounting ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Queue and memory counters. kda_slots_used / mla_pages_used count what requests hold (0 when idle);
+        the prefix cache's own states and pages are counted apart."""
+        pool = self.pool
+        running = self.scheduler.running_sequences()
+        slots, pages = set(), set()
+        for request in self.scheduler.running:
+            for seq in request.sequences:
+                if seq.slot is not None:
+                    slots.add(seq.slot)
+                pages.update(seq.pages)
+            slots.update(request.reserved_slots)
+            for own in request.reserved_pages:
+                pages.update(own)
+        prefix = self.prefix_cache
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(running),
+            "prefilling": sum(s.status == PREFILL for s in running),
+            "kda_slots_total": pool.num_slots,
+            "kda_slots_used": len(slots),
+            "mla_pages_total": pool.num_pages,
+            "mla_pages_used": len(pages),
+            "mla_pages_free": pool.free_pages,
+            "prefix_entries": len(prefix) if prefix is not None else 0,
+            "prefix_cache_hits": prefix.hits if prefix is not None else 0,
+            "prefix_cache_hit_tokens": prefix.hit_tokens if prefix is not None else 0,
+            **self.stats_counters,
+        }
+
+    def clear_prefix_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
 
 @torch.no_grad()
@@ -114,47 +432,3 @@ def greedy_without_cache(model, prompt: list[int], max_new_tokens: int) -> list[
         logits = model(torch.tensor([ids], device=device)).logits[0, -1]
         ids.append(int(logits.float().argmax()))
     return ids[len(prompt):]
-
-
-class Session:
-    """One growing sequence with its cache (for chat): `feed` appends tokens, `generate` continues it.
-    Generated tokens stay in the context; the last one is fed lazily with the next call."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.cache: HybridCache = engine.model.new_cache(1)
-        self.length = 0
-        self._pending: list[int] = []
-        self._logits: torch.Tensor | None = None
-
-    @torch.no_grad()
-    def feed(self, ids: list[int]) -> None:
-        ids = self._pending + list(ids)
-        self._pending = []
-        if not ids:
-            return
-        if self.length + len(ids) >= self.engine.max_context:
-            raise ValueError(f"the conversation would reach {self.length + len(ids)} tokens but the context "
-                             f"allows {self.engine.max_context}; start a new chat or raise --max-context")
-        tensor = torch.tensor([ids], device=self.engine.device)
-        self._logits = self.engine.model(tensor, cache=self.cache).logits[:, -1]
-        self.length += len(ids)
-
-    @torch.no_grad()
-    def generate(self, params: SamplingParams, on_token: Callable[[int], bool] | None = None,
-                 generator: torch.Generator | None = None) -> list[int]:
-        """Sample up to max_new_tokens; stops at a stop token or when on_token(token) returns True."""
-        if self._logits is None:
-            raise ValueError("feed the session some tokens before generating")
-        stops = self.engine.stop_ids(params)
-        out: list[int] = []
-        budget = min(params.max_new_tokens, self.engine.max_context - self.length - 1)
-        for step in range(budget):
-            token = int(sample_next(self._logits, params, generator)[0])
-            out.append(token)
-            if token in stops or (on_token is not None and on_token(token)) or step == budget - 1:
-                break
-            self.feed([token])
-        # The last sampled token is not in the cache yet; it goes in first with the next feed.
-        self._pending = out[-1:]
-        return out

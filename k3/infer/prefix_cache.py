@@ -1,0 +1,126 @@
+"""Prefix caching that is exact for a hybrid KDA + MLA model.
+
+An MLA page depends only on the tokens up to its end, so full prompt pages can be shared by any request whose
+prompt starts with the same tokens. A KDA state cannot be rewound: a prefix is reusable only where a state
+was saved at exactly that position. So an entry is (a page boundary b, the pages covering [0, b), a copy of
+every KDA layer's state and conv tails at b, in a slot of the pool of its own).
+
+Entries are made at two kinds of boundaries, both page-aligned:
+- the last page boundary before a prompt's end (a multi-turn episode's next turn, or the next request with
+  this prompt, starts there);
+- where a new prompt leaves the pages of an earlier one (a shared system prompt): the first request that
+  diverges there saves a state, and later ones reuse it.
+
+Pages are keyed by a chained hash of their tokens (page k's key covers tokens [0, (k+1) * page_size)). Each
+entry holds a reference on its pages and its slot; the least recently used entry is evicted when the engine
+needs room.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from k3.infer.cache_pool import CachePool
+
+
+def page_keys(tokens: list[int], page_size: int, limit: int | None = None) -> list[int]:
+    """Chained hashes of the full pages of tokens[:limit]: keys[k] identifies tokens[: (k+1) * page_size]."""
+    end = len(tokens) if limit is None else min(limit, len(tokens))
+    keys, key = [], 0
+    for start in range(0, end - page_size + 1, page_size):
+        key = hash((key, tuple(tokens[start: start + page_size])))
+        keys.append(key)
+    return keys
+
+
+@dataclass
+class PrefixEntry:
+    boundary: int  # tokens covered
+    pages: list[int]  # pages covering [0, boundary)
+    slot: int  # KDA state at `boundary`
+
+
+@dataclass
+class PrefixHit:
+    boundary: int
+    pages: list[int]
+    slot: int
+
+
+class PrefixCache:
+    def __init__(self, pool: CachePool, max_entries: int) -> None:
+        self.pool, self.max_entries = pool, max_entries
+        self.entries: OrderedDict[int, PrefixEntry] = OrderedDict()  # key of the boundary's last page -> entry
+        self.page_by_key: dict[int, int] = {}
+        self.key_refs: dict[int, int] = {}  # how many entries hold the page behind a key
+        self.keys_of: dict[int, list[int]] = {}  # entry key -> the page keys it covers
+        self.hits = 0
+        self.hit_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, tokens: list[int]) -> tuple[PrefixHit | None, int]:
+        """The longest saved prefix of `tokens` that leaves at least one token to prefill, and the longest run
+        of cached pages (a boundary where saving a new state would let later prompts share more)."""
+        size = self.pool.page_size
+        keys = page_keys(tokens, size, limit=len(tokens) - 1)
+        matched = 0
+        while matched < len(keys) and keys[matched] in self.page_by_key:
+            matched += 1
+        for count in range(matched, 0, -1):
+            entry = self.entries.get(keys[count - 1])
+            if entry is not None:
+                self.entries.move_to_end(keys[count - 1])
+                return PrefixHit(entry.boundary, list(entry.pages), entry.slot), matched * size
+        return None, matched * size
+
+    def insert(self, tokens: list[int], boundary: int, pages: list[int], source_slot: int) -> bool:
+        """Save the KDA state of `source_slot` (a request at exactly `boundary` tokens) with its first pages.
+        Returns False when there is no slot to spare."""
+        size = self.pool.page_size
+        if boundary <= 0 or boundary % size:
+            return False
+        keys = page_keys(tokens, size, limit=boundary)
+        if keys[-1] in self.entries:
+            self.entries.move_to_end(keys[-1])
+            return True
+        if len(self.entries) >= self.max_entries and not self.evict_one():
+            return False
+        if self.pool.free_slots == 0 and not self.evict_one():
+            return False
+        slot = self.pool.allocate_slot()
+        self.pool.copy_slot(source_slot, slot)
+        own = pages[: boundary // size]
+        for key, page in zip(keys, own):
+            known = self.page_by_key.get(key)
+            if known is not None and known != page:
+                # The same tokens already live in another page: keep the known one (its content is equal).
+                page = known
+            self.page_by_key[key] = page
+            self.key_refs[key] = self.key_refs.get(key, 0) + 1
+            self.pool.share_page(page)
+        self.entries[keys[-1]] = PrefixEntry(boundary, [self.page_by_key[k] for k in keys], slot)
+        self.keys_of[keys[-1]] = keys
+        return True
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry (its slot and its page references)."""
+        if not self.entries:
+            return False
+        last_key, entry = self.entries.popitem(last=False)
+        keys = self.keys_of.pop(last_key)
+        self.pool.free_slot(entry.slot)
+        for key, page in zip(keys, entry.pages):
+            self.key_refs[key] -= 1
+            if self.key_refs[key] == 0:
+                del self.key_refs[key]
+                del self.page_by_key[key]
+            if self.pool.release_page(page):
+                self.pool.return_page(page)
+        return True
+
+    def clear(self) -> None:
+        while self.evict_one():
+            pass

@@ -1,0 +1,127 @@
+"""The runner only runs: given a step's decodes and prefill chunks, it forwards the model over the pool and
+returns next-token logits. It decides nothing.
+
+- A decode batch is one forward of [B, 1]: each row reads its KDA slot and its MLA pages (gathered to the
+  batch's longest page table) and writes its new token back.
+- A prefill chunk is one forward of [1, T] for one sequence, continuing from its cached state; only the last
+  position goes through the LM head.
+- On CUDA, decode batches run as CUDA graphs captured once per batch size in `graph_batch_sizes` (a batch is
+  padded to the next captured size; padded rows use the pool's scratch slot and page). Their page tables
+  are padded to the pool's largest table, so one graph serves every context length. The eager path is the
+  PyTorch twin; tests hold the two equal.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from k3.infer.cache_pool import SCRATCH, BatchCache, CachePool
+from k3.infer.scheduler import Sequence, pages_for
+
+
+class ModelRunner:
+    def __init__(self, model, pool: CachePool, max_pages_per_seq: int, use_cuda_graphs: bool | None = None,
+                 graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)) -> None:
+        self.model, self.pool = model, pool
+        self.device = pool.device
+        self.max_pages_per_seq = max_pages_per_seq
+        if use_cuda_graphs is None:
+            use_cuda_graphs = self.device.type == "cuda"
+        if use_cuda_graphs and self.device.type != "cuda":
+            raise ValueError("CUDA graphs need the model on a CUDA device")
+        self.use_cuda_graphs = use_cuda_graphs
+        self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
+        self.graphs: dict[int, _DecodeGraph] = {}
+        self._graph_pool = None
+
+    # --- eager paths --------------------------------------------------------------------------------
+    def _forward_last(self, ids: torch.Tensor, cache: BatchCache) -> torch.Tensor:
+        hidden = self.model.model(ids, cache)
+        return self.model.lm_head(hidden[:, -1])
+
+    @torch.no_grad()
+    def prefill(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Write tokens [start, end) of seq into its cache -> logits [V] after token end-1."""
+        ids = torch.tensor([seq.tokens[start:end]], device=self.device)
+        pages = pages_for(end, self.pool.page_size)
+        table = torch.tensor([seq.pages[:pages]], device=self.device)
+        cache = BatchCache(self.pool, torch.tensor([seq.slot], device=self.device), table,
+                           torch.tensor([start], device=self.device), mask_rows=False, past=start)
+        return self._forward_last(ids, cache)[0]
+
+    def _decode_inputs(self, seqs: list[Sequence], rows: int, table_pages: int):
+        ids = torch.zeros(rows, 1, dtype=torch.long)
+        slots = torch.full((rows,), SCRATCH, dtype=torch.long)
+        positions = torch.zeros(rows, dtype=torch.long)
+        table = torch.full((rows, table_pages), SCRATCH, dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            ids[row, 0] = seq.tokens[seq.num_cached]
+            slots[row] = seq.slot
+            positions[row] = seq.num_cached
+            used = pages_for(seq.num_cached + 1, self.pool.page_size)
+            table[row, :used] = torch.tensor(seq.pages[:used])
+        return ids, slots, positions, table
+
+    @torch.no_grad()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """One token for each sequence (its last sampled one, at position num_cached) -> logits [B, V]."""
+        if self.use_cuda_graphs and len(seqs) <= self.graph_batch_sizes[-1]:
+            return self._decode_graph(seqs)
+        # Page tables rounded up to a power of two pages: fewer distinct shapes, same result (masked slots).
+        longest = max(pages_for(s.num_cached + 1, self.pool.page_size) for s in seqs)
+        table_pages = min(1 << (longest - 1).bit_length(), self.max_pages_per_seq)
+        ids, slots, positions, table = (t.to(self.device) for t in self._decode_inputs(seqs, len(seqs),
+                                                                                        table_pages))
+        cache = BatchCache(self.pool, slots, table, positions, mask_rows=True)
+        return self._forward_last(ids, cache)
+
+    # --- CUDA graphs --------------------------------------------------------------------------------
+    def _decode_graph(self, seqs: list[Sequence]) -> torch.Tensor:
+        rows = next(b for b in self.graph_batch_sizes if b >= len(seqs))
+        graph = self.graphs.get(rows)
+        if graph is None:
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            graph = self.graphs[rows] = _DecodeGraph(self, rows, self._graph_pool)
+        inputs = self._decode_inputs(seqs, rows, self.max_pages_per_seq)
+        return graph.run(*inputs)[: len(seqs)]
+
+    def capture(self, batch_sizes: tuple[int, ...] | None = None) -> None:
+        """Capture the decode graphs now (otherwise each is captured on first use)."""
+        if not self.use_cuda_graphs:
+            return
+        for rows in batch_sizes or self.graph_batch_sizes:
+            if rows not in self.graphs:
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                self.graphs[rows] = _DecodeGraph(self, rows, self._graph_pool)
+
+
+class _DecodeGraph:
+    """A decode step for `rows` rows captured as a CUDA graph over static input buffers. Warm-up and capture
+    run on the scratch slot and page only, so capturing never touches a live request's cache."""
+
+    def __init__(self, runner: ModelRunner, rows: int, pool_handle, warmup: int = 2) -> None:
+        device = runner.device
+        self.ids = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.slots = torch.full((rows,), SCRATCH, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.long, device=device)
+        self.table = torch.full((rows, runner.max_pages_per_seq), SCRATCH, dtype=torch.long, device=device)
+        cache = BatchCache(runner.pool, self.slots, self.table, self.positions, mask_rows=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):
+                runner._forward_last(self.ids, cache)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool_handle), torch.no_grad():
+            self.logits = runner._forward_last(self.ids, cache)
+
+    def run(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        self.ids.copy_(ids, non_blocking=True)
+        self.slots.copy_(slots, non_blocking=True)
+        self.positions.copy_(positions, non_blocking=True)
+        self.table.copy_(table, non_blocking=True)
+        self.graph.replay()
+        return self.logits.clone()

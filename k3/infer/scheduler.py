@@ -1,0 +1,235 @@
+"""The scheduler decides; it owns no tensors. Each engine step it picks:
+
+1. every running sequence that has its whole prompt in the cache: one decode token each (decodes first);
+2. then prefill chunks of the sequences still reading their prompt, oldest first, within the step's token
+   budget (the first chunk always runs, so a prefill cannot starve);
+3. then admits waiting requests, first come first served, while a KDA slot and enough MLA pages are free.
+
+Prefill chunks end at multiples of `prefill_chunk` from the start of the prompt, and at the prefix-cache
+boundaries a prompt asks for, never where the budget happens to run out: the same prompt is then cut the same
+way whatever else is running, so its numbers (and its greedy output) do not depend on the batch.
+
+Memory is reserved at admission for the whole request (prompt + max_new_tokens, capped by the context), so a
+running request can never run out of pages and nothing is ever preempted. A request with n samples reserves
+n slots and the pages of its n continuations; its prompt is prefilled once and the cache forked.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.infer.cache_pool import CachePool
+from k3.infer.prefix_cache import PrefixCache
+from k3.infer.sampling import SamplingParams
+
+WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
+
+
+@dataclass
+class Sequence:
+    """One sample of a request: its tokens, where it stands in the cache, and its share of the pool."""
+
+    request_id: str
+    index: int  # sample index within the request
+    params: SamplingParams
+    tokens: list[int]  # prompt + generated
+    prompt_len: int
+    num_cached: int = 0  # tokens written into the cache
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    shared_pages: int = 0  # leading pages shared with others (prefix hit or fork)
+    cuts: list[int] = field(default_factory=list)  # prefill chunk ends
+    register_at: list[int] = field(default_factory=list)  # prefix-cache boundaries to save
+    status: str = WAITING
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    output_counts: torch.Tensor | None = None  # [V] for penalties
+    prompt_counts: torch.Tensor | None = None
+    text_offset: int = 0  # how much of the decoded text has been checked against stop strings
+    first_token_time: float | None = None
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    sequences: list[Sequence] = field(default_factory=list)
+    # Resources reserved at admission for the samples that the fork will create.
+    reserved_slots: list[int] = field(default_factory=list)
+    reserved_pages: list[list[int]] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.sequences) and all(s.status == FINISHED for s in self.sequences)
+
+
+@dataclass
+class StepPlan:
+    decodes: list[Sequence]
+    prefills: list[tuple[Sequence, int, int]]  # (sequence, start, end)
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class Scheduler:
+    def __init__(self, pool: CachePool, prefix_cache: PrefixCache | None, max_batch: int, max_context: int,
+                 prefill_chunk: int, max_step_tokens: int) -> None:
+        if prefill_chunk % pool.page_size:
+            raise ValueError(f"prefill_chunk ({prefill_chunk}) must be a multiple of page_size ({pool.page_size})")
+        self.pool, self.prefix_cache = pool, prefix_cache
+        self.max_batch, self.max_context = max_batch, max_context
+        self.prefill_chunk, self.max_step_tokens = prefill_chunk, max_step_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # --- queries ------------------------------------------------------------------------------------
+    def running_sequences(self) -> list[Sequence]:
+        return [s for r in self.running for s in r.sequences if s.status != FINISHED]
+
+    def budget(self, request: Request) -> int:
+        """Tokens the cache must hold for one sample: prompt + new tokens, capped by the context."""
+        return min(len(request.prompt) + request.params.max_new_tokens, self.max_context)
+
+    # --- admission ----------------------------------------------------------------------------------
+    def admit(self) -> list[Request]:
+        admitted = []
+        while self.waiting:
+            request = self.waiting[0]
+            running = sum(r.params.n for r in self.running)
+            if running + request.params.n > self.max_batch or not self._try_reserve(request):
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    def _free_enough(self, slots: int, pages: int) -> bool:
+        while self.pool.free_slots < slots or self.pool.free_pages < pages:
+            if self.prefix_cache is None or not self.prefix_cache.evict_one():
+                return False
+        return True
+
+    def _try_reserve(self, request: Request) -> bool:
+        size, n, prompt = self.pool.page_size, request.params.n, request.prompt
+        total_pages = pages_for(self.budget(request), size)
+        hit, matched = (None, 0) if self.prefix_cache is None else self.prefix_cache.lookup(prompt)
+        shared = 0 if hit is None else hit.boundary // size
+        # Pages each extra sample needs of its own: from the last full prompt page on.
+        own_pages_child = total_pages - len(prompt) // size
+        need_pages = (total_pages - shared) + (n - 1) * own_pages_child
+        if hit is not None:
+            # Hold the hit's pages and state before evicting anything to make room.
+            for page in hit.pages:
+                self.pool.take_page(page)
+        if not self._free_enough(n, need_pages):
+            if hit is not None:
+                for page in hit.pages:
+                    if self.pool.release_page(page):
+                        self.pool.return_page(page)
+            return False
+        parent = Sequence(request.request_id, 0, request.params, list(prompt), len(prompt))
+        parent.slot = self.pool.allocate_slot()
+        parent.pages = (list(hit.pages) if hit is not None else []) + self.pool.allocate_pages(total_pages - shared)
+        parent.shared_pages = shared
+        if hit is not None:
+            self.pool.copy_slot(hit.slot, parent.slot)
+            parent.num_cached = hit.boundary
+            self.prefix_cache.hits += 1
+            self.prefix_cache.hit_tokens += hit.boundary
+        parent.cuts, parent.register_at = self._cuts(prompt, parent.num_cached, matched)
+        parent.status = PREFILL
+        request.sequences = [parent]
+        for _ in range(n - 1):
+            request.reserved_slots.append(self.pool.allocate_slot())
+            request.reserved_pages.append(self.pool.allocate_pages(own_pages_child))
+        return True
+
+    def _cuts(self, prompt: list[int], start: int, matched: int) -> tuple[list[int], list[int]]:
+        length, size = len(prompt), self.pool.page_size
+        register = []
+        if self.prefix_cache is not None:
+            last_boundary = ((length - 1) // size) * size
+            register = sorted({b for b in (matched, last_boundary) if start < b < length})
+        cuts = set(range(self.prefill_chunk, length, self.prefill_chunk)) | set(register) | {length}
+        return sorted(c for c in cuts if c > start), register
+
+    # --- planning -----------------------------------------------------------------------------------
+    def plan(self) -> StepPlan:
+        self.admit()
+        running = self.running_sequences()
+        decodes = [s for s in running if s.status == DECODE]
+        room = self.max_step_tokens - len(decodes)
+        prefills: list[tuple[Sequence, int, int]] = []
+        for seq in running:
+            if seq.status != PREFILL:
+                continue
+            end = next(c for c in seq.cuts if c > seq.num_cached)
+            tokens = end - seq.num_cached
+            if tokens > room and (prefills or decodes):
+                break
+            prefills.append((seq, seq.num_cached, end))
+            room -= tokens
+            if room <= 0:
+                break
+        return StepPlan(decodes, prefills)
+
+    # --- release ------------------------------------------------------------------------------------
+    def release(self, seq: Sequence) -> None:
+        """Give a finished or aborted sequence's slot and pages back."""
+        if seq.slot is not None:
+            self.pool.free_slot(seq.slot)
+            seq.slot = None
+        for page in seq.pages:
+            if self.pool.release_page(page):
+                self.pool.return_page(page)
+        seq.pages = []
+
+    def release_reserved(self, request: Request) -> None:
+        for slot in request.reserved_slots:
+            self.pool.free_slot(slot)
+        for pages in request.reserved_pages:
+            for page in pages:
+                if self.pool.release_page(page):
+                    self.pool.return_page(page)
+        request.reserved_slots, request.reserved_pages = [], []
+
+    def fork(self, request: Request) -> list[Sequence]:
+        """The parent has its whole prompt in the cache: make the other n-1 samples share its full pages and
+        copy its state and its partly filled last page."""
+        parent = request.sequences[0]
+        size = self.pool.page_size
+        full = parent.prompt_len // size
+        children = []
+        for index, (slot, own) in enumerate(zip(request.reserved_slots, request.reserved_pages), start=1):
+            child = Sequence(request.request_id, index, request.params, list(parent.tokens), parent.prompt_len,
+                             num_cached=parent.num_cached, slot=slot, status=DECODE)
+            self.pool.copy_slot(parent.slot, slot)
+            for page in parent.pages[:full]:
+                self.pool.share_page(page)
+            child.pages = parent.pages[:full] + own
+            child.shared_pages = full
+            if parent.prompt_len % size:
+                self.pool.copy_page(parent.pages[full], own[0])
+            children.append(child)
+        request.reserved_slots, request.reserved_pages = [], []
+        request.sequences.extend(children)
+        return children
+
+    def remove_finished(self) -> list[Request]:
+        done = [r for r in self.running if r.finished]
+        self.running = [r for r in self.running if not r.finished]
+        return done
