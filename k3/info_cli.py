@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from k3.config import PRESETS, ModelConfig
+from k3.vision.config import VISION_PRESETS
 
 
 def load_config(preset: str | None, config_path: str | None) -> ModelConfig:
@@ -27,11 +28,32 @@ def _human(n: float) -> str:
     return str(int(n))
 
 
+def load_vision_config(args: argparse.Namespace):
+    """The vision part to count: --vision PRESET, else the config file's vision_config, else K3's tower for
+    --preset k3 (the released model is multimodal), else none ('none' turns it off)."""
+    from k3.vision.config import VisionConfig, vision_config_from_hf
+
+    if args.vision == "none":
+        return None
+    if args.vision:
+        return VisionConfig.from_preset(args.vision)
+    if args.config:
+        values = json.loads(Path(args.config).read_text())
+        return vision_config_from_hf(values) if isinstance(values.get("vision_config"), dict) else None
+    return VisionConfig.from_preset("k3") if (args.preset or "tiny") == "k3" else None
+
+
 def run_info(args: argparse.Namespace) -> int:
     from k3.model import count_parameters
 
     config = load_config(args.preset, args.config)
     counts = count_parameters(config)
+    vision = load_vision_config(args)
+    if vision is not None:
+        from k3.vision.model import count_vision_parameters
+
+        # Text counts stay as they were; the vision part is reported beside them, not folded in.
+        counts.update(count_vision_parameters(vision))
     report = {
         "preset": args.preset if not args.config else None,
         **counts,
@@ -55,6 +77,10 @@ def run_info(args: argparse.Namespace) -> int:
     print(f"total params    {counts['total_params']:,} ({_human(counts['total_params'])})")
     print(f"active params   {counts['active_params']:,} ({_human(counts['active_params'])}) "
           f"per token, excluding the input embedding")
+    if vision is not None:
+        print(f"vision params   {counts['vision_params']:,} ({_human(counts['vision_params'])}): tower "
+              f"{_human(counts['vision_tower_params'])} ({vision.num_layers} layers, width {vision.hidden_size}) + "
+              f"projector {_human(counts['mm_projector_params'])} ({vision.projector}); not in the totals above")
     return 0
 
 
@@ -62,5 +88,8 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("info", help="show a model's shape and parameter counts (no allocation)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default=None, help="named preset (default: tiny)")
     parser.add_argument("--config", default=None, help="a config.json (k3 or Hugging Face format) instead")
+    parser.add_argument("--vision", choices=["none", *sorted(VISION_PRESETS)], default=None,
+                        help="also count a vision tower + projector (default: the config file's vision_config, or "
+                             "K3's tower for --preset k3)")
     parser.add_argument("--json", action="store_true", help="print JSON with total_params and active_params")
     parser.set_defaults(func=run_info)

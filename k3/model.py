@@ -102,9 +102,9 @@ class K3Model(nn.Module):
         if config.attn_res_block_size > 0:
             self.output_attn_res = AttnResMix(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
-                packed: PackedDocs | None = None) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor | None, cache: HybridCache | None = None,
+                packed: PackedDocs | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.config.attn_res_block_size > 0:
             stream = AttnResStream(h, self.config.attn_res_block_size)
             for i, layer in enumerate(self.layers):
@@ -144,7 +144,8 @@ def zero_attn_res_queries(model: nn.Module) -> None:
 
 
 class K3ForCausalLM(nn.Module):
-    """model(input_ids [B, T], cache=None, cu_seqlens=None, labels=None) -> CausalLMOutput(logits [B, T, V])."""
+    """model(input_ids [B, T], cache=None, cu_seqlens=None, labels=None) -> CausalLMOutput(logits [B, T, V]).
+    inputs_embeds [B, T, d] may stand in for input_ids (the multimodal wrapper's image embeddings enter so)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -168,26 +169,34 @@ class K3ForCausalLM(nn.Module):
     def new_cache(self, batch_size: int) -> HybridCache:
         return HybridCache(self.config.layer_types, batch_size)
 
-    def forward(self, input_ids: torch.Tensor, cache: HybridCache | None = None,
-                cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> CausalLMOutput:
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-        # On a GPU this check would read the ids back to the host on every forward (a sync that stalls the
-        # launch queue and breaks CUDA-graph capture); there the embedding kernel's own bounds assert stands in.
-        if input_ids.device.type == "cpu" and (int(input_ids.max()) >= self.config.vocab_size
-                                               or int(input_ids.min()) < 0):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got range "
-                             f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+    def forward(self, input_ids: torch.Tensor | None, cache: HybridCache | None = None,
+                cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
+        if inputs_embeds is not None:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(f"inputs_embeds must be [batch, length, {self.config.hidden_size}], got shape "
+                                 f"{tuple(inputs_embeds.shape)}")
+            tokens = inputs_embeds
+        else:
+            tokens = input_ids
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+            # On a GPU this check would read the ids back to the host on every forward (a sync that stalls the
+            # launch queue and breaks CUDA-graph capture); there the embedding kernel's own bounds assert stands in.
+            if input_ids.device.type == "cpu" and (int(input_ids.max()) >= self.config.vocab_size
+                                                   or int(input_ids.min()) < 0):
+                raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}); got range "
+                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
         packed = None
         if cu_seqlens is not None:
-            if input_ids.shape[0] != 1 or cache is not None:
+            if tokens.shape[0] != 1 or cache is not None:
                 raise ValueError("packed input (cu_seqlens) takes input_ids of shape [1, total] and no cache")
-            packed = PackedDocs.from_cu_seqlens(cu_seqlens.to(input_ids.device), input_ids.shape[1])
-        if cache is not None and cache.batch_size != input_ids.shape[0]:
-            raise ValueError(f"cache was made for batch {cache.batch_size} but input has batch {input_ids.shape[0]}")
-        hidden = self.model(input_ids, cache, packed)
+            packed = PackedDocs.from_cu_seqlens(cu_seqlens.to(tokens.device), tokens.shape[1])
+        if cache is not None and cache.batch_size != tokens.shape[0]:
+            raise ValueError(f"cache was made for batch {cache.batch_size} but input has batch {tokens.shape[0]}")
+        hidden = self.model(input_ids, cache, packed, inputs_embeds)
         if cache is not None:
-            cache.seen_tokens += input_ids.shape[1]
+            cache.seen_tokens += tokens.shape[1]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:

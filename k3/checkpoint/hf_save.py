@@ -13,6 +13,7 @@ so a crash never leaves a half-written checkpoint under the target name.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -135,15 +136,29 @@ def _replace_directory(staging: Path, target: Path) -> None:
 
 def save_pretrained(model: K3ForCausalLM, tokenizer, path: str | os.PathLike, format: str | None = None,
                     mxfp4_experts: bool = False, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                    dtype: torch.dtype | None = None, progress: bool = True) -> Path:
+                    dtype: torch.dtype | None = None, progress: bool = True, vision=None,
+                    extra_config: dict | None = None) -> Path:
     """Write model (+ tokenizer, if given) as an HF-format directory at `path`; returns the path.
 
     format: 'kimi_linear' or 'kimi_k3'; None picks kimi_linear when the config has no K3-only switch.
-    mxfp4_experts: store routed experts in MXFP4 (kimi_k3 only). dtype: cast floating tensors first."""
+    mxfp4_experts: store routed experts in MXFP4 (kimi_k3 only). dtype: cast floating tensors first.
+    vision: a k3.vision.VisionModel written beside the text as `vision_tower.*` / `mm_projector.*`, with its
+    `vision_config` (kimi_k3 only; k3.multimodal.save_pretrained passes it). extra_config: added to config.json."""
     config = model.config
-    hf_config = to_hf_config(config, format)  # raises when the config cannot be written in that format
+    # raises when the config cannot be written in that format
+    hf_config = to_hf_config(config, format or ("kimi_k3" if vision is not None else None))
     fmt = "kimi_k3" if hf_config.get("model_type") == "kimi_k3" else "kimi_linear"
     _check_exportable(model, fmt, mxfp4_experts)
+    tensors = checkpoint_tensors(model, fmt, mxfp4_experts, dtype)
+    if vision is not None:
+        from k3.vision.checkpoint import vision_tensors
+        from k3.vision.config import vision_config_to_hf
+
+        if fmt != "kimi_k3":
+            raise ValueError("a vision part exists only in the kimi_k3 layout; use format='kimi_k3'")
+        hf_config["vision_config"] = vision_config_to_hf(vision.config)
+        tensors = itertools.chain(tensors, vision_tensors(vision, dtype))
+    hf_config.update(extra_config or {})
     limit = parse_size(max_shard_size)
     target = Path(path).absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -152,8 +167,7 @@ def save_pretrained(model: K3ForCausalLM, tokenizer, path: str | os.PathLike, fo
         shards: list[tuple[Path, list[str]]] = []
         current: dict[str, torch.Tensor] = {}
         current_bytes = total_bytes = 0
-        for name, tensor in tqdm(checkpoint_tensors(model, fmt, mxfp4_experts, dtype), desc="writing tensors",
-                                 unit="tensor", disable=not progress):
+        for name, tensor in tqdm(tensors, desc="writing tensors", unit="tensor", disable=not progress):
             size = tensor.numel() * tensor.element_size()
             if current and current_bytes + size > limit:
                 shards.append((staging / f"shard-{len(shards)}.tmp", list(current)))

@@ -1,0 +1,127 @@
+"""K3ForConditionalGeneration: the K3 language model with its vision part; image embeddings enter the token
+stream at the media placeholder positions.
+
+    processor = ImageProcessor.for_vision(model.vision.config)
+    batch = processor([image])                                         # pixel_values, grid_thw
+    ids = expand_placeholders(prompt_ids, batch.tokens_per_image, model.media_token_id)
+    out = model(torch.tensor([ids]), batch.pixel_values, batch.grid_thw, labels=...)   # training / scoring
+
+Generation with a cache: the first (prefill) forward takes the images, every later step plain token ids:
+    cache = model.new_cache(1)
+    logits = model(ids, pixel_values, grid_thw, cache=cache).logits    # = language_model(inputs_embeds=...)
+    logits = model(next_ids, cache=cache).logits                       # no placeholders in decode steps
+or, for an engine that drives the text model itself, `embeds = model.embed_multimodal(ids, pixel_values,
+grid_thw)` and `model.language_model(None, cache, inputs_embeds=embeds)` for the prefill.
+
+Checkpoints: the state dict holds `language_model.*` (K3ForCausalLM's own names) and `vision.vision_tower.*`,
+`vision.mm_projector.*`; the published HF layout (`language_model.*`, `vision_tower.*`, `mm_projector.*`) is
+read by `from_pretrained` and written by `save_pretrained` below.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from k3.config import ModelConfig
+from k3.model import CausalLMOutput, K3ForCausalLM
+from k3.vision.config import VisionConfig
+from k3.vision.model import VisionModel
+
+# `<|media_pad|>` in the Kimi tokenizers (transformers' Kimi_K25Config.image_token_id).
+DEFAULT_MEDIA_TOKEN_ID = 163605
+
+
+class K3ForConditionalGeneration(nn.Module):
+    def __init__(self, config: ModelConfig, vision_config: VisionConfig,
+                 media_token_id: int = DEFAULT_MEDIA_TOKEN_ID) -> None:
+        super().__init__()
+        if vision_config.text_hidden_size != config.hidden_size:
+            raise ValueError(f"the vision projector writes width {vision_config.text_hidden_size} but the text "
+                             f"model is {config.hidden_size} wide; set VisionConfig.text_hidden_size to match")
+        if not 0 <= media_token_id < config.vocab_size:
+            raise ValueError(f"media_token_id {media_token_id} is outside the vocabulary [0, {config.vocab_size})")
+        self.config, self.vision_config, self.media_token_id = config, vision_config, media_token_id
+        self.language_model = K3ForCausalLM(config)
+        self.vision = VisionModel(vision_config)
+
+    def new_cache(self, batch_size: int):
+        return self.language_model.new_cache(batch_size)
+
+    def embed_multimodal(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                         grid_thw: torch.Tensor | None = None,
+                         image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] with one media token per merged image token -> inputs_embeds [B, T, d].
+
+        The images' embeddings (from pixel_values + grid_thw, or given as image_embeds [M, d]) replace the media
+        tokens' embeddings in reading order: batch row by row, left to right, images in grid_thw order."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+        mask = input_ids == self.media_token_id
+        embeds = self.language_model.model.embed_tokens(input_ids)
+        if image_embeds is None and pixel_values is not None:
+            if grid_thw is None:
+                raise ValueError("pixel_values need their grid_thw [num_images, 3]")
+            image_embeds = self.vision(pixel_values, grid_thw)
+        placeholders = int(mask.sum())
+        given = 0 if image_embeds is None else image_embeds.shape[0]
+        if placeholders != given:
+            raise ValueError(f"input_ids hold {placeholders} media placeholder token(s) ({self.media_token_id}) "
+                             f"but the images give {given} embedding(s); expand each image's placeholder to its "
+                             f"(h/2)*(w/2) tokens (k3.vision.processing.expand_placeholders)")
+        if given == 0:
+            return embeds
+        return embeds.masked_scatter(mask.unsqueeze(-1), image_embeds.to(embeds.dtype))
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                grid_thw: torch.Tensor | None = None, cache=None, cu_seqlens: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> CausalLMOutput:
+        """Logits [B, T, V] (and the loss for labels [B, T], -100 ignored; mask the placeholder positions out of
+        labels, they are not text to predict)."""
+        inputs_embeds = self.embed_multimodal(input_ids, pixel_values, grid_thw)
+        return self.language_model(None, cache=cache, cu_seqlens=cu_seqlens, labels=labels,
+                                   inputs_embeds=inputs_embeds)
+
+
+def count_multimodal_parameters(config: ModelConfig, vision_config: VisionConfig) -> dict[str, int]:
+    from k3.model import count_parameters
+    from k3.vision.model import count_vision_parameters
+
+    return {**count_parameters(config), **count_vision_parameters(vision_config)}
+
+
+# --- published HF layout --------------------------------------------------------------------------------------
+def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
+                    device: str | torch.device = "cpu", tokenizer: bool = True,
+                    media_token_id: int | None = None, progress: bool = True):
+    """(K3ForConditionalGeneration, tokenizer or None) from a K3 HF directory holding text and vision weights."""
+    import json
+
+    from k3.checkpoint.hf_load import from_pretrained as text_from_pretrained
+    from k3.vision.checkpoint import load_vision
+
+    language_model, loaded_tokenizer = text_from_pretrained(path, dtype, device, tokenizer, progress)
+    vision = load_vision(path, dtype, device)
+    raw = json.loads((Path(path) / "config.json").read_text())
+    token = media_token_id if media_token_id is not None else int(
+        raw.get("media_placeholder_token_id", raw.get("image_token_id", DEFAULT_MEDIA_TOKEN_ID)))
+    with torch.device("meta"):
+        model = K3ForConditionalGeneration(language_model.config, vision.config, token)
+    model.language_model, model.vision = language_model, vision
+    return model.eval(), loaded_tokenizer
+
+
+def save_pretrained(model: K3ForConditionalGeneration, tokenizer, path: str | os.PathLike,
+                    mxfp4_experts: bool = False, max_shard_size: int | str = "5GB",
+                    dtype: torch.dtype | None = None, progress: bool = True) -> Path:
+    """Write the published K3 layout: text under `language_model.`, `vision_tower.*`, `mm_projector.*`, and
+    config.json with text_config, vision_config and media_placeholder_token_id."""
+    from k3.checkpoint.hf_save import save_pretrained as text_save_pretrained
+
+    return text_save_pretrained(model.language_model, tokenizer, path, format="kimi_k3",
+                                mxfp4_experts=mxfp4_experts, max_shard_size=max_shard_size, dtype=dtype,
+                                progress=progress, vision=model.vision,
+                                extra_config={"media_placeholder_token_id": model.media_token_id})

@@ -1,0 +1,250 @@
+"""Images (and video frames) -> pixel_values [N, 3, p, p] + grid_thw [n, 3]; media placeholders in token ids.
+
+    processor = ImageProcessor.for_vision(vision.config)
+    batch = processor([image_a, image_b])                # PIL images, paths, bytes or data: URLs
+    ids = expand_placeholders(ids, batch.tokens_per_image, media_token_id)
+
+Resizing follows transformers' Kimi_K25ImageProcessor (navit_resize): never upscale; scale down (bicubic) until
+the patch count is within `max_patches` and each side within `max_side_patches` patches; then pad on the bottom
+and right with black to a multiple of patch_size * merge (28 px), rescale to [0, 1] and normalise with mean 0.5,
+std 0.5 (so the padding reads -1). Patches are cut in (row, column) order, each [3, p, p].
+
+Input conversions (documented, not errors): palette / greyscale / 1-bit / CMYK / YCbCr / LAB images become RGB;
+images with alpha (RGBA, LA, PA, palette transparency) are composited over white; 16-bit greyscale (I;16) is
+divided by 257 (0..65535 onto 0..255); 32-bit integer or float greyscale (I, F) is stretched from its own
+min..max onto 0..255. Errors (ValueError): a file
+that is not an image or is truncated, an image with a zero side, one with more than `max_input_pixels` pixels
+(decompression bombs are refused before decoding), an unknown mode, a video clip with frames of mixed sizes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3.vision.config import VisionConfig
+
+IMAGE_MEAN = (0.5, 0.5, 0.5)
+IMAGE_STD = (0.5, 0.5, 0.5)
+DEFAULT_MAX_PATCHES = 16384  # transformers' Kimi_K25ImageProcessor.max_patches
+DEFAULT_MAX_SIDE_PATCHES = 512  # its size["max_height"]: patches per side
+DEFAULT_MAX_INPUT_PIXELS = 178_956_970  # PIL's own decompression-bomb limit (2 x Image.MAX_IMAGE_PIXELS)
+_ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+_PLAIN_MODES = ("1", "L", "P", "RGB", "CMYK", "YCbCr", "LAB", "HSV", "RGBX")
+_WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+
+ImageSource = object  # a PIL.Image.Image, a path, bytes, or a 'data:image/...;base64,' URL
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError as error:
+        raise ImportError("image processing needs Pillow: pip install 'k3[vision]' (or pip install pillow)") \
+            from error
+    return Image
+
+
+def decode_data_url(url: str) -> bytes:
+    """The bytes of a `data:[<mime>][;base64],<payload>` URL (what OpenAI image_url parts carry)."""
+    if not url.startswith("data:") or "," not in url:
+        raise ValueError(f"not a data: URL (expected 'data:image/png;base64,...'), got {url[:40]!r}")
+    header, payload = url[5:].split(",", 1)
+    if not header.endswith(";base64"):
+        raise ValueError("only base64 data: URLs are supported ('data:image/png;base64,...')")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise ValueError(f"the data: URL's base64 payload is corrupt: {error}") from error
+
+
+def open_image(source: ImageSource, max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS):
+    """A decoded PIL image from a PIL image, path, bytes or data: URL; ValueError when it cannot be one."""
+    Image = _pil()
+    if isinstance(source, Image.Image):
+        image, name = source, "image"
+    else:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            stream, name = io.BytesIO(bytes(source)), "image bytes"
+        elif isinstance(source, str) and source.startswith("data:"):
+            stream, name = io.BytesIO(decode_data_url(source)), "data: URL"
+        elif isinstance(source, (str, os.PathLike)):
+            path = Path(source)
+            if not path.is_file():
+                raise FileNotFoundError(f"image file {path} does not exist")
+            stream, name = io.BytesIO(path.read_bytes()), str(path)
+        else:
+            raise ValueError(f"an image must be a PIL image, a path, bytes or a data: URL, got {type(source).__name__}")
+        try:
+            image = Image.open(stream)  # lazy: reads the header only, so the size is known before decoding
+        except Image.DecompressionBombError as error:
+            raise ValueError(f"{name} is too large to decode safely ({error})") from error
+        except (Image.UnidentifiedImageError, OSError) as error:
+            raise ValueError(f"{name} is not a readable image ({error})") from error
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise ValueError(f"{name} has size {width}x{height}; an image needs at least one pixel per side")
+    if width * height > max_input_pixels:
+        raise ValueError(f"{name} is {width}x{height} = {width * height:,} pixels, over the limit of "
+                         f"{max_input_pixels:,} (decompression-bomb guard); shrink it first or raise "
+                         f"max_input_pixels")
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:
+        raise ValueError(f"{name} cannot be decoded (truncated or corrupt?): {error}") from error
+    return image
+
+
+def to_rgb(image):
+    """An RGB copy of `image` by the conversions the module docstring lists."""
+    Image = _pil()
+    mode = image.mode
+    if mode == "P" and "transparency" in image.info:
+        image, mode = image.convert("RGBA"), "RGBA"
+    if mode in _ALPHA_MODES:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode in _WIDE_MODES:
+        import numpy as np
+
+        values = np.asarray(image, dtype=np.float64)
+        if mode.startswith("I;16"):
+            scaled = values / 257.0  # the full 16-bit range onto 0..255
+        else:  # 32-bit int or float: no fixed range, so stretch the image's own
+            low, high = float(values.min()), float(values.max())
+            scaled = np.zeros_like(values) if high == low else (values - low) / (high - low) * 255.0
+        return Image.fromarray(scaled.round().astype(np.uint8), mode="L").convert("RGB")
+    if mode in _PLAIN_MODES:
+        return image.convert("RGB") if mode != "RGB" else image
+    raise ValueError(f"image mode {mode!r} is not supported; convert it to RGB first "
+                     f"(supported: {', '.join(_PLAIN_MODES + _ALPHA_MODES + _WIDE_MODES)})")
+
+
+def target_size(height: int, width: int, patch_size: int, merge: int, max_patches: int,
+                max_side_patches: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((resized h, w), (padded h, w)) in pixels: the largest no-upscale size within both patch budgets, then
+    padded up to a multiple of patch_size * merge."""
+    patches = max(1, height // patch_size) * max(1, width // patch_size)
+    scale = min(1.0, math.sqrt(max_patches / patches), max_side_patches * patch_size / height,
+                max_side_patches * patch_size / width)
+    new_h = min(max(1, int(height * scale)), max_side_patches * patch_size)
+    new_w = min(max(1, int(width * scale)), max_side_patches * patch_size)
+    factor = patch_size * merge
+    return (new_h, new_w), (-(-new_h // factor) * factor, -(-new_w // factor) * factor)
+
+
+@dataclass
+class ProcessedImages:
+    pixel_values: torch.Tensor  # [N, 3, p, p] fp32, N = sum of t*h*w
+    grid_thw: torch.Tensor  # [n, 3] long: frames, patch rows, patch columns of each image / clip
+    tokens_per_image: list[int] = field(default_factory=list)  # placeholders each entry becomes
+
+
+class ImageProcessor:
+    """Resize within a pixel budget, pad to multiples of patch x merge, normalise, cut into patches."""
+
+    def __init__(self, patch_size: int = 14, merge: int = 2, max_patches: int = DEFAULT_MAX_PATCHES,
+                 max_side_patches: int = DEFAULT_MAX_SIDE_PATCHES, frames_per_clip: int = 4,
+                 mean: Sequence[float] = IMAGE_MEAN, std: Sequence[float] = IMAGE_STD,
+                 max_input_pixels: int = DEFAULT_MAX_INPUT_PIXELS) -> None:
+        if max_patches < merge * merge:
+            raise ValueError(f"max_patches {max_patches} is below one merged token ({merge * merge} patches)")
+        self.patch_size, self.merge = patch_size, merge
+        self.max_patches, self.max_side_patches = max_patches, max_side_patches
+        self.frames_per_clip = frames_per_clip
+        self.mean, self.std = torch.tensor(mean).view(3, 1, 1), torch.tensor(std).view(3, 1, 1)
+        self.max_input_pixels = max_input_pixels
+
+    @classmethod
+    def for_vision(cls, config: VisionConfig, **overrides) -> "ImageProcessor":
+        if config.merge_kernel[0] != config.merge_kernel[1]:
+            raise ValueError(f"ImageProcessor pads to a square merge kernel; got {config.merge_kernel}")
+        values = dict(patch_size=config.patch_size, merge=config.merge_kernel[0],
+                      frames_per_clip=config.pos_emb_time)
+        values.update(overrides)
+        return cls(**values)
+
+    def _tensor(self, image, size: tuple[tuple[int, int], tuple[int, int]]) -> torch.Tensor:
+        """[3, H, W] normalised, resized and padded."""
+        import numpy as np
+
+        (new_h, new_w), (pad_h, pad_w) = size
+        rgb = to_rgb(image)
+        if rgb.size != (new_w, new_h):
+            rgb = rgb.resize((new_w, new_h), resample=_pil().Resampling.BICUBIC)
+        pixels = torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
+        padded = torch.zeros(3, pad_h, pad_w)
+        padded[:, :new_h, :new_w] = pixels
+        return (padded - self.mean) / self.std
+
+    def _patches(self, frames: torch.Tensor) -> torch.Tensor:
+        """[t, 3, H, W] -> [t * H/p * W/p, 3, p, p] in (frame, row, column) order."""
+        t, c, height, width = frames.shape
+        p = self.patch_size
+        grid = frames.view(t, c, height // p, p, width // p, p).permute(0, 2, 4, 1, 3, 5)
+        return grid.reshape(-1, c, p, p)
+
+    def _size_of(self, image) -> tuple[tuple[int, int], tuple[int, int]]:
+        width, height = image.size
+        return target_size(height, width, self.patch_size, self.merge, self.max_patches, self.max_side_patches)
+
+    def preprocess(self, images: Sequence[ImageSource]) -> ProcessedImages:
+        """Each image one entry of grid_thw, t = 1."""
+        return self._batch([[image] for image in images])
+
+    __call__ = preprocess
+
+    def preprocess_video(self, frames: Sequence[ImageSource]) -> ProcessedImages:
+        """One video: frames of one size, in clips of at most frames_per_clip frames (one grid_thw entry each,
+        t = the clip's frame count); every clip becomes h*w/4 tokens (mean over its frames)."""
+        if not frames:
+            raise ValueError("a video needs at least one frame")
+        clips = [list(frames[i: i + self.frames_per_clip]) for i in range(0, len(frames), self.frames_per_clip)]
+        return self._batch(clips)
+
+    def _batch(self, entries: list[list[ImageSource]]) -> ProcessedImages:
+        pixel_values, grids = [], []
+        for index, entry in enumerate(entries):
+            opened = [open_image(source, self.max_input_pixels) for source in entry]
+            sizes = {image.size for image in opened}
+            if len(sizes) > 1:
+                raise ValueError(f"clip {index}: frames have different sizes {sorted(sizes)}; resize them to one "
+                                 f"size first")
+            size = self._size_of(opened[0])
+            frames = torch.stack([self._tensor(image, size) for image in opened])
+            pixel_values.append(self._patches(frames))
+            (_, _), (pad_h, pad_w) = size
+            grids.append([len(opened), pad_h // self.patch_size, pad_w // self.patch_size])
+        if not grids:
+            p = self.patch_size
+            return ProcessedImages(torch.zeros(0, 3, p, p), torch.zeros(0, 3, dtype=torch.long), [])
+        grid_thw = torch.tensor(grids, dtype=torch.long)
+        tokens = [(h // self.merge) * (w // self.merge) for _, h, w in grids]
+        return ProcessedImages(torch.cat(pixel_values), grid_thw, tokens)
+
+
+def expand_placeholders(token_ids: Sequence[int], tokens_per_image: Sequence[int],
+                        media_token_id: int) -> list[int]:
+    """Replace the i-th `media_token_id` in token_ids by tokens_per_image[i] copies of it (a prompt carries one
+    placeholder per image; the model wants one per merged token). Counts that disagree are an error."""
+    found = sum(1 for t in token_ids if t == media_token_id)
+    if found != len(tokens_per_image):
+        raise ValueError(f"the text has {found} media placeholder(s) (token {media_token_id}) but "
+                         f"{len(tokens_per_image)} image(s) were given; put one placeholder per image")
+    out: list[int] = []
+    images = iter(tokens_per_image)
+    for token in token_ids:
+        if token == media_token_id:
+            out.extend([media_token_id] * int(next(images)))
+        else:
+            out.append(int(token))
+    return out
