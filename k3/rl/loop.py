@@ -1,0 +1,364 @@
+"""The RL loop: a k3 checkpoint plus a task suite in, a better checkpoint out.
+
+Per step: draw ``tasks_per_step`` training tasks, run ``group`` episodes of each (one snapshot forked per
+task, all episodes batched through the engine), score them, turn rewards into group advantages, update the
+policy (k3.rl.policy), and the engine - which holds the same model object, in process - samples from the new
+weights at the next step. Every ``heldout_every`` steps the held-out split is scored (greedy by default).
+
+Run directory (as `k3 train` writes one, so `k3 generate --run` and `k3 rl --run` read it):
+    rl_config.json   the RLConfig
+    config.json      the ModelConfig
+    tokenizer/       the tokenizer files
+    checkpoint.pt    model, optimizer, step, RNG states (atomic; see k3.checkpoint.native)
+    metrics.jsonl    one record per step; metrics.png the curves
+
+Resume is exact: tasks and sampling seeds follow from (seed, step), and the RNG states are saved, so a run
+stopped and resumed equals the unbroken run. Episodes parked by partial rollouts are not saved: a resume
+starts without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from k3.checkpoint.native import CHECKPOINT_NAME, atomic_write_bytes, directory_files, load_checkpoint, \
+    load_model_state, save_checkpoint
+from k3.config import ModelConfig
+from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages, loss_config_for
+from k3.rl.policy import PolicyConfig, PolicyUpdater, Sequence
+from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner
+from k3.rl.tasks import Task, load_tasks
+from k3.train.metrics import MetricsLog, read_metrics
+
+
+@dataclass
+class RLConfig:
+    run: str = ""  # the starting checkpoint: a k3 run directory or checkpoint file
+    suite: str = "calc"  # calc | fix | files | a path to user tasks
+    out: str = "runs/rl"
+    algo: str = "gspo"
+    group: int = 8
+    tasks_per_step: int = 4
+    steps: int = 20
+    lr: float = 1e-5
+    minibatches: int = 1
+    temperature: float = 1.0
+    eval_temperature: float = 0.0
+    heldout_every: int = 10
+    heldout_tasks: int = 50
+    save_every: int = 10
+    seed: int = 0
+    kl_coef: float = 0.0
+    tis_cap: float | None = 2.0
+    clip_low: float | None = None  # None: the algorithm's default
+    clip_high: float | None = None
+    tau: float | None = None
+    dynamic_sampling: bool | None = None  # None: on for dapo only
+    routing_replay: bool = True
+    update_balancer: bool = False
+    max_context: int = 2048
+    tool_budget: int = 1000
+    iteration_token_budget: int | None = None
+    micro_tokens: int = 8192
+    device: str = "auto"
+    threads: int = 8
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGORITHMS:
+            raise ValueError(f"algo must be one of {sorted(ALGORITHMS)}, got {self.algo!r}")
+        for name in ("group", "tasks_per_step", "steps", "heldout_every", "save_every", "minibatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.heldout_tasks < 0:
+            raise ValueError(f"heldout_tasks must be >= 0, got {self.heldout_tasks}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class TaskSource:
+    """The training and held-out tasks of a suite: a built-in generator or a loaded task file."""
+
+    def __init__(self, suite: str, seed: int) -> None:
+        from k3.rl.suites import SUITE_NAMES, get_suite
+
+        self.seed = seed
+        if suite in SUITE_NAMES:
+            self.builtin = get_suite(suite)
+            self.train_tasks = self.heldout_pool = None
+        else:
+            self.builtin = None
+            tasks = load_tasks(suite)
+            self.train_tasks = [t for t in tasks if t.split == "train"]
+            self.heldout_pool = [t for t in tasks if t.split == "heldout"]
+            if not self.train_tasks:
+                raise ValueError(f"{suite} holds no tasks with split 'train' to learn from")
+
+    def train(self, step: int, count: int) -> list[Task]:
+        """The tasks of step ``step`` (1-based): fixed by (seed, step), so a resumed run draws the same."""
+        if self.builtin is not None:
+            start = (self.seed * 1_000_003 + (step - 1) * count) % (2 ** 31)
+            return self.builtin.tasks("train", count, start=start)
+        rng = random.Random(f"{self.seed}/{step}")
+        return [rng.choice(self.train_tasks) for _ in range(count)]
+
+    def heldout(self, count: int) -> list[Task]:
+        if self.builtin is not None:
+            return self.builtin.tasks("heldout", count)
+        return self.heldout_pool[:count]
+
+
+def _episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+    n = max(len(episodes), 1)
+    finishes: dict[str, int] = {}
+    for e in episodes:
+        finishes[e.finish] = finishes.get(e.finish, 0) + 1
+    return {
+        "reward_mean": sum(e.reward for e in episodes) / n,
+        "pass_rate": sum(e.reward >= 1.0 for e in episodes) / n,
+        "response_tokens": sum(e.model_tokens for e in episodes) / n,
+        "episode_tokens": sum(len(e.ids) for e in episodes) / n,
+        "turns": sum(e.turns for e in episodes) / n,
+        "tool_calls": sum(e.tool_calls for e in episodes) / n,
+        "tool_errors": sum(e.tool_errors for e in episodes) / n,
+        "sandbox_failures": sum(e.failed for e in episodes),
+        "sandbox_s": sum(e.sandbox_seconds for e in episodes),
+        "episodes": len(episodes),
+        "finish": finishes,
+    }
+
+
+def build_engine(model, tokenizer, max_context: int, max_batch: int = 32):
+    """The inference engine over the policy model itself: updates reach it in process, with no copy (call
+    weights_changed after each update: its prefix cache holds states computed by the old weights)."""
+    import inspect
+
+    from k3.infer import Engine
+
+    kwargs = {"max_context": max_context}
+    if "max_batch" in inspect.signature(Engine.__init__).parameters:
+        kwargs["max_batch"] = max_batch
+    return Engine(model, tokenizer, **kwargs)
+
+
+def weights_changed(engine) -> None:
+    """Tell the engine its model's weights moved: cached prefix states are stale."""
+    clear = getattr(engine, "clear_prefix_cache", None)
+    if clear is not None:
+        clear()
+
+
+class RLTrainer:
+    def __init__(self, config: RLConfig, resume: bool = False, log: Callable[[str], None] = print,
+                 show_progress: bool = True) -> None:
+        from k3.train.trainer import _rng_state, _set_rng_state, autocast_dtype, resolve_device
+
+        self.log, self.show_progress = log, show_progress
+        self.out = Path(config.out)
+        checkpoint = self.out / CHECKPOINT_NAME
+        state = None
+        if resume:
+            if not checkpoint.is_file():
+                raise FileNotFoundError(f"--resume given but {checkpoint} does not exist; start the run without "
+                                        f"--resume first")
+            state = load_checkpoint(checkpoint)
+            if "rl" not in state:
+                raise ValueError(f"{checkpoint} was not written by `k3 rl` (no RL settings in it)")
+            config = dataclasses.replace(RLConfig(**state["rl"]), out=config.out)
+        elif checkpoint.exists():
+            raise ValueError(f"{self.out} already holds an RL run ({checkpoint}); pass --resume to continue it or "
+                             f"choose another --out")
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.autocast = autocast_dtype("auto", self.device)
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        if state is not None:
+            from k3.checkpoint.native import tokenizer_from_checkpoint
+            from k3.model import K3ForCausalLM
+
+            self.tokenizer = tokenizer_from_checkpoint(state, self.out / "tokenizer")
+            self.model = K3ForCausalLM(ModelConfig.from_dict(state["config"]))
+            load_model_state(self.model, state["model"], str(checkpoint))
+            self.model.to(self.device)
+        else:
+            if not config.run:
+                raise ValueError("give the starting checkpoint: --run DIR (a `k3 train`, `k3 sft` or `k3 rl` run)")
+            from k3.infer.cli import load_for_inference
+
+            self.model, self.tokenizer = load_for_inference(config.run, None, str(self.device))
+        self.model_config = self.model.config
+        self.reference = None
+        if config.kl_coef > 0:
+            import copy
+
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        loss_config = loss_config_for(config.algo, clip_low=config.clip_low, clip_high=config.clip_high,
+                                      tau=config.tau, tis_cap=config.tis_cap, kl_coef=config.kl_coef)
+        policy = PolicyConfig(algorithm=config.algo, lr=config.lr, minibatches=config.minibatches,
+                              micro_tokens=config.micro_tokens, routing_replay=config.routing_replay,
+                              update_balancer=config.update_balancer)
+        self.updater = PolicyUpdater(self.model, policy, loss_config, reference=self.reference,
+                                     autocast=self.autocast)
+        self.engine = build_engine(self.model, self.tokenizer, config.max_context,
+                                   max_batch=min(256, config.group * config.tasks_per_step))
+        rollout = RolloutConfig(temperature=config.temperature, max_context=config.max_context,
+                                tool_budget=config.tool_budget, iteration_token_budget=config.iteration_token_budget,
+                                threads=config.threads)
+        self.runner = RolloutRunner(self.engine, self.tokenizer, rollout, seed=config.seed)
+        self.tasks = TaskSource(config.suite, config.seed)
+        self.step = 0
+        if state is not None:
+            self.updater.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+            _set_rng_state(state["rng"])
+        else:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.tokenizer.save(self.out / "tokenizer")
+            atomic_write_bytes(self.out / "rl_config.json", (json.dumps(config.to_dict(), indent=2) + "\n").encode())
+            atomic_write_bytes(self.out / "config.json",
+                               (json.dumps(self.model_config.to_dict(), indent=2) + "\n").encode())
+        self._rng_state = _rng_state
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
+
+    # -- pieces ------------------------------------------------------------------------------------
+    def evaluate(self, count: int | None = None, temperature: float | None = None) -> dict[str, float]:
+        """Pass rate on the first ``count`` held-out tasks, one episode each (greedy unless told)."""
+        tasks = self.tasks.heldout(self.config.heldout_tasks if count is None else count)
+        if not tasks:
+            return {}
+        saved = self.runner.config.temperature
+        self.runner.config.temperature = self.config.eval_temperature if temperature is None else temperature
+        parked, self.runner.parked = self.runner.parked, []
+        budget, self.runner.config.iteration_token_budget = self.runner.config.iteration_token_budget, None
+        try:
+            groups = self.runner.run(tasks, 1, step=-1)
+        finally:
+            self.runner.config.temperature = saved
+            self.runner.parked = parked
+            self.runner.config.iteration_token_budget = budget
+        episodes = [e for g in groups for e in g]
+        stats = _episode_metrics(episodes)
+        return {"heldout_pass_rate": stats["pass_rate"], "heldout_reward": stats["reward_mean"],
+                "heldout_tasks": len(episodes), "heldout_tool_calls": stats["tool_calls"] * len(episodes)}
+
+    def sequences(self, groups: list[list[Episode]]) -> tuple[list[Sequence], int]:
+        """Group advantages -> trainable sequences; (sequences, groups kept)."""
+        algorithm = ALGORITHMS[self.config.algo]
+        rewards = [[e.reward for e in g] for g in groups]
+        dynamic = self.config.dynamic_sampling if self.config.dynamic_sampling is not None else self.config.algo == "dapo"
+        keep = dynamic_sampling_keep(rewards) if dynamic else [True] * len(groups)
+        out = []
+        for group, group_rewards, kept in zip(groups, rewards, keep):
+            if not kept:
+                continue
+            advantages = group_advantages(torch.tensor(group_rewards, dtype=torch.float32), algorithm.advantage)
+            for episode, advantage in zip(group, advantages.tolist()):
+                if episode.failed or not any(episode.mask):
+                    continue  # a sandbox failure is not the policy's doing: no gradient from it
+                out.append(Sequence(episode.ids, episode.mask, episode.logprobs, advantage))
+        return out, sum(keep)
+
+    def save(self) -> None:
+        state = {"model": self.model.state_dict(), "optimizer": self.updater.optimizer.state_dict(),
+                 "config": self.model_config.to_dict(), "rl": self.config.to_dict(), "step": self.step,
+                 "rng": self._rng_state(), "tokenizer": directory_files(self.out / "tokenizer")}
+        save_checkpoint(self.out / CHECKPOINT_NAME, state)
+
+    def plot(self) -> None:
+        plot_rl_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
+
+    def train_step(self) -> dict[str, Any]:
+        self.step += 1
+        started = time.perf_counter()
+        tasks = self.tasks.train(self.step, self.config.tasks_per_step)
+        groups = self.runner.run(tasks, self.config.group, step=self.step)
+        rollout_stats = dict(self.runner.stats)
+        episodes = [e for g in groups for e in g]
+        t0 = time.perf_counter()
+        sequences, kept = self.sequences(groups)
+        update = self.updater.update(sequences) if any(s.advantage != 0 for s in sequences) else {}
+        if update:
+            weights_changed(self.engine)
+        train_s = time.perf_counter() - t0
+        record = {"step": self.step, **_episode_metrics(episodes), **update, "groups_kept": kept,
+                  "groups": len(groups), **{k: round(v, 4) if isinstance(v, float) else v
+                                            for k, v in rollout_stats.items()},
+                  "train_s": train_s, "step_s": time.perf_counter() - started}
+        if not update:
+            record["skipped_update"] = "every advantage was 0 (all rewards in each group equal)"
+        return record
+
+    def train(self, stop_at: int | None = None) -> dict[str, Any]:
+        """Run to ``steps`` (or stop after step ``stop_at``, as an interrupted run would)."""
+        config = self.config
+        summary: dict[str, Any] = {"start_step": self.step}
+        if self.step == 0 and config.heldout_tasks:
+            first = self.evaluate()
+            self.metrics.write({"step": 0, **first})
+            summary["first_heldout_pass_rate"] = first.get("heldout_pass_rate")
+            self.log(f"step 0: held-out pass rate {first.get('heldout_pass_rate', 0):.3f} on "
+                     f"{first.get('heldout_tasks', 0)} tasks")
+        bar = tqdm(total=config.steps, initial=self.step, desc="rl", unit="step", disable=not self.show_progress,
+                   dynamic_ncols=True)
+        try:
+            while self.step < config.steps:
+                if stop_at is not None and self.step >= stop_at:
+                    break
+                record = self.train_step()
+                if config.heldout_tasks and (self.step % config.heldout_every == 0 or self.step == config.steps):
+                    record.update(self.evaluate())
+                    summary["last_heldout_pass_rate"] = record["heldout_pass_rate"]
+                self.metrics.write(record)
+                bar.update(1)
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", pass_rate=f"{record['pass_rate']:.2f}")
+                if self.step % config.save_every == 0 or self.step == config.steps:
+                    self.save()
+        finally:
+            bar.close()
+        self.plot()
+        summary["steps"] = self.step
+        return summary
+
+
+def plot_rl_metrics(metrics_path, png_path) -> None:
+    """Reward and pass rates, lengths, tool calls and errors, entropy / clip fraction / logprob gap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+
+    def series(key):
+        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    panels = [(axes[0][0], ("reward_mean", "pass_rate", "heldout_pass_rate"), "reward / pass rate"),
+              (axes[0][1], ("response_tokens", "episode_tokens"), "tokens per episode"),
+              (axes[1][0], ("tool_calls", "tool_errors", "turns"), "per episode"),
+              (axes[1][1], ("entropy", "clip_fraction", "logprob_gap", "kl_ref"), "policy")]
+    for ax, keys, title in panels:
+        for key in keys:
+            xs, ys = series(key)
+            if xs:
+                ax.plot(xs, ys, "o-" if key.startswith("heldout") else "-", label=key, linewidth=1)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    atomic_write_bytes(png_path, buffer.getvalue())

@@ -1,0 +1,201 @@
+"""The trainer side of RL: logprobs of sampled sequences under the policy, and one policy-gradient update.
+
+Sequences are packed into one row ([1, total], cu_seqlens: no padding, no leakage between them), in
+micro-batches of at most ``micro_tokens`` tokens. Per update:
+
+1. the old-policy pass (no grad): logprobs under the weights that sampled, with each token's experts recorded
+   (routing replay), and the reference model's logprobs when a KL term is on;
+2. per mini-batch: the training forward (replaying the recorded experts), the algorithm's loss on tokens the
+   policy produced only (tool output and prompts are masked out), backward, clip, one optimizer step.
+
+The Quantile-Balancing bias stays frozen during RL (routers run in eval mode, where QB does not solve a new
+bias) unless ``update_balancer`` is set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from k3.rl.losses import ALGORITHMS, LossConfig, kl_k3, tis_weights
+from k3.rl.routing import RoutingReplay
+
+
+@dataclass
+class Sequence:
+    """One trainable sample: ids [n], mask [n] (True: produced by the policy), rollout logprobs [n] (NaN where
+    unknown; unused where mask is False) and its advantage."""
+
+    ids: list[int]
+    mask: list[bool]
+    rollout_logprobs: list[float]
+    advantage: float
+
+
+def token_logprobs(logits_TV: torch.Tensor, ids_T: torch.Tensor) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1 from logits [T, V] of one sequence -> [T] (position 0 is 0)."""
+    logp = torch.zeros(ids_T.shape[0], device=logits_TV.device, dtype=torch.float32)
+    if ids_T.shape[0] > 1:
+        logp[1:] = torch.log_softmax(logits_TV[:-1].float(), -1).gather(1, ids_T[1:, None]).squeeze(1)
+    return logp
+
+
+def token_entropy(logits_TV: torch.Tensor) -> torch.Tensor:
+    """Entropy of the next-token distribution at each position, aligned as token_logprobs ([T], position 0 is
+    0): entry t is the entropy of the distribution that token t was drawn from."""
+    out = torch.zeros(logits_TV.shape[0], device=logits_TV.device, dtype=torch.float32)
+    if logits_TV.shape[0] > 1:
+        logp = torch.log_softmax(logits_TV[:-1].float(), -1)
+        out[1:] = -(logp.exp() * logp).sum(-1)
+    return out
+
+
+def micro_batches(lengths: list[int], micro_tokens: int) -> list[list[int]]:
+    """Indices grouped in order into batches of at most micro_tokens tokens (a longer sequence goes alone)."""
+    batches, current, used = [], [], 0
+    for index, length in enumerate(lengths):
+        if current and used + length > micro_tokens:
+            batches.append(current)
+            current, used = [], 0
+        current.append(index)
+        used += length
+    if current:
+        batches.append(current)
+    return batches
+
+
+def packed_logprobs(model, sequences: list[list[int]], device, with_entropy: bool = False, autocast=None):
+    """Forward sequences packed in one row -> (list of logprobs [n_i], list of entropies [n_i] or None)."""
+    ids = torch.tensor([t for s in sequences for t in s], device=device)[None]
+    lengths = torch.tensor([len(s) for s in sequences])
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
+    with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+        logits = model(ids, cu_seqlens=cu).logits[0]
+    logps, entropies = [], []
+    for i in range(len(sequences)):
+        start, end = int(cu[i]), int(cu[i + 1])
+        logps.append(token_logprobs(logits[start:end], ids[0, start:end]))
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(token_entropy(logits[start:end].detach()))
+    return logps, (entropies if with_entropy else None)
+
+
+def pad(rows: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
+    """[n_i] tensors -> [B, max n] padded with value."""
+    width = max(r.shape[0] for r in rows)
+    return torch.stack([F.pad(r, (0, width - r.shape[0]), value=value) for r in rows])
+
+
+@dataclass
+class PolicyConfig:
+    algorithm: str = "gspo"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    minibatches: int = 1  # optimizer steps per batch of rollouts (>1: later ones are off-policy, ratios clip)
+    micro_tokens: int = 8192
+    routing_replay: bool = True
+    update_balancer: bool = False
+
+
+class PolicyUpdater:
+    """Owns the optimizer; ``update(sequences)`` does one RL update over a batch and returns its metrics."""
+
+    def __init__(self, model, config: PolicyConfig, loss_config: LossConfig, optimizer=None, reference=None,
+                 autocast=None) -> None:
+        from k3.train.optim import build_optimizer
+
+        if config.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown RL algorithm {config.algorithm!r}; choose one of {sorted(ALGORITHMS)}")
+        self.model, self.config, self.loss_config = model, config, loss_config
+        self.algorithm = ALGORITHMS[config.algorithm]
+        self.optimizer = optimizer or build_optimizer(model, config.lr, config.weight_decay)
+        self.reference = reference
+        self.autocast = autocast
+        self.device = next(model.parameters()).device
+        self.replay = RoutingReplay(model)
+
+    def _train_mode(self) -> None:
+        self.model.train()
+        if not self.config.update_balancer:
+            for _, router in self.model.routers():
+                router.eval()  # QB solves a new bias only in training mode: frozen during RL
+
+    def update(self, sequences: list[Sequence]) -> dict[str, float]:
+        if not sequences:
+            return {}
+        config = self.config
+        self._train_mode()
+        order = list(range(len(sequences)))
+        minibatches = [order[i::config.minibatches] for i in range(min(config.minibatches, len(order)))]
+        # 1. old-policy pass: logprobs, entropy, recorded routes, reference logprobs.
+        old_logp, entropy, routes, ref_logp = {}, {}, {}, {}
+        with torch.no_grad():
+            for mb in minibatches:
+                for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
+                    members = [mb[i] for i in micro]
+                    with self.replay.record() as recorded:
+                        logps, ents = packed_logprobs(self.model, [sequences[i].ids for i in members], self.device,
+                                                      with_entropy=True, autocast=self.autocast)
+                    routes[tuple(members)] = recorded
+                    if self.reference is not None and self.loss_config.kl_coef > 0:
+                        refs, _ = packed_logprobs(self.reference, [sequences[i].ids for i in members], self.device,
+                                                  autocast=self.autocast)
+                        ref_logp.update(zip(members, refs))
+                    old_logp.update(zip(members, logps))
+                    entropy.update(zip(members, ents))
+        masks = {i: torch.tensor(s.mask, dtype=torch.float32, device=self.device) for i, s in enumerate(sequences)}
+        total_tokens = sum(float(m.sum()) for m in masks.values())
+        metrics = {"entropy": sum(float((entropy[i] * masks[i]).sum()) for i in masks) / max(total_tokens, 1)}
+        gap, known = 0.0, 0
+        for i, s in enumerate(sequences):
+            rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
+            where = masks[i].bool() & torch.isfinite(rollout)
+            gap += float((old_logp[i] - rollout)[where].abs().sum())
+            known += int(where.sum())
+        metrics["logprob_gap"] = gap / known if known else math.nan
+        # 2. one optimizer step per mini-batch.
+        losses, clips, kls, norms = [], [], [], []
+        token_level = self.config.algorithm in ("dapo", "cispo")
+        for mb in minibatches:
+            mb_tokens = sum(float(masks[i].sum()) for i in mb)
+            for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
+                members = [mb[i] for i in micro]
+                context = self.replay.replay(routes[tuple(members)]) if config.routing_replay else contextlib.nullcontext()
+                with context:
+                    logps, _ = packed_logprobs(self.model, [sequences[i].ids for i in members], self.device,
+                                               autocast=self.autocast)
+                logp_BT = pad(logps)
+                old_BT = pad([old_logp[i] for i in members])
+                mask_BT = pad([masks[i] for i in members])
+                rollout_BT = pad([torch.tensor(sequences[i].rollout_logprobs, dtype=torch.float32,
+                                               device=self.device) for i in members], value=math.nan)
+                adv_B = torch.tensor([sequences[i].advantage for i in members], dtype=torch.float32,
+                                     device=self.device)
+                weights = tis_weights(old_BT, rollout_BT, self.loss_config.tis_cap)
+                out = self.algorithm.loss(logp_BT, old_BT, adv_B, mask_BT, self.loss_config, weights)
+                loss = out.loss
+                if ref_logp:
+                    kl = (kl_k3(logp_BT, pad([ref_logp[i] for i in members])) * mask_BT).sum() / mask_BT.sum().clamp(min=1)
+                    loss = loss + self.loss_config.kl_coef * kl
+                    kls.append(float(kl.detach()))
+                share = (float(mask_BT.sum()) / max(mb_tokens, 1)) if token_level else len(members) / len(mb)
+                (loss * share).backward()
+                losses.append(float(out.loss.detach()) * share)
+                clips.append(out.clip_fraction)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if config.update_balancer:
+            self.model.update_balancers()
+        self.model.eval()
+        metrics.update(loss=sum(losses) / len(minibatches), clip_fraction=sum(clips) / len(clips),
+                       grad_norm=sum(norms) / len(norms), trained_tokens=total_tokens,
+                       kl_ref=(sum(kls) / len(kls)) if kls else 0.0)
+        return metrics
+

@@ -1,0 +1,326 @@
+"""Rollouts: many multi-turn tool-use episodes at once, each in its own sandbox.
+
+For every task of a step, one sandbox is prepared (image, setup files, setup command) and snapshotted; the
+G episodes of that task start from that ONE snapshot, forked G times, so they see one prepared state and
+none sees a sibling's writes. All live episodes generate together: each turn is one batched engine call
+over every episode still running (the first turn of a group is one request with n = G: its prompt is
+prefilled once). Tool calls then run in the episodes' sandboxes in parallel threads.
+
+An episode ends on submit, on a turn without a tool call (its text is the answer), or at a limit (turns,
+total tokens, wall seconds, the engine's context). A sandbox that dies ends its episode as failed (reward 0,
+reason kept); the others go on. Partial rollouts (Kimi k1.5): with ``iteration_token_budget`` set, once
+the step has generated that many tokens the episodes still running are parked (their tokens kept, their
+sandbox snapshotted and closed) and continue in the next call, before any new task starts.
+
+Per token an episode keeps: ids, whether the policy produced it (tool output, prompts and markers are not
+trainable), and the engine's logprob (NaN where the engine gives none).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from k3.rl.chat_format import parse_tool_calls, render_ids, tool_message_ids
+from k3.rl.generation import generate
+from k3.rl.tasks import Task
+from k3.rl.tools import SandboxGone, run_tool, tool_list_text, truncate
+from k3.rl.verify import score
+
+
+@dataclass
+class Episode:
+    task: Task
+    group: int
+    sample: int
+    ids: list[int]
+    mask: list[bool]
+    logprobs: list[float]
+    prompt_len: int
+    sandbox: object | None = None
+    parked_snapshot: str | None = None
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    model_tokens: int = 0
+    answer: str | None = None
+    done: bool = False
+    finish: str = ""
+    reward: float = 0.0
+    reason: str = ""
+    seconds: float = 0.0
+    sandbox_seconds: float = 0.0
+    truncated_outputs: int = 0
+    failed: bool = False  # the sandbox failed (not the policy): reward 0 without verification
+    started: float = field(default_factory=time.perf_counter)
+    transcript: list[dict] = field(default_factory=list)
+    last_output: object | None = None  # the turn just generated (k3.rl.generation.Generated)
+
+    @property
+    def response_tokens(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+@dataclass
+class RolloutConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_context: int = 4096
+    tool_budget: int = 2000  # characters of one tool observation
+    tool_timeout: float = 20.0
+    iteration_token_budget: int | None = None  # partial rollouts: park episodes past this many tokens a step
+    threads: int = 8
+    keep_transcripts: bool = False
+
+
+def _seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:4], "big") % (2 ** 31)
+
+
+def system_text(task: Task) -> str:
+    return (task.system or "Solve the task with tools, then submit.") + "\nTools:\n" + tool_list_text(task.tools)
+
+
+def initial_messages(task: Task) -> list[dict]:
+    return [{"role": "system", "content": system_text(task)}, {"role": "user", "content": task.prompt}]
+
+
+def prepare_sandbox(task: Task, limits=None):
+    """A sandbox with the task's image, files and setup command run; the caller snapshots and forks it."""
+    from k3.sandbox import Sandbox
+
+    box = Sandbox(task.image, limits)
+    try:
+        for path, text in task.files.items():
+            box.write_file(path, text)
+        if task.setup:
+            result = box.exec(task.setup, timeout=task.limits.seconds)
+            if not result.ok:
+                raise RuntimeError(f"task {task.id}: setup command failed (exit {result.exit_code}): "
+                                   f"{(result.stdout + result.stderr).strip()[-300:]}")
+    except BaseException:
+        box.close()
+        raise
+    return box
+
+
+class RolloutRunner:
+    """Runs groups of episodes: ``run(tasks, group_size, step)`` -> finished groups (lists of Episodes).
+
+    engine: the inference engine (see k3.rl.generation); tokenizer: its tokenizer; sandbox_limits: k3.sandbox
+    Limits for every episode's sandbox."""
+
+    def __init__(self, engine, tokenizer, config: RolloutConfig | None = None, sandbox_limits=None,
+                 seed: int = 0) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.config = config or RolloutConfig()
+        self.sandbox_limits = sandbox_limits
+        self.seed = seed
+        self.parked: list[list[Episode]] = []
+        self.stats: dict[str, float] = {}
+
+    # -- set up ------------------------------------------------------------------------------------
+    def _start_group(self, task: Task, group: int, size: int) -> list[Episode]:
+        ids, mask = render_ids(initial_messages(task), self.tokenizer, add_generation_prompt=True)
+        episodes = [Episode(task, group, s, list(ids), list(mask), [0.0] * len(ids), len(ids)) for s in range(size)]
+        started = time.perf_counter()
+        try:
+            base = prepare_sandbox(task, self.sandbox_limits)
+            try:
+                snapshot = base.snapshot()
+                forks = base.fork(snapshot, n=size)
+            finally:
+                base.close()
+            for episode, box in zip(episodes, forks):
+                episode.sandbox = box
+        except Exception as error:  # a task that cannot be prepared fails its own group only
+            for episode in episodes:
+                self._end(episode, "sandbox_failed", f"could not prepare the sandbox: {type(error).__name__}: {error}")
+        spent = time.perf_counter() - started
+        for episode in episodes:
+            episode.sandbox_seconds += spent / size
+        return episodes
+
+    def _unpark(self, episode: Episode) -> None:
+        from k3.sandbox import Sandbox
+
+        if episode.done or episode.parked_snapshot is None:
+            return
+        try:
+            episode.sandbox = Sandbox(episode.task.image, self.sandbox_limits, snapshot=episode.parked_snapshot)
+        except Exception as error:
+            self._end(episode, "sandbox_failed", f"could not restore the parked sandbox: {error}")
+        episode.parked_snapshot = None
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self, tasks: list[Task], group_size: int, step: int = 0) -> list[list[Episode]]:
+        """Parked groups first, then one group of ``group_size`` per task; returns the groups whose episodes
+        all finished (a group with a parked episode waits for the next call)."""
+        config = self.config
+        started = time.perf_counter()
+        groups = self.parked
+        self.parked = []
+        for group in groups:
+            for episode in group:
+                self._unpark(episode)
+        first_group = len(groups)
+        with ThreadPoolExecutor(max_workers=max(1, min(config.threads, len(tasks) or 1))) as threads:
+            groups += list(threads.map(lambda item: self._start_group(item[1], first_group + item[0], group_size),
+                                       enumerate(tasks)))
+        sandbox_setup = time.perf_counter() - started
+        generated_tokens, generation_s, tool_s, turn = 0, 0.0, 0.0, 0
+        episodes = [e for group in groups for e in group]
+        parked = False
+        while True:
+            live = [e for e in episodes if not e.done]
+            if not live:
+                break
+            if config.iteration_token_budget is not None and generated_tokens >= config.iteration_token_budget:
+                parked = True
+                break
+            t0 = time.perf_counter()
+            self._generate_turn(live, step, turn)
+            generation_s += time.perf_counter() - t0
+            generated_tokens += sum(len(e.last_output.token_ids) for e in live)
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=max(1, min(config.threads, len(live)))) as threads:
+                list(threads.map(self._act, live))
+            tool_s += time.perf_counter() - t0
+            turn += 1
+        finished, waiting = [], []
+        for group in groups:
+            (waiting if any(not e.done for e in group) else finished).append(group)
+        t0 = time.perf_counter()
+        if parked:
+            for group in waiting:
+                for episode in group:
+                    if not episode.done:
+                        self._park(episode)
+            self.parked = waiting
+        with ThreadPoolExecutor(max_workers=max(1, config.threads)) as threads:
+            list(threads.map(self._verify, [e for g in finished for e in g]))
+        verify_s = time.perf_counter() - t0
+        self.stats = {"generation_s": generation_s, "tool_s": tool_s, "sandbox_setup_s": sandbox_setup,
+                      "verify_s": verify_s, "generated_tokens": generated_tokens,
+                      "rollout_tokens_per_s": generated_tokens / generation_s if generation_s > 0 else 0.0,
+                      "parked_groups": len(self.parked), "rollout_s": time.perf_counter() - started}
+        return finished
+
+    def _generate_turn(self, live: list[Episode], step: int, turn: int) -> None:
+        config = self.config
+        prompts, budgets, seeds, sizes = [], [], [], []
+        index = 0
+        while index < len(live):
+            episode = live[index]
+            # A group whose members all stand at their shared prompt goes as one request (n = group size).
+            run = 1
+            if episode.turns == 0:
+                while (index + run < len(live) and live[index + run].group == episode.group
+                       and live[index + run].turns == 0 and live[index + run].ids == episode.ids):
+                    run += 1
+            limits = episode.task.limits
+            budget = min(limits.tokens_per_turn, limits.total_tokens - episode.model_tokens,
+                         config.max_context - len(episode.ids) - 1)
+            for member in live[index:index + run]:
+                prompts.append(member.ids)
+                budgets.append(max(budget, 1))
+                seeds.append(_seed(self.seed, step, member.task.id, member.sample, member.turns))
+            sizes.append(run)
+            index += run
+        outputs = generate(self.engine, prompts, budgets, config.temperature, config.top_p, seeds, [], sizes)
+        for episode, out in zip(live, outputs):
+            episode.ids.extend(out.token_ids)
+            episode.mask.extend([True] * len(out.token_ids))
+            episode.logprobs.extend(out.logprobs if out.logprobs is not None else [math.nan] * len(out.token_ids))
+            episode.model_tokens += len(out.token_ids)
+            episode.turns += 1
+            episode.last_output = out
+
+    def _act(self, episode: Episode) -> None:
+        """Parse the turn just generated, run its tool calls, append the observations, check the limits."""
+        out = episode.last_output
+        eos = self.tokenizer.eos_token_id
+        text = self.tokenizer.decode([t for t in out.token_ids if t != eos])
+        if self.config.keep_transcripts:
+            episode.transcript.append({"role": "assistant", "content": text})
+        calls = parse_tool_calls(text)
+        limits = episode.task.limits
+        if not calls:
+            episode.answer = text.strip()
+            self._end(episode, "answered" if out.finish_reason == "stop" else "length")
+            return
+        observations = []
+        for call in calls:
+            episode.tool_calls += 1
+            try:
+                observation = run_tool(call, episode.sandbox, episode.task.tools, self.config.tool_budget,
+                                       self.config.tool_timeout)
+            except SandboxGone as error:
+                self._end(episode, "sandbox_died", f"the sandbox died during {call.name or 'a tool call'}: {error}")
+                return
+            episode.sandbox_seconds += observation.seconds
+            episode.tool_errors += observation.is_error
+            episode.truncated_outputs += observation.truncated
+            if observation.submitted is not None:
+                episode.answer = observation.submitted
+                self._end(episode, "submitted")
+                return
+            observations.append(observation.text if len(calls) == 1 else f"[{call.name or 'error'}] {observation.text}")
+        content, _ = truncate("\n".join(observations), self.config.tool_budget)
+        if self.config.keep_transcripts:
+            episode.transcript.append({"role": "tool", "content": content})
+        if episode.turns >= limits.turns:
+            return self._end(episode, "max_turns")
+        if episode.model_tokens >= limits.total_tokens:
+            return self._end(episode, "total_tokens")
+        observation_ids = tool_message_ids(content, self.tokenizer)
+        if len(episode.ids) + len(observation_ids) + 1 >= self.config.max_context:
+            return self._end(episode, "context")
+        episode.ids.extend(observation_ids)
+        episode.mask.extend([False] * len(observation_ids))
+        episode.logprobs.extend([0.0] * len(observation_ids))
+        if time.perf_counter() - episode.started > limits.seconds:
+            self._end(episode, "time", f"the episode ran past its {limits.seconds} s")
+
+    @staticmethod
+    def _end(episode: Episode, finish: str, reason: str = "") -> None:
+        episode.done, episode.finish = True, finish
+        episode.seconds = time.perf_counter() - episode.started
+        if reason:
+            episode.reason = reason
+        if finish in ("sandbox_died", "sandbox_failed"):
+            episode.reward = 0.0
+            episode.failed = True
+
+    def _park(self, episode: Episode) -> None:
+        try:
+            episode.parked_snapshot = episode.sandbox.snapshot()
+        except Exception as error:
+            self._end(episode, "sandbox_died", f"could not park the sandbox: {error}")
+        self._close(episode)
+
+    def _verify(self, episode: Episode) -> None:
+        if episode.failed:
+            self._close(episode)
+            return
+        t0 = time.perf_counter()
+        episode.reward, reason = score(episode.task, episode.answer, episode.sandbox)
+        episode.reason = episode.reason or reason
+        episode.sandbox_seconds += time.perf_counter() - t0
+        self._close(episode)
+
+    @staticmethod
+    def _close(episode: Episode) -> None:
+        if episode.sandbox is not None:
+            try:
+                episode.sandbox.close()
+            except Exception:
+                pass
+            episode.sandbox = None
+
+    def close(self) -> None:
+        """Forget parked episodes (their snapshots stay in the layer store until its GC)."""
+        self.parked = []

@@ -1,0 +1,71 @@
+"""Routing replay for MoE policies: a forward records the experts every token was routed to, and a later
+forward over the same tokens reuses exactly those experts (the gate weights are recomputed from the current
+router's scores over the replayed experts, so the router still gets its gradient).
+
+Why: the ratio pi_theta / pi_old compares two forwards of one sequence; with a router that moved between
+them, a token's experts can change and the ratio then measures the routing flip, not the policy update.
+GRPO on MoE needs replay; GSPO's sequence-level ratio is robust without it.
+
+Both work from outside the model, through forward hooks on every Router (k3.layers.moe): nothing in the model
+changes, and outside a ``record`` / ``replay`` block the hooks are gone.
+
+    replay = RoutingReplay(model)
+    with replay.record() as routes:      # routes[router_index] = [topk_ids_TK of each call, in order]
+        old = model(ids, cu_seqlens=cu)
+    with replay.replay(routes):
+        new = model(ids, cu_seqlens=cu)  # same experts per token as the recorded forward
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from k3.layers.moe import Routing
+
+
+class RoutingReplay:
+    def __init__(self, model) -> None:
+        self.routers = [router for _, router in model.routers()]
+
+    @contextlib.contextmanager
+    def record(self):
+        routes: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        handles = []
+        for index, router in enumerate(self.routers):
+            def hook(module, args, output, index=index):
+                routes[index].append(output.topk_ids_TK.detach().clone())
+            handles.append(router.register_forward_hook(hook))
+        try:
+            yield routes
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    @contextlib.contextmanager
+    def replay(self, routes: list[list[torch.Tensor]]):
+        if len(routes) != len(self.routers):
+            raise ValueError(f"recorded routes cover {len(routes)} MoE layers but the model has {len(self.routers)}")
+        calls = [0] * len(self.routers)
+        handles = []
+        for index, router in enumerate(self.routers):
+            def hook(module, args, output, index=index):
+                if calls[index] >= len(routes[index]):
+                    raise RuntimeError(f"MoE layer {index} was called {calls[index] + 1} times but only "
+                                       f"{len(routes[index])} calls were recorded: replay the same forwards")
+                ids_TK = routes[index][calls[index]].to(output.scores_TE.device)
+                calls[index] += 1
+                if ids_TK.shape[0] != output.scores_TE.shape[0]:
+                    raise RuntimeError(f"MoE layer {index}: recorded {ids_TK.shape[0]} tokens, this forward has "
+                                       f"{output.scores_TE.shape[0]}: replay needs the same token layout")
+                weights_TK = output.scores_TE.gather(1, ids_TK)
+                if module.renormalize:
+                    weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
+                return Routing(ids_TK, weights_TK * module.scale, output.scores_TE)
+            handles.append(router.register_forward_hook(hook))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
