@@ -1,0 +1,198 @@
+"""The inference engine in process: correctness of its fast paths, then throughput against one-by-one runs and
+against the bare CUDA-graph decode step of bench/decode.py, all in one run.
+
+Usage: python bench/engine.py [--preset small] [--prompt 1024] [--new 256] [--concurrency 1 16 64] [--out F]
+
+Checks (printed as ok / FAIL with the numbers):
+  graph-vs-eager   the same greedy requests with CUDA-graph decode and with the eager PyTorch step: tokens
+                   agree and logprobs differ by at most --tol (bf16);
+  batch-vs-alone   requests run together give the tokens each gives alone (greedy).
+Timed (random weights, no EOS, every request runs its full --new tokens):
+  engine at each concurrency C: C requests submitted at once; output tokens/s, time to first token and
+  per-output-token time (p50 / p99), ratio of tokens/s to the one-by-one rate (C = 1);
+  bare step: bench/decode.py's static cache + CUDAGraphDecoder at batch 1 and the same context: ms/token.
+Also printed: the pool's bytes per request against context length (KDA constant, MLA by pages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import device_name, peak_memory_gib, print_table, synchronize, write_json  # noqa: E402
+
+from k3 import K3ForCausalLM, ModelConfig  # noqa: E402
+from k3.infer import Engine, SamplingParams  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def prompts_for(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+
+
+def run_load(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Submit every prompt at once and step until all finish; per-request first-token and inter-token times."""
+    synchronize()
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p in prompts]
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    tokens = 0
+    while engine.has_unfinished():
+        events = engine.step()
+        now = time.perf_counter()
+        for event in events:
+            if event.token_id is None:
+                continue
+            tokens += 1
+            if event.request_id not in first:
+                first[event.request_id] = now - start
+            else:
+                gaps.append(now - last[event.request_id])
+            last[event.request_id] = now
+    elapsed = time.perf_counter() - start
+    ttft = [first[r] * 1e3 for r in ids]
+    return dict(requests=len(prompts), output_tokens=tokens, seconds=elapsed, output_tokens_per_s=tokens / elapsed,
+                ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
+                tpot_p50_ms=percentile([g * 1e3 for g in gaps], 50), tpot_p99_ms=percentile([g * 1e3 for g in gaps], 99))
+
+
+def check_graph_vs_eager(model, prompts, new: int, tol: float, max_context: int) -> dict:
+    params = SamplingParams(max_new_tokens=new, temperature=0, logprobs=0)
+    eager = Engine(model, None, max_context=max_context, max_batch=len(prompts), use_cuda_graphs=False)
+    graph = Engine(model, None, max_context=max_context, max_batch=len(prompts))
+    a = eager.complete(prompts, params)
+    b = graph.complete(prompts, params)
+    agree, diffs = 0, []
+    for x, y in zip(a, b):
+        tx, ty = x.outputs[0].token_ids, y.outputs[0].token_ids
+        same = next((i for i, (p, q) in enumerate(zip(tx, ty)) if p != q), len(tx))
+        agree += same == len(tx)
+        # Compare logprobs up to the first disagreement (after it the contexts differ).
+        diffs += [abs(p - q) for p, q in zip(x.outputs[0].logprobs[:same], y.outputs[0].logprobs[:same])]
+    worst = max(diffs) if diffs else float("nan")
+    return dict(requests=len(prompts), tokens_agree=agree, max_logprob_diff=worst,
+                ok=agree == len(prompts) and worst <= tol)
+
+
+def check_batch_vs_alone(model, prompts, new: int, max_context: int) -> dict:
+    params = SamplingParams(max_new_tokens=new, temperature=0)
+    engine = Engine(model, None, max_context=max_context, max_batch=len(prompts), prefix_cache=False)
+    together = engine.generate_ids(prompts, params)
+    alone = [engine.generate_ids([p], params)[0] for p in prompts]
+    first_diff = [next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), None) for x, y in zip(together, alone)]
+    agree = sum(d is None for d in first_diff)
+    return dict(requests=len(prompts), agree=agree, first_divergence=[d for d in first_diff if d is not None],
+                ok=agree == len(prompts))
+
+
+def bare_graph_step_ms(model, config, prompt: int, new: int, device) -> float:
+    from k3.infer.cuda_graph import CUDAGraphDecoder
+    from k3.infer.static_cache import StaticCache
+
+    ids = torch.randint(1, config.vocab_size, (1, prompt), device=device)
+    with torch.no_grad():
+        cache = model.new_cache(1)
+        logits = model.lm_head(model.model(ids, cache)[:, -1])
+        cache.seen_tokens += prompt
+        static = StaticCache.from_hybrid(config, cache, capacity=prompt + new + 8)
+        decoder = CUDAGraphDecoder(model, static)
+        first = logits.argmax(-1, keepdim=True)
+        saved = static.snapshot()
+        decoder.greedy(first, 4)
+        static.restore(saved)
+        synchronize()
+        t0 = time.perf_counter()
+        decoder.greedy(first, new)
+        synchronize()
+    return (time.perf_counter() - t0) * 1e3 / new
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--new", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--check-requests", type=int, default=8)
+    parser.add_argument("--check-new", type=int, default=32)
+    parser.add_argument("--tol", type=float, default=0.05, help="largest logprob difference graph vs eager (bf16)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (1 is steadiest on a busy machine)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset(args.preset)
+    with torch.device(device):
+        model = K3ForCausalLM(config)
+    model = model.to(dtype).eval()
+    max_context = args.prompt + args.new + 64
+    results: dict = {"bench": "engine", "device": device_name(), "preset": args.preset, "prompt": args.prompt,
+                     "new": args.new, "dtype": str(dtype)}
+
+    check_prompts = prompts_for(args.check_requests, 96, config.vocab_size, seed=1)
+    check_prompts = [p[: 17 + 11 * i] for i, p in enumerate(check_prompts)]  # mixed lengths
+    checks = {}
+    if device.type == "cuda":
+        checks["graph-vs-eager"] = check_graph_vs_eager(model, check_prompts, args.check_new, args.tol, 512)
+    checks["batch-vs-alone"] = check_batch_vs_alone(model, check_prompts, args.check_new, 512)
+    for name, c in checks.items():
+        print(f"{'ok  ' if c['ok'] else 'FAIL'} {name}: {c}", flush=True)
+    results["checks"] = checks
+
+    params = SamplingParams(max_new_tokens=args.new, temperature=0)
+    loads = {}
+    for concurrency in args.concurrency:
+        engine = Engine(model, None, max_context=max_context, max_batch=max(concurrency, 1), prefix_cache=False)
+        run_load(engine, prompts_for(min(concurrency, 2), args.prompt, config.vocab_size, seed=99),
+                 SamplingParams(max_new_tokens=8, temperature=0))  # warm-up: graphs, kernels
+        loads[concurrency] = run_load(engine, prompts_for(concurrency, args.prompt, config.vocab_size, seed=2),
+                                      params)
+        loads[concurrency]["peak_gib"] = peak_memory_gib()
+        print(f"concurrency {concurrency}: {loads[concurrency]}", flush=True)
+        write_json(args.out, {**results, "partial": True, "loads": loads})
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    base = loads.get(1, {}).get("output_tokens_per_s")
+    bare = bare_graph_step_ms(model, config, args.prompt, 64, device) if device.type == "cuda" else None
+    results["bare_graph_step_ms"] = bare
+    rows = []
+    for concurrency, r in loads.items():
+        rows.append([concurrency, r["output_tokens_per_s"], f"{r['output_tokens_per_s'] / base:.1f}x" if base else "",
+                     r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"],
+                     f"{r['tpot_p50_ms'] / bare:.2f}x" if bare else ""])
+    print_table(f"Engine, {args.preset}, {args.prompt} in / {args.new} out, greedy, {dtype}, on {device_name()}"
+                + (f"; bare CUDA-graph step {bare:.2f} ms" if bare else ""),
+                ["concurrency", "out tok/s", "vs one by one", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                 "TPOT p99 ms", "TPOT / bare step"], rows)
+    pool = Engine(model, None, max_context=1 << 20, max_batch=1, prefix_cache=False, num_pages=1).pool
+    memory = [dict(context=c, **{k: v / 2**20 for k, v in pool.bytes_per_request(c).items()})
+              for c in (1024, 8192, 131072, 1 << 20)]
+    print_table("Pool bytes per request (MiB): KDA slot constant, MLA by pages",
+                ["context", "KDA MiB", "MLA MiB", "total MiB"],
+                [[m["context"], m["kda"], m["mla"], m["total"]] for m in memory])
+    write_json(args.out, {**results, "loads": loads, "pool_mib_per_request": memory})
+
+
+if __name__ == "__main__":
+    main()
