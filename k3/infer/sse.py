@@ -1,0 +1,30 @@
+"""Server-sent events as OpenAI streams them: one `data: <json>` event per chunk, then `data: [DONE]`."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable, Iterator
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_event(payload: dict[str, Any]) -> str:
+    """One event. JSON never holds a raw newline, so one `data:` line is enough."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def parse_sse(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The JSON payloads of an event stream given line by line, up to `[DONE]` (for clients and tests)."""
+    data: list[str] = []
+    for line in lines:
+        line = line.rstrip("\r\n")
+        if line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+        elif not line and data:
+            text, data = "\n".join(data), []
+            if text == "[DONE]":
+                return
+            yield json.loads(text)
+        # other fields (event:, id:, retry:) and comments (": ...") carry nothing OpenAI uses
+    if data and "\n".join(data) != "[DONE]":
+        yield json.loads("\n".join(data))

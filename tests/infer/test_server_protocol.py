@@ -1,0 +1,209 @@
+"""The server's pure parts, without a server: request validation, incremental text with stop strings, SSE
+framing, chat templates and the Prometheus text."""
+
+import json
+import random
+
+import pytest
+
+from k3.infer.chat_template import ChatTemplate, load_chat_template, render_default
+from k3.infer.detokenize import IncrementalDecoder, TextAssembler
+from k3.infer.metrics import Histogram, ServerMetrics
+from k3.infer.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_model, check_prompt,
+                               parse_request, resolve_max_tokens)
+from k3.infer.sse import SSE_DONE, parse_sse, sse_event
+
+TEXTS = ["héllo wörld, ça va? 你好世界 🙂🙃 naïve café", "print('line 1')\n\tx = [1, 2, 3]  # ✓", "ab" * 40]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from k3.data.tokenizer import train_bpe
+
+    return train_bpe(TEXTS * 20, vocab_size=300, show_progress=False)
+
+
+def refused(body, kind=CompletionRequest) -> APIError:
+    raw = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    with pytest.raises(APIError) as caught:
+        parse_request(raw.encode() if isinstance(raw, str) else raw, kind)
+    assert caught.value.status == 400
+    assert set(caught.value.body()["error"]) == {"message", "type", "param", "code"}
+    return caught.value
+
+
+def test_good_requests_parse():
+    request = parse_request(json.dumps({"model": "m", "prompt": [[1, 2], [3]], "n": 2, "logprobs": 3,
+                                        "stop": "\n", "temperature": 0, "top_k": -1, "seed": 7}).encode(),
+                            CompletionRequest)
+    assert request.prompts() == [[1, 2], [3]] and request.stop_strings() == ["\n"] and request.top_logprobs_count() == 3
+    assert parse_request(b'{"model": "m", "prompt": [5, 6]}', CompletionRequest).prompts() == [[5, 6]]
+    chat = parse_request(json.dumps({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "logprobs": True, "top_logprobs": 2,
+        "max_completion_tokens": 5}).encode(), ChatCompletionRequest)
+    assert chat.messages[0].text() == "ab" and chat.top_logprobs_count() == 2 and chat.max_tokens == 5
+    assert parse_request(b'{"model": "m", "messages": [{"role": "user", "content": "x"}]}',
+                         ChatCompletionRequest).top_logprobs_count() is None
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": "m", "prompt": "x", "temperature": -0.5}, "temperature", "a number >= 0"),
+    ({"model": "m", "prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
+    ({"model": "m", "prompt": "x", "top_p": 1.5}, "top_p", "(0, 1]"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "integer >= 1"),
+    ({"model": "m", "prompt": "x", "max_tokens": "10"}, "max_tokens", "valid integer"),
+    ({"model": "m", "prompt": "x", "n": True}, "n", "valid integer"),
+    ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature", "valid number"),
+    ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs", "[0, 20]"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream", "true or false"),
+    ({"model": "m", "prompt": 5}, "prompt", "a list of token ids"),
+    ({"model": "m", "prompt": []}, "prompt", "the list is empty"),
+    ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "stop", "non-empty strings"),
+    ({"model": "m", "prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"model": "m"}, "prompt", "'prompt' is required"),
+    ({"prompt": "x"}, "model", "'model' is required"),
+])
+def test_bad_completion_requests_say_what_is_wrong(body, param, words):
+    error = refused(body)
+    assert error.param == param and words in error.message, error.message
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"model": "m", "messages": []}, "messages", "the list is empty"),
+    ({"model": "m", "messages": "hi"}, "messages", "valid list"),
+    ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'robot'"),
+    ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages.0.content", "allowed"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs",
+     "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "logprobs": 2}, "logprobs", "valid boolean"),
+])
+def test_bad_chat_requests_say_what_is_wrong(body, param, words):
+    error = refused(body, ChatCompletionRequest)
+    assert error.param == param and words in error.message, error.message
+
+
+def test_malformed_bodies():
+    assert "not valid JSON" in refused(b'{"model": "m", "prompt": ').message
+    assert "not valid JSON" in refused(b"\xff\xfe").message
+    assert "must be a JSON object" in refused(b"[1, 2]").message
+
+
+def test_model_prompt_and_length_checks():
+    with pytest.raises(APIError, match="unknown model 'gpt-4'; this server serves 'tiny'"):
+        check_model("gpt-4", "tiny")
+    check_model("tiny", "tiny")
+    with pytest.raises(APIError, match="empty after tokenization"):
+        check_prompt([], 16, 100)
+    with pytest.raises(APIError, match="has 16 tokens but this server's context is 16"):
+        check_prompt(list(range(16)), 16, 100)
+    with pytest.raises(APIError, match=r"outside \[0, 100\): \[100\]"):
+        check_prompt([1, 100], 16, 100)
+    assert resolve_max_tokens(None, 10, 16, 16) == 6 and resolve_max_tokens(None, 10, 16, None) == 6
+    assert resolve_max_tokens(None, 2, 64, 16) == 16 and resolve_max_tokens(6, 10, 16, 16) == 6
+    with pytest.raises(APIError, match="max_tokens=7 is too large: the prompt has 10 tokens and the context is 16, "
+                                       "so at most 6 new tokens fit"):
+        resolve_max_tokens(7, 10, 16, 16)
+
+
+def _visible(tokenizer, ids, stops):
+    """What a client must see: the full decode, cut before the first stop string."""
+    text = tokenizer.decode(ids)
+    cuts = [text.find(s) for s in stops if s in text]
+    return text[:min(cuts)] if cuts else text
+
+
+def test_incremental_text_equals_the_full_decode(tokenizer):
+    rng = random.Random(0)
+    sequences = [tokenizer.encode(t) for t in TEXTS]
+    sequences += [[rng.randrange(tokenizer.vocab_size) for _ in range(60)] for _ in range(20)]  # broken UTF-8 too
+    for ids in sequences:
+        decoder = IncrementalDecoder(tokenizer)
+        streamed = "".join(decoder.push(t) for t in ids) + decoder.flush()
+        assert streamed == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("stops", [["wörld"], ["你好", "ça"], ["\n\t"], ["abab", "zzz"], ["🙃 na"], ["never"]])
+def test_stop_strings_cut_the_text_and_are_never_shown(tokenizer, stops):
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        assembler = TextAssembler(tokenizer, stops)
+        pieces = []
+        for token in ids:
+            pieces.append(assembler.push(token))
+            shown = "".join(pieces)
+            # Nothing shown may already contain a stop string or end in one's unfinished start.
+            assert not any(s in shown for s in stops)
+            if assembler.stopped:
+                break
+        pieces.append(assembler.finish())
+        assert "".join(pieces) == assembler.text == _visible(tokenizer, ids, stops)
+        assert assembler.stopped == any(s in tokenizer.decode(ids) for s in stops)
+
+
+def test_held_back_text_is_released_when_no_stop_follows(tokenizer):
+    assembler = TextAssembler(tokenizer, ["abX"])
+    shown = "".join(assembler.push(t) for t in tokenizer.encode("ab" * 40))
+    assert len(shown) < 80  # the last "ab" might start "abX"
+    assert shown + assembler.finish() == "ab" * 40 and not assembler.stopped
+
+
+def test_sse_framing_round_trips():
+    chunks = [{"choices": [{"text": "line one\nline two", "index": 0}]}, {"choices": [{"text": "é 🙂 \"q\""}]}]
+    stream = "".join(sse_event(c) for c in chunks) + SSE_DONE + sse_event({"after": "done"})
+    assert all(event.startswith("data: ") and event.count("\n") == 2 for event in map(sse_event, chunks))
+    assert list(parse_sse(stream.splitlines(keepends=True))) == chunks
+    assert list(parse_sse([": keep-alive\n", "\n", "data: {\"a\": 1}\n", "\n"])) == [{"a": 1}]
+
+
+def test_default_chat_template():
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "hello"}, {"role": "user", "content": "and?"}]
+    assert render_default(messages) == "System: Be terse.\nUser: hi\nAssistant: hello\nUser: and?\nAssistant:"
+    template = ChatTemplate()
+    assert template.render(messages[1:2], add_generation_prompt=False) == "User: hi"
+    assert template.stop == ["\n"] and template.source == "default"
+    with pytest.raises(ValueError, match="unknown chat role 'robot'"):
+        template.render([{"role": "robot", "content": "x"}])
+
+
+def test_chat_template_from_a_tokenizer_directory(tokenizer, tmp_path):
+    pytest.importorskip("jinja2")
+    tokenizer.save(tmp_path)
+    assert load_chat_template(tokenizer, tmp_path).source == "default"  # no template file: the default
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    template = load_chat_template(tokenizer, tmp_path)
+    assert template.source == str(tmp_path) and template.stop == []
+    assert template.render([{"role": "user", "content": "hi"}]) == "<|user|>hi<|endoftext|><|assistant|>"
+    assert tokenizer.eos_token_id in template.encode([{"role": "user", "content": "hi"}], tokenizer)
+
+    class WithTemplate:  # an HF tokenizer carries its template itself
+        chat_template = "{{ bos_token }}{{ messages[0].content }}"
+        bos_token, eos_token = "<s>", "</s>"
+
+    assert load_chat_template(WithTemplate()).render([{"role": "user", "content": "x"}]) == "<s>x"
+
+
+def test_prometheus_text():
+    histogram = Histogram((0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 3.0):
+        histogram.observe(value)
+    lines = histogram.lines("t", "help")
+    assert lines[2:] == ['t_bucket{le="0.1"} 2', 't_bucket{le="1"} 3', 't_bucket{le="+Inf"} 4', "t_sum 3.65",
+                         "t_count 4"]
+    metrics = ServerMetrics(window_s=10)
+    metrics.started(5)
+    metrics.first_token(0.2)
+    metrics.tokens(1, now=100.0)
+    metrics.tokens(1, gap_s=0.01, now=101.0)
+    metrics.ended("finished", 1.5)
+    assert metrics.tokens_per_second(now=105.0) == pytest.approx(0.2)
+    assert metrics.tokens_per_second(now=1000.0) == 0
+    text = metrics.render({"waiting": 2, "running": 3, "kda_slots_used": 3, "mla_pages_used": 7})
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert samples["k3_requests_waiting"] == "2" and samples["k3_mla_pages_used"] == "7"
+    assert samples['k3_requests_total{outcome="finished"}'] == "1" and samples["k3_generation_tokens_total"] == "2"
+    assert samples["k3_time_to_first_token_seconds_count"] == "1"
+    assert samples["k3_time_per_output_token_seconds_count"] == "1"
+    assert samples["k3_server_requests_in_flight"] == "0"
