@@ -1,8 +1,8 @@
 """``k3 sandbox doctor``: what this machine offers the sandbox, and what is missing.
 
 Required: root, unshare(1), overlayfs, new namespaces, a usable cgroup hierarchy, and a scratch
-directory on a filesystem that can hold an overlay upper. Optional: CRIU (``criu check``), which
-memory snapshots would need; this backend's snapshots hold the filesystem only either way.
+directory on a filesystem that can hold an overlay upper. Optional: CRIU (``criu check``); where it
+fails, memory snapshots use k3's own checkpoint of its Python REPLs (``memory.py``).
 """
 
 from __future__ import annotations
@@ -62,20 +62,18 @@ def run_checks() -> list[Check]:
         checks.append(Check("scratch directory", False, str(error)))
     python = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
     checks.append(Check("python3 for the default image", python is not None, python or "missing"))
-    criu = shutil.which("criu")
-    if criu:
-        probe = subprocess.run([criu, "check"], capture_output=True, text=True)
-        text = (probe.stdout + probe.stderr).strip().splitlines()
-        checks.append(Check("criu (memory snapshots)", probe.returncode == 0,
-                            "criu check passes" if probe.returncode == 0 else f"criu check fails: {text[-1] if text else ''}",
-                            required=False))
-    else:
-        checks.append(Check("criu (memory snapshots)", False, "not installed", required=False))
+    from k3.sandbox import criu, memory
+
+    probe = criu.status()
+    checks.append(Check("criu (memory snapshots)", probe.works, probe.detail, required=False))
     bwrap = shutil.which("bwrap")
     checks.append(Check("bubblewrap", bwrap is not None, (bwrap or "not installed") + " (not needed: unshare(1) is used)",
                         required=False))
-    checks.append(Check("snapshot contents", True, "filesystem only: running processes are not saved "
-                        "(memory snapshots are not implemented, with or without CRIU)", required=False))
+    checks.append(Check("snapshot contents", True, "snapshot(): filesystem only; snapshot(memory=True): also the "
+                        "sandbox's Python REPLs with their variables", required=False))
+    checks.append(Check("memory snapshots", True, f"{memory.BACKEND}: k3 pickles each REPL's namespace into the "
+                        "snapshot's layer" + ("" if probe.works else " (CRIU is not used: its check fails here)")
+                        + "; other processes are not saved", required=False))
     return checks
 
 
