@@ -96,7 +96,7 @@ class Engine:
         self.pool = CachePool(self.config, max_batch + prefix_slots, num_pages, page_size, self.device, dtype)
         self.prefix_cache = PrefixCache(self.pool, prefix_slots) if prefix_slots > 0 else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_batch, max_context, prefill_chunk,
-                                   max_step_tokens or prefill_chunk + max_batch)
+                                   max_step_tokens or 4 * prefill_chunk + max_batch)
         self.runner = ModelRunner(self.model, self.pool, max_pages, use_cuda_graphs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -171,18 +171,22 @@ class Engine:
             for seq in plan.decodes:
                 seq.num_cached += 1
             rows.extend(plan.decodes)
+        groups: dict[tuple[int, int], list[Sequence]] = {}
         for seq, start, end in plan.prefills:
-            last = self.runner.prefill(seq, start, end)
-            seq.num_cached = end
-            self.stats_counters["prompt_tokens"] += end - start
-            if self.prefix_cache is not None and end in seq.register_at:
-                self.prefix_cache.insert(seq.tokens, end, seq.pages, seq.slot)
-            if end == seq.prompt_len:
-                seq.status = DECODE
-                request = self.requests[seq.request_id]
-                group = [seq] + (self.scheduler.fork(request) if request.params.n > 1 else [])
-                logits.append(last[None].expand(len(group), -1))
-                rows.extend(group)
+            groups.setdefault((start, end), []).append(seq)
+        for (start, end), seqs in groups.items():
+            last_rows = self.runner.prefill(seqs, start, end)
+            for seq, last in zip(seqs, last_rows):
+                seq.num_cached = end
+                self.stats_counters["prompt_tokens"] += end - start
+                if self.prefix_cache is not None and end in seq.register_at:
+                    self.prefix_cache.insert(seq.tokens, end, seq.pages, seq.slot)
+                if end == seq.prompt_len:
+                    seq.status = DECODE
+                    request = self.requests[seq.request_id]
+                    group = [seq] + (self.scheduler.fork(request) if request.params.n > 1 else [])
+                    logits.append(last[None].expand(len(group), -1))
+                    rows.extend(group)
         self.stats_counters["steps"] += 1
         if not rows:
             return []

@@ -3,8 +3,9 @@ returns next-token logits. It decides nothing.
 
 - A decode batch is one forward of [B, 1]: each row reads its KDA slot and its MLA pages (gathered to the
   batch's longest page table) and writes its new token back.
-- A prefill chunk is one forward of [1, T] for one sequence, continuing from its cached state; only the last
-  position goes through the LM head.
+- Prefill chunks that cover the same positions (say, the first 512 tokens of several new prompts) run as one
+  forward of [B, T], each row continuing from its own cached state; only the last position goes through the
+  LM head.
 - On CUDA, decode batches run as CUDA graphs captured once per batch size in `graph_batch_sizes` (a batch is
   padded to the next captured size; padded rows use the pool's scratch slot and page). Their page tables
   are padded to the pool's largest table, so one graph serves every context length. The eager path is the
@@ -40,14 +41,16 @@ class ModelRunner:
         return self.model.lm_head(hidden[:, -1])
 
     @torch.no_grad()
-    def prefill(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """Write tokens [start, end) of seq into its cache -> logits [V] after token end-1."""
-        ids = torch.tensor([seq.tokens[start:end]], device=self.device)
+    def prefill(self, seqs: list[Sequence], start: int, end: int) -> torch.Tensor:
+        """Write tokens [start, end) of each sequence (all at the same positions) into its cache in one
+        forward -> logits [B, V] after token end-1."""
+        ids = torch.tensor([s.tokens[start:end] for s in seqs], device=self.device)
         pages = pages_for(end, self.pool.page_size)
-        table = torch.tensor([seq.pages[:pages]], device=self.device)
-        cache = BatchCache(self.pool, torch.tensor([seq.slot], device=self.device), table,
-                           torch.tensor([start], device=self.device), mask_rows=False, past=start)
-        return self._forward_last(ids, cache)[0]
+        table = torch.tensor([s.pages[:pages] for s in seqs], device=self.device)
+        slots = torch.tensor([s.slot for s in seqs], device=self.device)
+        positions = torch.full((len(seqs),), start, device=self.device)
+        cache = BatchCache(self.pool, slots, table, positions, mask_rows=False, past=start)
+        return self._forward_last(ids, cache)
 
     def _decode_inputs(self, seqs: list[Sequence], rows: int, table_pages: int):
         ids = torch.zeros(rows, 1, dtype=torch.long)
