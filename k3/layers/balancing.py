@@ -8,14 +8,18 @@ exactly q = k*T/E tokens) whose dual variables are the biases. Per step:
   biased = s + b; c_t = the (k+1)-th largest biased score of token t (its cutoff);
   r_te = c_t - s_te, the bias expert e needs to win token t;
   b_e  = the q-th smallest r_te over the batch, then b is mean-centred.
-Expert e then receives token t iff s_te + b_e > c_t. Iterating the update on one batch reaches the
-fixed point at which every expert gets exactly q tokens (ties aside).
+Expert e then receives token t iff s_te + b_e > c_t, given the other experts' biases. All biases move at
+once, so the cutoffs move too and one update does not balance the batch (measured in the tiny preset's
+training: maxvio 0.56 mean, 2.6 p99 after one update; the bias solved on the previous batch gives 4-7).
+Training therefore iterates the update on the batch being routed (solve_batch_bias) until top-k on s + b
+gives every expert its quota, the fixed point (the LP optimum, ties aside), or until a cap.
 
 Shape suffixes: T tokens, E experts, K top-k.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -36,42 +40,56 @@ def maxvio(load_E: torch.Tensor) -> float:
     return float(load_E.max() / mean - 1) if mean > 0 else 0.0
 
 
+def required_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, of_others: bool = False) -> torch.Tensor:
+    """r_te = c_te - s_te, the bias expert e needs to win token t: [T, E] fp32.
+
+    SPEC section 7 takes c_te = c_t, the (k+1)-th largest biased score of token t, for every expert. That is
+    exact for the experts t chose (to stay, e must beat the best of the rest, the (k+1)-th); an expert t did
+    not choose must beat the k-th. `of_others=True` uses the k-th largest biased score of the OTHER experts
+    for each (t, e), so that "e receives t iff s_te + b_e > c_te" holds for every pair given the other
+    biases. Both rules have the same fixed point (a balanced batch); measured on the tiny preset's router
+    scores the exact cutoffs reach it in fewer iterations (after 32: maxvio mean 0.007 vs 0.016, p99 0.023
+    vs 0.070) and the SPEC rule alone can stall with one expert 7 tokens short of its 128."""
+    scores = scores_TE.float()
+    top = (scores + bias_E.float()).topk(top_k + 1, dim=-1)
+    cutoff_TE = top.values[:, -1:].expand_as(scores)
+    if of_others:
+        chosen_TE = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top.indices[:, :top_k], True)
+        cutoff_TE = torch.where(chosen_TE, cutoff_TE, top.values[:, top_k - 1:top_k])
+    return cutoff_TE - scores
+
+
 def quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
-                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None, center: bool = True) -> torch.Tensor:
+                  gather: Callable[[torch.Tensor], torch.Tensor] | None = None, center: bool = True,
+                  of_others: bool = False) -> torch.Tensor:
     """One Quantile Balancing update; returns the new bias [E] (fp32), mean-centred unless center=False
     (centring changes no top-k choice; the raw quantiles are what the cutoff rule compares against).
+    `of_others`: the cutoff rule of required_bias.
 
     `gather`, when given, concatenates the required-bias matrix over data-parallel ranks along T
     (exact aggregation), so every rank computes the same bias."""
-    scores = scores_TE.float()
-    num_tokens, num_experts = scores.shape
+    num_tokens, num_experts = scores_TE.shape
     if top_k >= num_experts:
         return torch.zeros_like(bias_E, dtype=torch.float32)
-    biased = scores + bias_E.float()
-    cutoff_T = biased.topk(top_k + 1, dim=-1).values[:, -1]
-    required_TE = cutoff_T[:, None] - scores
+    required_TE = required_bias(scores_TE, bias_E, top_k, of_others)
     if gather is not None:
         required_TE = gather(required_TE)
         num_tokens = required_TE.shape[0]
     quota = top_k * num_tokens / num_experts
     # Bias between the q-th and (q+1)-th smallest required bias: exactly q tokens satisfy r < b.
     q = max(1, min(num_tokens, int(round(quota))))
-    sorted_TE = required_TE.sort(dim=0).values
-    upper = sorted_TE[min(q, num_tokens - 1)] if q < num_tokens else sorted_TE[-1] + 1.0
-    new_bias = 0.5 * (sorted_TE[q - 1] + upper)
+    # kthvalue on the contiguous [E, T] is ~7x faster than a sort over dim 0; the solver calls this many
+    # times per layer and step.
+    required_ET = required_TE.t().contiguous()
+    qth_E = required_ET.kthvalue(q, dim=1).values
+    upper_E = required_ET.kthvalue(q + 1, dim=1).values if q < num_tokens else required_ET.max(dim=1).values + 1.0
+    new_bias = 0.5 * (qth_E + upper_E)
     return new_bias - new_bias.mean() if center else new_bias
-
-
-def required_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> torch.Tensor:
-    """r_te = c_t - s_te, with c_t the (k+1)-th largest biased score of token t: [T, E] fp32."""
-    scores = scores_TE.float()
-    cutoff_T = (scores + bias_E.float()).topk(top_k + 1, dim=-1).values[:, -1]
-    return cutoff_T[:, None] - scores
 
 
 def quantile_bias_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
                             reduce: Callable[[torch.Tensor, str], torch.Tensor], bins: int = 256, rounds: int = 3,
-                            center: bool = True) -> torch.Tensor:
+                            center: bool = True, of_others: bool = False) -> torch.Tensor:
     """Quantile Balancing aggregated over data-parallel ranks by histograms instead of gathering [T, E].
 
     `reduce(tensor, op)` all-reduces in place and returns it, op in {"sum", "min", "max"} (identity on one
@@ -83,7 +101,7 @@ def quantile_bias_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k
     if top_k >= num_experts:
         return torch.zeros_like(bias_E, dtype=torch.float32)
     # float64 so that a value's bin and the window edges derived from it agree on every rank
-    required_TE = required_bias(scores_TE, bias_E, top_k).double()
+    required_TE = required_bias(scores_TE, bias_E, top_k, of_others).double()
     total = reduce(torch.tensor([float(required_TE.shape[0])], dtype=torch.float64, device=required_TE.device), "sum")
     num_tokens = int(total.item())
     q = max(1, min(num_tokens, int(round(top_k * num_tokens / num_experts))))
@@ -114,17 +132,64 @@ def quantile_bias_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k
     return new_bias - new_bias.mean() if center else new_bias
 
 
-def balance_batch(scores_TE: torch.Tensor, top_k: int, max_iters: int = 200) -> torch.Tensor:
-    """Iterate the QB update on one batch until top-k on s + b gives every expert the same load (the
-    fixed point of the update is the LP optimum); returns the bias. Used for analysis and tests."""
+# Cap on the QB updates per MoE layer and training step; the solver stops as soon as the batch is balanced.
+# Measured on the tiny preset's router scores in training (1,024 tokens, 16 experts, top-2, 280 batches):
+# one update leaves maxvio 0.56 mean / 2.6 p99; the solver balances 98% of the batches exactly after 18
+# updates on average, the rest to within one token (maxvio 0.0078).
+QB_MAX_ITERS = 64
+
+
+def balanced_enough(load_E: torch.Tensor, top_k: int, num_tokens: int) -> bool:
+    """True when every expert holds floor(q) or ceil(q) pairs, q = k*T/E: the best any top-k routing can do."""
+    quota = top_k * num_tokens / load_E.numel()
+    return bool(load_E.max() <= math.ceil(quota) and load_E.min() >= math.floor(quota))
+
+
+def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, max_iters: int = QB_MAX_ITERS,
+                     gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                     reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
+    """The bias that balances this batch: the QB update (SPEC section 7, with the exact cutoffs of
+    required_bias(of_others=True)) iterated from `bias_E` on the same scores [T, E] until top-k on s + b gives every expert its quota, or `max_iters` updates. Returns
+    (bias [E] fp32 mean-centred, updates used); when the cap is hit, the bias of the most balanced iterate.
+
+    Over data-parallel ranks, `gather` (exact) or `reduce` (histograms) pool the statistics of every update
+    and the loads of the stopping test, so every rank takes the same number of updates and the same bias."""
     num_experts = scores_TE.shape[1]
-    bias = torch.zeros(num_experts, dtype=torch.float32, device=scores_TE.device)
-    for _ in range(max_iters):
-        bias = quantile_bias(scores_TE, bias, top_k)
-        load = expert_load((scores_TE.float() + bias).topk(top_k, dim=-1).indices, num_experts)
-        if load.max() == load.min():
-            break
-    return bias
+    if top_k >= num_experts:
+        return torch.zeros_like(bias_E, dtype=torch.float32), 0
+    scores = scores_TE.float()
+    num_tokens = scores.shape[0]
+    if gather is not None:
+        num_tokens = int(gather(torch.tensor([[float(num_tokens)]], device=scores.device)).sum())
+    elif reduce is not None:
+        num_tokens = int(reduce(torch.tensor([float(num_tokens)], device=scores.device), "sum").item())
+    bias = bias_E.float()
+    best, best_peak = bias, math.inf
+    for used in range(1, max_iters + 1):
+        if reduce is not None:
+            update = quantile_bias_histogram(scores, bias, top_k, reduce, of_others=True)
+        else:
+            update = quantile_bias(scores, bias, top_k, gather, of_others=True)
+        # Full updates alone fall into 2-cycles in which a few tokens swap between two experts (the batch stays
+        # 1-9 tokens off for 200 updates); a half step every other update breaks them.
+        bias = update if used % 2 == 1 else 0.5 * (bias + update)
+        load_E = expert_load((scores + bias).topk(top_k, dim=-1).indices, num_experts)
+        if gather is not None:
+            load_E = gather(load_E[None]).sum(0)
+        elif reduce is not None:
+            load_E = reduce(load_E, "sum")
+        if balanced_enough(load_E, top_k, num_tokens):
+            return bias, used
+        peak = float(load_E.max())
+        if peak < best_peak:
+            best, best_peak = bias, peak
+    return best, max_iters
+
+
+def balance_batch(scores_TE: torch.Tensor, top_k: int, max_iters: int = 200) -> torch.Tensor:
+    """The bias that balances one batch, solved from zero (see solve_batch_bias). For analysis and tests."""
+    zeros = torch.zeros(scores_TE.shape[1], dtype=torch.float32, device=scores_TE.device)
+    return solve_batch_bias(scores_TE, zeros, top_k, max_iters)[0]
 
 
 def loss_free_bias(load_E: torch.Tensor, bias_E: torch.Tensor, gamma: float) -> torch.Tensor:

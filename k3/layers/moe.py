@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.layers.balancing import loss_free_bias, maxvio, quantile_bias, quantile_bias_histogram
+from k3.layers.balancing import QB_MAX_ITERS, loss_free_bias, maxvio, solve_batch_bias
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.moe import count_per_expert, inverse_permutation, run_experts
@@ -52,6 +52,10 @@ class Router(nn.Module):
         # At scale, gathering [T, E] from every rank is too much: `reduce(tensor, op)` (an all-reduce with
         # op "sum" / "min" / "max") switches QB to histogram aggregation, E*bins numbers per round.
         self.reduce = None
+        # QB updates per training forward (SPEC section 7 iterated on the routed batch until it balances);
+        # 1 is a single update from the previous bias, which leaves maxvio ~0.5-2.6 on the tiny preset.
+        self.qb_max_iters = QB_MAX_ITERS
+        self.last_qb_iters = 0
         # Loads of the training forwards since the last loss-free update.
         self._pending_load: torch.Tensor | None = None
         self.last_load_E: torch.Tensor | None = None
@@ -64,14 +68,12 @@ class Router(nn.Module):
         else:
             if self.training and self.balancing == "quantile":
                 # QB balances the batch being routed: the bias is solved from this batch's scores before the
-                # selection (a bias from the previous batch lags behind a router that is still moving).
+                # selection, iterating the update to its fixed point (one update from the previous batch's
+                # bias lags behind the moving cutoffs and a router that is still moving).
                 with torch.no_grad():
-                    if self.reduce is not None:
-                        new_bias = quantile_bias_histogram(scores_TE.detach(), self.e_score_correction_bias,
-                                                           self.top_k, self.reduce)
-                    else:
-                        new_bias = quantile_bias(scores_TE.detach(), self.e_score_correction_bias, self.top_k,
-                                                 self.gather)
+                    new_bias, self.last_qb_iters = solve_batch_bias(
+                        scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.qb_max_iters,
+                        gather=self.gather, reduce=self.reduce)
                     self.e_score_correction_bias.copy_(new_bias)
             topk_ids_TK = (scores_TE.detach() + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, topk_ids_TK)

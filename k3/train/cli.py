@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from k3.layers.balancing import QB_AGGREGATES
+from k3.layers.balancing import QB_AGGREGATES, QB_MAX_ITERS
 from k3.train.trainer import TrainConfig, Trainer
 
 
@@ -26,7 +26,7 @@ def train_command(args: argparse.Namespace) -> int:
             "preset", "out", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "weight_decay",
             "grad_clip", "dtype", "device", "seed", "max_corpus_mb", "tokenizer", "val_fraction", "eval_every",
             "eval_batches", "save_every", "recall_fraction", "time_budget_s", "ep", "checkpoint_format",
-            "ep_balanced", "qb_aggregate") if getattr(args, name) is not None}
+            "ep_balanced", "qb_aggregate", "qb_iters") if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
         config = TrainConfig(**fields)
     trainer = Trainer(config, resume=args.resume, resume_overrides=overrides)
@@ -89,6 +89,10 @@ def register(subparsers) -> None:
                        help="under torchrun: how Quantile Balancing pools statistics over ranks; gather (default, "
                             "exact: [tokens, experts] from every rank per MoE layer) or histogram (E x 256 counts "
                             "per round; for many ranks or experts)")
+    train.add_argument("--qb-iters", type=int, dest="qb_iters",
+                       help=f"Quantile Balancing updates per MoE layer and step, iterated on the batch being routed "
+                            f"until every expert gets its quota (default {QB_MAX_ITERS}; 1: a single update, which "
+                            f"leaves the batch unbalanced)")
     train.add_argument("--checkpoint-format", choices=["full", "sharded"], dest="checkpoint_format",
                        help="full (default): DIR/checkpoint.pt, gathered on rank 0; sharded: DIR/checkpoint/, "
                             "every rank writes its own shards (for models too large to gather); both resume under "

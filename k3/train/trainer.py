@@ -34,7 +34,7 @@ from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, directory
 from k3.checkpoint.run import FORMATS as CHECKPOINT_FORMATS
 from k3.checkpoint.run import checkpoint_path, saved_format
 from k3.config import ModelConfig
-from k3.layers.balancing import QB_AGGREGATES
+from k3.layers.balancing import QB_AGGREGATES, QB_MAX_ITERS
 from k3.data.corpus import load_corpus, split_validation
 from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, text_row, pack_rows, \
     tokenize_documents
@@ -77,10 +77,11 @@ class TrainConfig:
     checkpoint_format: str = "full"
     ep_balanced: bool = False  # under --ep: MoonEP-style balanced dispatch (replicates the hottest experts)
     qb_aggregate: str = "gather"  # under torchrun: QB pools ranks' statistics exactly ("gather") or by histograms
+    qb_iters: int = QB_MAX_ITERS  # QB updates per MoE layer and step, solved on the routed batch (1: one update)
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every"):
+        for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every", "qb_iters"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.lr <= 0:
@@ -228,6 +229,8 @@ class Trainer:
                                               balanced=config.ep_balanced, qb_aggregate=config.qb_aggregate)
         else:
             self.model = K3ForCausalLM(model_config).to(self.device)
+        for _, router in self.model.routers():
+            router.qb_max_iters = config.qb_iters
         self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
         recall = None
         if config.recall_fraction > 0:
