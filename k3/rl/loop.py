@@ -131,6 +131,7 @@ def _episode_metrics(episodes: list[Episode]) -> dict[str, float]:
         "turns": sum(e.turns for e in episodes) / n,
         "tool_calls": sum(e.tool_calls for e in episodes) / n,
         "tool_errors": sum(e.tool_errors for e in episodes) / n,
+        "sandbox_calls": sum(e.sandbox_calls for e in episodes),
         "sandbox_failures": sum(e.failed for e in episodes),
         "sandbox_s": sum(e.sandbox_seconds for e in episodes),
         "episodes": len(episodes),
@@ -250,7 +251,7 @@ class RLTrainer:
         episodes = [e for g in groups for e in g]
         stats = _episode_metrics(episodes)
         return {"heldout_pass_rate": stats["pass_rate"], "heldout_reward": stats["reward_mean"],
-                "heldout_tasks": len(episodes), "heldout_tool_calls": stats["tool_calls"] * len(episodes)}
+                "heldout_tasks": len(episodes), "heldout_sandbox_calls": stats["sandbox_calls"]}
 
     def sequences(self, groups: list[list[Episode]]) -> tuple[list[Sequence], int]:
         """Group advantages -> trainable sequences; (sequences, groups kept)."""

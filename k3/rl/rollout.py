@@ -45,6 +45,7 @@ class Episode:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    sandbox_calls: int = 0  # tool calls that ran in the sandbox
     model_tokens: int = 0
     answer: str | None = None
     done: bool = False
@@ -262,6 +263,7 @@ class RolloutRunner:
                 self._end(episode, "sandbox_died", f"the sandbox died during {call.name or 'a tool call'}: {error}")
                 return
             episode.sandbox_seconds += observation.seconds
+            episode.sandbox_calls += observation.ran
             episode.tool_errors += observation.is_error
             episode.truncated_outputs += observation.truncated
             if observation.submitted is not None:

@@ -46,6 +46,7 @@ class Observation:
     submitted: str | None = None  # set by submit
     truncated: bool = False
     seconds: float = 0.0
+    ran: bool = False  # the call reached the sandbox (submit and rejected calls do not)
 
 
 def tool_list_text(tools: tuple[str, ...] | None = None) -> str:
@@ -154,7 +155,7 @@ def run_tool(call: ToolCall, sandbox, allowed: tuple[str, ...] | None = None, bu
     except (BrokenPipeError, EOFError, ConnectionError) as error:
         raise SandboxGone(f"the sandbox stopped answering ({type(error).__name__}: {error})") from error
     text, cut = truncate(text, budget)
-    return Observation(text, is_error=is_error, truncated=cut, seconds=time.perf_counter() - started)
+    return Observation(text, is_error=is_error, truncated=cut, seconds=time.perf_counter() - started, ran=True)
 
 
 def _edit(sandbox, path: str, old: str, new: str) -> tuple[str, bool]:

@@ -1,0 +1,121 @@
+"""`k3 rl` (train, demo, demos) and `k3 sft`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from k3.rl.losses import ALGORITHMS
+
+RL_FIELDS = ("run", "suite", "out", "algo", "group", "tasks_per_step", "steps", "lr", "minibatches", "temperature",
+             "heldout_every", "heldout_tasks", "save_every", "seed", "kl_coef", "tis_cap", "clip_low", "clip_high",
+             "tau", "max_context", "tool_budget", "iteration_token_budget", "device")
+
+
+def rl_command(args: argparse.Namespace) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.action == "demo":
+        from k3.rl.demo import run_rl_demo
+
+        run_rl_demo(out=args.out or "runs/rl-demo", json_path=args.json, algo=args.algo or "gspo",
+                    **({"rl_steps": args.steps} if args.steps else {}))
+        return 0
+    if args.action == "demos":
+        from k3.rl.demos import write_demonstrations
+
+        if not args.out:
+            raise ValueError("k3 rl demos needs --out FILE.jsonl")
+        suite = args.suite or "calc"
+        if suite not in ("calc", "fix", "files"):
+            raise ValueError(f"demonstrations come from a built-in suite's solver (calc, fix, files), not {suite!r}")
+        summary = write_demonstrations(suite, args.count, args.out)
+        print(json.dumps(summary))
+        return 0
+    from k3.rl.loop import RLConfig, RLTrainer
+
+    if not args.out:
+        raise ValueError("k3 rl needs --out DIR (the RL run directory)")
+    if args.resume:
+        config = RLConfig(out=args.out)
+    else:
+        if not args.run:
+            raise ValueError("k3 rl needs --run DIR: the checkpoint to start from (a k3 train / k3 sft run)")
+        fields = {name: getattr(args, name) for name in RL_FIELDS if getattr(args, name, None) is not None}
+        if args.no_routing_replay:
+            fields["routing_replay"] = False
+        config = RLConfig(**fields)
+    trainer = RLTrainer(config, resume=args.resume)
+    summary = trainer.train()
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
+    print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl, metrics.png)")
+    return 0
+
+
+def sft_command(args: argparse.Namespace) -> int:
+    from k3.rl.sft import SFTConfig, SFTTrainer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fields = {name: getattr(args, name) for name in ("run", "data", "out", "steps", "batch_size", "lr", "seed",
+                                                     "device", "save_every") if getattr(args, name) is not None}
+    if not args.resume and not (args.run and args.data):
+        raise ValueError("k3 sft needs --run DIR (the starting checkpoint) and --data FILE.jsonl (demonstrations)")
+    trainer = SFTTrainer(SFTConfig(**fields), resume=args.resume, steps_override=args.steps)
+    summary = trainer.train()
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
+    print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl)")
+    return 0
+
+
+def register(subparsers) -> None:
+    rl = subparsers.add_parser("rl", help="RL on sandboxed tool-use tasks (k3 rl --run DIR --suite calc --out "
+                                          "DIR), the CPU demo (k3 rl demo), or solver demonstrations (k3 rl demos)")
+    rl.add_argument("action", nargs="?", default="train", choices=("train", "demo", "demos"))
+    rl.add_argument("--run", help="starting checkpoint: a k3 train / k3 sft / k3 rl run directory")
+    rl.add_argument("--suite", default=None, help="calc, fix, files, or a .jsonl file / directory of tasks")
+    rl.add_argument("--out", help="the RL run directory (demos: the JSONL file to write)")
+    rl.add_argument("--algo", choices=sorted(ALGORITHMS), help="policy objective (default gspo)")
+    rl.add_argument("--group", type=int, help="episodes per task, forked from one snapshot (default 8)")
+    rl.add_argument("--tasks-per-step", type=int, dest="tasks_per_step")
+    rl.add_argument("--steps", type=int)
+    rl.add_argument("--lr", type=float)
+    rl.add_argument("--minibatches", type=int, help="optimizer steps per batch of rollouts")
+    rl.add_argument("--temperature", type=float)
+    rl.add_argument("--heldout-every", type=int, dest="heldout_every")
+    rl.add_argument("--heldout-tasks", type=int, dest="heldout_tasks")
+    rl.add_argument("--save-every", type=int, dest="save_every")
+    rl.add_argument("--seed", type=int)
+    rl.add_argument("--kl-coef", type=float, dest="kl_coef", help="KL to the frozen starting policy (default 0)")
+    rl.add_argument("--tis-cap", type=float, dest="tis_cap", help="truncated importance sampling cap (default 2)")
+    rl.add_argument("--clip-low", type=float, dest="clip_low")
+    rl.add_argument("--clip-high", type=float, dest="clip_high")
+    rl.add_argument("--tau", type=float, help="pmd: the KL strength")
+    rl.add_argument("--max-context", type=int, dest="max_context")
+    rl.add_argument("--tool-budget", type=int, dest="tool_budget", help="characters of one tool observation")
+    rl.add_argument("--iteration-token-budget", type=int, dest="iteration_token_budget",
+                    help="partial rollouts: park episodes once a step has generated this many tokens")
+    rl.add_argument("--no-routing-replay", action="store_true", dest="no_routing_replay")
+    rl.add_argument("--device")
+    rl.add_argument("--threads", type=int, default=0)
+    rl.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    rl.add_argument("--count", type=int, default=1000, help="demos: how many demonstrations")
+    rl.add_argument("--json", help="demo: write the summary to this file")
+    rl.set_defaults(func=rl_command)
+
+    sft = subparsers.add_parser("sft", help="supervised fine-tuning on chat-formatted trajectories (assistant "
+                                            "tokens only)")
+    sft.add_argument("--run", help="starting checkpoint (a k3 train run directory)")
+    sft.add_argument("--data", help="demonstrations JSONL ({\"messages\": [...]} per line; k3 rl demos writes one)")
+    sft.add_argument("--out", required=True)
+    sft.add_argument("--steps", type=int)
+    sft.add_argument("--batch-size", type=int, dest="batch_size")
+    sft.add_argument("--lr", type=float)
+    sft.add_argument("--seed", type=int)
+    sft.add_argument("--save-every", type=int, dest="save_every")
+    sft.add_argument("--device")
+    sft.add_argument("--threads", type=int, default=0)
+    sft.add_argument("--resume", action="store_true")
+    sft.set_defaults(func=sft_command)

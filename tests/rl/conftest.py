@@ -1,0 +1,47 @@
+"""Fixtures for the RL tests: a sandbox home per session (skipped, saying why, where k3 sandbox doctor finds a
+required feature missing: root, namespaces, overlayfs, cgroups), and a tiny tokenizer + model."""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def sandbox_home(tmp_path_factory):
+    from k3.sandbox.doctor import run_checks
+
+    missing = [f"{c.name} ({c.detail})" for c in run_checks() if c.required and not c.ok]
+    if missing:
+        pytest.skip("the sandbox cannot run here: " + "; ".join(missing))
+    home = str(tmp_path_factory.mktemp("k3-rl-sandbox-home"))
+    previous = os.environ.get("K3_SANDBOX_HOME")
+    os.environ["K3_SANDBOX_HOME"] = home
+    yield home
+    if previous is None:
+        os.environ.pop("K3_SANDBOX_HOME", None)
+    else:
+        os.environ["K3_SANDBOX_HOME"] = previous
+
+
+CHAT_TEXT = ('<|system|>Use python, then submit.\n<|user|>Compute 12+30.\n<|assistant|><tool_call>{"name": "python", '
+             '"arguments": {"code": "print(12+30)"}}</tool_call><|tool|>42\n<|assistant|><tool_call>{"name": '
+             '"submit", "arguments": {"answer": "42"}}</tool_call>')
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from k3.data.tokenizer import train_bpe
+
+    return train_bpe([CHAT_TEXT] * 20, 300, show_progress=False)
+
+
+@pytest.fixture
+def tiny_model(tokenizer):
+    import torch
+
+    from k3.config import ModelConfig
+    from k3.model import K3ForCausalLM
+
+    torch.manual_seed(0)
+    return K3ForCausalLM(ModelConfig.from_preset("debug", vocab_size=tokenizer.vocab_size,
+                                                 eos_token_id=tokenizer.eos_token_id)).eval()

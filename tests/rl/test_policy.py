@@ -1,0 +1,108 @@
+"""The trainer side: masks (tool tokens get no gradient), routing replay, and the update itself."""
+
+import torch
+
+from k3.rl.chat_format import render_ids
+from k3.rl.losses import ALGORITHMS, loss_config_for
+from k3.rl.policy import PolicyConfig, PolicyUpdater, Sequence, micro_batches, packed_logprobs, token_logprobs
+from k3.rl.routing import RoutingReplay
+
+MESSAGES = [{"role": "user", "content": "Compute 12+30."},
+            {"role": "assistant", "content": '<tool_call>{"name": "python", "arguments": {"code": "print(12+30)"}}'
+                                             '</tool_call>'},
+            {"role": "tool", "content": "42"},
+            {"role": "assistant", "content": '<tool_call>{"name": "submit", "arguments": {"answer": "42"}}</tool_call>'}]
+
+
+def test_masked_tool_tokens_get_no_gradient(tiny_model, tokenizer):
+    ids, mask = render_ids(MESSAGES, tokenizer)
+    ids_T = torch.tensor(ids)
+    logits = tiny_model(ids_T[None]).logits[0].detach().requires_grad_(True)
+    logp = token_logprobs(logits, ids_T)
+    mask_T = torch.tensor(mask, dtype=torch.float32)
+    for name in ALGORITHMS:
+        logits.grad = None
+        out = ALGORITHMS[name].loss(logp[None], logp.detach()[None], torch.tensor([1.0]), mask_T[None],
+                                    loss_config_for(name))
+        out.loss.backward(retain_graph=True)
+        # logits row t predicts token t+1: its gradient is zero exactly when token t+1 is not trainable
+        row_has_grad = logits.grad.abs().sum(-1) > 0
+        assert row_has_grad[:-1].tolist() == mask[1:], name
+        assert not row_has_grad[-1]
+    assert 0 < sum(mask) < len(mask) - 10  # the example has tool and prompt tokens to mask
+
+
+def test_routing_replay_reuses_the_recorded_experts(tiny_model, tokenizer):
+    ids, _ = render_ids(MESSAGES, tokenizer)
+    batch = torch.tensor(ids)[None]
+    replay = RoutingReplay(tiny_model)
+    assert len(replay.routers) == 3  # debug: the first layer is dense
+    with replay.record() as recorded:
+        before = tiny_model(batch).logits
+    # Unchanged weights: replaying gives the very same forward.
+    with replay.replay(recorded):
+        again = tiny_model(batch).logits
+    torch.testing.assert_close(again, before, rtol=0, atol=0)
+    # Move every router: left alone, tokens pick other experts ...
+    with torch.no_grad():
+        for router in replay.routers:
+            router.weight.add_(torch.randn_like(router.weight) * 5)
+    with replay.record() as moved:
+        tiny_model(batch)
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(recorded, moved))
+    # ... under replay they keep the recorded ones, and the router still gets a gradient through the gates.
+    with replay.replay(recorded), replay.record() as replayed:
+        loss = tiny_model(batch).logits.float().logsumexp(-1).mean()
+    for a, b in zip(recorded, replayed):
+        assert len(a) == len(b) == 1 and torch.equal(a[0], b[0])
+    loss.backward()
+    assert all(router.weight.grad is not None and router.weight.grad.abs().sum() > 0 for router in replay.routers)
+
+
+def test_replay_refuses_another_token_layout(tiny_model, tokenizer):
+    replay = RoutingReplay(tiny_model)
+    with replay.record() as recorded:
+        tiny_model(torch.tensor([[1, 2, 3]]))
+    try:
+        with replay.replay(recorded):
+            tiny_model(torch.tensor([[1, 2, 3, 4]]))
+    except RuntimeError as error:
+        assert "same token layout" in str(error)
+    else:
+        raise AssertionError("replay over a different layout must fail")
+
+
+def test_packed_logprobs_equal_one_sequence_at_a_time(tiny_model, tokenizer):
+    a, _ = render_ids(MESSAGES, tokenizer)
+    b, _ = render_ids(MESSAGES[:2], tokenizer)
+    packed, _ = packed_logprobs(tiny_model, [a, b], torch.device("cpu"))
+    for ids, got in zip([a, b], packed):
+        alone = token_logprobs(tiny_model(torch.tensor([ids])).logits[0], torch.tensor(ids))
+        torch.testing.assert_close(got, alone, rtol=1e-4, atol=1e-5)
+    assert micro_batches([5, 5, 5, 20, 1], 10) == [[0, 1], [2], [3], [4]]
+
+
+def test_update_raises_the_logprob_of_rewarded_tokens_and_ignores_masked_ones(tiny_model, tokenizer):
+    ids, mask = render_ids(MESSAGES, tokenizer)
+    good = Sequence(ids, mask, [float("nan")] * len(ids), advantage=1.0)
+    updater = PolicyUpdater(tiny_model, PolicyConfig(algorithm="grpo", lr=3e-3), loss_config_for("grpo"))
+    biases = [router.e_score_correction_bias.clone() for _, router in tiny_model.routers()]
+
+    def trained_logprob():
+        with torch.no_grad():
+            logp, _ = packed_logprobs(tiny_model, [ids], torch.device("cpu"))
+        return float((logp[0] * torch.tensor(mask, dtype=torch.float32)).sum())
+
+    start = trained_logprob()
+    for _ in range(3):
+        metrics = updater.update([good])
+    assert trained_logprob() > start + 1.0
+    assert metrics["trained_tokens"] == sum(mask) and metrics["logprob_gap"] != metrics["logprob_gap"]  # NaN: unknown
+    # Quantile Balancing's bias stays frozen during RL by default.
+    for before, (_, router) in zip(biases, tiny_model.routers()):
+        assert torch.equal(before, router.e_score_correction_bias)
+    # A sequence with nothing trainable changes no weight.
+    weights = {n: p.detach().clone() for n, p in tiny_model.named_parameters()}
+    PolicyUpdater(tiny_model, PolicyConfig(algorithm="grpo", lr=3e-3), loss_config_for("grpo")).update(
+        [Sequence(ids, [False] * len(ids), [0.0] * len(ids), advantage=1.0)])
+    assert all(torch.equal(weights[n], p) for n, p in tiny_model.named_parameters())
