@@ -129,6 +129,28 @@ def bare_graph_step_ms(model, config, prompt: int, new: int, device) -> float:
     return (time.perf_counter() - t0) * 1e3 / new
 
 
+def prefill_rates(model, config, length: int, device) -> dict:
+    """Prefill tokens/s of one prompt through the engine (chunked) and as one plain forward into a HybridCache."""
+    prompt = prompts_for(1, length, config.vocab_size, seed=5)[0]
+    engine = Engine(model, None, max_context=length + 8, max_batch=1, prefix_cache=False)
+    one = SamplingParams(max_new_tokens=1, temperature=0)
+    engine.generate_ids([prompt[:600]], one)  # warm-up
+    synchronize()
+    t0 = time.perf_counter()
+    engine.generate_ids([prompt], one)
+    synchronize()
+    chunked = time.perf_counter() - t0
+    ids = torch.tensor([prompt], device=device)
+    with torch.no_grad():
+        model.lm_head(model.model(ids[:, :600], model.new_cache(1))[:, -1])
+        synchronize()
+        t0 = time.perf_counter()
+        model.lm_head(model.model(ids, model.new_cache(1))[:, -1])
+        synchronize()
+    whole = time.perf_counter() - t0
+    return dict(length=length, engine_tokens_per_s=length / chunked, one_forward_tokens_per_s=length / whole)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="small")
@@ -184,6 +206,8 @@ def main() -> None:
     base = loads.get(1, {}).get("output_tokens_per_s")
     bare = bare_graph_step_ms(model, config, args.prompt, 64, device) if device.type == "cuda" else None
     results["bare_graph_step_ms"] = bare
+    results["prefill"] = prefill_rates(model, config, 8192 if device.type == "cuda" else 512, device)
+    print(f"prefill: {results['prefill']}", flush=True)
     rows = []
     for concurrency, r in loads.items():
         rows.append([concurrency, r["output_tokens_per_s"], f"{r['output_tokens_per_s'] / base:.1f}x" if base else "",

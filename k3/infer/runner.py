@@ -53,17 +53,18 @@ class ModelRunner:
         return self._forward_last(ids, cache)
 
     def _decode_inputs(self, seqs: list[Sequence], rows: int, table_pages: int):
-        ids = torch.zeros(rows, 1, dtype=torch.long)
-        slots = torch.full((rows,), SCRATCH, dtype=torch.long)
-        positions = torch.zeros(rows, dtype=torch.long)
-        table = torch.full((rows, table_pages), SCRATCH, dtype=torch.long)
-        for row, seq in enumerate(seqs):
-            ids[row, 0] = seq.tokens[seq.num_cached]
-            slots[row] = seq.slot
-            positions[row] = seq.num_cached
-            used = pages_for(seq.num_cached + 1, self.pool.page_size)
-            table[row, :used] = torch.tensor(seq.pages[:used])
-        return ids, slots, positions, table
+        """Host tensors for a decode batch padded to `rows` rows (padding: scratch slot and page)."""
+        size = self.pool.page_size
+        pad = rows - len(seqs)
+        ids = [[s.tokens[s.num_cached]] for s in seqs] + [[0]] * pad
+        slots = [s.slot for s in seqs] + [SCRATCH] * pad
+        positions = [s.num_cached for s in seqs] + [0] * pad
+        table = []
+        for s in seqs:
+            used = s.pages[: pages_for(s.num_cached + 1, size)]
+            table.append(used + [SCRATCH] * (table_pages - len(used)))
+        table += [[SCRATCH] * table_pages] * pad
+        return (torch.tensor(ids), torch.tensor(slots), torch.tensor(positions), torch.tensor(table))
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

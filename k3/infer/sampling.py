@@ -70,11 +70,18 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
                        torch.zeros(rows, device=logits.device))
 
 
-def filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] float; top_k [B] int (0 = off), top_p [B] float, min_p [B] float -> filtered logits."""
+def filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                sort: bool | None = None, use_min_p: bool | None = None) -> torch.Tensor:
+    """logits [B, V] float; top_k [B] int (0 = off), top_p [B] float, min_p [B] float -> filtered logits.
+    sort / use_min_p say whether any row filters by rank / min-p (given by callers that know it on the host,
+    so that no device value is read back)."""
     logits = logits.clone()
     vocab = logits.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()):
+    if sort is None:
+        sort = bool((top_k > 0).any()) or bool((top_p < 1).any())
+    if use_min_p is None:
+        use_min_p = bool((min_p > 0).any())
+    if sort:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)[None, :]
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
@@ -84,7 +91,7 @@ def filter_rows(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, 
         drop_sorted |= (probs.cumsum(-1) - probs) >= top_p[:, None]
         drop_sorted[:, 0] = False
         logits.masked_fill_(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), float("-inf"))
-    if bool((min_p > 0).any()):
+    if use_min_p:
         probs = logits.softmax(-1)
         logits.masked_fill_(probs < min_p[:, None] * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits
@@ -128,14 +135,16 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         for row, counts in enumerate(penalty_counts):
             if counts is not None:
                 work[row] = apply_penalties(work[row], params[row], counts[0], counts[1])
-    greedy = torch.tensor([p.greedy for p in params], device=device)
     tokens = work.argmax(-1)
-    if not bool(greedy.all()):
+    if not all(p.greedy for p in params):
+        greedy = torch.tensor([p.greedy for p in params], device=device)
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
         filtered = filter_rows(work / temperature[:, None],
                                torch.tensor([p.top_k for p in params], device=device),
                                torch.tensor([p.top_p for p in params], device=device),
-                               torch.tensor([p.min_p for p in params], device=device))
+                               torch.tensor([p.min_p for p in params], device=device),
+                               sort=any(p.top_k > 0 or p.top_p < 1 for p in params),
+                               use_min_p=any(p.min_p > 0 for p in params))
         probs = filtered.softmax(-1)
         race = torch.empty_like(probs).exponential_()
         for row, generator in enumerate(generators):
