@@ -16,8 +16,10 @@ SUBSYSTEMS = [
     "k3.info_cli",
     "k3.train.cli",
     "k3.infer.cli",
+    "k3.infer.serve_cli",
     "k3.checkpoint.cli",
     "k3.sandbox.cli",
+    "k3.rl.cli",
 ]
 
 

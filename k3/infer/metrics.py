@@ -87,10 +87,6 @@ class ServerMetrics:
             if outcome == "finished":
                 self.latency.observe(seconds)
 
-    def rejected(self) -> None:
-        with self.lock:
-            self.requests["rejected"] += 1
-
     def tokens_per_second(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self.lock:

@@ -1,0 +1,89 @@
+"""`k3 serve`: load a run or an HF-format model, start the engine, and serve it over HTTP until SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _tokenizer_directory(run: str | None, model_path: str | None) -> Path | None:
+    """Where a chat template file may sit: the HF model directory, or the run's tokenizer/ directory."""
+    if model_path is not None:
+        return Path(model_path)
+    from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME
+
+    path = Path(run)
+    run_dir = path.parent if path.is_file() or path.name == SHARDED_CHECKPOINT_NAME else path
+    return run_dir / "tokenizer"
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535] (0 = any free port), got {args.port}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_context < 2:
+        raise ValueError(f"--max-context must be >= 2 (a prompt token and a new one), got {args.max_context}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    _check_args(args)
+    try:
+        from k3.infer.server import create_app, run_server
+    except ImportError as error:
+        raise RuntimeError(f"k3 serve needs FastAPI and uvicorn ({error}); install them with "
+                           f"pip install 'k3[serve]'") from error
+    from k3.infer.async_engine import AsyncEngine
+    from k3.infer.chat_template import load_chat_template
+    from k3.infer.cli import load_for_inference
+    from k3.infer.engine import Engine
+
+    model, tokenizer = load_for_inference(args.run, args.model, args.device)
+    name = args.served_model_name or Path(args.run or args.model).resolve().name
+    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
+                    prefix_cache=not args.no_prefix_cache)
+    template = load_chat_template(tokenizer, _tokenizer_directory(args.run, args.model))
+    aengine = AsyncEngine(engine, max_queue=args.max_queue)
+    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template)
+
+    def listening(url: str) -> None:
+        print(f"k3 serve: {name} on {url} (OpenAI-compatible: {url}/v1; device {engine.device}, max batch "
+              f"{args.max_batch}, context {args.max_context}, chat template: {template.source}); Ctrl-C stops",
+              flush=True)
+
+    try:
+        run_server(app, args.host, args.port, on_listening=listening, log_level=args.log_level)
+    finally:
+        aengine.shutdown()
+    print("k3 serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def register(subparsers) -> None:
+    serve = subparsers.add_parser(
+        "serve", help="serve a trained run or an HF model over an OpenAI-compatible HTTP API",
+        description="POST /v1/completions and /v1/chat/completions (streaming, n, logprobs, stop, seed), "
+                    "GET /v1/models, /health and /metrics (Prometheus). Continuous batching over the hybrid "
+                    "cache; see docs/serve.md.")
+    source = serve.add_argument_group("model")
+    source.add_argument("--run", help="a `k3 train` run directory (or its checkpoint.pt or sharded checkpoint/)")
+    source.add_argument("--model", help="a Hugging Face-format model directory")
+    source.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    source.add_argument("--served-model-name", help="the model name clients send (default: the directory's name)")
+    http = serve.add_argument_group("server")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
+                                                           "only; 0.0.0.0 = every interface)")
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    http.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                      help="uvicorn's log level (default warning)")
+    engine = serve.add_argument_group("engine")
+    engine.add_argument("--max-batch", type=int, default=32, help="most sequences decoding at once (default 32)")
+    engine.add_argument("--max-context", type=int, default=4096,
+                        help="longest prompt + generation per sequence, in tokens (default 4096)")
+    engine.add_argument("--max-queue", type=int, default=256,
+                        help="most requests waiting for a slot; beyond it requests get HTTP 429 (default 256)")
+    engine.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    serve.set_defaults(func=serve_command)

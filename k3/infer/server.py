@@ -1,0 +1,516 @@
+"""`k3 serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the AsyncEngine.
+
+    POST /v1/completions        prompt (text, texts, token ids), n, logprobs (int), stop, seed, stream
+    POST /v1/chat/completions   messages through the chat template, logprobs (bool) + top_logprobs (int)
+    GET  /v1/models, /health, /metrics (Prometheus text)
+
+One HTTP request becomes one engine request per prompt (n samples each). Their token events are merged into
+one queue (`_Generation`), decoded incrementally (k3.infer.detokenize) and sent as JSON or as server-sent
+events. The response starts only once every prompt has been admitted and has its first token, so a full
+queue is a 429 and a bad prompt a 400, never an error inside a 200 stream. A client that goes away cancels
+the merge tasks, whose engine streams abort their requests at once (freeing KDA slots and MLA pages);
+non-streaming requests watch for the disconnect themselves, streaming ones through Starlette.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from k3.infer.async_engine import EngineDead, QueueFull
+from k3.infer.chat_template import ChatTemplate, load_chat_template
+from k3.infer.detokenize import TextAssembler
+from k3.infer.metrics import ServerMetrics
+from k3.infer.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_model, check_prompt,
+                               parse_request, resolve_max_tokens, sampling_params)
+from k3.infer.sse import SSE_DONE, sse_event
+
+log = logging.getLogger("k3.serve")
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat: all the room left)
+
+
+@dataclass
+class Choice:
+    """One generated sequence of a response (prompt p, sample i -> index p * n + i)."""
+
+    index: int
+    assembler: TextAssembler
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    last_token_at: float | None = None
+
+
+@dataclass
+class Update:
+    """What one token event changed: new visible text, tokens from `first` on, and whether it ended."""
+
+    choice: Choice
+    text: str
+    first: int
+    finished: bool
+
+
+class _Server:
+    def __init__(self, aengine, model_name: str, tokenizer, max_context: int, max_queue: int,
+                 chat_template: ChatTemplate) -> None:
+        self.aengine, self.model_name, self.tokenizer = aengine, model_name, tokenizer
+        self.max_context, self.max_queue, self.chat_template = max_context, max_queue, chat_template
+        self.vocab_size = aengine.engine.config.vocab_size
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+        self.active: set[_Generation] = set()
+        self._token_text: dict[int, str] = {}
+
+    def abort_all(self) -> None:
+        """End every request now (shutdown): streams finish with finish_reason "abort" and [DONE]."""
+        for generation in list(self.active):
+            generation.close()
+
+    def token_text(self, token: int) -> str:
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
+
+
+class _Generation:
+    """One HTTP request's engine requests (one per prompt, n samples each), merged into one stream of Updates."""
+
+    def __init__(self, server: _Server, prompts: list[list[int]], params, stops: list[str]) -> None:
+        self.server, self.prompts, self.params = server, prompts, params
+        self.n = params.n
+        self.choices = [Choice(p * self.n + i, TextAssembler(server.tokenizer, stops))
+                        for p in range(len(prompts)) for i in range(self.n)]
+        self.stop_ids = server.aengine.engine.stop_ids(params)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.tasks: list[asyncio.Task] = []
+        self.open = set(range(len(prompts)))  # prompts whose engine stream has not ended
+        self.started_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self._buffered: list[tuple[int, Any]] = []
+
+    async def _pump(self, p: int, ids: list[int]) -> None:
+        try:
+            async for event in self.server.aengine.stream(ids, self.params):
+                self.queue.put_nowait((p, event))
+            self.queue.put_nowait((p, None))
+        except asyncio.CancelledError:
+            # The engine stream's own cleanup has aborted the request. A reader still waiting (the server
+            # shutting down) sees the prompt end; its unfinished choices end with "abort".
+            self.queue.put_nowait((p, None))
+            raise
+        except Exception as error:  # noqa: BLE001 - handed to the request's handler, which answers it
+            self.queue.put_nowait((p, error))
+
+    async def start(self) -> None:
+        """Submit every prompt and wait until each has been admitted and produced its first event."""
+        self.tasks = [asyncio.create_task(self._pump(p, ids)) for p, ids in enumerate(self.prompts)]
+        waiting = set(range(len(self.prompts)))
+        while waiting:
+            p, payload = await self.queue.get()
+            if isinstance(payload, BaseException):
+                self.close()
+                raise self._api_error(payload)
+            self._buffered.append((p, payload))
+            waiting.discard(p)
+
+    def _api_error(self, error: BaseException) -> APIError:
+        if isinstance(error, APIError):
+            return error
+        if isinstance(error, QueueFull):
+            return APIError(f"the server is busy: {error} (--max-queue {self.server.max_queue})", status=429,
+                            code="queue_full")
+        if isinstance(error, EngineDead):
+            return APIError(str(error), status=503, code="engine_dead")
+        if isinstance(error, ValueError):
+            return APIError(str(error))
+        log.error("generation failed", exc_info=error)
+        return APIError(f"generation failed: {type(error).__name__}: {error}", status=500)
+
+    async def updates(self) -> AsyncIterator[Update]:
+        while self.open:
+            p, payload = self._buffered.pop(0) if self._buffered else await self.queue.get()
+            if isinstance(payload, BaseException):
+                raise self._api_error(payload)
+            if payload is None:
+                self.open.discard(p)
+                for choice in self.choices[p * self.n:(p + 1) * self.n]:
+                    if choice.finish_reason is None:  # the engine ended it without a last token
+                        choice.finish_reason = "abort"
+                        yield Update(choice, choice.assembler.finish(), len(choice.token_ids), True)
+                continue
+            update = self._apply(p, payload)
+            if update is None:
+                continue
+            yield update
+            group = self.choices[p * self.n:(p + 1) * self.n]
+            if update.finished and p in self.open and all(c.finish_reason for c in group):
+                # Ended here (a stop string) before the engine noticed: stop its request now.
+                self.open.discard(p)
+                self.tasks[p].cancel()
+
+    def _apply(self, p: int, event) -> Update | None:
+        choice = self.choices[p * self.n + event.index]
+        if choice.finish_reason is not None:
+            return None
+        now = time.monotonic()
+        metrics = self.server.metrics
+        if event.token_id is None:  # aborted inside the engine: no token
+            choice.finish_reason = event.finish_reason or "abort"
+            return Update(choice, choice.assembler.finish(), len(choice.token_ids), True)
+        if self.first_token_at is None:
+            self.first_token_at = now
+            metrics.first_token(now - self.started_at)
+        metrics.tokens(1, None if choice.last_token_at is None else now - choice.last_token_at, now)
+        choice.last_token_at = now
+        first = len(choice.token_ids)
+        token = int(event.token_id)
+        choice.token_ids.append(token)
+        if event.logprob is not None:
+            choice.logprobs.append(float(event.logprob))
+            choice.top_logprobs.append(list(event.top_logprobs or []))
+        stop_token = event.finished and event.finish_reason == "stop" and token in self.stop_ids
+        text = "" if stop_token else choice.assembler.push(token)
+        if choice.assembler.stopped:
+            choice.finish_reason = "stop"
+        elif event.finished:
+            text += choice.assembler.finish()
+            choice.finish_reason = event.finish_reason or "stop"
+        choice.text += text
+        return Update(choice, text, first, choice.finish_reason is not None)
+
+    def close(self) -> None:
+        """Cancel whatever still runs (each cancelled engine stream aborts its request). Synchronous, so it
+        works inside a cancelled scope."""
+        for task in self.tasks:
+            if not task.done():
+                task.cancel()
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(ids) for ids in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Callable[[], Any]):
+    """Run the coroutine work(); if the client disconnects first, cancel it and raise _ClientGone."""
+    task = asyncio.ensure_future(work())
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        gone = not task.done()
+        if gone:
+            task.cancel()
+    if gone:
+        raise _ClientGone()
+    return task.result()
+
+
+class _Format:
+    """The response shapes of one endpoint (completions or chat)."""
+
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, server: _Server, top_logprobs: int | None, return_token_ids: bool) -> None:
+        self.server, self.top, self.return_token_ids = server, top_logprobs, return_token_ids
+
+    def logprobs(self, choice: Choice, first: int, last: int) -> dict | None:
+        if self.top is None:
+            return None
+        text = self.server.token_text
+        tokens = [text(t) for t in choice.token_ids[first:last]]
+        offsets, offset = [], len(choice.text) - sum(len(t) for t in tokens) if first else 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": choice.logprobs[first:last],
+                "top_logprobs": [{text(t): lp for t, lp in top[:self.top]} for top in choice.top_logprobs[first:last]],
+                "text_offset": offsets}
+
+    def choice(self, choice: Choice, prompt: list[int]) -> dict:
+        out = {"index": choice.index, "text": choice.text, "logprobs": self.logprobs(choice, 0, len(choice.token_ids)),
+               "finish_reason": choice.finish_reason}
+        return self._with_ids(out, choice, prompt, 0)
+
+    def chunk_choice(self, update: Update, prompt: list[int]) -> dict:
+        choice = update.choice
+        out = {"index": choice.index, "text": update.text,
+               "logprobs": self.logprobs(choice, update.first, len(choice.token_ids)),
+               "finish_reason": choice.finish_reason if update.finished else None}
+        return self._with_ids(out, choice, prompt, update.first)
+
+    def _with_ids(self, out: dict, choice: Choice, prompt: list[int], first: int) -> dict:
+        if self.return_token_ids:
+            out["token_ids"] = choice.token_ids[first:]
+            if first == 0:
+                out["prompt_token_ids"] = prompt
+        return out
+
+
+class _ChatFormat(_Format):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def _entry(self, token: int, logprob: float) -> dict:
+        text = self.server.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def logprobs(self, choice: Choice, first: int, last: int) -> dict | None:
+        if self.top is None:
+            return None
+        content = []
+        for token, logprob, top in zip(choice.token_ids[first:last], choice.logprobs[first:last],
+                                       choice.top_logprobs[first:last]):
+            entry = self._entry(token, logprob)
+            entry["top_logprobs"] = [self._entry(t, lp) for t, lp in top[:self.top]]
+            content.append(entry)
+        return {"content": content}
+
+    def choice(self, choice: Choice, prompt: list[int]) -> dict:
+        out = {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+               "logprobs": self.logprobs(choice, 0, len(choice.token_ids)), "finish_reason": choice.finish_reason}
+        return self._with_ids(out, choice, prompt, 0)
+
+    def chunk_choice(self, update: Update, prompt: list[int]) -> dict:
+        choice = update.choice
+        delta = {"content": update.text}
+        if update.first == 0:
+            delta["role"] = "assistant"
+        out = {"index": choice.index, "delta": delta,
+               "logprobs": self.logprobs(choice, update.first, len(choice.token_ids)),
+               "finish_reason": choice.finish_reason if update.finished else None}
+        return self._with_ids(out, choice, prompt, update.first)
+
+
+async def _respond(request: Request, server: _Server, fmt: _Format, prompts: list[list[int]], params,
+                   stops: list[str], stream: bool, include_usage: bool) -> Response:
+    generation = _Generation(server, prompts, params, stops)
+    metrics = server.metrics
+    metrics.started(sum(len(p) for p in prompts))
+    head = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
+    prompt_of = [prompts[c.index // params.n] for c in generation.choices]
+    ended = False
+
+    def end(outcome: str) -> None:
+        nonlocal ended
+        if not ended:
+            ended = True
+            generation.close()
+            server.active.discard(generation)
+            metrics.ended(outcome, time.monotonic() - generation.started_at)
+
+    server.active.add(generation)
+
+    try:
+        await _unless_disconnected(request, generation.start)
+    except _ClientGone:
+        end("aborted")
+        return Response(status_code=499)
+    except APIError as error:
+        end("rejected" if error.status == 429 else "failed")
+        raise
+    except BaseException:
+        end("failed")
+        raise
+
+    if not stream:
+        async def collect() -> None:
+            async for _ in generation.updates():
+                pass
+        try:
+            await _unless_disconnected(request, collect)
+        except _ClientGone:
+            end("aborted")
+            return Response(status_code=499)
+        except BaseException:
+            end("failed")
+            raise
+        end("aborted" if any(c.finish_reason == "abort" for c in generation.choices) else "finished")
+        body = {**head, "object": fmt.object,
+                "choices": [fmt.choice(c, prompt_of[c.index]) for c in generation.choices],
+                "usage": generation.usage()}
+        return JSONResponse(body)
+
+    async def events() -> AsyncIterator[str]:
+        outcome = "aborted"  # unless the loop below completes: a cancelled stream is a client gone
+        try:
+            async for update in generation.updates():
+                choice = fmt.chunk_choice(update, prompt_of[update.choice.index])
+                yield sse_event({**head, "object": fmt.chunk_object, "choices": [choice]})
+            if include_usage:
+                yield sse_event({**head, "object": fmt.chunk_object, "choices": [], "usage": generation.usage()})
+            yield SSE_DONE
+            outcome = "aborted" if any(c.finish_reason == "abort" for c in generation.choices) else "finished"
+        except APIError as error:
+            outcome = "failed"
+            yield sse_event(error.body())
+            yield SSE_DONE
+        finally:
+            end(outcome)
+
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_queue: int,
+               chat_template: ChatTemplate | None = None) -> "FastAPI":
+    """The FastAPI application. async_engine: k3.infer.AsyncEngine (its engine's tokenizer must be
+    `tokenizer`); max_context: longest prompt + generation; max_queue: as given to the AsyncEngine (shown in
+    errors and /health)."""
+    server = _Server(async_engine, model_name, tokenizer, max_context, max_queue,
+                     chat_template or load_chat_template(tokenizer))
+    app = FastAPI(title="k3", description="OpenAI-compatible inference for K3-architecture models")
+    app.state.k3 = server
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if error.status == 429 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        message = (f"no route {request.method} {request.url.path}; this server has POST /v1/completions, "
+                   f"POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
+                   if error.status_code in (404, 405) else str(error.detail))
+        return JSONResponse(APIError(message, status=error.status_code).body(), status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+        return JSONResponse(APIError(f"invalid request: {error.errors()[:1]}").body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> JSONResponse:
+        log.error("request failed", exc_info=error)
+        body = APIError(f"internal error: {type(error).__name__}: {error}", status=500).body()
+        return JSONResponse(body, status_code=500)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "k3", "max_model_len": server.max_context}]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        stats = async_engine.stats()
+        alive = async_engine.error is None
+        return {"status": "ok" if alive else "engine stopped", "model": server.model_name,
+                "max_context": server.max_context, "max_queue": server.max_queue,
+                "in_flight": server.metrics.in_flight, **stats}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(server.metrics.render(async_engine.stats()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_request(await request.body(), CompletionRequest)
+        check_model(body.model, server.model_name)
+        prompts = []
+        many = len(body.prompts()) > 1
+        for i, prompt in enumerate(body.prompts()):
+            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            check_prompt(ids, server.max_context, server.vocab_size, f"prompt {i}" if many else "prompt")
+            prompts.append(ids)
+        max_tokens = resolve_max_tokens(body.max_tokens, max(map(len, prompts)), server.max_context,
+                                        DEFAULT_COMPLETION_TOKENS)
+        stops = body.stop_strings()
+        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
+        fmt = _Format(server, body.top_logprobs_count(), body.return_token_ids)
+        return await _respond(request, server, fmt, prompts, params, stops, body.stream, body.include_usage())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = parse_request(await request.body(), ChatCompletionRequest)
+        check_model(body.model, server.model_name)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            ids = tokenizer.encode(server.chat_template.render(messages))
+        except ValueError as error:
+            raise APIError(f"the messages could not be put through the chat template "
+                           f"({server.chat_template.source}): {error}", param="messages") from error
+        check_prompt(ids, server.max_context, server.vocab_size, "messages")
+        max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_context, None)
+        stops = body.stop_strings() + [s for s in server.chat_template.stop if s not in body.stop_strings()]
+        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
+        fmt = _ChatFormat(server, body.top_logprobs_count(), body.return_token_ids)
+        return await _respond(request, server, fmt, [ids], params, stops, body.stream, body.include_usage())
+
+    return app
+
+
+def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Callable[[str], None] | None = None,
+               log_level: str = "warning", graceful_timeout_s: float = 5.0) -> None:
+    """Serve `app` until SIGINT or SIGTERM. on_listening(url) is called once the socket is bound (port 0
+    picks a free port; the url names the real one). On the signal, requests in progress end at once with
+    finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams."""
+    import uvicorn
+
+    # lifespan off: the app has no startup/shutdown hooks (the engine is started and stopped by the caller).
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=graceful_timeout_s)
+    server = uvicorn.Server(config)
+    k3_server = getattr(app.state, "k3", None)
+    signalled: list[int] = []
+
+    def remember(signum, frame) -> None:
+        # Outside uvicorn's own handlers (just before it starts, and when it re-raises the signal it shut
+        # down for): note it, so a signal during startup still stops the server, and exit normally.
+        signalled.append(signum)
+        server.should_exit = True
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        uvicorn_exit = server.handle_exit
+
+        def handle_exit(sig, frame) -> None:  # runs as the signal handler while uvicorn serves
+            uvicorn_exit(sig, frame)
+            if k3_server is not None:
+                loop.call_soon_threadsafe(k3_server.abort_all)
+
+        server.handle_exit = handle_exit
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started and on_listening is not None:
+            bound_host, bound_port = server.servers[0].sockets[0].getsockname()[:2]
+            on_listening(f"http://{bound_host}:{bound_port}")
+        await task
+
+    # uvicorn takes SIGINT/SIGTERM while it runs, shuts down, then re-raises the signal to these handlers.
+    previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(main())
+    except SystemExit as error:  # uvicorn exits when it cannot bind
+        raise RuntimeError(f"could not listen on {host}:{port} (is the port in use? --port 0 picks a free "
+                           f"one)") from error
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
