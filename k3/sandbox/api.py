@@ -151,7 +151,9 @@ class Sandbox:
             supervisor.limits = self.limits
         self._supervisor, self._upper = supervisor, upper
         self._freeze_cache: dict = {}  # per upper directory: see LayerStore.freeze
-        lower = [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
+        # A snapshot with memory adds its memory image on top: the REPLs load their state from it.
+        lower = memory_snapshots.lower_for(self.scratch, self.chain)
+        lower += [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
         answer = supervisor.call(
             {"op": "setup", "lower_base": self.scratch, "lower": lower, "upper": upper, "work": work,
              "root": root, "hostname": self.hostname}

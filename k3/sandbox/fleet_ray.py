@@ -50,6 +50,9 @@ class SandboxWorker:
         image = exported["layers"][0]["info"]["image"]
         if not os.path.isdir(image):
             raise ValueError(f"snapshot needs image {image}, which this node ({self.node}) does not have")
+        from k3.sandbox import memory
+
+        memory.import_images(self.pool.store.layers.home, exported.get("memory", {}))
         return self.pool.store.layers.import_(exported)
 
     def run_from(self, fn: Callable, item: Any, exported: dict) -> Any:
@@ -97,11 +100,17 @@ class RayFleet:
 
     @staticmethod
     def export_local(snapshot: str) -> dict:
-        """Pack a snapshot of this machine's store (with its parent layers) for other nodes."""
+        """Pack a snapshot of this machine's store (with its parent layers, and its memory image
+        when it was taken with ``memory=True``) for other nodes."""
         from k3.sandbox.layers import LayerStore
         from k3.sandbox.paths import scratch_dir
 
-        return LayerStore(scratch_dir()).export(snapshot)
+        from k3.sandbox import memory
+
+        store = LayerStore(scratch_dir())
+        exported = store.export(snapshot)
+        exported["memory"] = memory.export_images(store.home, store.chain(snapshot))  # {} for files-only
+        return exported
 
     def fork(self, exported: dict, n: int, fn: Callable[[Any, int], Any]) -> list:
         """``n`` branches from one exported snapshot, spread over the workers: ``fn(sandbox, i)``."""

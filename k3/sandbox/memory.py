@@ -5,23 +5,32 @@ processes it starts itself, the Python REPLs of ``repl.py``, by a path of its ow
 
 1. each running REPL pickles its namespace to ``/.k3/memory/<name>.pkl`` inside the sandbox
    (its own functions and classes by value, modules by name; see ``repl_server.py``);
-2. a manifest (``/.k3/memory/manifest.json``) lists them, and the filesystem is snapshotted as
-   usual, so the memory travels inside the layer: export/import between machines needs nothing new;
-3. the files are removed from the live sandbox, so a later files-only snapshot holds no stale state.
+2. the host hard-links each file out of the sandbox's upper directory into a *memory image*,
+   ``<scratch>/memory/<image id>/.k3/memory/<name>.pkl`` (no copy, no hash of the 50 MB), and
+   the sandbox removes its own link;
+3. a small manifest naming the image (``/.k3/memory/manifest.json``) is written and the
+   filesystem is snapshotted as usual (so the layer holds only the manifest), then the manifest is
+   removed from the live sandbox, so a later files-only snapshot holds no stale state.
 
-On ``restore`` or ``fork`` from such a snapshot, the host reads the manifest through the layer chain
-(no round trip into the sandbox when there is none), starts each REPL and loads its state, then
-removes the files again. What is NOT kept: processes other than k3's REPLs (a server started with
-``exec("server &")`` is gone after restore, as in a files-only snapshot), and values a REPL cannot
-pickle (open files, sockets, threads, generators), which the manifest lists as skipped.
+On ``restore`` or ``fork`` from such a snapshot the host finds the manifest through the layer chain
+(a few ``lstat``, no round trip when there is none), mounts the memory image as the topmost
+read-only layer of the new root, starts each REPL and loads its file, then removes the files from
+view again. Memory images live as long as a layer names them: ``collect`` (run by the snapshot
+GC) removes the others; ``export_images`` / ``import_images`` ship them with a snapshot.
+
+What is NOT kept: processes other than k3's REPLs (a server started with ``exec("server &")``
+is gone after restore, as in a files-only snapshot), and values a REPL cannot pickle (open files,
+sockets, threads, generators), which the manifest lists as skipped.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import time
+import uuid
 
 from k3.sandbox import criu
 
@@ -29,6 +38,7 @@ MEMORY_DIR = "/.k3/memory"
 MANIFEST = MEMORY_DIR + "/manifest.json"
 BACKEND = "k3-repl-checkpoint"
 OPAQUE_XATTR = "trusted.overlay.opaque"
+IMAGES = "memory"  # under the scratch directory, beside layers/
 
 
 def backend() -> dict:
@@ -38,29 +48,48 @@ def backend() -> dict:
             "processes": "the sandbox's Python REPLs (Sandbox.repl); other processes are not saved"}
 
 
+def image_dir(scratch: str, image_id: str) -> str:
+    if not image_id or not all(c in "0123456789abcdef" for c in image_id):
+        raise ValueError(f"a memory image id is hexadecimal, got {image_id!r}")
+    return os.path.join(scratch, IMAGES, image_id)
+
+
+def _remove_in_box(box, files: list[str]) -> None:
+    box._request({"op": "remove", "files": files, "dirs": [MEMORY_DIR, os.path.dirname(MEMORY_DIR)]})
+
+
 def take(box) -> str:
     """Save every running REPL of ``box`` and snapshot the filesystem with it; return the id."""
     repls = [repl for repl in box._repls.values() if repl.alive]
+    image_id = uuid.uuid4().hex
+    staging = image_dir(box.scratch, image_id) + ".staging"
+    target = os.path.join(staging, MEMORY_DIR.lstrip("/"))
     entries, files = [], [MANIFEST]
     try:
+        os.makedirs(target)
         for repl in repls:
             path = f"{MEMORY_DIR}/{repl.name}.pkl"
             files.append(path)
             saved = repl.dump(path)
+            # The file was just written through the overlay, so it lies in the upper directory.
+            os.link(os.path.join(box._upper, path.lstrip("/")), os.path.join(target, f"{repl.name}.pkl"))
             entries.append({"name": repl.name, "python": repl.python, "state": path, "bytes": saved["bytes"],
                             "names": saved["names"], "skipped": saved["skipped"]})
-        manifest = {"backend": BACKEND, "created": time.time(), "repls": entries}
+        _remove_in_box(box, files[1:])  # the layer must not copy (and hash) the state files
+        os.rename(staging, image_dir(box.scratch, image_id))
+        manifest = {"backend": BACKEND, "image": image_id, "created": time.time(), "repls": entries}
         box.write_file(MANIFEST, json.dumps(manifest, indent=1))
         return box.snapshot()
     finally:
-        box._request({"op": "remove", "files": files, "dirs": [MEMORY_DIR, os.path.dirname(MEMORY_DIR)]})
+        shutil.rmtree(staging, ignore_errors=True)
+        _remove_in_box(box, files)
 
 
-def manifest_of(box) -> dict | None:
-    """The memory manifest visible in ``box``'s layer chain now, read on the host, or None."""
-    layers = os.path.join(box.scratch, "layers")
+def manifest_in_chain(scratch: str, chain: list[str]) -> dict | None:
+    """The memory manifest visible through the layer ``chain`` (top first), read on the host, or None."""
+    layers = os.path.join(scratch, "layers")
     parts = MANIFEST.strip("/").split("/")
-    for layer in box.chain:  # top layer first, as overlay stacks them
+    for layer in chain:  # top layer first, as overlay stacks them
         path = os.path.join(layers, layer)
         for depth, part in enumerate(parts):
             path = os.path.join(path, part)
@@ -80,12 +109,29 @@ def manifest_of(box) -> dict | None:
             try:
                 if os.getxattr(path, OPAQUE_XATTR) == b"y":
                     # An opaque directory hides the layers below; the file would be here.
-                    child = os.path.join(layers, layer, *parts)
-                    if not os.path.isfile(child):
+                    if not os.path.isfile(os.path.join(layers, layer, *parts)):
                         return None
             except OSError:
                 pass
     return None
+
+
+def manifest_of(box) -> dict | None:
+    """The memory manifest of the layers under ``box`` now (None when they hold no memory)."""
+    return manifest_in_chain(box.scratch, box.chain)
+
+
+def lower_for(scratch: str, chain: list[str]) -> list[str]:
+    """Extra lower directories (relative to ``scratch``) that a root over ``chain`` needs: the
+    memory image its manifest names, so the REPLs can load their files from inside."""
+    manifest = manifest_in_chain(scratch, chain)
+    if manifest is None or not manifest.get("image"):
+        return []
+    directory = image_dir(scratch, manifest["image"])
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"memory image {manifest['image']} of this snapshot is missing from "
+                                f"{os.path.join(scratch, IMAGES)} (collected, or not imported with the snapshot)")
+    return [os.path.join(IMAGES, manifest["image"])]
 
 
 def resume(box) -> list[str]:
@@ -104,5 +150,67 @@ def resume(box) -> list[str]:
             files.append(entry["state"])
             names.append(entry["name"])
     finally:
-        box._request({"op": "remove", "files": files, "dirs": [MEMORY_DIR, os.path.dirname(MEMORY_DIR)]})
+        _remove_in_box(box, files)
     return names
+
+
+def referenced_images(scratch: str) -> set[str]:
+    """Memory images named by a layer of the store (the layers of running sandboxes included)."""
+    found = set()
+    layers = os.path.join(scratch, "layers")
+    for name in os.listdir(layers) if os.path.isdir(layers) else ():
+        path = os.path.join(layers, name, MANIFEST.lstrip("/"))
+        if not name.endswith(".json") and os.path.isfile(path):
+            try:
+                with open(path) as f:
+                    image = json.load(f).get("image")
+            except (OSError, ValueError):
+                continue
+            if image:
+                found.add(image)
+    return found
+
+
+def collect(scratch: str, min_age_s: float = 0.0) -> list[str]:
+    """Remove memory images that no layer names any more; return their ids."""
+    root = os.path.join(scratch, IMAGES)
+    keep = referenced_images(scratch)
+    removed = []
+    now = time.time()
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        path = os.path.join(root, name)
+        if name.endswith(".staging") or name in keep or now - os.stat(path).st_mtime < min_age_s:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def export_images(scratch: str, chain: list[str]) -> dict:
+    """The memory image a snapshot's chain needs, as {image id: {file name: bytes}} (maybe empty)."""
+    manifest = manifest_in_chain(scratch, chain)
+    if manifest is None or not manifest.get("image"):
+        return {}
+    directory = os.path.join(image_dir(scratch, manifest["image"]), MEMORY_DIR.lstrip("/"))
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), "rb") as f:
+            files[name] = f.read()
+    return {manifest["image"]: files}
+
+
+def import_images(scratch: str, images: dict) -> None:
+    """Store memory images made by ``export_images`` (on this or another machine)."""
+    for image_id, files in images.items():
+        final = image_dir(scratch, image_id)
+        if os.path.isdir(final):
+            continue
+        staging = final + f".{uuid.uuid4().hex[:8]}.staging"
+        target = os.path.join(staging, MEMORY_DIR.lstrip("/"))
+        os.makedirs(target)
+        for name, data in files.items():
+            if "/" in name or name.startswith("."):
+                raise ValueError(f"bad file name {name!r} in memory image {image_id}")
+            with open(os.path.join(target, name), "wb") as f:
+                f.write(data)
+        os.rename(staging, final)

@@ -24,6 +24,7 @@ import threading
 import time
 from collections import defaultdict
 
+from k3.sandbox import memory
 from k3.sandbox.api import Sandbox
 from k3.sandbox.cgroups import Limits
 from k3.sandbox.image import Image, default_image
@@ -75,6 +76,7 @@ class SnapshotStore:
             if info.id not in keep and now - info.created >= min_age_s:
                 self.layers.remove(info.id)
                 removed.append(info.id)
+        memory.collect(self.layers.home, min_age_s)  # memory images no remaining layer names
         return removed
 
 
