@@ -1,0 +1,133 @@
+"""Rollouts in real sandboxes: forked groups, failures that end only their episode, partial rollouts, and the
+real engine driving a tiny model."""
+
+import os
+import re
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+import k3.rl.rollout as rollout_module
+from k3.rl.chat_format import format_tool_call
+from k3.rl.rollout import RolloutConfig, RolloutRunner
+from k3.rl.tasks import EpisodeLimits, Task, Verifier
+
+
+class ScriptedEngine:
+    """Stands in for the policy: ``script(prompt_text, sample)`` gives each turn's text. Same interface as
+    k3.infer.Engine.complete (one output per request, n completions each)."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.calls = tokenizer, script, []
+
+    def complete(self, prompts, params):
+        outputs = []
+        for prompt, p in zip(prompts, params):
+            text = self.tokenizer.decode(prompt)
+            self.calls.append(p.n)
+            completions = []
+            for sample in range(p.n):
+                ids = self.tokenizer.encode(self.script(text, sample)) + [self.tokenizer.eos_token_id]
+                completions.append(SimpleNamespace(token_ids=ids, logprobs=[-1.0] * len(ids), finish_reason="stop"))
+            outputs.append(SimpleNamespace(outputs=completions))
+        return outputs
+
+
+def make_task(task_id="t", verifier=None, **fields):
+    return Task(id=task_id, prompt="Do it.", verifier=verifier or Verifier("answer", expected="ok"),
+                limits=EpisodeLimits(turns=4, tokens_per_turn=512, total_tokens=4096, seconds=60), **fields)
+
+
+def isolation_script(text, sample):
+    turns = text.count("<|tool|>")
+    if turns == 0:
+        return format_tool_call("write_file", {"path": f"/work/mine_{sample}.txt", "content": str(sample)})
+    if turns == 1:
+        mine = re.search(r"/work/mine_(\d+)\.txt", text).group(1)
+        return format_tool_call("bash", {"command": f"cat /work/state.txt; ls /work; cat /work/mine_{mine}.txt"})
+    return format_tool_call("submit", {"answer": text.rsplit("<|tool|>", 1)[1].split("\n<|assistant|>")[0]})
+
+
+def test_a_forked_group_sees_one_prepared_state_and_no_sibling_writes(sandbox_home, tokenizer, monkeypatch):
+    prepared = []
+    real_prepare = rollout_module.prepare_sandbox
+    monkeypatch.setattr(rollout_module, "prepare_sandbox", lambda task, limits=None: prepared.append(task.id)
+                        or real_prepare(task, limits))
+    engine = ScriptedEngine(tokenizer, isolation_script)
+    task = make_task(files={"/work/state.txt": "prepared\n"}, setup="echo setup-ran >> /work/state.txt")
+    groups = RolloutRunner(engine, tokenizer, RolloutConfig(threads=4)).run([task], group_size=4)
+    assert prepared == ["t"]  # one prepared sandbox for the whole group, forked 4 times
+    assert engine.calls[0] == 4  # the first turn went to the engine as one request with n = 4
+    episodes = groups[0]
+    for episode in episodes:
+        s = episode.sample
+        assert episode.finish == "submitted" and episode.tool_calls == 3 and episode.sandbox_calls == 2
+        # the prepared state (setup ran once, before the snapshot) and this episode's file only
+        assert episode.answer.split() == ["prepared", "setup-ran", f"mine_{s}.txt", "state.txt", str(s)]
+        assert len(episode.ids) == len(episode.mask) == len(episode.logprobs)
+        assert all(lp == -1.0 for lp, m in zip(episode.logprobs, episode.mask) if m)
+        assert episode.sandbox is None  # closed after verification
+
+
+def test_a_killed_sandbox_or_a_crashed_verifier_ends_only_its_episode(sandbox_home, tokenizer, monkeypatch):
+    real_run_tool = rollout_module.run_tool
+
+    def run_tool(call, sandbox, *args):
+        if call.arguments.get("command") == "echo die":
+            for pid in sandbox.pids():  # kill the sandbox from outside, as the OOM killer or an operator would
+                os.kill(pid, signal.SIGKILL)
+        return real_run_tool(call, sandbox, *args)
+
+    monkeypatch.setattr(rollout_module, "run_tool", run_tool)
+
+    def script(text, sample):
+        if "<|tool|>" in text:
+            return format_tool_call("submit", {"answer": "ok"})
+        return format_tool_call("bash", {"command": "echo die" if sample == 0 else "echo fine"})
+
+    crashing = make_task("crash", Verifier("python", function="tests.rl.verifiers:crash_on_ok"))
+    tasks = [make_task("a"), crashing, make_task("b", setup="exit 3")]
+    groups = RolloutRunner(ScriptedEngine(tokenizer, script), tokenizer).run(tasks, group_size=2)
+    by_task = {g[0].task.id: g for g in groups}
+    dead, alive = by_task["a"]
+    assert dead.finish == "sandbox_died" and dead.failed and dead.reward == 0.0 and "died" in dead.reason
+    assert alive.finish == "submitted" and alive.reward == 1.0
+    assert all(e.reward == 0.0 and "verifier crashed: ZeroDivisionError" in e.reason for e in by_task["crash"]
+               if e.sample == 1)
+    assert all(e.finish == "sandbox_failed" and "setup command failed" in e.reason for e in by_task["b"])
+
+
+def test_partial_rollouts_park_and_continue(sandbox_home, tokenizer):
+    def script(text, sample):
+        turns = text.count("<|tool|>")
+        if turns < 2:
+            return format_tool_call("bash", {"command": f"echo step{turns} >> /work/log.txt"})
+        return format_tool_call("submit", {"answer": "ok"})
+
+    runner = RolloutRunner(ScriptedEngine(tokenizer, script), tokenizer, RolloutConfig(iteration_token_budget=1))
+    assert runner.run([make_task()], group_size=2) == []  # past the budget after one turn: parked
+    assert len(runner.parked) == 1 and all(e.parked_snapshot and e.sandbox is None for e in runner.parked[0])
+    groups = runner.run([], group_size=2)
+    assert groups == []  # one more turn, parked again
+    groups = runner.run([], group_size=2)
+    (group,) = groups
+    assert all(e.finish == "submitted" and e.reward == 1.0 and e.turns == 3 for e in group)
+    # the restored sandbox kept the first iteration's writes
+    assert not runner.parked
+
+
+def test_the_engine_and_a_tiny_model_run_calc_episodes(sandbox_home, tokenizer, tiny_model):
+    from k3.rl.loop import build_engine
+    from k3.rl.suites import get_suite
+
+    engine = build_engine(tiny_model, tokenizer, max_context=1024)
+    runner = RolloutRunner(engine, tokenizer, RolloutConfig(), seed=1)
+    groups = runner.run(get_suite("calc").tasks("train", 2), group_size=3, step=1)
+    assert [len(g) for g in groups] == [3, 3]
+    for episode in (e for g in groups for e in g):
+        assert episode.done and episode.reward in (0.0, 1.0) and not episode.failed
+        assert len(episode.ids) == len(episode.mask) == len(episode.logprobs)
+        assert sum(episode.mask) == episode.model_tokens > 0
+        assert episode.model_tokens <= episode.task.limits.total_tokens
+    assert runner.stats["generated_tokens"] > 0 and runner.stats["rollout_tokens_per_s"] > 0
