@@ -1,4 +1,4 @@
-"""``k3 sandbox``: doctor, bench, run, gc. Thin: parses, calls k3.sandbox, prints."""
+"""``k3 sandbox``: doctor, bench, run, gc, web. Thin: parses, calls k3.sandbox, prints."""
 
 from __future__ import annotations
 
@@ -19,10 +19,69 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from k3.sandbox import bench
+    from k3.sandbox import bench, bench_memory
 
-    results = bench.run(iterations=args.iterations, edits=args.edits, image_mb=args.image_mb)
-    print(json.dumps(results, indent=2) if args.json else bench.format_table(results))
+    parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    unknown = parts - {"base", "memory"}
+    if unknown:
+        print(f"k3 sandbox bench: unknown part(s) {sorted(unknown)}; use base and/or memory", file=sys.stderr)
+        return 2
+    results: dict = {}
+    tables = []
+    if "base" in parts:
+        results.update(bench.run(iterations=args.iterations, edits=args.edits, image_mb=args.image_mb))
+        tables.append(bench.format_table(results))
+    if "memory" in parts:
+        memory = bench_memory.run(iterations=args.memory_iterations, state_mb=args.state_mb)
+        results.update(memory)
+        tables.append(bench_memory.format_table(memory))
+    if args.pool:
+        from k3.sandbox import bench_fleet
+
+        pool = bench_fleet.run_pool(args.pool)
+        results.update(pool)
+        tables.append(f"pool of {pool['pool_sandboxes']} sandboxes: filled in {pool['pool_fill_s']} s, "
+                      f"{pool['pool_memory_per_sandbox_mb']} MB charged per sandbox, "
+                      f"{pool['pool_host_memory_per_sandbox_mb']} MB of host memory per sandbox")
+    if args.ray_episodes:
+        from k3.sandbox import bench_fleet
+
+        fleet = bench_fleet.run_ray(args.ray_episodes, args.ray_workers)
+        results.update(fleet)
+        tables.append(f"Ray: {fleet['ray_episodes']} episodes on {fleet['ray_workers']} workers in {fleet['ray_wall_s']} s "
+                      f"= {fleet['ray_episodes_per_s']} episodes/s; bound by {fleet['ray_bound_by']}; "
+                      f"export {fleet['ray_export_bytes']} bytes in {fleet['ray_export_s']} s, "
+                      f"{fleet['ray_branches_correct']}/{fleet['ray_branches']} branches correct")
+    print(json.dumps(results, indent=2) if args.json else "\n\n".join(tables))
+    return 0
+
+
+def _web(args: argparse.Namespace) -> int:
+    from k3.sandbox.web.tools import WebSession, default_tools
+
+    tools = default_tools()
+    if args.web_command == "tasks":
+        from k3.sandbox.web.tasks import generate_browse_tasks
+
+        tasks = generate_browse_tasks(args.n, seed=args.seed, split=args.split, corpus=tools.corpus)
+        if args.json:
+            print(json.dumps(tasks, indent=2))
+        else:
+            for task in tasks:
+                print(f"[{task['kind']}] {task['prompt']}\n  answer: {task['answer']}  pages: {' '.join(task['pages'])}")
+        return 0
+    session = WebSession(tools)
+    if args.web_command == "search":
+        print(session.search(" ".join(args.query)))
+    elif args.web_command == "open":
+        print(session.open(args.url))
+    else:
+        kinds: dict = {}
+        for page in tools.corpus.pages.values():
+            kinds[page.kind] = kinds.get(page.kind, 0) + 1
+        info = {"pages": len(tools.corpus.pages), "by_kind": kinds, "indexed": len(tools.index.urls),
+                "source": tools.corpus.source}
+        print(json.dumps(info, indent=2) if args.json else "\n".join(f"{k}: {v}" for k, v in info.items()))
     return 0
 
 
@@ -57,7 +116,7 @@ def _gc(args: argparse.Namespace) -> int:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``k3 sandbox ...`` to the top-level parser."""
-    parser = subparsers.add_parser("sandbox", help="isolated sandboxes: doctor, bench, run, gc")
+    parser = subparsers.add_parser("sandbox", help="isolated sandboxes: doctor, bench, run, gc, web")
     commands = parser.add_subparsers(dest="sandbox_command", metavar="SUBCOMMAND")
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
@@ -70,7 +129,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--iterations", type=int, default=30, help="timed repetitions per operation (default 30)")
     bench.add_argument("--edits", type=int, default=100, help="files edited before snapshotting (default 100)")
     bench.add_argument("--image-mb", type=int, default=200, help="size of the benchmark image (default 200)")
+    bench.add_argument("--parts", default="base,memory",
+                       help="which benchmarks: base (files-only ops), memory (a 50 MB REPL); default both")
+    bench.add_argument("--memory-iterations", type=int, default=20, help="timed repetitions of memory ops (default 20)")
+    bench.add_argument("--state-mb", type=int, default=50, help="MB of state the benchmark REPL holds (default 50)")
+    bench.add_argument("--pool", type=int, default=0, help="also fill a SandboxPool with this many sandboxes (e.g. 200)")
+    bench.add_argument("--ray-episodes", type=int, default=0, help="also run this many episodes on a local Ray fleet")
+    bench.add_argument("--ray-workers", type=int, default=4, help="Ray workers for --ray-episodes (default 4)")
     bench.set_defaults(func=_bench)
+
+    web = commands.add_parser("web", help="the offline web: info, search, open, browse tasks")
+    web_commands = web.add_subparsers(dest="web_command", metavar="WEBCOMMAND")
+    web.set_defaults(func=_web, web_command="info", json=False)
+    info = web_commands.add_parser("info", help="build (once) and describe the corpus and its index")
+    info.add_argument("--json", action="store_true")
+    search = web_commands.add_parser("search", help="search the offline web")
+    search.add_argument("query", nargs="+")
+    open_ = web_commands.add_parser("open", help="print a page of the offline web")
+    open_.add_argument("url")
+    tasks = web_commands.add_parser("tasks", help="print browse tasks (multi-hop questions with answers)")
+    tasks.add_argument("--n", type=int, default=5)
+    tasks.add_argument("--seed", type=int, default=0)
+    tasks.add_argument("--split", default="train", choices=("train", "test"))
+    tasks.add_argument("--json", action="store_true")
 
     run = commands.add_parser("run", help="run one shell command in a fresh sandbox")
     run.add_argument("cmd", help="shell command, run with /bin/sh -c")

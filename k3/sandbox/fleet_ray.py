@@ -55,6 +55,14 @@ class SandboxWorker:
         memory.import_images(self.pool.store.layers.home, exported.get("memory", {}))
         return self.pool.store.layers.import_(exported)
 
+    def run_and_export(self, fn: Callable, item: Any, memory: bool = False) -> tuple[Any, dict]:
+        """``fn(sandbox, item)`` in a clean sandbox, then its snapshot (``memory``: with its
+        REPLs), exported for another worker: (result, exported snapshot)."""
+        with self.pool.sandbox() as box:
+            result = fn(box, item)
+            snapshot = box.snapshot(memory=memory)
+        return result, RayFleet.export_local(snapshot, self.pool.store.layers)
+
     def run_from(self, fn: Callable, item: Any, exported: dict) -> Any:
         return self.run(fn, item, self.import_snapshot(exported))
 
@@ -99,7 +107,7 @@ class RayFleet:
         return ray.get([self._pick().run.remote(fn, item) for item in items])
 
     @staticmethod
-    def export_local(snapshot: str) -> dict:
+    def export_local(snapshot: str, store=None) -> dict:
         """Pack a snapshot of this machine's store (with its parent layers, and its memory image
         when it was taken with ``memory=True``) for other nodes."""
         from k3.sandbox.layers import LayerStore
@@ -107,10 +115,15 @@ class RayFleet:
 
         from k3.sandbox import memory
 
-        store = LayerStore(scratch_dir())
+        store = store or LayerStore(scratch_dir())
         exported = store.export(snapshot)
         exported["memory"] = memory.export_images(store.home, store.chain(snapshot))  # {} for files-only
         return exported
+
+    def run_and_export(self, fn: Callable[[Any, Any], Any], item: Any, memory: bool = False, worker: int = 0):
+        """Run ``fn(sandbox, item)`` on worker ``worker`` and export its sandbox's snapshot from
+        there: (result, exported), ready for ``fork`` onto the other workers."""
+        return ray.get(self.workers[worker % len(self.workers)].run_and_export.remote(fn, item, memory))
 
     def fork(self, exported: dict, n: int, fn: Callable[[Any, int], Any]) -> list:
         """``n`` branches from one exported snapshot, spread over the workers: ``fn(sandbox, i)``."""
