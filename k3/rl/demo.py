@@ -41,8 +41,8 @@ def standard_error(rate: float, n: int) -> float:
 
 def run_rl_demo(out: str = "runs/rl-demo", demos: int = 800, sft_steps: int = 150, rl_steps: int = 30,
                 heldout: int = 200, group: int = 8, tasks_per_step: int = 8, algo: str = "gspo",
-                lr: float = 2e-4, threads: int = 0, json_path: str | None = None, seed: int = 0,
-                log=print) -> dict:
+                lr: float = 2e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
+                seed: int = 0, log=print) -> dict:
     """Run the demo (see the module doc); returns the summary that --json writes."""
     started = time.perf_counter()
     out_dir = Path(out)
@@ -71,7 +71,7 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 800, sft_steps: int = 15
     log(f"[{time.perf_counter() - started:5.0f} s] model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
         f"parameters, tokenizer {tokenizer.vocab_size} ids")
     sft = SFTTrainer(SFTConfig(data=str(demos_path), out=str(out_dir / "sft"), steps=sft_steps, batch_size=16,
-                               lr=3e-3, warmup_steps=10, seed=seed, save_every=sft_steps, device="cpu"),
+                               lr=sft_lr, warmup_steps=10, seed=seed, save_every=sft_steps, device="cpu"),
                      model=model, tokenizer=tokenizer, show_progress=False)
     sft_summary = sft.train()
     log(f"[{time.perf_counter() - started:5.0f} s] SFT: {sft_summary['steps']} steps, loss "

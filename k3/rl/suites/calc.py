@@ -11,13 +11,14 @@ from k3.rl.tasks import EpisodeLimits, Task, Verifier
 
 LIMITS = EpisodeLimits(turns=4, tokens_per_turn=48, total_tokens=256, seconds=60.0)
 WORDS = ["apple", "banana", "cherry", "delta", "echo", "falcon", "garden", "harbor", "island", "jungle",
-         "kettle", "lemon", "mango", "nectar", "orbit", "pepper", "quartz", "river", "sunset", "tunnel"]
+         "kettle", "lemon", "mango", "nectar", "orbit", "pepper", "quartz", "river", "sunset", "tunnel", "cat", "dog",
+         "sky", "moon", "star", "tree", "leaf", "rock", "sand", "wave"]
 
 
 def _word(rng: random.Random) -> str:
     if rng.random() < 0.5:
         return rng.choice(WORDS)
-    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 7)))
+    return "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 6)))
 
 
 class CalcSuite(Suite):
@@ -27,7 +28,7 @@ class CalcSuite(Suite):
     def make(self, rng: random.Random, index: int) -> Task:
         kind = rng.choice(["arith", "arith", "reverse", "count", "sort"])
         if kind == "arith":
-            a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(1, 99)
+            a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(1, 40)
             op1, op2 = rng.choice("+-*"), rng.choice("+-")
             expression = f"{a}{op1}{b}{op2}{c}"
             prompt, code = f"Compute {expression}.", f"print({expression})"
