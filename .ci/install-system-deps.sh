@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # System packages the sandbox backend (k3.sandbox) needs, installed with apt-get as root.
 # Required: unshare(1) and the util-linux tools, ldd (libc-bin), a python3 to build the default
-# image from. Optional: criu, reported by `k3 sandbox doctor` (memory snapshots are not used).
+# image from. Optional: criu, probed by `k3 sandbox doctor` (where `criu check` fails, memory
+# snapshots use k3's own REPL checkpoint), and python3-doc, the HTML docs the offline web serves.
 # Idempotent: when everything is present it does nothing and returns at once.
 set -euo pipefail
 
 required=(util-linux libc-bin python3 coreutils grep sed findutils diffutils)
-optional=(criu)
+optional=(criu python3-doc)
 
 missing=()
 for package in "${required[@]}" "${optional[@]}"; do
