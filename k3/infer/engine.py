@@ -75,7 +75,7 @@ class Engine:
     enough for max_batch full contexts)."""
 
     def __init__(self, model, tokenizer=None, max_context: int = 4096, max_batch: int = 32, page_size: int = 32,
-                 prefill_chunk: int = 512, max_step_tokens: int | None = None, prefix_cache: bool = True,
+                 prefill_chunk: int | None = None, max_step_tokens: int | None = None, prefix_cache: bool = True,
                  prefix_slots: int | None = None, num_pages: int | None = None, dtype: torch.dtype | None = None,
                  use_cuda_graphs: bool | None = None) -> None:
         if max_context < 2:
@@ -88,6 +88,10 @@ class Engine:
         self.max_context, self.max_batch = max_context, max_batch
         self.device = next(model.parameters()).device
         dtype = dtype or next(model.parameters()).dtype
+        if prefill_chunk is None:
+            # On a GPU a 512-token forward of a mid-size model is bound by kernel launches (measured for
+            # `small` on one H200: 9 ms of GPU work under 78 ms of host time), so chunks are larger there.
+            prefill_chunk = 2048 if self.device.type == "cuda" else 512
         prefill_chunk = max(page_size, (prefill_chunk // page_size) * page_size)
         max_pages = pages_for(max_context, page_size)
         prefix_slots = (max_batch if prefix_cache else 0) if prefix_slots is None else prefix_slots
