@@ -1,0 +1,133 @@
+"""`k3 eval`: long-context tasks at any length and loss by position, for a run or a Hugging Face model.
+
+    k3 eval --run runs/demo --task mqar needle_single --lengths 256,1K,4K --n 16 --json eval.json --plot eval.png
+    k3 eval --run runs/demo --perplexity --lengths 1K,4K
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _held_out_stream(args: argparse.Namespace, tokenizer) -> np.ndarray | None:
+    """Token ids of held-out text: --data files, else the run's validation split, else None."""
+    if args.data:
+        from k3.data.corpus import load_corpus
+        from k3.data.packing import tokenize_documents
+
+        docs = load_corpus(args.data)
+        eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        return tokenize_documents([d.text for d in docs], tokenizer, eos, show_progress=False)
+    if args.run:
+        run_dir = Path(args.run)
+        run_dir = run_dir.parent if run_dir.is_file() else run_dir
+        val = run_dir / "data" / "val.bin"
+        if val.is_file():
+            from k3.data.packing import load_stream
+
+            return load_stream(val)
+    return None
+
+
+def _mqar_layout(args: argparse.Namespace, vocab_size: int):
+    """MQAR with the run's recall settings when it trained on recall rows (same key/value id ranges)."""
+    from k3.data.synthetic import RecallTask
+
+    pairs = args.mqar_pairs
+    if pairs is None and args.run:
+        saved = Path(args.run) / "train_config.json"
+        if saved.is_file():
+            pairs = json.loads(saved.read_text()).get("recall_pairs")
+    pairs = pairs or 8
+    return RecallTask(vocab_size, num_pairs=pairs, num_queries=pairs)
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    from k3.eval.harness import evaluate_tasks
+    from k3.eval.perplexity import perplexity_by_position
+    from k3.eval.report import (accuracy_table, parse_lengths, perplexity_table, plot_accuracy, plot_perplexity,
+                                write_json)
+    from k3.eval.tasks import TASKS, Filler, TaskContext
+    from k3.infer.cli import load_for_inference
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lengths = parse_lengths(args.lengths)
+    tasks = list(TASKS) if not args.task or "all" in args.task else list(dict.fromkeys(args.task))
+    if args.perplexity_only:
+        tasks = []
+    model, tokenizer = load_for_inference(args.run, args.model, args.device)
+    stream = _held_out_stream(args, tokenizer)
+    out = Path(args.out) if args.out else None
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+    json_path = args.json or (out / "eval.json" if out else None)
+    plot_path = args.plot or (out / "eval.png" if out else None)
+
+    if tasks:
+        ctx = TaskContext(tokenizer, model.config.vocab_size, Filler(tokenizer, stream),
+                          _mqar_layout(args, model.config.vocab_size))
+        results = evaluate_tasks(model, tokenizer, ctx, tasks, lengths, args.n, args.seed, args.mode,
+                                 show_progress=not args.quiet)
+        rows = [r.row() for r in results]
+        print(accuracy_table(rows))
+        if json_path:
+            write_json(json_path, rows)
+            print(f"rows written to {json_path}")
+        if plot_path:
+            plot_accuracy(rows, plot_path)
+            print(f"plot written to {plot_path}")
+
+    if args.perplexity or args.perplexity_only:
+        if stream is None:
+            raise ValueError("loss by position needs held-out text: give --run DIR with data/val.bin or --data "
+                             "FILE (.txt, .jsonl, .parquet or a directory)")
+        ppl_lengths = parse_lengths(args.ppl_lengths) if args.ppl_lengths else lengths
+        buckets = perplexity_by_position(model, tokenizer, stream, ppl_lengths, args.ppl_windows, args.seed)
+        ppl_rows = [b.row() for b in buckets]
+        print("\n" + perplexity_table(ppl_rows))
+        ppl_json = args.ppl_json or (out / "perplexity.json" if out else None)
+        if ppl_json:
+            write_json(ppl_json, ppl_rows)
+            print(f"perplexity rows written to {ppl_json}")
+        if out:
+            plot_perplexity(ppl_rows, out / "perplexity.png")
+            print(f"plot written to {out / 'perplexity.png'}")
+    return 0
+
+
+def register(subparsers) -> None:
+    from k3.eval.tasks import TASKS
+
+    p = subparsers.add_parser("eval", help="long-context evaluation: MQAR, needles, variable tracking, common "
+                                           "words at any length; loss by position")
+    p.add_argument("--run", help="a k3 training run directory (or its checkpoint)")
+    p.add_argument("--model", help="a Hugging Face-format model directory")
+    p.add_argument("--task", nargs="+", choices=sorted(TASKS) + ["all"], help="tasks (default all)")
+    p.add_argument("--lengths", default="1K,4K", help="sequence lengths, e.g. 256,1K,4K,64K,1M (default 1K,4K)")
+    p.add_argument("--n", type=int, default=16, help="examples per task and length (default 16)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mode", choices=["auto", "generate", "score"], default="auto",
+                   help="auto: generate single final answers, score in-sequence answers (MQAR) by one prefill")
+    p.add_argument("--mqar-pairs", type=int, dest="mqar_pairs",
+                   help="MQAR key-value pairs (default: the run's --recall-pairs, else 8)")
+    p.add_argument("--data", action="append", help="held-out text for filler and loss by position (default: the "
+                                                   "run's validation split); repeatable")
+    p.add_argument("--perplexity", action="store_true", help="also measure held-out loss by position")
+    p.add_argument("--perplexity-only", action="store_true", dest="perplexity_only",
+                   help="only the loss by position, no tasks")
+    p.add_argument("--ppl-lengths", dest="ppl_lengths", help="window lengths for the loss (default --lengths)")
+    p.add_argument("--ppl-windows", type=int, default=8, dest="ppl_windows", help="windows per length (default 8)")
+    p.add_argument("--json", help="write the accuracy rows {task, length, accuracy, n} here")
+    p.add_argument("--ppl-json", dest="ppl_json", help="write the loss-by-position rows here")
+    p.add_argument("--plot", help="write the accuracy-by-length PNG here")
+    p.add_argument("--out", help="directory for eval.json, eval.png, perplexity.json, perplexity.png")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, help="CPU threads for torch")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=eval_command)
