@@ -2,7 +2,7 @@
 
 from k3.config import ModelConfig
 
-__all__ = ["ModelConfig", "K3ForCausalLM", "from_pretrained", "save_pretrained"]
+__all__ = ["ModelConfig", "K3ForCausalLM", "from_pretrained", "save_pretrained", "load_tokenizer"]
 
 
 def __getattr__(name):
@@ -11,7 +11,7 @@ def __getattr__(name):
         from k3.model import K3ForCausalLM
 
         return K3ForCausalLM
-    if name in ("from_pretrained", "save_pretrained"):
+    if name in ("from_pretrained", "save_pretrained", "load_tokenizer"):
         from k3.checkpoint import hf
 
         return getattr(hf, name)

@@ -95,15 +95,16 @@ def count_multimodal_parameters(config: ModelConfig, vision_config: VisionConfig
 
 # --- published HF layout --------------------------------------------------------------------------------------
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: str | torch.device = "cpu", tokenizer: bool = True,
-                    media_token_id: int | None = None, progress: bool = True):
-    """(K3ForConditionalGeneration, tokenizer or None) from a K3 HF directory holding text and vision weights."""
+                    device: str | torch.device = "cpu", media_token_id: int | None = None,
+                    progress: bool = True):
+    """K3ForConditionalGeneration from a K3 HF directory holding text and vision weights (the tokenizer loads
+    on its own: `k3.load_tokenizer(path)`)."""
     import json
 
     from k3.checkpoint.hf_load import from_pretrained as text_from_pretrained
     from k3.vision.checkpoint import load_vision
 
-    language_model, loaded_tokenizer = text_from_pretrained(path, dtype, device, tokenizer, progress)
+    language_model = text_from_pretrained(path, dtype, device, progress)
     vision = load_vision(path, dtype, device)
     raw = json.loads((Path(path) / "config.json").read_text())
     token = media_token_id if media_token_id is not None else int(
@@ -111,7 +112,7 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
     with torch.device("meta"):
         model = K3ForConditionalGeneration(language_model.config, vision.config, token)
     model.language_model, model.vision = language_model, vision
-    return model.eval(), loaded_tokenizer
+    return model.eval()
 
 
 def save_pretrained(model: K3ForConditionalGeneration, tokenizer, path: str | os.PathLike,

@@ -43,12 +43,13 @@ class _TokenizerFiles:
 
 def _load(source: Path, dtype: str | None):
     from k3.checkpoint.hf_load import from_pretrained, parse_dtype
+    from k3.checkpoint.hf_tokenizer import load_hf_tokenizer
     from k3.checkpoint.run import load_run_model
 
     if not source.exists():
         raise FileNotFoundError(f"--from {source} does not exist")
     if source.is_dir() and _is_hf_directory(source):
-        return from_pretrained(source, dtype=dtype)
+        return from_pretrained(source, dtype=dtype), load_hf_tokenizer(source, required=False)
     model, state = load_run_model(source)
     if dtype is not None:
         model = model.to(parse_dtype(dtype))

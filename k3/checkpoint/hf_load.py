@@ -325,13 +325,12 @@ def _detect_a_log_size(config: ModelConfig, shards: _Shards, mapping: dict[str, 
 
 
 def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = None,
-                    device: str | torch.device = "cpu", tokenizer: bool = True,
-                    progress: bool = True) -> tuple[K3ForCausalLM, object | None]:
-    """Load (model, tokenizer) from a local HF-format directory (Kimi-Linear or Kimi-K3).
+                    device: str | torch.device = "cpu", progress: bool = True) -> K3ForCausalLM:
+    """Load the model of a local HF-format directory (Kimi-Linear or Kimi-K3), in eval mode.
 
     dtype None keeps each tensor's stored dtype (MXFP4 experts become bf16); a dtype converts every floating
-    tensor except A_log, dt_bias and the routing bias, which stay fp32. The model is returned in eval mode.
-    The tokenizer is None when tokenizer=False or the directory holds no tokenizer files."""
+    tensor except A_log, dt_bias and the routing bias, which stay fp32. The tokenizer is loaded on its own,
+    with `k3.load_tokenizer(path)`, as transformers' AutoTokenizer is."""
     dtype = parse_dtype(dtype)
     config, _, fmt = read_hf_config(path)
     mapping = weight_map(path)
@@ -340,10 +339,4 @@ def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | str | None = N
     with torch.device("meta"):
         model = K3ForCausalLM(config)
     load_hf_weights(model, path, fmt, dtype, device, progress)
-    model.eval()
-    loaded_tokenizer = None
-    if tokenizer:
-        from k3.checkpoint.hf_tokenizer import load_hf_tokenizer
-
-        loaded_tokenizer = load_hf_tokenizer(path, required=False)
-    return model, loaded_tokenizer
+    return model.eval()

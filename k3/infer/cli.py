@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from k3.infer.engine import Engine, Session
+from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
 
 
@@ -21,11 +21,12 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
                          "directory)")
     if model_path is not None:
         try:
-            from k3.checkpoint.hf import from_pretrained
+            from k3.checkpoint.hf import from_pretrained, load_hf_tokenizer
         except ImportError as error:
             raise RuntimeError(f"--model needs the Hugging Face loader k3.checkpoint.hf, which is not available "
                                f"({error}); use --run with a k3 training run instead") from error
-        model, tokenizer = from_pretrained(model_path)
+        model = from_pretrained(model_path)
+        tokenizer = load_hf_tokenizer(model_path, required=False)
         if tokenizer is None:
             raise FileNotFoundError(f"{model_path} holds no tokenizer files (tokenizer.json or tiktoken.model); "
                                     f"generation needs one")
@@ -92,30 +93,37 @@ class _Streamer:
 
 def generate_command(args: argparse.Namespace) -> int:
     model, tokenizer = load_for_inference(args.run, args.model, args.device)
-    engine = Engine(model, tokenizer, max_context=args.max_context)
     params = _sampling(args, tokenizer)
     prompts = _prompts(args)
+    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=min(len(prompts), 32),
+                    prefix_cache=False)
+    ids = [tokenizer.encode(p) for p in prompts]
+    # Validate every prompt before printing anything (a long prompt would otherwise be echoed, then refused).
+    for i, prompt_ids in enumerate(ids):
+        engine.check_prompt(prompt_ids, params, name=f"prompt {i}" if len(ids) > 1 else "the prompt")
     if len(prompts) == 1 and not args.no_stream:
         streamer = _Streamer(tokenizer, engine.stop_ids(params))
         sys.stdout.write(prompts[0])
-        engine.generate(prompts, params, on_token=lambda _, token: streamer(token))
+        engine.generate_ids(ids, params, on_token=lambda _, token: streamer(token))
         sys.stdout.write("\n")
         return 0
-    for i, (prompt, text) in enumerate(zip(prompts, engine.generate(prompts, params))):
-        print(f"=== [{i}] ===\n{prompt}{text}")
+    outputs = engine.complete(ids, params)
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        print(f"=== [{i}] ===\n{prompt}{out.outputs[0].text}")
     return 0
 
 
 def chat_command(args: argparse.Namespace) -> int:
     """A plain-text conversation with a base model: each turn is `User: ...` then `Assistant:`; the reply
-    stops at a newline. The cache carries the whole conversation; nothing is recomputed between turns."""
+    stops at a newline. Each turn sends the whole conversation; the engine's prefix cache starts it from the
+    previous turn's saved state, so little is recomputed."""
     model, tokenizer = load_for_inference(args.run, args.model, args.device)
-    engine = Engine(model, tokenizer, max_context=args.max_context)
+    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_slots=4)
     params = _sampling(args, tokenizer)
-    session = Session(engine)
-    generator = torch.Generator().manual_seed(args.seed) if args.seed is not None else None
+    params.stop = ["\n"]
     print("k3 chat: type a message, empty line or Ctrl-D to quit", file=sys.stderr)
-    first = True
+    conversation: list[int] = []
+    turn = 0
     while True:
         try:
             line = input("> " if sys.stdin.isatty() else "")
@@ -123,15 +131,18 @@ def chat_command(args: argparse.Namespace) -> int:
             break
         if not line.strip():
             break
-        session.feed(tokenizer.encode(("" if first else "\n") + f"User: {line}\nAssistant:"))
-        first = False
+        conversation += tokenizer.encode(("" if not conversation else "\n") + f"User: {line}\nAssistant:")
+        if params.seed is not None:
+            params.seed = args.seed + turn
+        params.max_new_tokens = min(args.max_new_tokens, engine.max_context - len(conversation))
+        if params.max_new_tokens < 1:
+            raise ValueError(f"the conversation has reached {len(conversation)} tokens and the context allows "
+                             f"{engine.max_context}; start a new chat or raise --max-context")
+        engine.check_prompt(conversation, params, name="the conversation")
         streamer = _Streamer(tokenizer, engine.stop_ids(params))
-
-        def on_token(token: int) -> bool:
-            streamer(token)
-            return "\n" in tokenizer.decode(streamer.ids)
-
-        session.generate(params, on_token, generator)
+        reply = engine.generate_ids([conversation], params, on_token=lambda _, token: streamer(token))[0]
+        conversation += reply
+        turn += 1
         if not tokenizer.decode(streamer.ids).endswith("\n"):
             sys.stdout.write("\n")
         sys.stdout.flush()

@@ -8,6 +8,7 @@ import torch
 
 from k3.checkpoint import native
 from k3.checkpoint.hf import from_pretrained
+from k3.checkpoint.hf_tokenizer import load_hf_tokenizer
 from k3.cli import main
 from k3.config import ModelConfig
 from k3.model import K3ForCausalLM
@@ -31,7 +32,8 @@ def test_native_to_k3_mxfp4_and_back(tmp_path, capsys):
     assert main(["convert", "--from", str(tmp_path / "run"), "--to", str(tmp_path / "hf"), "--format", "kimi_k3",
                  "--mxfp4"]) == 0
     assert "routed experts in MXFP4" in capsys.readouterr().out
-    loaded, tokenizer = from_pretrained(tmp_path / "hf", progress=False)
+    loaded = from_pretrained(tmp_path / "hf", progress=False)
+    tokenizer = load_hf_tokenizer(tmp_path / "hf", required=False)
     assert tokenizer.encode("hello world") == [1, 2] and tokenizer.eos_token_id == 3
     for name, value in model.state_dict().items():
         if ".block_sparse_moe.w" not in name:  # experts went through MXFP4

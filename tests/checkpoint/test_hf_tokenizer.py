@@ -84,7 +84,8 @@ def test_from_pretrained_returns_the_directory_tokenizer(tmp_path):
     _write_tiktoken_dir(tmp_path / "tok")
     tokenizer = load_hf_tokenizer(tmp_path / "tok")
     save_pretrained(model, tokenizer, tmp_path / "ckpt", format="kimi_k3", progress=False)
-    loaded_model, loaded_tokenizer = from_pretrained(tmp_path / "ckpt", progress=False)
+    loaded_model = from_pretrained(tmp_path / "ckpt", progress=False)
+    loaded_tokenizer = load_hf_tokenizer(tmp_path / "ckpt", required=False)
     ids = loaded_tokenizer.apply_chat_template([{"role": "user", "content": "hello world"}], tokenize=True)
     with torch.no_grad():
         logits = loaded_model(torch.tensor([ids])).logits

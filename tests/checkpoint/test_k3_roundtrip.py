@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from k3.checkpoint.hf import from_pretrained, save_pretrained
+from k3.checkpoint.hf import from_pretrained, load_hf_tokenizer, save_pretrained
 from k3.checkpoint.mxfp4 import fake_quantize_mxfp4
 from k3.config import ModelConfig
 from k3.layers.attn_res import AttnResMix
@@ -67,7 +67,8 @@ def test_mxfp4_k3_checkpoint_round_trip(tmp_path):
     assert "language_model.model.layers.0.self_attention_res_proj.weight" in index
     assert "language_model.model.output_attn_res_norm.weight" in index
 
-    loaded, tokenizer = from_pretrained(path, progress=False)
+    loaded = from_pretrained(path, progress=False)
+    tokenizer = load_hf_tokenizer(path, required=False)
     assert tokenizer is None and not loaded.training
     reference = _quantised_copy(model)
     # Dequantised weights equal the quantised-then-dequantised original exactly; all else is copied exactly.
@@ -99,7 +100,7 @@ def test_bf16_k3_round_trip_is_exact_and_overwrites_atomically(tmp_path):
     save_pretrained(model, None, target, format="kimi_k3", progress=False)
     assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], "staging directories left behind"
-    loaded, _ = from_pretrained(target, progress=False)
+    loaded = from_pretrained(target, progress=False)
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
     assert loaded.config.to_dict() == model.config.to_dict()
@@ -121,7 +122,7 @@ def test_published_extras_are_skipped_and_older_attn_res_spelling_loads(tmp_path
     save_file(state, str(path / "model.safetensors"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing may be reported as unused
-        loaded, _ = from_pretrained(path, progress=False)
+        loaded = from_pretrained(path, progress=False)
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
 
@@ -129,7 +130,7 @@ def test_published_extras_are_skipped_and_older_attn_res_spelling_loads(tmp_path
 def test_dtype_argument_casts_but_keeps_gate_parameters_fp32(tmp_path):
     model = _k3_model(dtype=torch.float32)
     path = save_pretrained(model, None, tmp_path / "k3", format="kimi_k3", mxfp4_experts=True, progress=False)
-    loaded, _ = from_pretrained(path, dtype="bfloat16", progress=False)
+    loaded = from_pretrained(path, dtype="bfloat16", progress=False)
     dtypes = {name: t.dtype for name, t in loaded.state_dict().items()}
     assert dtypes["model.embed_tokens.weight"] == torch.bfloat16
     assert dtypes["model.layers.1.block_sparse_moe.w1"] == torch.bfloat16

@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
-from k3.checkpoint.hf import from_pretrained, save_pretrained  # noqa: E402
+from k3.checkpoint.hf import from_pretrained, load_hf_tokenizer, save_pretrained  # noqa: E402
 
 VOCAB = 96
 
@@ -92,7 +92,8 @@ def test_transformers_checkpoint_gives_same_logits_and_greedy_continuation(name,
     _quiet()
     hf_model = _random_hf_model(CONFIGS[name])
     hf_model.save_pretrained(tmp_path / "hf")
-    model, tokenizer = from_pretrained(tmp_path / "hf", progress=False)
+    model = from_pretrained(tmp_path / "hf", progress=False)
+    tokenizer = load_hf_tokenizer(tmp_path / "hf", required=False)
     assert tokenizer is None
     assert model.config.layer_types == ["mla" if t == "full_attention" else "kda"
                                         for t in hf_model.config.layer_types]
@@ -120,8 +121,8 @@ def test_transformers_in_memory_layout_loads(tmp_path):
     assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)
     save_file(state, str(tmp_path / "fused" / "model.safetensors"))
     (tmp_path / "fused" / "config.json").write_text((tmp_path / "moonshot" / "config.json").read_text())
-    fused, _ = from_pretrained(tmp_path / "fused", progress=False)
-    moonshot, _ = from_pretrained(tmp_path / "moonshot", progress=False)
+    fused = from_pretrained(tmp_path / "fused", progress=False)
+    moonshot = from_pretrained(tmp_path / "moonshot", progress=False)
     for key, value in moonshot.state_dict().items():
         assert torch.equal(value, fused.state_dict()[key]), key
 
@@ -131,7 +132,7 @@ def test_k3_export_loads_in_transformers(tmp_path):
     _quiet()
     hf_model = _random_hf_model(CONFIGS["mla-even_no-qlora"])
     hf_model.save_pretrained(tmp_path / "hf")
-    model, _ = from_pretrained(tmp_path / "hf", progress=False)
+    model = from_pretrained(tmp_path / "hf", progress=False)
     save_pretrained(model, None, tmp_path / "k3_export", format="kimi_linear", progress=False)
     config = json.loads((tmp_path / "k3_export" / "config.json").read_text())
     assert config["model_type"] == "kimi_linear"
@@ -139,12 +140,12 @@ def test_k3_export_loads_in_transformers(tmp_path):
     ids = torch.randint(0, VOCAB, (1, 11))
     with torch.no_grad():
         _assert_logits_match(hf_model(ids).logits, reloaded_hf(ids).logits)
-    again, _ = from_pretrained(tmp_path / "k3_export", progress=False)
+    again = from_pretrained(tmp_path / "k3_export", progress=False)
     for key, value in model.state_dict().items():
         assert torch.equal(value, again.state_dict()[key]), key
     # The K3 wrapper can carry a Kimi-Linear model too: same config, same tensors.
     save_pretrained(model, None, tmp_path / "as_k3", format="kimi_k3", progress=False)
-    as_k3, _ = from_pretrained(tmp_path / "as_k3", progress=False)
+    as_k3 = from_pretrained(tmp_path / "as_k3", progress=False)
     assert as_k3.config.to_dict() == model.config.to_dict()
     for key, value in model.state_dict().items():
         assert torch.equal(value, as_k3.state_dict()[key]), key

@@ -29,7 +29,9 @@ def test_generate_streams_one_prompt_and_batches_several(run, capsys):
 
 def test_generate_bad_input(run, tmp_path, capsys):
     assert main(["generate", "--run", str(run), "--prompt", "x" * 200, "--max-context", "20"]) == 1
-    assert "context allows 20" in capsys.readouterr().err
+    captured = capsys.readouterr()
+    assert "context allows 20" in captured.err
+    assert captured.out == ""  # refused before anything was echoed
     assert main(["generate", "--run", str(tmp_path), "--prompt", "x"]) == 1
     assert "no checkpoint at" in capsys.readouterr().err
     (tmp_path / "checkpoint.pt").write_bytes(b"not a checkpoint")

@@ -42,14 +42,14 @@ def test_k3_layout_round_trip(tmp_path):
     assert raw["model_type"] == "kimi_k3" and raw["media_placeholder_token_id"] == MEDIA
     assert raw["vision_config"]["qkv_hidden_size"] == 48 and raw["vision_config"]["norm_type"] == "rmsnorm"
 
-    loaded, _ = from_pretrained(path, progress=False)
+    loaded = from_pretrained(path, progress=False)
     assert loaded.vision.config == model.vision.config and loaded.media_token_id == MEDIA
     pixels, grid_thw = random_pixels([[1, 4, 6], [2, 2, 2]])
     ids = torch.tensor([[1, 2] + [MEDIA] * 6 + [3] + [MEDIA] * 1 + [4]])
     with torch.no_grad():
         assert torch.equal(loaded(ids, pixels, grid_thw).logits, model(ids, pixels, grid_thw).logits)
         assert torch.equal(load_vision(path)(pixels, grid_thw), model.vision(pixels, grid_thw))
-    text_only, _ = text_from_pretrained(path, progress=False)  # a text-only load still skips the vision part
+    text_only = text_from_pretrained(path, progress=False)  # a text-only load still skips the vision part
     assert not any(n.startswith(("vision", "mm_")) for n in text_only.state_dict())
 
 
