@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from k3.sandbox.local import SandboxError
+from k3.sandbox.local import SandboxError, supervisor_python
 
 SERVER_SOURCE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "repl_server.py")
 DEFAULT_MAX_OUTPUT = 1 << 20
@@ -35,6 +35,41 @@ def server_source() -> str:
         with open(SERVER_SOURCE_PATH) as f:
             _server_source = f.read()
     return _server_source
+
+
+_same_python: dict[str, bool] = {}
+
+
+def image_runs_supervisor_python(image_path: str) -> bool:
+    """True when the image's ``python3`` (on its PATH, links followed inside the image) is the very
+    interpreter that runs the supervisors (same size and mtime), as in the default image: the REPL
+    can then be a fork of PID 1 instead of a new process start."""
+    if image_path not in _same_python:
+        _same_python[image_path] = _resolve_in_image(image_path, "python3") == _signature(os.path.realpath(supervisor_python()))
+    return _same_python[image_path]
+
+
+def _signature(path: str | None) -> tuple | None:
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return None if st is None else (st.st_size, st.st_mtime_ns)
+
+
+def _resolve_in_image(image_path: str, name: str) -> tuple | None:
+    for directory in ("/usr/local/bin", "/usr/bin", "/bin"):
+        inside = os.path.join(directory, name)
+        for _ in range(8):  # follow links, resolving absolute targets inside the image
+            host = os.path.join(image_path, inside.lstrip("/"))
+            if not os.path.islink(host):
+                break
+            target = os.readlink(host)
+            inside = target if target.startswith("/") else os.path.normpath(os.path.join(os.path.dirname(inside), target))
+        host = os.path.join(image_path, inside.lstrip("/"))
+        if os.path.isfile(host):
+            return _signature(host)
+    return None
 
 
 @dataclass(frozen=True)
@@ -98,7 +133,8 @@ class Repl:
             return
         box = self.sandbox
         answer = box._request({"op": "repl_start", "name": self.name, "python": self.python, "code": server_source(),
-                               "cwd": box.image.workdir, "env": dict(box.image.env), "timeout": timeout})
+                               "cwd": box.image.workdir, "env": dict(box.image.env), "timeout": timeout,
+                               "fork_server": self.python == "python3" and image_runs_supervisor_python(box.image.path)})
         if not answer["ok"] or answer["reply"] is None:
             detail = answer.get("error") or (answer.get("stderr", b"") or b"").decode(errors="replace").strip()
             raise SandboxError(f"could not start the Python REPL {self.python!r} in sandbox {box.id}: "

@@ -60,6 +60,8 @@ def repl_start(request):
             os.umask(0o022)
             os.chdir(request["cwd"])
             drop_privileges()
+            if request.get("fork_server"):
+                become_repl(request)  # never returns
             execvpe([request["python"], "-u", "-c", request["code"]], request["env"])
         except BaseException:  # noqa: BLE001 - the host sees the REPL die at start
             pass
@@ -69,6 +71,34 @@ def repl_start(request):
     REPLS[name] = {"pid": pid, "pidfd": os.pidfd_open(pid), "to": to_w, "from": from_r, "out": out_r, "err": err_r}
     return repl_call({"name": name, "message": {"op": "hello"}, "timeout": request.get("timeout", 30.0),
                       "max_output": 1 << 16})
+
+
+def become_repl(request):
+    """Run the REPL in this forked copy of PID 1 instead of starting a new python3: no interpreter
+    start (tens of ms). The host asks for it only when the image's python3 is this interpreter,
+    so the REPL is the same Python either way; its standard library is read from the image."""
+    import io  # noqa: PLC0415 - built in and loaded at start: no file is read
+
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as python3 itself sets them:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # SIGINT -> KeyboardInterrupt (timeouts)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True, line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True, line_buffering=True,
+                                  errors="backslashreplace")
+    code = 0
+    try:
+        try:
+            import site  # noqa: PLC0415 - the image's site-packages, as a started python3 would have
+
+            site.main()
+        except Exception:  # noqa: BLE001 - a REPL without site-packages still works
+            pass
+        exec(compile(request["code"], "<string>", "exec"), {"__name__": "__k3_repl__", "__builtins__": __builtins__})
+    except BaseException:  # noqa: BLE001 - the host sees the REPL die
+        code = 1
+    os._exit(code)
 
 
 def repl_kill(repl):
