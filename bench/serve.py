@@ -1,0 +1,289 @@
+"""Serving under load: `k3 serve` (HTTP, streaming) at several concurrencies, against the same requests one by
+one through the engine in process, and against transformers' `generate` on the matched Kimi-Linear config.
+
+Usage: python bench/serve.py [--preset debug|tiny|small] [--prompt 1024] [--new 256] [--concurrency 1 16 64]
+                             [--requests-per-level 2] [--url URL] [--device cpu|cuda] [--out F]
+
+Model: the preset with random weights (seed 0) and a bench-only tokenizer with no EOS (token i <-> " i"),
+so every request runs its full --new tokens. Prompts are random token ids, a fresh set per level (no
+prefix-cache hits). The phases run one after another, never side by side (they would share the CPU/GPU):
+  server       a `k3 serve`-equivalent subprocess (this script with --serve: the same create_app and
+               run_server) unless --url names a running one. An open-loop generator: requests are released
+               at --rate per second (default: all at once) with at most C in flight, C in --concurrency;
+               each level sends C x --requests-per-level requests. Streaming with token ids, so every token
+               is timed as the client sees it: output tokens/s over the level's wall time; time to first
+               token (TTFT) and per-output-token time (TPOT, mean gap after the first token), p50 / p99.
+  one-by-one   the same engine in process, requests one at a time (bench/engine.py's run_load with one
+               prompt): what the server's batching is measured against.
+  transformers KimiLinearForCausalLM.generate, greedy, one request at a time: TTFT = the time to generate
+               one token, TPOT = (time for 1 + new tokens - time for 1) / new, as in bench/decode.py. On the
+               `small` preset the peer is bench/train.py's matched config; on others a Kimi-Linear config of
+               the preset's widths, layers and MLA positions (no AttnRes, latent MoE or output gates).
+Presets also set the default sizes: debug 64 in / 16 out, tiny 256 / 32, small 1024 / 256 (the issue's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import device_name, print_table, synchronize, write_json  # noqa: E402
+from engine import percentile, prompts_for, run_load  # noqa: E402
+
+from k3 import K3ForCausalLM, ModelConfig  # noqa: E402
+from k3.infer import Engine, SamplingParams  # noqa: E402
+
+SIZES = {"debug": (64, 16), "tiny": (256, 32), "small": (1024, 256)}
+
+
+class NumberTokenizer:
+    """Bench-only: token i is the text " i"; no EOS, so generation always runs to max_tokens."""
+
+    eos_token_id = bos_token_id = None
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) % self.vocab_size for t in text.split() if t.isdigit()]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(f" {int(i)}" for i in ids)
+
+
+def build_model(preset: str, device: torch.device, dtype: torch.dtype):
+    torch.manual_seed(0)
+    config = ModelConfig.from_preset(preset)
+    with torch.device(device):
+        model = K3ForCausalLM(config)
+    return model.to(dtype).eval(), config
+
+
+def serve_main(args) -> None:
+    """--serve: the server side, in its own process."""
+    from k3.infer import AsyncEngine
+    from k3.infer.server import create_app, run_server
+
+    model, config = build_model(args.preset, torch.device(args.device), _dtype(args))
+    tokenizer = NumberTokenizer(config.vocab_size)
+    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
+    aengine = AsyncEngine(engine, max_queue=4096)
+    app = create_app(aengine, "bench", tokenizer, args.max_context, 4096)
+    try:
+        run_server(app, "127.0.0.1", 0, on_listening=lambda url: print(f"listening {url}", flush=True))
+    finally:
+        aengine.shutdown()
+
+
+def _dtype(args) -> torch.dtype:
+    if args.dtype:
+        return getattr(torch, args.dtype)
+    return torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    command = [sys.executable, __file__, "--serve", "--preset", args.preset, "--device", args.device,
+               "--max-batch", str(max(args.concurrency)), "--max-context", str(args.prompt + args.new + 64)]
+    if args.dtype:
+        command += ["--dtype", args.dtype]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()  # blocks until the server listens, or it dies (EOF)
+    if not line.startswith("listening "):
+        process.kill()
+        raise RuntimeError(f"the bench server did not start (exit {process.wait()})")
+    return process, line.split()[1]
+
+
+async def one_request(http, model: str, prompt: list[int], new: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+            "return_token_ids": True}
+    start = time.perf_counter()
+    times: list[float] = []
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                count = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
+                times += [time.perf_counter()] * count
+    if not times:
+        raise RuntimeError("a request returned no tokens")
+    tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
+    return dict(start=start, end=times[-1], tokens=len(times), ttft=times[0] - start, tpot=tpot)
+
+
+async def load_level(url: str, model: str, prompts: list[list[int]], new: int, concurrency: int,
+                     rate: float | None) -> dict:
+    import httpx
+
+    gate = asyncio.Semaphore(concurrency)
+    rng = random.Random(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
+        async def gated(prompt):
+            async with gate:
+                return await one_request(http, model, prompt, new)
+
+        tasks = []
+        for prompt in prompts:  # open loop: releases follow the schedule, not the completions
+            tasks.append(asyncio.create_task(gated(prompt)))
+            if rate:
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    return summary(len(results), tokens, wall, [r["ttft"] for r in results],
+                   [r["tpot"] for r in results if r["tokens"] > 1])
+
+
+def summary(requests: int, tokens: int, seconds: float, ttft_s: list[float], tpot_s: list[float]) -> dict:
+    return dict(requests=requests, output_tokens=tokens, seconds=seconds, output_tokens_per_s=tokens / seconds,
+                ttft_p50_ms=percentile([t * 1e3 for t in ttft_s], 50), ttft_p99_ms=percentile([t * 1e3 for t in ttft_s], 99),
+                tpot_p50_ms=percentile([t * 1e3 for t in tpot_s], 50), tpot_p99_ms=percentile([t * 1e3 for t in tpot_s], 99))
+
+
+def one_by_one(model, config, prompts: list[list[int]], new: int, max_context: int) -> dict:
+    engine = Engine(model, None, max_context=max_context, max_batch=1, prefix_cache=False)
+    run_load(engine, prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
+    runs = [run_load(engine, [p], SamplingParams(max_new_tokens=new, temperature=0)) for p in prompts]
+    tokens, seconds = sum(r["output_tokens"] for r in runs), sum(r["seconds"] for r in runs)
+    # With one request per run, its TPOT is the mean gap; TTFT its only first token.
+    return summary(len(runs), tokens, seconds, [r["ttft_p50_ms"] / 1e3 for r in runs],
+                   [(r["seconds"] - r["ttft_p50_ms"] / 1e3) / max(1, r["output_tokens"] - 1) for r in runs])
+
+
+def peer_for(preset: str, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+    if preset == "small":
+        from train import peer_model
+
+        return peer_model(device).to(dtype).eval()
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    layer_types = ["full_attention" if t == "mla" else "linear_attention" for t in config.layer_types]
+    peer = KimiLinearConfig(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
+        intermediate_size=config.intermediate_size, linear_num_heads=config.kda_num_heads,
+        linear_head_dim=config.kda_head_dim, num_attention_heads=config.mla_num_heads,
+        num_key_value_heads=config.mla_num_heads, kv_lora_rank=config.kv_lora_rank, q_lora_rank=config.q_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim, qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim, num_local_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok, moe_intermediate_size=config.moe_intermediate_size,
+        n_shared_experts=config.num_shared_experts, layer_types=layer_types, first_k_dense_replace=1,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    if device.type == "cuda":
+        peer._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = KimiLinearForCausalLM(peer)
+    return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def transformers_one_by_one(model, prompts: list[list[int]], new: int, device) -> dict:
+    def generate(ids, n: int) -> float:
+        synchronize()
+        t0 = time.perf_counter()
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        synchronize()
+        return time.perf_counter() - t0
+
+    first = torch.tensor([prompts[0]], device=device)
+    generate(first, 2)  # warm-up
+    ttft, tpot, seconds = [], [], 0.0
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=device)
+        one, many = generate(ids, 1), generate(ids, 1 + new)
+        ttft.append(one)
+        tpot.append((many - one) / new)
+        seconds += many
+    return summary(len(prompts), len(prompts) * (1 + new), seconds, ttft, tpot)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="debug", choices=sorted(SIZES))
+    parser.add_argument("--prompt", type=int, default=None, help="prompt tokens (default: by preset)")
+    parser.add_argument("--new", type=int, default=None, help="output tokens per request (default: by preset)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--requests-per-level", type=int, default=2, help="requests per level = C x this")
+    parser.add_argument("--rate", type=float, default=None, help="requests released per second (default: all)")
+    parser.add_argument("--baseline-requests", type=int, default=4, help="requests of each one-by-one baseline")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["one-by-one", "transformers"])
+    parser.add_argument("--url", default=None, help="a running k3 serve of the same preset instead of starting one")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads of every phase")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--max-context", type=int, default=2048, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.serve:
+        return serve_main(args)
+    default_prompt, default_new = SIZES[args.preset]
+    args.prompt, args.new = args.prompt or default_prompt, args.new or default_new
+    device, dtype = torch.device(args.device), _dtype(args)
+    vocab = ModelConfig.from_preset(args.preset).vocab_size
+    results: dict = {"bench": "serve", "device_name": device_name(), "preset": args.preset, "prompt": args.prompt,
+                     "new": args.new, "dtype": str(dtype), "rate": args.rate, "levels": {}}
+
+    process, url = (None, args.url) if args.url else start_server(args)
+    try:
+        import httpx
+
+        model_name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        asyncio.run(load_level(url, model_name, prompts_for(2, args.prompt, vocab, seed=7), 4, 2, None))  # warm-up
+        for level, concurrency in enumerate(args.concurrency):
+            prompts = prompts_for(concurrency * args.requests_per_level, args.prompt, vocab, seed=100 + level)
+            r = asyncio.run(load_level(url, model_name, prompts, args.new, concurrency, args.rate))
+            results["levels"][concurrency] = r
+            print(f"server C={concurrency}: {r}", flush=True)
+            write_json(args.out, {**results, "partial": True})
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+
+    baselines = {}
+    prompts = prompts_for(args.baseline_requests, args.prompt, vocab, seed=100)
+    if "one-by-one" not in args.skip or "transformers" not in args.skip:
+        model, config = build_model(args.preset, device, dtype)
+    if "one-by-one" not in args.skip:
+        baselines["engine one-by-one"] = one_by_one(model, config, prompts, args.new, args.prompt + args.new + 64)
+        print(f"one-by-one: {baselines['engine one-by-one']}", flush=True)
+    if "transformers" not in args.skip:
+        del model
+        peer = peer_for(args.preset, config, device, dtype)
+        baselines["transformers one-by-one"] = transformers_one_by_one(peer, prompts, args.new, device)
+        print(f"transformers: {baselines['transformers one-by-one']}", flush=True)
+    results["baselines"] = baselines
+
+    base = baselines.get("engine one-by-one")
+    rows = []
+    for name, r in [*((f"k3 serve, C={c}", r) for c, r in results["levels"].items()), *baselines.items()]:
+        rows.append([name, r["requests"], r["output_tokens_per_s"],
+                     f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else "",
+                     r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"],
+                     f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x" if base else ""])
+    print_table(f"Serving {args.preset} ({args.prompt} in / {args.new} out, {dtype}) on {device_name()}",
+                ["", "requests", "output tok/s", "vs one-by-one", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                 "TPOT p99 ms", "TPOT vs one-by-one"], rows)
+    write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
