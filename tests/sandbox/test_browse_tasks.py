@@ -68,3 +68,54 @@ def test_check_answer_accepts_formatting_and_rejects_other_answers():
     assert check_answer(task, " `utf-8`. ") and check_answer(task, '"utf-8"') and check_answer(task, "'utf-8'")
     assert not check_answer(task, "utf-16") and not check_answer(task, "")
     assert normalize_answer("  json.decoder.  ") == "json.decoder"
+
+
+def _links_on(text: str) -> list[str]:
+    return [part.split(">")[0] for part in text.split("<web://")[1:] if "/mod/" in part.split(">")[0]]
+
+
+def _solve(tools, task):
+    """A scripted reader: only open() and the text a model would see, never the corpus facts."""
+    prompt = task["prompt"]
+    names = prompt.split("`")[1::2]
+    start = tools.open(task["start"], limit=50_000)["text"]
+    if task["kind"] == "base_method":
+        line = next(l for l in start.splitlines() if l.strip().startswith(f"class {names[1]}("))
+        base_url = "web://" + _links_on(line)[0]
+        base_name = line.split("(", 1)[1].split(" ")[0].split(",")[0].rstrip(")").rsplit(".", 1)[-1]
+        lines = tools.open(base_url, limit=50_000)["text"].splitlines()
+        at = next(i for i, l in enumerate(lines) if l.strip().startswith(f"class {base_name}("))
+        return lines[at + 1].split(":", 1)[1].split(",")[0].strip()
+    imports = ["web://" + url for url in _links_on(start.split("Imports", 1)[1].split("\n\n", 1)[0])] if "Imports" in start else []
+    if task["kind"] == "import_constant":
+        for url in imports:
+            for line in tools.open(url, limit=50_000)["text"].splitlines():
+                if line.startswith(f"  {names[1]} = "):
+                    return line.split(" = ", 1)[1]
+    if task["kind"] == "import_default":
+        for url in imports:
+            for line in tools.open(url, limit=50_000)["text"].splitlines():
+                if line.startswith(f"  def {names[1]}("):
+                    for param in line.split("(", 1)[1].rsplit(")", 1)[0].split(", "):
+                        if param.startswith(names[2] + "="):
+                            return param.split("=", 1)[1]
+    if task["kind"] == "import_most":
+        def count(url):
+            text = tools.open(url, limit=50_000)["text"]
+            return int(text.split("Functions (", 1)[1].split()[0]) if "Functions (" in text else 0
+        return max(imports, key=count).rsplit("/", 1)[-1]
+    if task["kind"] == "compare_classes":
+        def classes(name):
+            return sum(1 for l in tools.open(f"web://py/mod/{name}", limit=50_000)["text"].splitlines() if l.startswith("  class "))
+        return names[0] if classes(names[0]) > classes(names[1]) else names[1]
+    return None
+
+
+def test_a_scripted_reader_answers_every_task_through_the_tools(corpus):
+    from k3.sandbox.web.index import SearchIndex
+    from k3.sandbox.web.tools import WebTools
+
+    tools = WebTools(corpus, SearchIndex.build(corpus))
+    tasks = all_browse_tasks(corpus)
+    wrong = [(task["prompt"], task["answer"], _solve(tools, task)) for task in tasks if not check_answer(task, _solve(tools, task) or "")]
+    assert not wrong, wrong[:3]

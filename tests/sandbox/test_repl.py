@@ -78,3 +78,36 @@ def test_restore_without_memory_starts_a_fresh_repl(box):
     box.restore(box.snapshot())
     assert not repl.alive
     assert repl.run("'x' in dir()").value == "False"
+
+
+CELLS = ["import json, sys\nrows = [{'a': i} for i in range(3)]", "print(json.dumps(rows))", "sum(r['a'] for r in rows)",
+         "sys.path[0] == '' or isinstance(sys.path, list)", "undefined_name", "import os\nos.getcwd()"]
+
+
+def _transcript(box):
+    out = []
+    for cell in CELLS:
+        result = box.repl().run(cell)
+        out.append((result.stdout, result.value, result.error))
+    return out
+
+
+def test_the_fork_of_pid_1_and_a_started_python3_give_the_same_repl(sandbox_home, monkeypatch):
+    from k3.sandbox import repl as repl_module
+
+    with Sandbox() as forked:
+        assert repl_module.image_runs_supervisor_python(forked.image.path)  # the default image: fork path
+        fast = _transcript(forked)
+    monkeypatch.setattr(repl_module, "image_runs_supervisor_python", lambda path: False)
+    with Sandbox() as started:
+        slow = _transcript(started)
+    assert fast == slow
+
+
+def test_the_repl_holds_no_capability_and_no_descriptor_of_pid_1(box):
+    result = box.repl().run("import os\nprint(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))\n"
+                            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith(('CapEff', 'CapPrm', 'CapBnd'))])\n"
+                            "print(open('/proc/self/status').read().split('NoNewPrivs:')[1].split()[0])")
+    fds, caps, no_new_privs = result.stdout.splitlines()
+    assert eval(fds) == [0, 1, 2, 3, 4, 5]  # stdin, out, err, the two REPL pipes, and listdir's own
+    assert set(eval(caps)) == {"0000000000000000"} and no_new_privs == "1"
