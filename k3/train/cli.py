@@ -8,6 +8,7 @@ import json
 import torch
 
 from k3.layers.balancing import QB_AGGREGATES, QB_MAX_ITERS
+from k3.train.schedule import parse_seq_len_schedule
 from k3.train.trainer import TrainConfig, Trainer
 
 
@@ -28,6 +29,8 @@ def train_command(args: argparse.Namespace) -> int:
             "eval_batches", "save_every", "recall_fraction", "time_budget_s", "ep", "checkpoint_format",
             "ep_balanced", "qb_aggregate", "qb_iters") if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
+        if args.seq_len_schedule:
+            fields["seq_len_schedule"] = parse_seq_len_schedule(args.seq_len_schedule)
         config = TrainConfig(**fields)
     trainer = Trainer(config, resume=args.resume, resume_overrides=overrides)
     summary = trainer.train()
@@ -61,6 +64,9 @@ def register(subparsers) -> None:
     train.add_argument("--tokenizer", help="a tokenizer.json, tiktoken model file or tokenizer directory "
                                            "(default: train a byte-level BPE on the corpus)")
     train.add_argument("--seq-len", type=int, dest="seq_len")
+    train.add_argument("--seq-len-schedule", dest="seq_len_schedule",
+                       help="length curriculum LENGTH:START_STEP,...: e.g. 256:0,1024:2000 trains 256-token rows, "
+                            "then 1024-token rows once 2000 steps are done, at the first stage's tokens per step")
     train.add_argument("--batch-size", type=int, dest="batch_size", help="rows of --seq-len tokens per step")
     train.add_argument("--lr", type=float)
     train.add_argument("--warmup-steps", type=int, dest="warmup_steps")

@@ -44,6 +44,7 @@ from k3.distributed.loop import clip_grad_norm_
 from k3.model import K3ForCausalLM
 from k3.train.metrics import MetricsLog, plot_metrics
 from k3.train.optim import build_optimizer, lr_at
+from k3.train.schedule import check_seq_len_schedule, rows_for, stage_at
 
 
 @dataclass
@@ -77,7 +78,11 @@ class TrainConfig:
     checkpoint_format: str = "full"
     ep_balanced: bool = False  # under --ep: MoonEP-style balanced dispatch (replicates the hottest experts)
     qb_aggregate: str = "gather"  # under torchrun: QB pools ranks' statistics exactly ("gather") or by histograms
-    qb_iters: int = QB_MAX_ITERS  # QB updates per MoE layer and step, solved on the routed batch (1: one update)
+    # Length curriculum [[seq_len, start_step], ...] (k3.train.schedule); None: seq_len throughout. When given,
+    # seq_len is the first stage's length and every step holds batch_size * seq_len tokens.
+    seq_len_schedule: list[list[int]] | None = None
+    qb_iters: int = QB_MAX_ITERS
+    moe_aux_loss: float = 0.0  # coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)  # QB updates per MoE layer and step, solved on the routed batch (1: one update)
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -88,6 +93,10 @@ class TrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.recall_fraction <= 1:
             raise ValueError(f"recall_fraction must be in [0, 1], got {self.recall_fraction}")
+        if self.seq_len_schedule is not None:
+            self.seq_len_schedule = [[int(n), int(s)] for n, s in self.seq_len_schedule]
+            check_seq_len_schedule(self.seq_len_schedule)
+            self.seq_len = self.seq_len_schedule[0][0]
         if self.qb_aggregate not in QB_AGGREGATES:
             raise ValueError(f"qb_aggregate must be one of {QB_AGGREGATES}, got {self.qb_aggregate!r}")
         if self.ep_balanced and self.ep < 2:
@@ -231,6 +240,7 @@ class Trainer:
             self.model = K3ForCausalLM(model_config).to(self.device)
         for _, router in self.model.routers():
             router.qb_max_iters = config.qb_iters
+            router.aux_loss_coef = config.moe_aux_loss
         self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
         recall = None
         if config.recall_fraction > 0:
@@ -238,9 +248,8 @@ class Trainer:
                                 num_queries=config.recall_pairs)
         self.recall_task = recall
         rank = self.dist.rank if self.dist is not None else 0
-        self.train_stream = BatchStream(self.train_tokens, config.seq_len, config.batch_size,
-                                        self.tokenizer.eos_token_id, seed=config.seed + rank, recall=recall,
-                                        recall_fraction=config.recall_fraction)
+        self.stage = 0
+        self.train_stream = self._stream_for_stage(0)
         self.step = 0
         if self.resume_state is not None:
             self._restore(self.resume_state)
@@ -256,6 +265,34 @@ class Trainer:
                                   keep_through_step=self.step if self.resume_state is not None else None)
 
     # --- setup -----------------------------------------------------------------------------------
+    @property
+    def stages(self) -> list[list[int]]:
+        """[[seq_len, start_step], ...]: one stage unless a length curriculum was given."""
+        return self.config.seq_len_schedule or [[self.config.seq_len, 0]]
+
+    @property
+    def seq_len(self) -> int:
+        """The current stage's row length."""
+        return self.stages[self.stage][0]
+
+    def _stream_for_stage(self, index: int) -> BatchStream:
+        """The deterministic batch stream of one stage: its own seed, its row length, its row count."""
+        config = self.config
+        rank = self.dist.rank if self.dist is not None else 0
+        # Stage 0 keeps the seed a run without a schedule has, so such runs are unchanged.
+        seed = config.seed + rank + 100_003 * index
+        return BatchStream(self.train_tokens, self.stages[index][0], rows_for(self.stages, index, config.batch_size),
+                           self.tokenizer.eos_token_id, seed=seed, recall=self.recall_task,
+                           recall_fraction=config.recall_fraction)
+
+    def _enter_stage_of_next_step(self) -> None:
+        index = stage_at(self.stages, self.step)
+        if index != self.stage:
+            self.stage = index
+            self.train_stream = self._stream_for_stage(index)
+            self.log(f"step {self.step + 1}: length stage {index + 1}/{len(self.stages)}, {self.seq_len}-token rows, "
+                     f"{self.train_stream.batch_size} per step")
+
     def _corpus(self):
         cap = None if self.config.max_corpus_mb is None else int(self.config.max_corpus_mb * 1e6)
         docs = load_corpus(self.config.data or None, max_bytes=cap)
@@ -313,10 +350,11 @@ class Trainer:
             self.log(f"corpus: {len(train_docs)} train documents ({len(train):,} tokens), {len(val_docs)} "
                      f"validation documents ({len(val):,} tokens)")
         self.train_tokens, self.val_tokens = load_stream(train_path), load_stream(val_path)
-        if len(self.val_tokens) < self.config.seq_len + 1:
+        longest = max(n for n, _ in self.stages)
+        if len(self.val_tokens) < longest + 1:
             raise ValueError(f"the validation split has {len(self.val_tokens)} tokens, fewer than one row of "
-                             f"seq_len={self.config.seq_len}; use more data, a larger val_fraction or a shorter "
-                             f"--seq-len")
+                             f"{longest} tokens (the longest stage); use more data, a larger val_fraction or a "
+                             f"shorter --seq-len")
 
     def _restore(self, state: dict[str, Any]) -> None:
         if state["saved_format"] == "sharded":
@@ -333,6 +371,9 @@ class Trainer:
             from k3.distributed.checkpoint import load_full_optimizer_state_dict, load_full_state_dict
             load_full_state_dict(self.model, state["model"])
             load_full_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        self.step = int(state["step"])
+        self.stage = int(state["data"].get("stage", 0))
+        self.train_stream = self._stream_for_stage(self.stage)
         per_rank = state.get("data_per_rank")
         if self.dist is not None and per_rank is not None and len(per_rank) == self.dist.world_size:
             self.train_stream.load_state_dict(per_rank[self.dist.rank])
@@ -343,7 +384,6 @@ class Trainer:
                          "rows differ from an unbroken run's")
             self.train_stream.load_state_dict(state["data"])
         _set_rng_state(state["rng"])
-        self.step = int(state["step"])
 
     # --- pieces of the loop ----------------------------------------------------------------------
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -352,18 +392,24 @@ class Trainer:
         cu = batch.cu_seqlens.to(self.device)
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
                             enabled=self.autocast is not None):
-            return self.model(ids, cu_seqlens=cu, labels=labels).loss
+            loss = self.model(ids, cu_seqlens=cu, labels=labels).loss
+        if self.config.moe_aux_loss > 0 and self.model.training:
+            aux = [r.aux_loss for _, r in self.model.routers() if r.aux_loss is not None]
+            if aux:
+                loss = loss + torch.stack(aux).sum()
+        return loss
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches * batch_size rows of the validation stream (fixed rows)."""
         self.model.eval()
-        rows_per_batch = self.config.batch_size
-        num_rows = (len(self.val_tokens) - 1) // self.config.seq_len
+        rows_per_batch = self.train_stream.batch_size
+        seq_len = self.seq_len  # the current stage's length
+        num_rows = (len(self.val_tokens) - 1) // seq_len
         total, count = 0.0, 0
         for b in range(self.config.eval_batches):
             indices = [(b * rows_per_batch + r) % num_rows for r in range(rows_per_batch)]
-            batch = pack_rows([text_row(self.val_tokens, i, self.config.seq_len, self.tokenizer.eos_token_id)
+            batch = pack_rows([text_row(self.val_tokens, i, seq_len, self.tokenizer.eos_token_id)
                                for i in indices], self.tokenizer.eos_token_id)
             scored = int((batch.labels != -100).sum())
             total += float(self._forward(batch)) * scored
@@ -387,14 +433,14 @@ class Trainer:
     def _run_state(self) -> dict[str, Any]:
         """Everything of a checkpoint but the model, optimizer and tokenizer."""
         return {"config": self.model_config.to_dict(), "train": self.config.to_dict(), "step": self.step,
-                "data": self.train_stream.state_dict()}
+                "data": {**self.train_stream.state_dict(), "stage": self.stage}}
 
     def _data_per_rank(self) -> list[dict] | None:
         """Each rank reads its own data stream (its recall rows differ), so every rank's position is kept."""
         if self.dist is None:
             return None
         data_per_rank = [None] * self.dist.world_size
-        torch.distributed.all_gather_object(data_per_rank, self.train_stream.state_dict())
+        torch.distributed.all_gather_object(data_per_rank, {**self.train_stream.state_dict(), "stage": self.stage})
         return data_per_rank
 
     def _save_sharded(self) -> None:
@@ -488,6 +534,7 @@ class Trainer:
         lr = lr_at(self.step, config.max_steps, config.lr, config.warmup_steps, config.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        self._enter_stage_of_next_step()
         t0 = time.perf_counter()
         batch = self.train_stream.next_batch()
         loss = self._forward(batch)
@@ -517,6 +564,7 @@ class Trainer:
             "maxvio": max(per_layer.values()) if per_layer else 0.0,
             "maxvio_per_layer": {str(k): round(v, 4) for k, v in per_layer.items()},
             "epoch": round(self.train_stream.epoch, 4),
+            "seq_len": self.seq_len,
         }
 
     def _saved_step(self) -> int | str:
