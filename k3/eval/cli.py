@@ -1,7 +1,9 @@
-"""`k3 eval`: long-context tasks at any length and loss by position, for a run or a Hugging Face model.
+"""`k3 eval`: long-context tasks at any length and loss by position, for a run or a Hugging Face model;
+`k3 ablate`: matched runs that change one part of the architecture at a time, and their report.
 
     k3 eval --run runs/demo --task mqar needle_single --lengths 256,1K,4K --n 16 --json eval.json --plot eval.png
     k3 eval --run runs/demo --perplexity --lengths 1K,4K
+    k3 ablate --base debug --axis attention balancing --steps 400 --seeds 2 --out runs/ablate
 """
 
 from __future__ import annotations
@@ -101,8 +103,42 @@ def eval_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def ablate_command(args: argparse.Namespace) -> int:
+    from k3.eval.ablate import AXES, AblationSettings, run_ablation
+
+    settings = AblationSettings(base=args.base, axes=tuple(args.axis or AXES), steps=args.steps, seeds=args.seeds,
+                                seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
+                                recall_fraction=args.recall_fraction, recall_pairs=args.recall_pairs,
+                                max_corpus_mb=args.max_corpus_mb, data=tuple(args.data or ()),
+                                eval_every=args.eval_every, threads=args.threads)
+    if args.steps <= settings.warmup_steps:
+        raise ValueError(f"--steps {args.steps} leaves no step after the {settings.warmup_steps} warm-up steps")
+    run_ablation(settings, args.out, workers=args.workers)
+    print(f"report written to {args.out}/report.md (plots: {args.out}/<axis>.png, rows: {args.out}/results.json)")
+    return 0
+
+
 def register(subparsers) -> None:
+    from k3.eval.ablate import AXES
     from k3.eval.tasks import TASKS
+
+    a = subparsers.add_parser("ablate", help="matched training runs, one architectural switch at a time, and a report")
+    a.add_argument("--base", default="debug", help="base preset (default debug)")
+    a.add_argument("--axis", nargs="+", choices=sorted(AXES), help="axes to ablate (default all)")
+    a.add_argument("--steps", type=int, default=400, help="training steps per run (default 400)")
+    a.add_argument("--seeds", type=int, default=2, help="seeds per arm (default 2)")
+    a.add_argument("--seq-len", type=int, default=64, dest="seq_len")
+    a.add_argument("--batch-size", type=int, default=16, dest="batch_size")
+    a.add_argument("--lr", type=float, default=3e-3)
+    a.add_argument("--recall-fraction", type=float, default=0.5, dest="recall_fraction")
+    a.add_argument("--recall-pairs", type=int, default=4, dest="recall_pairs")
+    a.add_argument("--max-corpus-mb", type=float, default=1.0, dest="max_corpus_mb")
+    a.add_argument("--data", action="append", help="training text (default: this machine's Python standard library)")
+    a.add_argument("--eval-every", type=int, default=50, dest="eval_every")
+    a.add_argument("--workers", type=int, default=1, help="runs at once, one process each (default 1)")
+    a.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
+    a.add_argument("--out", required=True, help="ablation directory (results.json, report.md, plots, runs/)")
+    a.set_defaults(func=ablate_command)
 
     p = subparsers.add_parser("eval", help="long-context evaluation: MQAR, needles, variable tracking, common "
                                            "words at any length; loss by position")

@@ -56,6 +56,11 @@ class Router(nn.Module):
         # 1 is a single update from the previous bias, which leaves maxvio ~0.5-2.6 on the tiny preset.
         self.qb_max_iters = QB_MAX_ITERS
         self.last_qb_iters = 0
+        # Auxiliary balancing loss (Switch / DeepSeek style), an ablation baseline set by the trainer: when > 0,
+        # each training forward leaves coef * E * sum_e f_e * P_e in `aux_loss` (f_e: share of the routed pairs,
+        # P_e: mean normalised score), which the trainer adds to the LM loss.
+        self.aux_loss_coef = 0.0
+        self.aux_loss: torch.Tensor | None = None
         # Loads of the training forwards since the last loss-free update.
         self._pending_load: torch.Tensor | None = None
         self.last_load_E: torch.Tensor | None = None
@@ -83,6 +88,11 @@ class Router(nn.Module):
         # Counted on the device without a host sync (torch.bincount syncs on CUDA), as expert_load would.
         load_E = count_per_expert(topk_ids_TK.detach(), self.num_experts).float()
         self.last_load_E = load_E
+        self.aux_loss = None
+        if self.training and self.aux_loss_coef > 0:
+            share_E = load_E / load_E.sum().clamp_min(1.0)
+            mean_score_E = (scores_TE / scores_TE.sum(-1, keepdim=True).clamp_min(1e-20)).mean(0)
+            self.aux_loss = self.aux_loss_coef * self.num_experts * (share_E * mean_score_E).sum()
         if self.training and self.balancing == "loss_free":
             self._pending_load = load_E if self._pending_load is None else self._pending_load + load_E
         return Routing(topk_ids_TK, weights_TK, scores_TE)
