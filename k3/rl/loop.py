@@ -161,7 +161,9 @@ def weights_changed(engine) -> None:
 
 class RLTrainer:
     def __init__(self, config: RLConfig, resume: bool = False, log: Callable[[str], None] = print,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, model=None, tokenizer=None) -> None:
+        """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``). model and
+        tokenizer: start from these (Python use) instead of loading ``config.run``."""
         from k3.train.trainer import _rng_state, _set_rng_state, autocast_dtype, resolve_device
 
         self.log, self.show_progress = log, show_progress
@@ -192,6 +194,10 @@ class RLTrainer:
             self.model = K3ForCausalLM(ModelConfig.from_dict(state["config"]))
             load_model_state(self.model, state["model"], str(checkpoint))
             self.model.to(self.device)
+        elif model is not None:
+            if tokenizer is None:
+                raise ValueError("a model passed in needs its tokenizer too")
+            self.model, self.tokenizer = model.to(self.device), tokenizer
         else:
             if not config.run:
                 raise ValueError("give the starting checkpoint: --run DIR (a `k3 train`, `k3 sft` or `k3 rl` run)")
@@ -284,6 +290,7 @@ class RLTrainer:
         started = time.perf_counter()
         tasks = self.tasks.train(self.step, self.config.tasks_per_step)
         groups = self.runner.run(tasks, self.config.group, step=self.step)
+        self.last_groups = groups
         rollout_stats = dict(self.runner.stats)
         episodes = [e for g in groups for e in g]
         t0 = time.perf_counter()

@@ -2,6 +2,9 @@
 
     bash(command)                       /bin/sh -c command in the task's workdir; stdout, stderr, exit code
     python(code)                        the code as a script (python3), same output as bash
+    python_repl(code)                   the code in the sandbox's persistent Python REPL (k3.sandbox's
+                                        Sandbox.repl): variables live on from call to call; the last
+                                        bare expression's value is shown
     read_file(path)                     the file's text
     write_file(path, content)           creates parents, overwrites
     edit(path, old, new)                replaces the one occurrence of old by new (an error unless exactly one)
@@ -26,6 +29,7 @@ from k3.rl.chat_format import ToolCall
 TOOLS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "bash": (("command",), ("timeout",), "run a shell command"),
     "python": (("code",), ("timeout",), "run a Python script and print its output"),
+    "python_repl": (("code",), ("timeout",), "run code in a persistent Python session (variables persist)"),
     "read_file": (("path",), (), "read a text file"),
     "write_file": (("path", "content"), (), "write a text file"),
     "edit": (("path", "old", "new"), (), "replace the one occurrence of old by new in a file"),
@@ -139,6 +143,11 @@ def run_tool(call: ToolCall, sandbox, allowed: tuple[str, ...] | None = None, bu
             sandbox.write_file("/tmp/.k3_tool_script.py", args["code"])
             result = sandbox.exec("python3 /tmp/.k3_tool_script.py", timeout=timeout)
             text, is_error = _exec_text(result), not result.ok
+        elif call.name == "python_repl":
+            result = sandbox.repl().run(args["code"], timeout=timeout)
+            text, is_error = result.as_text().rstrip("\n") or "[no output]", not result.ok
+            if result.error and result.error not in text:
+                text += f"\n{result.error}"
         elif call.name == "read_file":
             text, is_error = sandbox.read_file(args["path"]).decode(errors="replace"), False
         elif call.name == "write_file":

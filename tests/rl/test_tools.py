@@ -28,6 +28,9 @@ def test_each_tool(box):
     assert run_tool(call("read_file", path="/work/t/a.py"), box).text == "x = 1\n"
     assert not run_tool(call("edit", path="/work/t/a.py", old="x = 1", new="x = 2"), box).is_error
     assert box.read_file("/work/t/a.py") == b"x = 2\n"
+    assert run_tool(call("python_repl", code="x = 20"), box).text == "[no output]"
+    assert run_tool(call("python_repl", code="x + 22"), box).text == "42"  # the session keeps x
+    assert run_tool(call("python_repl", code="1 / 0"), box).is_error
     submitted = run_tool(call("submit", answer=42), box)
     assert submitted.submitted == "42" and not submitted.ran
 

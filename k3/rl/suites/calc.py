@@ -31,7 +31,9 @@ class CalcSuite(Suite):
             a, b, c = rng.randint(2, 40), rng.randint(2, 40), rng.randint(1, 40)
             op1, op2 = rng.choice("+-*"), rng.choice("+-")
             expression = f"{a}{op1}{b}{op2}{c}"
-            prompt, code = f"Compute {expression}.", f"print({expression})"
+            # "x = 17*23" puts a space before the first number as the prompt does: a byte-level BPE then
+            # tokenizes the expression alike in both places, and copying it is token for token.
+            prompt, code = f"Compute {expression}.", f"x = {expression}\nprint(x)"
             answer = str(eval(expression))  # digits and + - * only, made just above
         elif kind == "reverse":
             word = _word(rng)
