@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=["k3", "kimi-k2.5"])
     parser.add_argument("--patches", type=int, default=32768, help="patches per forward (images packed)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA kernels of each varlen case")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/vision.py needs a CUDA device")
@@ -63,6 +64,12 @@ def main() -> None:
                 case[f"{backend}_images_per_s"] = images / ms * 1e3
                 case[f"{backend}_tflops"] = flops_per_image(config, side) * images / ms / 1e9
             case["varlen_vs_sdpa_rel_err"] = relative_error(outputs["varlen"], outputs["sdpa"])
+            if args.profile:
+                model.attention_backend = "varlen"
+                with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    model(pixels, grid)
+                print(f"\n# {variant} {size}x{size} varlen: top CUDA kernels")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
             case["speedup"] = case["sdpa_ms"] / case["varlen_ms"]
             results.append(case)
             rows.append([variant, f"{size}x{size}", images, case["varlen_images_per_s"], case["sdpa_images_per_s"],

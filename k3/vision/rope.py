@@ -36,11 +36,13 @@ def rope_2d_angles(grid_thw: torch.Tensor, head_dim: int, theta: float = 10000.0
     return torch.cat(parts) if parts else torch.zeros(0, head_dim // 2, device=device)
 
 
-def apply_rope_2d(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs of x [N, H, head_dim] by angles [N, head_dim/2]; computed in fp32, returned in
-    x's dtype."""
-    pairs = x.float().unflatten(-1, (-1, 2))  # [N, H, head_dim/2, 2]
-    even, odd = pairs[..., 0], pairs[..., 1]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+def rope_2d_cis(angles: torch.Tensor) -> torch.Tensor:
+    """Unit complex numbers e^(i angle) [N, head_dim/2] (complex64): computed once per forward, used by every layer."""
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope_2d(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs of x [N, H, head_dim] by cis [N, head_dim/2] (rope_2d_cis); computed in fp32 as one
+    complex product (x[2j] + i x[2j+1]) * e^(i angle_j), returned in x's dtype."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())  # [N, H, head_dim/2]
+    return torch.view_as_real(pairs * cis[:, None, :]).flatten(-2).to(x.dtype)

@@ -21,7 +21,7 @@ from torch import nn
 
 from k3.vision.attention import cu_seqlens_from_grid, packed_attention
 from k3.vision.config import VisionConfig
-from k3.vision.rope import apply_rope_2d, rope_2d_angles
+from k3.vision.rope import apply_rope_2d, rope_2d_angles, rope_2d_cis
 
 
 def make_norm(config: VisionConfig, dim: int) -> nn.Module:
@@ -79,9 +79,11 @@ class PositionGrid(nn.Module):
         return out.squeeze(0).permute(1, 2, 0).flatten(0, 1)
 
     def forward(self, x: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        parts = []
+        parts, resized = [], {}
         for t, h, w in grid_thw.tolist():
-            spatial = self.resized(h, w)  # [h*w, D]
+            if (h, w) not in resized:  # images of one size share one resize
+                resized[(h, w)] = self.resized(h, w)
+            spatial = resized[(h, w)]  # [h*w, D]
             if t == 1:
                 parts.append(spatial)
             else:  # frame f of a clip adds time row f; single images add none
@@ -123,17 +125,18 @@ class VisionBlock(nn.Module):
         self.wo = nn.Linear(config.qkv_width, config.hidden_size, bias=config.attn_bias)
         self.mlp = VisionMLP(config)
 
-    def attention(self, x_ND: torch.Tensor, cu_seqlens: torch.Tensor, angles: torch.Tensor,
+    def attention(self, x_ND: torch.Tensor, cu_seqlens: torch.Tensor, cis: torch.Tensor,
                   backend: str) -> torch.Tensor:
         qkv = self.wqkv(x_ND).unflatten(-1, (3, self.num_heads, self.head_dim))  # [N, 3, H, Dh]
         q, k, v = qkv.unbind(1)
-        q, k = apply_rope_2d(q, angles), apply_rope_2d(k, angles)
+        q, k = apply_rope_2d(q, cis), apply_rope_2d(k, cis)
         out_NHD = packed_attention(q, k, v, cu_seqlens, backend)
         return self.wo(out_NHD.flatten(1))
 
-    def forward(self, x_ND: torch.Tensor, cu_seqlens: torch.Tensor, angles: torch.Tensor,
+    def forward(self, x_ND: torch.Tensor, cu_seqlens: torch.Tensor, cis: torch.Tensor,
                 backend: str = "auto") -> torch.Tensor:
-        x_ND = x_ND + self.attention(self.norm0(x_ND), cu_seqlens, angles, backend)
+        """cis [N, Dh/2]: the rotary factors of every patch (rope_2d_cis)."""
+        x_ND = x_ND + self.attention(self.norm0(x_ND), cu_seqlens, cis, backend)
         return x_ND + self.mlp(self.norm1(x_ND))
 
 
@@ -145,10 +148,11 @@ class VisionEncoder(nn.Module):
         self.final_layernorm = make_norm(config, config.hidden_size)
 
     def forward(self, x_ND: torch.Tensor, grid_thw: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-        angles = rope_2d_angles(grid_thw, self.config.head_dim, self.config.rope_theta, device=x_ND.device)
+        cis = rope_2d_cis(rope_2d_angles(grid_thw, self.config.head_dim, self.config.rope_theta,
+                                         device=x_ND.device))
         cu_seqlens = cu_seqlens_from_grid(grid_thw)
         for block in self.blocks:
-            x_ND = block(x_ND, cu_seqlens, angles, backend)
+            x_ND = block(x_ND, cu_seqlens, cis, backend)
         return self.final_layernorm(x_ND)
 
 

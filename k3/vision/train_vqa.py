@@ -63,11 +63,12 @@ def evaluate(model, qa: SyntheticVQA, processor: ImageProcessor, count: int, see
             "per_kind": {k: c / n for k, (c, n) in correct.items() if n}}
 
 
-def train_vqa(steps: int = 300, batch_size: int = 32, lr: float = 3e-3, seed: int = 0, eval_count: int = 512,
-              progress: bool = True) -> dict:
+def train_vqa(steps: int = 800, batch_size: int = 32, lr: float = 5e-3, seed: int = 0, eval_count: int = 512,
+              image_size: int = 56, progress: bool = True) -> dict:
+    """Images of image_size px (56: a 4x4 patch grid, 4 image tokens, each one quadrant of the picture)."""
     torch.manual_seed(seed)
-    qa = SyntheticVQA(seed=seed)
-    processor = ImageProcessor(max_patches=64)
+    qa = SyntheticVQA(size=image_size, seed=seed)
+    processor = ImageProcessor(max_patches=(image_size // 14) ** 2)
     model = tiny_vlm(max(64, len(qa.vocab)), qa.media_token_id)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=0.1)

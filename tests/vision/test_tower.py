@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3.vision import VisionConfig, VisionModel
-from k3.vision.rope import apply_rope_2d, rope_2d_angles
+from k3.vision.rope import apply_rope_2d, rope_2d_angles, rope_2d_cis
 from k3.vision.tower import merge_patches, sincos_table
 from vision_helpers import K3_TINY, K25_TINY, random_pixels, rel_err, tiny_vision
 
@@ -21,13 +21,22 @@ def test_rotary_width_at_even_pairs_height_at_odd_pairs():
     torch.testing.assert_close(angles[2, 4, 1::2], 2 * inv_freq)
 
 
+def test_rotary_rotates_adjacent_pairs():
+    angles = torch.rand(5, 4) * 6
+    x = torch.randn(5, 3, 8)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    expected = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    torch.testing.assert_close(apply_rope_2d(x, rope_2d_cis(angles)), expected)
+
+
 def test_rotary_scores_depend_only_on_the_2d_offset():
     grid = torch.tensor([[1, 6, 6]])
-    angles = rope_2d_angles(grid, head_dim=16).view(6, 6, 8)
+    cis = rope_2d_cis(rope_2d_angles(grid, head_dim=16)).view(6, 6, 8)
     q, k = torch.randn(1, 1, 16), torch.randn(1, 1, 16)
 
     def score(a, b):  # query at patch a, key at patch b
-        return float((apply_rope_2d(q, angles[a][None]) * apply_rope_2d(k, angles[b][None])).sum())
+        return float((apply_rope_2d(q, cis[a][None]) * apply_rope_2d(k, cis[b][None])).sum())
 
     assert score((1, 2), (3, 1)) == pytest.approx(score((2, 4), (4, 3)), rel=1e-5)
     assert score((1, 2), (3, 1)) != pytest.approx(score((1, 2), (1, 3)), rel=1e-3)

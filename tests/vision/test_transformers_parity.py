@@ -56,7 +56,13 @@ def test_image_embeddings_match_transformers(saved_k25, grid):
     assert vision.config.norm_type == "layernorm" and vision.config.projector == "patchmerger"
     pixels, grid_thw = random_pixels(grid)
     with torch.no_grad():
-        reference = reference_model.model.get_image_features(pixels, grid_thw).pooler_output
+        try:
+            reference = reference_model.model.get_image_features(pixels, grid_thw).pooler_output
+        except RuntimeError as error:
+            if max(t for t, _, _ in grid) == 1:
+                raise
+            # Seen with transformers 5.17: its own get_image_features fails on clips (t > 1); 5.24 runs them.
+            pytest.skip(f"transformers {transformers.__version__} cannot embed video clips itself: {error}")
         ours = vision.image_features(pixels, grid_thw)
     assert [tuple(r.shape) for r in ours] == [tuple(r.shape) for r in reference]
     err = rel_err(torch.cat(ours), torch.cat(reference))
