@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import subprocess
 import sys
@@ -238,8 +239,10 @@ def main() -> None:
     args.prompt, args.new = args.prompt or default_prompt, args.new or default_new
     device, dtype = torch.device(args.device), _dtype(args)
     vocab = ModelConfig.from_preset(args.preset).vocab_size
+    # On a shared CPU machine the other processes' load moves every number: it is recorded with them.
     results: dict = {"bench": "serve", "device_name": device_name(), "preset": args.preset, "prompt": args.prompt,
-                     "new": args.new, "dtype": str(dtype), "rate": args.rate, "levels": {}}
+                     "new": args.new, "dtype": str(dtype), "rate": args.rate, "cpu_count": os.cpu_count(),
+                     "load_average_at_start": os.getloadavg(), "levels": {}}
 
     process, url = (None, args.url) if args.url else start_server(args)
     try:
@@ -271,6 +274,7 @@ def main() -> None:
         baselines["transformers one-by-one"] = transformers_one_by_one(peer, prompts, args.new, device)
         print(f"transformers: {baselines['transformers one-by-one']}", flush=True)
     results["baselines"] = baselines
+    results["load_average_at_end"] = os.getloadavg()
 
     base = baselines.get("engine one-by-one")
     rows = []
@@ -279,7 +283,9 @@ def main() -> None:
                      f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else "",
                      r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"],
                      f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x" if base else ""])
-    print_table(f"Serving {args.preset} ({args.prompt} in / {args.new} out, {dtype}) on {device_name()}",
+    load = f", load average {results['load_average_at_start'][0]:.1f} on {os.cpu_count()} cores" \
+        if device.type == "cpu" else ""
+    print_table(f"Serving {args.preset} ({args.prompt} in / {args.new} out, {dtype}) on {device_name()}{load}",
                 ["", "requests", "output tok/s", "vs one-by-one", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
                  "TPOT p99 ms", "TPOT vs one-by-one"], rows)
     write_json(args.out, results)
