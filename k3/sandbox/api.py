@@ -121,6 +121,7 @@ class Sandbox:
         self._generation = 0
         self._pending: list = []
         self._repls: dict = {}
+        self._services: dict[str, str] = {}  # name -> shell command (see start_service)
         self._web = None
         self._supervisor = supervisor = _supervisor or local.spares().take(1)[0]
         self.id = supervisor.name
@@ -402,6 +403,18 @@ class Sandbox:
         if name not in self._repls:
             self._repls[name] = Repl(self, name, python)
         return self._repls[name]
+
+    def start_service(self, name: str, command: str) -> None:
+        """Start ``command`` (a shell string) in the background as the service ``name``; its output
+        goes to /tmp/k3-service-<name>.log. A memory snapshot records it, and restore/fork from
+        that snapshot start it again from its command (its own memory is not kept: only REPLs'
+        is). Files-only snapshots do not restart it."""
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"a service name is letters, digits, '-' and '_'; got {name!r}")
+        if not isinstance(command, str) or not command.strip():
+            raise ValueError("start_service needs a non-empty shell command")
+        self._services[name] = command
+        memory_snapshots.launch_service(self, name, command)
 
     def enable_web(self, tools=None, socket_path: str = "/run/k3/web.sock") -> None:
         """Let processes in the sandbox use the offline web (``k3.sandbox.web``): requests to the

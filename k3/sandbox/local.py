@@ -42,6 +42,7 @@ class SandboxError(RuntimeError):
 
 
 _python: str | None = None
+_python_lock = threading.Lock()
 
 
 def supervisor_python() -> str:
@@ -49,14 +50,16 @@ def supervisor_python() -> str:
     (it often starts several times faster than a self-built one), else this interpreter. The wire
     format, marshal of plain dicts, is the same across Python 3 versions."""
     global _python
-    if _python is None:
-        _python = sys.executable
-        candidate = "/usr/bin/python3"
-        if os.path.exists(candidate) and os.path.realpath(candidate) != os.path.realpath(sys.executable):
-            probe = subprocess.run([candidate, "-I", "-S", "-c", "import sys; print(sys.version_info >= (3, 9))"],
-                                   capture_output=True, text=True)
-            if probe.stdout.strip() == "True":
-                _python = candidate
+    with _python_lock:  # the spares' thread asks too: every caller must get the same answer
+        if _python is None:
+            chosen = sys.executable
+            candidate = "/usr/bin/python3"
+            if os.path.exists(candidate) and os.path.realpath(candidate) != os.path.realpath(sys.executable):
+                probe = subprocess.run([candidate, "-I", "-S", "-c", "import sys; print(sys.version_info >= (3, 9))"],
+                                       capture_output=True, text=True)
+                if probe.stdout.strip() == "True":
+                    chosen = candidate
+            _python = chosen
     return _python
 
 

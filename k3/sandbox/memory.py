@@ -18,9 +18,11 @@ read-only layer of the new root, starts each REPL and loads its file, then remov
 view again. Memory images live as long as a layer names them: ``collect`` (run by the snapshot
 GC) removes the others; ``export_images`` / ``import_images`` ship them with a snapshot.
 
-What is NOT kept: processes other than k3's REPLs (a server started with ``exec("server &")``
-is gone after restore, as in a files-only snapshot), and values a REPL cannot pickle (open files,
-sockets, threads, generators), which the manifest lists as skipped.
+Services started with ``Sandbox.start_service`` are recorded in the manifest and started again
+from their command on restore/fork (so a server listens again; its own memory is not kept).
+What is NOT kept: other processes (a server started with ``exec("server &")`` is gone after
+restore, as in a files-only snapshot), and values a REPL cannot pickle (open files, sockets,
+threads, generators), which the manifest lists as skipped.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def take(box) -> str:
                             "names": saved["names"], "skipped": saved["skipped"]})
         _remove_in_box(box, files[1:])  # the layer must not copy (and hash) the state files
         os.rename(staging, image_dir(box.scratch, image_id))
-        manifest = {"backend": BACKEND, "image": image_id, "created": time.time(), "repls": entries}
+        manifest = {"backend": BACKEND, "image": image_id, "created": time.time(), "repls": entries,
+                    "services": dict(box._services)}
         box.write_file(MANIFEST, json.dumps(manifest, indent=1))
         return box.snapshot()
     finally:
@@ -138,6 +141,7 @@ def resume(box) -> list[str]:
     """Bring back the REPLs that the snapshot under ``box`` holds; return their names."""
     manifest = manifest_of(box)
     if manifest is None:
+        box._services = {}  # a files-only snapshot restarts no service
         return []
     if manifest.get("backend") != BACKEND:
         raise ValueError(f"snapshot memory was saved by {manifest.get('backend')!r}, this k3 restores {BACKEND!r}")
@@ -151,7 +155,21 @@ def resume(box) -> list[str]:
             names.append(entry["name"])
     finally:
         _remove_in_box(box, files)
+    box._services = dict(manifest.get("services", {}))
+    for name, command in box._services.items():
+        launch_service(box, name, command)
+        names.append(name)
     return names
+
+
+def launch_service(box, name: str, command: str) -> None:
+    """Start a recorded service in the background (its exec returns at once)."""
+    import shlex
+
+    log = f"/tmp/k3-service-{name}.log"
+    result = box.exec(f"/bin/sh -c {shlex.quote(command)} >> {log} 2>&1 < /dev/null &", timeout=30)
+    if result.exit_code != 0:
+        raise RuntimeError(f"service {name!r} did not start: {result.stderr.strip()}")
 
 
 def referenced_images(scratch: str) -> set[str]:

@@ -60,7 +60,9 @@ def repl_start(request):
             os.umask(0o022)
             os.chdir(request["cwd"])
             drop_privileges()
-            if request.get("fork_server"):
+            # Only when this interpreter's own files are in the sandbox's root too (the host
+            # checked that the image's python3 is this one; this checks its stdlib is there).
+            if request.get("fork_server") and all(os.path.isdir(p) for p in sys.path if not p.endswith(".zip")):
                 become_repl(request)  # never returns
             execvpe([request["python"], "-u", "-c", request["code"]], request["env"])
         except BaseException:  # noqa: BLE001 - the host sees the REPL die at start
@@ -96,7 +98,12 @@ def become_repl(request):
         except Exception:  # noqa: BLE001 - a REPL without site-packages still works
             pass
         exec(compile(request["code"], "<string>", "exec"), {"__name__": "__k3_repl__", "__builtins__": __builtins__})
-    except BaseException:  # noqa: BLE001 - the host sees the REPL die
+    except BaseException as error:  # noqa: BLE001 - the host sees the REPL die, and why
+        try:
+            sys.stderr.write(f"k3 REPL failed at start: {type(error).__name__}: {error}\n")
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001
+            pass
         code = 1
     os._exit(code)
 

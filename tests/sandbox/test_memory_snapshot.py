@@ -117,3 +117,35 @@ def test_the_doctor_names_the_memory_snapshot_path():
     checks = {check.name: check for check in run_checks()}
     assert "criu (memory snapshots)" in checks
     assert checks["memory snapshots"].ok and memory.BACKEND in checks["memory snapshots"].detail
+
+
+SERVER = """
+import os, socket
+path = '/tmp/echo.sock'
+if os.path.exists(path):
+    os.unlink(path)
+server = socket.socket(socket.AF_UNIX)
+server.bind(path)
+server.listen()
+while True:
+    connection, _ = server.accept()
+    connection.sendall(b'pong ' + connection.recv(100))
+    connection.close()
+"""
+CLIENT = ("import socket, time\nfor _ in range(100):\n    try:\n        s = socket.socket(socket.AF_UNIX)\n"
+          "        s.connect('/tmp/echo.sock')\n        break\n    except OSError:\n        time.sleep(0.05)\n"
+          "s.sendall(b'ping')\nprint(s.recv(100).decode())")
+
+
+def test_a_service_listens_again_after_a_memory_restore_and_not_after_a_files_only_one(box):
+    box.write_file("/work/server.py", SERVER)
+    box.write_file("/work/client.py", CLIENT)
+    box.start_service("echo", "exec python3 /work/server.py")
+    assert box.exec("python3 /work/client.py", timeout=20).stdout == "pong ping\n"
+    with_memory, files_only = box.snapshot(memory=True), box.snapshot()
+    box.restore(with_memory)
+    assert box.exec("python3 /work/client.py", timeout=20).stdout == "pong ping\n"
+    box.restore(files_only)
+    count = ("import os\nprint(sum(b'server.py' in open(f'/proc/{p}/cmdline', 'rb').read()\n"
+             "          for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()))")
+    assert box.exec(["python3", "-c", count]).stdout == "0\n"  # not restarted
