@@ -6,8 +6,9 @@ processes it starts itself, the Python REPLs of ``repl.py``, by a path of its ow
 1. each running REPL pickles its namespace to ``/.k3/memory/<name>.pkl`` inside the sandbox
    (its own functions and classes by value, modules by name; see ``repl_server.py``);
 2. the host hard-links each file out of the sandbox's upper directory into a *memory image*,
-   ``<scratch>/memory/<image id>/.k3/memory/<name>.pkl`` (no copy, no hash of the 50 MB), and
-   the sandbox removes its own link;
+   ``<scratch>/memory/<image id>/root/.k3/memory/<name>.pkl`` (no copy, no hash of the 50 MB),
+   and the sandbox removes its own link; beside ``root`` the image keeps the SHA-256 of the one
+   manifest allowed to mount it, so a manifest forged inside a sandbox cannot name another's image;
 3. a small manifest naming the image (``/.k3/memory/manifest.json``) is written and the
    filesystem is snapshotted as usual (so the layer holds only the manifest), then the manifest is
    removed from the live sandbox, so a later files-only snapshot holds no stale state.
@@ -27,6 +28,7 @@ threads, generators), which the manifest lists as skipped.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -41,6 +43,7 @@ MANIFEST = MEMORY_DIR + "/manifest.json"
 BACKEND = "k3-repl-checkpoint"
 OPAQUE_XATTR = "trusted.overlay.opaque"
 IMAGES = "memory"  # under the scratch directory, beside layers/
+SEAL = "manifest.sha256"  # in an image: the hash of the one manifest allowed to mount it
 
 
 def backend() -> dict:
@@ -65,7 +68,7 @@ def take(box) -> str:
     repls = [repl for repl in box._repls.values() if repl.alive]
     image_id = uuid.uuid4().hex
     staging = image_dir(box.scratch, image_id) + ".staging"
-    target = os.path.join(staging, MEMORY_DIR.lstrip("/"))
+    target = os.path.join(staging, "root", MEMORY_DIR.lstrip("/"))
     entries, files = [], [MANIFEST]
     try:
         os.makedirs(target)
@@ -78,10 +81,15 @@ def take(box) -> str:
             entries.append({"name": repl.name, "python": repl.python, "state": path, "bytes": saved["bytes"],
                             "names": saved["names"], "skipped": saved["skipped"]})
         _remove_in_box(box, files[1:])  # the layer must not copy (and hash) the state files
-        os.rename(staging, image_dir(box.scratch, image_id))
         manifest = {"backend": BACKEND, "image": image_id, "created": time.time(), "repls": entries,
                     "services": dict(box._services)}
-        box.write_file(MANIFEST, json.dumps(manifest, indent=1))
+        data = json.dumps(manifest, indent=1).encode()
+        # The image accepts only this very manifest: one written by a process in a sandbox that
+        # names another sandbox's image cannot mount it (see lower_for).
+        with open(os.path.join(staging, SEAL), "w") as f:
+            f.write(hashlib.sha256(data).hexdigest())
+        os.rename(staging, image_dir(box.scratch, image_id))
+        box.write_file(MANIFEST, data)
         return box.snapshot()
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -105,8 +113,16 @@ def manifest_in_chain(scratch: str, chain: list[str]) -> dict | None:
             if depth == len(parts) - 1:
                 if not stat.S_ISREG(st.st_mode):
                     return None
-                with open(path) as f:
-                    return json.load(f)
+                with open(path, "rb") as f:
+                    raw = f.read()
+                try:
+                    manifest = json.loads(raw)
+                except ValueError:
+                    return None
+                if isinstance(manifest, dict):
+                    manifest["_sha256"] = hashlib.sha256(raw).hexdigest()
+                    return manifest
+                return None
             if not stat.S_ISDIR(st.st_mode):
                 return None
             try:
@@ -134,7 +150,15 @@ def lower_for(scratch: str, chain: list[str]) -> list[str]:
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"memory image {manifest['image']} of this snapshot is missing from "
                                 f"{os.path.join(scratch, IMAGES)} (collected, or not imported with the snapshot)")
-    return [os.path.join(IMAGES, manifest["image"])]
+    try:
+        with open(os.path.join(directory, SEAL)) as f:
+            seal = f.read().strip()
+    except FileNotFoundError:
+        seal = None
+    if seal != manifest.get("_sha256"):
+        raise PermissionError(f"the memory manifest in this snapshot does not match memory image {manifest['image']}: "
+                              f"it was not written by k3's snapshot(memory=True) (a process in the sandbox wrote it?)")
+    return [os.path.join(IMAGES, manifest["image"], "root")]  # the seal beside it stays out of view
 
 
 def resume(box) -> list[str]:
@@ -209,11 +233,14 @@ def export_images(scratch: str, chain: list[str]) -> dict:
     manifest = manifest_in_chain(scratch, chain)
     if manifest is None or not manifest.get("image"):
         return {}
-    directory = os.path.join(image_dir(scratch, manifest["image"]), MEMORY_DIR.lstrip("/"))
+    root = image_dir(scratch, manifest["image"])
+    directory = os.path.join(root, "root", MEMORY_DIR.lstrip("/"))
     files = {}
     for name in sorted(os.listdir(directory)):
         with open(os.path.join(directory, name), "rb") as f:
             files[name] = f.read()
+    with open(os.path.join(root, SEAL), "rb") as f:
+        files[SEAL] = f.read()
     return {manifest["image"]: files}
 
 
@@ -224,11 +251,11 @@ def import_images(scratch: str, images: dict) -> None:
         if os.path.isdir(final):
             continue
         staging = final + f".{uuid.uuid4().hex[:8]}.staging"
-        target = os.path.join(staging, MEMORY_DIR.lstrip("/"))
+        target = os.path.join(staging, "root", MEMORY_DIR.lstrip("/"))
         os.makedirs(target)
         for name, data in files.items():
             if "/" in name or name.startswith("."):
                 raise ValueError(f"bad file name {name!r} in memory image {image_id}")
-            with open(os.path.join(target, name), "wb") as f:
+            with open(os.path.join(staging if name == SEAL else target, name), "wb") as f:
                 f.write(data)
         os.rename(staging, final)

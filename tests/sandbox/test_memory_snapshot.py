@@ -149,3 +149,38 @@ def test_a_service_listens_again_after_a_memory_restore_and_not_after_a_files_on
     count = ("import os\nprint(sum(b'server.py' in open(f'/proc/{p}/cmdline', 'rb').read()\n"
              "          for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()))")
     assert box.exec(["python3", "-c", count]).stdout == "0\n"  # not restarted
+
+
+def test_a_forged_manifest_cannot_mount_another_sandboxs_memory(sandbox_home):
+    import json
+
+    import pytest
+
+    with Sandbox() as victim, Sandbox() as attacker:
+        victim.repl().run("secret = 'victim only'")
+        victim_snapshot = victim.snapshot(memory=True)
+        image_id = memory.manifest_in_chain(victim.scratch, victim.store.chain(victim_snapshot))["image"]
+        # Even knowing the image id, a manifest written from inside names nothing it may mount.
+        forged = {"backend": memory.BACKEND, "image": image_id, "repls": [{"name": "python", "state": "/.k3/memory/python.pkl"}]}
+        attacker.write_file(memory.MANIFEST, json.dumps(forged))
+        forged_snapshot = attacker.snapshot()
+        with pytest.raises(PermissionError, match="does not match memory image"):
+            attacker.restore(forged_snapshot)
+
+
+def test_memory_images_go_with_their_snapshots_at_gc(sandbox_home):
+    from k3.sandbox.layers import LayerStore
+    from k3.sandbox.pool import SnapshotStore
+
+    with Sandbox() as box:
+        box.repl().run("x = 1")
+        snapshot = box.snapshot(memory=True)
+        image_id = memory.manifest_of(box) or memory.manifest_in_chain(box.scratch, box.store.chain(snapshot))
+        image = memory.image_dir(box.scratch, image_id["image"])
+        store = SnapshotStore(LayerStore(box.scratch))
+        store.pin(snapshot)
+        store.gc()
+        assert os.path.isdir(image)  # pinned: kept
+        store.unpin(snapshot)
+    store.gc()
+    assert not os.path.exists(image)  # no layer names it any more
