@@ -15,6 +15,8 @@ prefix-cache hits). The phases run one after another, never side by side (they w
                token (TTFT) and per-output-token time (TPOT, mean gap after the first token), p50 / p99.
   one-by-one   the same engine in process, requests one at a time (bench/engine.py's run_load with one
                prompt): what the server's batching is measured against.
+  in process   the largest level's requests submitted at once to the engine in process with max_batch C:
+               the same batching without HTTP, so the gap to the server's row is the server's own cost.
   transformers KimiLinearForCausalLM.generate, greedy, one request at a time: TTFT = the time to generate
                one token, TPOT = (time for 1 + new tokens - time for 1) / new, as in bench/decode.py. On the
                `small` preset the peer is bench/train.py's matched config; on others a Kimi-Linear config of
@@ -221,7 +223,7 @@ def main() -> None:
     parser.add_argument("--requests-per-level", type=int, default=2, help="requests per level = C x this")
     parser.add_argument("--rate", type=float, default=None, help="requests released per second (default: all)")
     parser.add_argument("--baseline-requests", type=int, default=4, help="requests of each one-by-one baseline")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["one-by-one", "transformers"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["one-by-one", "in-process", "transformers"])
     parser.add_argument("--url", default=None, help="a running k3 serve of the same preset instead of starting one")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
@@ -263,11 +265,23 @@ def main() -> None:
 
     baselines = {}
     prompts = prompts_for(args.baseline_requests, args.prompt, vocab, seed=100)
-    if "one-by-one" not in args.skip or "transformers" not in args.skip:
+    if set(args.skip) != {"one-by-one", "in-process", "transformers"}:
         model, config = build_model(args.preset, device, dtype)
     if "one-by-one" not in args.skip:
         baselines["engine one-by-one"] = one_by_one(model, config, prompts, args.new, args.prompt + args.new + 64)
         print(f"one-by-one: {baselines['engine one-by-one']}", flush=True)
+    if "in-process" not in args.skip:
+        # The server's own cost: the top level's requests through the engine in process, submitted at once
+        # with max_batch C (so at most C run, as at the server).
+        top = max(args.concurrency)
+        engine = Engine(model, None, max_context=args.prompt + args.new + 64, max_batch=top)
+        run_load(engine, prompts_for(2, args.prompt, vocab, seed=7), SamplingParams(max_new_tokens=4, temperature=0))
+        level_prompts = prompts_for(top * args.requests_per_level, args.prompt, vocab,
+                                    seed=100 + args.concurrency.index(top))
+        name = f"engine in process, C={top}"
+        baselines[name] = run_load(engine, level_prompts, SamplingParams(max_new_tokens=args.new, temperature=0))
+        print(f"{name}: {baselines[name]}", flush=True)
+        del engine
     if "transformers" not in args.skip:
         del model
         peer = peer_for(args.preset, config, device, dtype)
