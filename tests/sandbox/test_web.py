@@ -1,7 +1,6 @@
 """The offline web: pages, index and tools; reachable in a network-less sandbox; nothing outside it."""
 
 import os
-import socket
 
 import pytest
 
