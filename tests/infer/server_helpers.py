@@ -40,13 +40,25 @@ def make_run(directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-class Server:
-    """`k3 serve` on a free loopback port (--port 0; the address is read from its first line)."""
+def make_hf_model(run: Path, directory: Path, chat_template: str) -> Path:
+    """The run as a Hugging Face-format directory (`k3 serve --model`), with a chat_template.jinja."""
+    from k3.checkpoint.hf import save_pretrained
+    from k3.infer.cli import load_for_inference
 
-    def __init__(self, run: Path, *args: str, start_timeout_s: float = 120.0) -> None:
+    model, tokenizer = load_for_inference(str(run), None, "cpu")
+    save_pretrained(model, tokenizer, directory, format="kimi_k3", progress=False)
+    (directory / "chat_template.jinja").write_text(chat_template)
+    return directory
+
+
+class Server:
+    """`k3 serve` on a free loopback port (--port 0; the address is read from its first line).
+    source: a run directory (--run), or with hf=True a Hugging Face-format directory (--model)."""
+
+    def __init__(self, source: Path, *args: str, hf: bool = False, start_timeout_s: float = 120.0) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        command = [sys.executable, "-m", "k3", "serve", "--run", str(run), "--port", "0", "--device", "cpu",
-                   "--served-model-name", "tiny", *args]
+        command = [sys.executable, "-m", "k3", "serve", "--model" if hf else "--run", str(source), "--port", "0",
+                   "--device", "cpu", "--served-model-name", "tiny", *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=env)
         self.lines: list[str] = []

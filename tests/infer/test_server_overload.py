@@ -1,5 +1,6 @@
-"""`k3 serve` under overload and on shutdown: more waiting requests than --max-queue get HTTP 429 at once
-(never a hang), and SIGTERM / SIGINT stop the server cleanly (exit code 0), ending open streams."""
+"""`k3 serve --model` (a Hugging Face-format directory with its own chat template) under overload and on
+shutdown: more waiting requests than --max-queue get HTTP 429 at once (never a hang), and SIGINT stops the
+server cleanly (exit code 0), ending open streams."""
 
 import json
 import signal
@@ -10,16 +11,22 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from server_helpers import Server, make_run  # noqa: E402
+from server_helpers import Server, make_hf_model, make_run  # noqa: E402
 
 from k3.infer.sse import parse_sse  # noqa: E402
 
 LONG = {"model": "tiny", "prompt": "print(", "max_tokens": 3000, "temperature": 0, "stream": True}
 
 
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    return make_run(tmp_path_factory.mktemp("overload") / "run")
+def model_dir(tmp_path_factory):
+    pytest.importorskip("jinja2")
+    root = tmp_path_factory.mktemp("overload")
+    return make_hf_model(make_run(root / "run"), root / "hf", TEMPLATE)
 
 
 def send_raw(server: Server, body: dict) -> socket.socket:
@@ -33,12 +40,25 @@ def send_raw(server: Server, body: dict) -> socket.socket:
 
 
 @pytest.fixture(scope="module")
-def server(run):
-    server = Server(run, "--max-batch", "1", "--max-queue", "1", "--max-context", "4096")
+def server(model_dir):
+    server = Server(model_dir, "--max-batch", "1", "--max-queue", "1", "--max-context", "4096", hf=True)
     try:
         yield server
     finally:
         server.stop()
+
+
+def test_the_directorys_chat_template_is_used(server, model_dir):
+    from k3.data.tokenizer import load_tokenizer
+
+    assert "chat template: tokenizer" in server.log()
+    body = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "hi"}],
+            "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+    choice = server.http.post("/v1/chat/completions", json=body).json()["choices"][0]
+    expected = load_tokenizer(model_dir).encode("<system>Be brief.\n<user>hi\n<assistant>")
+    assert choice["prompt_token_ids"] == expected and len(choice["token_ids"]) == 3
+    server.wait_idle()
 
 
 def test_a_full_queue_is_a_429_at_once_and_nothing_leaks(server):
