@@ -48,8 +48,12 @@ class AsyncSandbox:
     async def upload(self, local_path: str, sandbox_path: str) -> None:
         await asyncio.to_thread(self.sync.upload, local_path, sandbox_path)
 
-    async def snapshot(self) -> str:
-        return await asyncio.to_thread(self.sync.snapshot)
+    async def snapshot(self, memory: bool = False) -> str:
+        return await asyncio.to_thread(self.sync.snapshot, memory)
+
+    async def run_python(self, code: str, timeout: float | None = 30.0, name: str = "python"):
+        """``Sandbox.repl(name).run(code, timeout)`` in a worker thread: a ``ReplResult``."""
+        return await asyncio.to_thread(self.sync.repl(name).run, code, timeout)
 
     async def restore(self, snapshot: str) -> None:
         await asyncio.to_thread(self.sync.restore, snapshot)
