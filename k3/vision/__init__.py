@@ -6,13 +6,16 @@
     embeds = vision(batch.pixel_values, batch.grid_thw)   # [merged tokens, text width]
 
 Config: config.py; tower: tower.py (rope.py, attention.py); projector: projector.py; tower + projector:
-model.py; images and placeholders: processing.py; checkpoints: checkpoint.py. See docs/vision.md.
+model.py; images and placeholders: processing.py; checkpoints: checkpoint.py; a synthetic visual QA set and a
+tiny training run: synthetic_qa.py, train_vqa.py. See docs/vision.md.
 """
 
 from k3.vision.checkpoint import load_vision, read_vision_config
 from k3.vision.config import VISION_PRESETS, VisionConfig, vision_config_from_hf, vision_config_to_hf
 from k3.vision.model import VisionModel, count_vision_parameters
+from k3.vision.processing import ImageProcessor, ProcessedImages, expand_placeholders, open_image
 from k3.vision.tower import MoonViT3d
 
 __all__ = ["load_vision", "read_vision_config", "VisionConfig", "VISION_PRESETS", "vision_config_from_hf",
-           "vision_config_to_hf", "VisionModel", "count_vision_parameters", "MoonViT3d"]
+           "vision_config_to_hf", "VisionModel", "count_vision_parameters", "MoonViT3d", "ImageProcessor",
+           "ProcessedImages", "expand_placeholders", "open_image"]

@@ -83,7 +83,7 @@ class SyntheticVQA:
                 self._draw(draw, rng.choice(SHAPES), box, COLOURS[colour])
             answer = str(count)
         else:
-            extent = rng.randrange(self.size // 5, self.size // 3)
+            extent = rng.randrange(self.size // 4, half - 3)  # fits a quadrant, so one size serves every kind
             if kind == "position":
                 quadrant = rng.randrange(4)
                 x0 = rng.randrange(2, half - extent - 1) + (half if quadrant % 2 else 0)

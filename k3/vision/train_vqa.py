@@ -1,7 +1,7 @@
 """Train a tiny vision-language model on the synthetic visual QA set (CPU, minutes) and measure held-out accuracy.
 
     from k3.vision.train_vqa import train_vqa
-    report = train_vqa(steps=300)     # {"accuracy": ..., "chance": {"uniform": ..., "majority": ...}, "per_kind": ...}
+    report = train_vqa()     # 1500 steps; {"accuracy": ..., "chance": {"uniform": ..., "majority": ...}, "per_kind": ...}
 
 The model is K3ForConditionalGeneration with every K3 switch at toy size (KDA + MLA, AttnRes, latent MoE; a
 2-layer MoonViT with RMSNorm, QKV width != width and patchmergerv2). Each step draws fresh samples; the loss is
@@ -63,7 +63,7 @@ def evaluate(model, qa: SyntheticVQA, processor: ImageProcessor, count: int, see
             "per_kind": {k: c / n for k, (c, n) in correct.items() if n}}
 
 
-def train_vqa(steps: int = 800, batch_size: int = 32, lr: float = 5e-3, seed: int = 0, eval_count: int = 512,
+def train_vqa(steps: int = 1500, batch_size: int = 32, lr: float = 5e-3, seed: int = 0, eval_count: int = 512,
               image_size: int = 56, progress: bool = True) -> dict:
     """Images of image_size px (56: a 4x4 patch grid, 4 image tokens, each one quadrant of the picture)."""
     torch.manual_seed(seed)
