@@ -184,3 +184,19 @@ def test_memory_images_go_with_their_snapshots_at_gc(sandbox_home):
         store.unpin(snapshot)
     store.gc()
     assert not os.path.exists(image)  # no layer names it any more
+
+
+def test_the_async_sandbox_takes_and_restores_memory_snapshots(sandbox_home):
+    import asyncio
+
+    from k3.sandbox import AsyncSandbox
+
+    async def scenario():
+        async with await AsyncSandbox.create() as box:
+            await box.run_python("x = 3")
+            snapshot = await box.snapshot(memory=True)
+            await box.run_python("x = 0")
+            await box.restore(snapshot)
+            return (await box.run_python("x * 2")).value
+
+    assert asyncio.run(scenario()) == "6"
