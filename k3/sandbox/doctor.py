@@ -71,8 +71,8 @@ def run_checks() -> list[Check]:
                         required=False))
     checks.append(Check("snapshot contents", True, "snapshot(): filesystem only; snapshot(memory=True): also the "
                         "sandbox's Python REPLs with their variables", required=False))
-    checks.append(Check("memory snapshots", True, f"{memory.BACKEND}: k3 pickles each REPL's namespace into the "
-                        "snapshot's layer" + ("" if probe.works else " (CRIU is not used: its check fails here)")
+    checks.append(Check("memory snapshots", True, f"{memory.BACKEND}: k3 pickles each REPL's namespace into a memory image "
+                        "beside the snapshot's layer" + ("" if probe.works else " (CRIU is not used: its check fails here)")
                         + "; other processes are not saved", required=False))
     return checks
 
