@@ -72,7 +72,7 @@ def run_checks() -> list[Check]:
     checks.append(Check("snapshot contents", True, "snapshot(): filesystem only; snapshot(memory=True): also the "
                         "sandbox's Python REPLs with their variables", required=False))
     checks.append(Check("memory snapshots", True, f"{memory.BACKEND}: k3 pickles each REPL's namespace into a memory image "
-                        "beside the snapshot's layer" + ("" if probe.works else " (CRIU is not used: its check fails here)")
+                        "beside the snapshot's layer" + (" (criu check passes, but k3 does not use CRIU)" if probe.works else " (CRIU is not used: its check fails here)")
                         + "; other processes are not saved", required=False))
     return checks
 
