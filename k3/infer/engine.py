@@ -97,6 +97,13 @@ class Engine:
         prefix_slots = (max_batch if prefix_cache else 0) if prefix_slots is None else prefix_slots
         if num_pages is None:
             num_pages = max_batch * max_pages + (prefix_slots * max_pages // 2)
+            if self.device.type == "cuda":
+                # Full contexts for every slot can outgrow the GPU at long contexts: keep the pages within
+                # half of the free memory; admission then waits for pages instead of the allocation failing.
+                page_bytes = (self.config.layer_types.count("mla") * page_size
+                              * (self.config.kv_lora_rank + self.config.qk_rope_head_dim) * dtype.itemsize)
+                free, _ = torch.cuda.mem_get_info(self.device)
+                num_pages = max(max_pages, min(num_pages, int(0.5 * free) // max(page_bytes, 1)))
         self.pool = CachePool(self.config, max_batch + prefix_slots, num_pages, page_size, self.device, dtype)
         self.prefix_cache = PrefixCache(self.pool, prefix_slots) if prefix_slots > 0 else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_batch, max_context, prefill_chunk,
