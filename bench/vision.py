@@ -66,7 +66,8 @@ def main() -> None:
             case["varlen_vs_sdpa_rel_err"] = relative_error(outputs["varlen"], outputs["sdpa"])
             if args.profile:
                 model.attention_backend = "varlen"
-                with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                activities = [torch.profiler.ProfilerActivity.CUDA]
+                with torch.no_grad(), torch.profiler.profile(activities=activities) as prof:
                     model(pixels, grid)
                 print(f"\n# {variant} {size}x{size} varlen: top CUDA kernels")
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12, max_name_column_width=70))
@@ -74,7 +75,7 @@ def main() -> None:
             results.append(case)
             rows.append([variant, f"{size}x{size}", images, case["varlen_images_per_s"], case["sdpa_images_per_s"],
                          case["speedup"], case["varlen_tflops"], case["varlen_vs_sdpa_rel_err"]])
-        del model
+        model.to("cpu")  # free the GPU for the next variant
         torch.cuda.empty_cache()
     print_table(f"MoonViT tower + projector, bf16, {device_name()}",
                 ["variant", "image", "images/fwd", "varlen img/s", "sdpa img/s", "speedup", "varlen TFLOP/s",

@@ -9,6 +9,8 @@ Two paths, picked by name:
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
 
@@ -27,11 +29,7 @@ def cu_seqlens_from_grid(grid_thw: torch.Tensor, device: torch.device | None = N
 def _varlen_available(q: torch.Tensor) -> bool:
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] % 8:
         return False
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None  # torch >= 2.9
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,

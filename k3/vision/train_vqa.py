@@ -1,7 +1,7 @@
 """Train a tiny vision-language model on the synthetic visual QA set (CPU, minutes) and measure held-out accuracy.
 
     from k3.vision.train_vqa import train_vqa
-    report = train_vqa()     # 1500 steps; {"accuracy": ..., "chance": {"uniform": ..., "majority": ...}, "per_kind": ...}
+    report = train_vqa()     # 1500 steps; {"accuracy", "chance": {"uniform", "majority"}, "per_kind", ...}
 
 The model is K3ForConditionalGeneration with every K3 switch at toy size (KDA + MLA, AttnRes, latent MoE; a
 2-layer MoonViT with RMSNorm, QKV width != width and patchmergerv2). Each step draws fresh samples; the loss is
