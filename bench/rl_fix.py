@@ -60,7 +60,9 @@ def main() -> None:
     sft_s = time.perf_counter() - t0
     rl = RLTrainer(RLConfig(suite="fix", out=os.path.join(work, "rl"), algo=args.algo, group=args.group,
                             tasks_per_step=args.tasks_per_step, steps=args.steps, lr=1e-6, heldout_tasks=0,
-                            device=args.device, max_context=4096, threads=16),
+                            device=args.device, max_context=4096, threads=16,
+                            # fp32 weights take the MoE loop path, which CUDA-graph capture refuses
+                            cuda_graphs=False),
                    model=model, tokenizer=tokenizer, show_progress=False)
     records = []
     for _ in range(args.steps):

@@ -72,6 +72,7 @@ class RLConfig:
     micro_tokens: int = 8192
     device: str = "auto"
     threads: int = 8
+    cuda_graphs: bool | None = None  # the engine's CUDA-graph decode (None: the engine decides)
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -139,7 +140,7 @@ def _episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     }
 
 
-def build_engine(model, tokenizer, max_context: int, max_batch: int = 32):
+def build_engine(model, tokenizer, max_context: int, max_batch: int = 32, cuda_graphs: bool | None = None):
     """The inference engine over the policy model itself: updates reach it in process, with no copy (call
     weights_changed after each update: its prefix cache holds states computed by the old weights)."""
     import inspect
@@ -147,8 +148,11 @@ def build_engine(model, tokenizer, max_context: int, max_batch: int = 32):
     from k3.infer import Engine
 
     kwargs = {"max_context": max_context}
-    if "max_batch" in inspect.signature(Engine.__init__).parameters:
+    parameters = inspect.signature(Engine.__init__).parameters
+    if "max_batch" in parameters:
         kwargs["max_batch"] = max_batch
+    if cuda_graphs is not None and "use_cuda_graphs" in parameters:
+        kwargs["use_cuda_graphs"] = cuda_graphs
     return Engine(model, tokenizer, **kwargs)
 
 
@@ -218,7 +222,8 @@ class RLTrainer:
         self.updater = PolicyUpdater(self.model, policy, loss_config, reference=self.reference,
                                      autocast=self.autocast)
         self.engine = build_engine(self.model, self.tokenizer, config.max_context,
-                                   max_batch=min(256, config.group * config.tasks_per_step))
+                                   max_batch=min(256, config.group * config.tasks_per_step),
+                                   cuda_graphs=config.cuda_graphs)
         rollout = RolloutConfig(temperature=config.temperature, max_context=config.max_context,
                                 tool_budget=config.tool_budget, iteration_token_budget=config.iteration_token_budget,
                                 threads=config.threads)
