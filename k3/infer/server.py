@@ -486,6 +486,14 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
         signalled.append(signum)
         server.should_exit = True
 
+    bind_failed: list[bool] = []
+
+    async def serve() -> None:
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn exits when it cannot bind (it has logged why)
+            bind_failed.append(True)
+
     async def main() -> None:
         loop = asyncio.get_running_loop()
         uvicorn_exit = server.handle_exit
@@ -496,7 +504,7 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
                 loop.call_soon_threadsafe(k3_server.abort_all)
 
         server.handle_exit = handle_exit
-        task = asyncio.create_task(server.serve())
+        task = asyncio.create_task(serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         if server.started and on_listening is not None:
@@ -508,9 +516,8 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
     previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         asyncio.run(main())
-    except SystemExit as error:  # uvicorn exits when it cannot bind
-        raise RuntimeError(f"could not listen on {host}:{port} (is the port in use? --port 0 picks a free "
-                           f"one)") from error
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if bind_failed:
+        raise RuntimeError(f"could not listen on {host}:{port} (is the port in use? --port 0 picks a free one)")
