@@ -416,9 +416,10 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
                                             "owned_by": "k3", "max_model_len": server.max_context}]}
 
+    # stats() waits for the engine's lock, which a step holds: wait in a worker thread, not in the event loop.
     @app.get("/health")
     async def health() -> dict:
-        stats = async_engine.stats()
+        stats = await asyncio.to_thread(async_engine.stats)
         alive = async_engine.error is None
         return {"status": "ok" if alive else "engine stopped", "model": server.model_name,
                 "max_context": server.max_context, "max_queue": server.max_queue,
@@ -426,7 +427,7 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(server.metrics.render(async_engine.stats()),
+        return PlainTextResponse(server.metrics.render(await asyncio.to_thread(async_engine.stats)),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
