@@ -1,19 +1,22 @@
-"""The engine for asyncio servers: one background thread runs `engine.step()` while there is work, and hands
-each request's token events to the asyncio queue of the coroutine that streams it.
+"""The engine for asyncio servers: one background thread owns the engine, runs `engine.step()` while there is
+work, and hands each request's token events to the asyncio queue of the coroutine that streams it.
 
     aengine = AsyncEngine(engine, max_queue=256)
     async for event in aengine.stream(prompt_ids, params):   # TokenEvent
         ...
     aengine.shutdown()
 
-The engine is not thread-safe; every call into it holds one lock, and a step holds it too, so requests are
-added and aborted between steps. A stream that is closed early (client gone, task cancelled) aborts its
-request at once, which frees its KDA slot and MLA pages.
+The event loop never waits for a step: new requests and aborts go into an inbox that the engine thread drains
+between steps (a prompt is validated before it is queued, so a bad one still fails at once). A stream that is
+closed early (client gone, task cancelled) aborts its request, which frees its KDA slot and MLA pages at the
+next step boundary. Events reach each listening loop once per step, not once per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import queue
 import threading
 from typing import AsyncIterator
 
@@ -32,65 +35,109 @@ class EngineDead(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int = 256, idle_wait_s: float = 0.05) -> None:
         self.engine, self.max_queue, self.idle_wait_s = engine, max_queue, idle_wait_s
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # held by every step; stats() takes it for a consistent reading
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", id, prompt, params) / ("abort", id)
+        self._queued = 0  # requests in the inbox, not yet handed to the engine
+        self._count_lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stopping = False
+        self._ids = itertools.count()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
-    # --- the loop -----------------------------------------------------------------------------------
+    # --- the loop (engine thread) -------------------------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item[0] == "add":
+                _, request_id, prompt, params = item
+                with self._count_lock:
+                    self._queued -= 1
+                try:
+                    self.engine.add_request(prompt, params, request_id)
+                except ValueError as error:  # validated before queueing; a late refusal still reaches the stream
+                    self._deliver(request_id, [error])
+            else:
+                self.engine.abort(item[1])
+
+    def _deliver(self, request_id: str, items: list) -> None:
+        listener = self._listeners.get(request_id)
+        if listener is None:
+            return
+        loop, events = listener
+        try:
+            loop.call_soon_threadsafe(_put_all, events, items)
+        except RuntimeError:  # the listening loop has closed: nobody is waiting any more
+            self._listeners.pop(request_id, None)
+            self.engine.abort(request_id)
+
     def _loop(self) -> None:
         while not self._stopping:
             with self.lock:
-                busy = self.engine.has_unfinished()
-                if busy:
-                    try:
-                        events = self.engine.step()
-                    except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
-                        self.error = error
-                        self._fail_all(error)
-                        return
+                try:
+                    self._drain_inbox()
+                    busy = self.engine.has_unfinished()
+                    events = self.engine.step() if busy else []
+                except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
+                    self.error = error
+                    for request_id in list(self._listeners):
+                        self._deliver(request_id, [error])
+                    return
+                by_request: dict[str, list[TokenEvent]] = {}
+                for event in events:
+                    by_request.setdefault(event.request_id, []).append(event)
+                for request_id, items in by_request.items():
+                    self._deliver(request_id, items)
             if not busy:
                 self._wakeup.wait(self.idle_wait_s)
                 self._wakeup.clear()
-                continue
-            for event in events:
-                listener = self._listeners.get(event.request_id)
-                if listener is not None:
-                    loop, queue = listener
-                    loop.call_soon_threadsafe(queue.put_nowait, event)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for loop, queue in list(self._listeners.values()):
-            loop.call_soon_threadsafe(queue.put_nowait, error)
+    # --- requests (any thread) ----------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Requests not yet running: in the inbox or in the engine's queue (read without the lock)."""
+        return self._queued + len(self.engine.scheduler.waiting)
 
-    # --- requests -----------------------------------------------------------------------------------
     def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-            queue: asyncio.Queue | None = None) -> str:
-        """Add a request (raises QueueFull, ValueError for a bad prompt, EngineDead after a crash)."""
+            events: asyncio.Queue | None = None) -> str:
+        """Queue a request (raises QueueFull, ValueError for a prompt the engine cannot run, EngineDead after a
+        crash); its events go to `events` on the calling loop."""
         if self.error is not None:
             raise EngineDead(f"the engine loop stopped: {self.error!r}")
-        with self.lock:
-            if len(self.engine.scheduler.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.engine.scheduler.waiting)} requests are already waiting "
-                                f"(max_queue={self.max_queue}); retry later")
-            request_id = self.engine.add_request(prompt, params, request_id)
-            if queue is not None:
-                self._listeners[request_id] = (asyncio.get_running_loop(), queue)
+        prompt = [int(t) for t in prompt]
+        self.engine.check_prompt(prompt, params)  # reads only fixed sizes: safe without the lock
+        with self._count_lock:
+            if self.waiting >= self.max_queue:
+                raise QueueFull(f"{self.waiting} requests are already waiting (max_queue={self.max_queue}); "
+                                f"retry later")
+            self._queued += 1
+        request_id = request_id or f"areq-{next(self._ids)}"
+        if request_id in self._listeners:
+            with self._count_lock:
+                self._queued -= 1
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if events is not None:
+            self._listeners[request_id] = (asyncio.get_running_loop(), events)
+        self._inbox.put(("add", request_id, prompt, params))
         self._wakeup.set()
         return request_id
 
     async def stream(self, prompt: list[int], params: SamplingParams,
                      request_id: str | None = None) -> AsyncIterator[TokenEvent]:
         """Yield the request's TokenEvents until all n samples have finished."""
-        queue: asyncio.Queue = asyncio.Queue()
-        request_id = self.add(prompt, params, request_id, queue)
+        events: asyncio.Queue = asyncio.Queue()
+        request_id = self.add(prompt, params, request_id, events)
         remaining = params.n
         try:
             while remaining:
-                item = await queue.get()
+                item = await events.get()
+                if isinstance(item, ValueError):
+                    raise item
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine loop stopped: {item!r}") from item
                 if item.finished:
@@ -101,18 +148,26 @@ class AsyncEngine:
             if remaining:
                 self.abort_now(request_id)
 
-    def abort_now(self, request_id: str) -> bool:
-        with self.lock:
-            return self.engine.abort(request_id)
+    def abort_now(self, request_id: str) -> None:
+        """Abort at the next step boundary (frees the request's slot and pages there)."""
+        self._inbox.put(("abort", request_id))
+        self._wakeup.set()
 
-    async def abort(self, request_id: str) -> bool:
-        return self.abort_now(request_id)
+    async def abort(self, request_id: str) -> None:
+        self.abort_now(request_id)
 
     def stats(self) -> dict:
         with self.lock:
-            return self.engine.stats()
+            stats = self.engine.stats()
+        stats["waiting"] += self._queued
+        return stats
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout_s)
+
+
+def _put_all(events: asyncio.Queue, items: list) -> None:
+    for item in items:
+        events.put_nowait(item)
