@@ -55,11 +55,11 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if item[0] == "add":
-                _, request_id, prompt, params = item
+                _, request_id, prompt, params, embeds = item
                 with self._count_lock:
                     self._queued -= 1
                 try:
-                    self.engine.add_request(prompt, params, request_id)
+                    self.engine.add_request(prompt, params, request_id, prompt_embeds=embeds)
                 except ValueError as error:  # validated before queueing; a late refusal still reaches the stream
                     self._deliver(request_id, [error])
             else:
@@ -104,7 +104,7 @@ class AsyncEngine:
         return self._queued + len(self.engine.scheduler.waiting)
 
     def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-            events: asyncio.Queue | None = None) -> str:
+            events: asyncio.Queue | None = None, prompt_embeds=None) -> str:
         """Queue a request (raises QueueFull, ValueError for a prompt the engine cannot run, EngineDead after a
         crash); its events go to `events` on the calling loop."""
         if self.error is not None:
@@ -123,15 +123,16 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         if events is not None:
             self._listeners[request_id] = (asyncio.get_running_loop(), events)
-        self._inbox.put(("add", request_id, prompt, params))
+        self._inbox.put(("add", request_id, prompt, params, prompt_embeds))
         self._wakeup.set()
         return request_id
 
-    async def stream(self, prompt: list[int], params: SamplingParams,
-                     request_id: str | None = None) -> AsyncIterator[TokenEvent]:
-        """Yield the request's TokenEvents until all n samples have finished."""
+    async def stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                     prompt_embeds=None) -> AsyncIterator[TokenEvent]:
+        """Yield the request's TokenEvents until all n samples have finished (prompt_embeds: see
+        Engine.add_request)."""
         events: asyncio.Queue = asyncio.Queue()
-        request_id = self.add(prompt, params, request_id, events)
+        request_id = self.add(prompt, params, request_id, events, prompt_embeds)
         remaining = params.n
         try:
             while remaining:

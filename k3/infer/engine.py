@@ -141,13 +141,22 @@ class Engine:
             raise ValueError(f"{name} needs {need} MLA pages but the pool has {self.pool.num_pages}; lower "
                              f"max_new_tokens or n, or give the engine more pages")
 
-    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                    prompt_embeds: torch.Tensor | None = None) -> str:
+        """prompt_embeds [len(prompt), D]: input embeddings to prefill with instead of the ids' (a multimodal
+        prompt: K3ForConditionalGeneration.embed_multimodal puts the image embeddings at the placeholders)."""
         prompt = [int(t) for t in prompt]
         self.check_prompt(prompt, params)
+        if prompt_embeds is not None:
+            expected = (len(prompt), self.config.hidden_size)
+            if tuple(prompt_embeds.shape) != expected:
+                raise ValueError(f"prompt_embeds must be [prompt tokens, hidden] = {list(expected)}, got "
+                                 f"{list(prompt_embeds.shape)}")
+            prompt_embeds = prompt_embeds.detach().to(self.device)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, params)
+        request = Request(request_id, prompt, params, prompt_embeds=prompt_embeds)
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
         return request_id
@@ -182,10 +191,10 @@ class Engine:
             for seq in plan.decodes:
                 seq.num_cached += 1
             rows.extend(plan.decodes)
-        groups: dict[tuple[int, int], list[Sequence]] = {}
+        groups: dict[tuple[int, int, bool], list[Sequence]] = {}
         for seq, start, end in plan.prefills:
-            groups.setdefault((start, end), []).append(seq)
-        for (start, end), seqs in groups.items():
+            groups.setdefault((start, end, seq.prompt_embeds is not None), []).append(seq)
+        for (start, end, _), seqs in groups.items():
             last_rows = self.runner.prefill(seqs, start, end)
             for seq, last in zip(seqs, last_rows):
                 seq.num_cached = end
@@ -287,14 +296,16 @@ class Engine:
         return text
 
     def complete(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to the end through continuous batching; one RequestOutput per prompt, in order."""
+                 use_tqdm: bool = False, prompt_embeds: list[torch.Tensor | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to the end through continuous batching; one RequestOutput per prompt, in order.
+        prompt_embeds: per prompt, input embeddings [len, D] or None (see add_request)."""
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams")
         for i, (ids, p) in enumerate(zip(prompts, params_list)):
             self.check_prompt(list(ids), p, name=f"prompt {i}")
-        ids = [self.add_request(list(p), sp) for p, sp in zip(prompts, params_list)]
+        embeds = prompt_embeds or [None] * len(prompts)
+        ids = [self.add_request(list(p), sp, prompt_embeds=e) for p, sp, e in zip(prompts, params_list, embeds)]
         progress = None
         if use_tqdm:
             from tqdm import tqdm

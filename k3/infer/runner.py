@@ -36,8 +36,8 @@ class ModelRunner:
         self._graph_pool = None
 
     # --- eager paths --------------------------------------------------------------------------------
-    def _forward_last(self, ids: torch.Tensor, cache: BatchCache) -> torch.Tensor:
-        hidden = self.model.model(ids, cache)
+    def _forward_last(self, ids: torch.Tensor, cache: BatchCache, embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.model.model(ids, cache, inputs_embeds=embeds)
         return self.model.lm_head(hidden[:, -1])
 
     @torch.no_grad()
@@ -45,12 +45,18 @@ class ModelRunner:
         """Write tokens [start, end) of each sequence (all at the same positions) into its cache in one
         forward -> logits [B, V] after token end-1."""
         ids = torch.tensor([s.tokens[start:end] for s in seqs], device=self.device)
+        embeds = None
+        if any(s.prompt_embeds is not None for s in seqs):
+            # Rows with image embeddings take them; the others embed their ids as the model would.
+            plain = self.model.model.embed_tokens(ids)
+            embeds = torch.stack([s.prompt_embeds[start:end].to(plain.dtype) if s.prompt_embeds is not None
+                                  else plain[row] for row, s in enumerate(seqs)])
         pages = pages_for(end, self.pool.page_size)
         table = torch.tensor([s.pages[:pages] for s in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         positions = torch.full((len(seqs),), start, device=self.device)
         cache = BatchCache(self.pool, slots, table, positions, mask_rows=False, past=start)
-        return self._forward_last(ids, cache)
+        return self._forward_last(ids, cache, embeds)
 
     def _decode_inputs(self, seqs: list[Sequence], rows: int, table_pages: int):
         """Host tensors for a decode batch padded to `rows` rows (padding: scratch slot and page)."""

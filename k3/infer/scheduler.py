@@ -53,6 +53,7 @@ class Sequence:
     prompt_counts: torch.Tensor | None = None
     text_offset: int = 0  # how much of the decoded text has been checked against stop strings
     first_token_time: float | None = None
+    prompt_embeds: torch.Tensor | None = None  # [prompt_len, D] input embeddings (images) instead of ids
 
     @property
     def generated(self) -> list[int]:
@@ -65,6 +66,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
+    prompt_embeds: torch.Tensor | None = None
     sequences: list[Sequence] = field(default_factory=list)
     # Resources reserved at admission for the samples that the fork will create.
     reserved_slots: list[int] = field(default_factory=list)
@@ -126,7 +128,9 @@ class Scheduler:
     def _try_reserve(self, request: Request) -> bool:
         size, n, prompt = self.pool.page_size, request.params.n, request.prompt
         total_pages = pages_for(self.budget(request), size)
-        hit, matched = (None, 0) if self.prefix_cache is None else self.prefix_cache.lookup(prompt)
+        # Prompts with image embeddings share no prefix: their placeholder ids do not say what the image was.
+        caching = self.prefix_cache is not None and request.prompt_embeds is None
+        hit, matched = self.prefix_cache.lookup(prompt) if caching else (None, 0)
         shared = 0 if hit is None else hit.boundary // size
         # Pages each extra sample needs of its own: from the last full prompt page on.
         own_pages_child = total_pages - len(prompt) // size
@@ -141,7 +145,8 @@ class Scheduler:
                     if self.pool.release_page(page):
                         self.pool.return_page(page)
             return False
-        parent = Sequence(request.request_id, 0, request.params, list(prompt), len(prompt))
+        parent = Sequence(request.request_id, 0, request.params, list(prompt), len(prompt),
+                          prompt_embeds=request.prompt_embeds)
         parent.slot = self.pool.allocate_slot()
         parent.pages = (list(hit.pages) if hit is not None else []) + self.pool.allocate_pages(total_pages - shared)
         parent.shared_pages = shared
@@ -150,7 +155,7 @@ class Scheduler:
             parent.num_cached = hit.boundary
             self.prefix_cache.hits += 1
             self.prefix_cache.hit_tokens += hit.boundary
-        parent.cuts, parent.register_at = self._cuts(prompt, parent.num_cached, matched)
+        parent.cuts, parent.register_at = self._cuts(prompt, parent.num_cached, matched, caching)
         parent.status = PREFILL
         request.sequences = [parent]
         for _ in range(n - 1):
@@ -158,10 +163,10 @@ class Scheduler:
             request.reserved_pages.append(self.pool.allocate_pages(own_pages_child))
         return True
 
-    def _cuts(self, prompt: list[int], start: int, matched: int) -> tuple[list[int], list[int]]:
+    def _cuts(self, prompt: list[int], start: int, matched: int, caching: bool) -> tuple[list[int], list[int]]:
         length, size = len(prompt), self.pool.page_size
         register = []
-        if self.prefix_cache is not None:
+        if caching:
             last_boundary = ((length - 1) // size) * size
             register = sorted({b for b in (matched, last_boundary) if start < b < length})
         cuts = set(range(self.prefill_chunk, length, self.prefill_chunk)) | set(register) | {length}
