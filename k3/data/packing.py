@@ -112,6 +112,10 @@ class BatchStream:
         return int(self._perm[within])
 
     def next_batch(self) -> PackedBatch:
+        return pack_rows(self.next_rows(), self.eos_token_id)
+
+    def next_rows(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The next batch's rows (ids [T], labels [T]) unpacked: a data-parallel rank packs only its share."""
         rng = np.random.default_rng([self.seed, 1_000_003, self.batches_made])
         rows = []
         for _ in range(self.batch_size):
@@ -122,7 +126,7 @@ class BatchStream:
                                      self.eos_token_id))
                 self.rows_consumed += 1
         self.batches_made += 1
-        return pack_rows(rows, self.eos_token_id)
+        return rows
 
     @property
     def epoch(self) -> float:

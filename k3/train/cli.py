@@ -27,7 +27,7 @@ def train_command(args: argparse.Namespace) -> int:
             "preset", "out", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "weight_decay",
             "grad_clip", "dtype", "device", "seed", "max_corpus_mb", "tokenizer", "val_fraction", "eval_every",
             "eval_batches", "save_every", "recall_fraction", "time_budget_s", "ep", "checkpoint_format",
-            "ep_balanced", "qb_aggregate", "qb_iters") if getattr(args, name) is not None}
+            "ep_balanced", "qb_aggregate", "qb_iters", "global_batch") if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
         if args.seq_len_schedule:
             fields["seq_len_schedule"] = parse_seq_len_schedule(args.seq_len_schedule)
@@ -95,6 +95,10 @@ def register(subparsers) -> None:
                        help="under torchrun: how Quantile Balancing pools statistics over ranks; gather (default, "
                             "exact: [tokens, experts] from every rank per MoE layer) or histogram (E x 256 counts "
                             "per round; for many ranks or experts)")
+    train.add_argument("--global-batch", action="store_const", const=True, dest="global_batch",
+                       help="under torchrun: --batch-size counts the rows of the whole step and every rank trains "
+                            "its share of one stream, so 1 process and N ranks see the same batches and losses, and "
+                            "a resume under another layout continues the same stream")
     train.add_argument("--qb-iters", type=int, dest="qb_iters",
                        help=f"Quantile Balancing updates per MoE layer and step, iterated on the batch being routed "
                             f"until every expert gets its quota (default {QB_MAX_ITERS}; 1: a single update, which "

@@ -82,6 +82,10 @@ class TrainConfig:
     # seq_len is the first stage's length and every step holds batch_size * seq_len tokens.
     seq_len_schedule: list[list[int]] | None = None
     qb_iters: int = QB_MAX_ITERS
+    # Under torchrun: batch_size is the GLOBAL number of rows; every rank reads the same stream and trains its
+    # contiguous share of each batch, so the run sees the same batches (and losses) under any layout and
+    # resumes under another one on the same stream. False: every rank reads its own stream of batch_size rows.
+    global_batch: bool = False
     moe_aux_loss: float = 0.0  # coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)  # QB updates per MoE layer and step, solved on the routed batch (1: one update)
     model_overrides: dict[str, Any] = field(default_factory=dict)
 
@@ -238,6 +242,10 @@ class Trainer:
                                               balanced=config.ep_balanced, qb_aggregate=config.qb_aggregate)
         else:
             self.model = K3ForCausalLM(model_config).to(self.device)
+            if config.global_batch:
+                # The layout-independent init every torchrun layout uses, so 1 process starts from the same weights.
+                from k3.distributed.init import init_weights_seeded
+                init_weights_seeded(self.model, config.seed)
         for _, router in self.model.routers():
             router.qb_max_iters = config.qb_iters
             router.aux_loss_coef = config.moe_aux_loss
@@ -250,6 +258,7 @@ class Trainer:
         rank = self.dist.rank if self.dist is not None else 0
         self.stage = 0
         self.train_stream = self._stream_for_stage(0)
+        self._check_global_batch()
         self.step = 0
         if self.resume_state is not None:
             self._restore(self.resume_state)
@@ -280,10 +289,43 @@ class Trainer:
         config = self.config
         rank = self.dist.rank if self.dist is not None else 0
         # Stage 0 keeps the seed a run without a schedule has, so such runs are unchanged.
-        seed = config.seed + rank + 100_003 * index
+        seed = config.seed + (0 if config.global_batch else rank) + 100_003 * index
         return BatchStream(self.train_tokens, self.stages[index][0], rows_for(self.stages, index, config.batch_size),
                            self.tokenizer.eos_token_id, seed=seed, recall=self.recall_task,
                            recall_fraction=config.recall_fraction)
+
+    def _check_global_batch(self) -> None:
+        if not (self.config.global_batch and self.dist is not None):
+            return
+        world = self.dist.world_size
+        for index, (length, _) in enumerate(self.stages):
+            rows = rows_for(self.stages, index, self.config.batch_size)
+            if rows % world:
+                raise ValueError(f"--global-batch splits every batch over the {world} ranks, but a batch of "
+                                 f"{length}-token rows has {rows} rows; give a --batch-size whose rows per stage "
+                                 f"divide by {world}")
+
+    def _next_batch(self) -> tuple[PackedBatch, int]:
+        """(this rank's packed batch, tokens in the global batch)."""
+        if not (self.config.global_batch and self.dist is not None):
+            batch = self.train_stream.next_batch()
+            return batch, batch.num_tokens
+        rows = self.train_stream.next_rows()
+        share = len(rows) // self.dist.world_size
+        mine = rows[self.dist.rank * share:(self.dist.rank + 1) * share]
+        return pack_rows(mine, self.tokenizer.eos_token_id), sum(len(r[0]) for r in rows)
+
+    def _global_mean(self, loss: torch.Tensor, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss whose gradient, averaged over ranks, is the global batch's mean-loss gradient; the global mean
+        loss for the log). Ranks score different numbers of tokens (recall rows score only their answers), so a
+        mean of the ranks' means would weight tokens unequally."""
+        counts = torch.tensor([float((batch.labels != -100).sum())], dtype=torch.float64, device=self.device)
+        local = counts.clone()
+        torch.distributed.all_reduce(counts)
+        weight = float(local / counts.clamp_min(1.0))
+        logged = (loss.detach().double() * weight).reshape(1)
+        torch.distributed.all_reduce(logged)
+        return loss * (weight * self.dist.world_size), logged[0]
 
     def _enter_stage_of_next_step(self) -> None:
         index = stage_at(self.stages, self.step)
@@ -375,7 +417,10 @@ class Trainer:
         self.stage = int(state["data"].get("stage", 0))
         self.train_stream = self._stream_for_stage(self.stage)
         per_rank = state.get("data_per_rank")
-        if self.dist is not None and per_rank is not None and len(per_rank) == self.dist.world_size:
+        if self.config.global_batch:
+            # One global stream, at the same position on every rank: any layout continues it.
+            self.train_stream.load_state_dict(state["data"])
+        elif self.dist is not None and per_rank is not None and len(per_rank) == self.dist.world_size:
             self.train_stream.load_state_dict(per_rank[self.dist.rank])
         else:
             if self.dist is not None or per_rank is not None:
@@ -536,11 +581,14 @@ class Trainer:
             group["lr"] = lr
         self._enter_stage_of_next_step()
         t0 = time.perf_counter()
-        batch = self.train_stream.next_batch()
+        batch, global_tokens = self._next_batch()
         loss = self._forward(batch)
-        if not torch.isfinite(loss):
+        logged_loss = loss.detach()
+        if self.config.global_batch and self.dist is not None:
+            loss, logged_loss = self._global_mean(loss, batch)
+        if not torch.isfinite(logged_loss):  # global under --global-batch: every rank stops together
             # Nothing from this step reaches the weights or the checkpoint: the last good one stays on disk.
-            self.metrics.write({"step": self.step + 1, "loss": float(loss.detach()), "lr": lr})
+            self.metrics.write({"step": self.step + 1, "loss": float(logged_loss), "lr": lr})
             self.plot()
             raise NonFiniteLossError(
                 f"loss became {float(loss.detach())} at step {self.step + 1}; training stopped and the last good checkpoint "
@@ -556,11 +604,11 @@ class Trainer:
         per_layer = self.model.moe_maxvio()
         return {
             "step": self.step,
-            "loss": float(loss.detach()),
+            "loss": float(logged_loss),
             "lr": lr,
             "grad_norm": float(grad_norm),
-            "tokens": batch.num_tokens,
-            "tokens_per_s": batch.num_tokens / elapsed if elapsed > 0 else 0.0,
+            "tokens": global_tokens,
+            "tokens_per_s": global_tokens / elapsed if elapsed > 0 else 0.0,
             "maxvio": max(per_layer.values()) if per_layer else 0.0,
             "maxvio_per_layer": {str(k): round(v, 4) for k, v in per_layer.items()},
             "epoch": round(self.train_stream.epoch, 4),
