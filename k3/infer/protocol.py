@@ -22,7 +22,8 @@ ALLOWED = {
     "model": "the name listed by GET /v1/models",
     "prompt": "a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "messages": "a non-empty list of {\"role\": \"system\"|\"user\"|\"assistant\"|\"developer\"|\"tool\", "
-                "\"content\": string or list of {\"type\": \"text\", \"text\": string}}",
+                "\"content\": string or list of {\"type\": \"text\", \"text\": string} and {\"type\": "
+                "\"image_url\", \"image_url\": {\"url\": \"data:image/...;base64,...\"}}}",
     "max_tokens": "an integer >= 1, at most the context length minus the prompt's tokens",
     "max_completion_tokens": "an integer >= 1, at most the context length minus the prompt's tokens",
     "temperature": "a number >= 0 (0 = greedy)",
@@ -74,17 +75,37 @@ class TextPart(_Strict):
     text: str
 
 
+class ImageURL(_Strict):
+    url: str
+    detail: str | None = None
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+# Where an image part sat in a message's text; replaced by the image's media tokens after templating.
+IMAGE_MARKER = "\x00k3-image\x00"
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Union[TextPart, ImagePart]], None] = None
     name: str | None = None
 
     def text(self) -> str:
+        """The message's text, with IMAGE_MARKER where each image part was."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else IMAGE_MARKER for part in self.content)
+
+    def image_urls(self) -> list[str]:
+        if not isinstance(self.content, list):
+            return []
+        return [part.image_url.url for part in self.content if isinstance(part, ImagePart)]
 
 
 class _SamplingRequest(_Strict):

@@ -18,6 +18,34 @@ def _tokenizer_directory(run: str | None, model_path: str | None) -> Path | None
     return run_dir / "tokenizer"
 
 
+def _has_vision(directory: Path) -> bool:
+    """An HF directory whose config.json carries a vision tower (a multimodal K3 checkpoint)."""
+    import json
+
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return False
+    return "vision_config" in json.loads(config_file.read_text())
+
+
+def _load_multimodal(path: str, device: str):
+    """(the language model for the engine, tokenizer, ImageInputs) from a multimodal K3 directory."""
+    import torch
+
+    from k3.checkpoint.hf import load_hf_tokenizer
+    from k3.infer.image_inputs import ImageInputs
+    from k3.multimodal import from_pretrained
+
+    target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if device == "auto" else device))
+    model = from_pretrained(path, progress=False).to(target).eval()
+    tokenizer = load_hf_tokenizer(path, required=False)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{path} holds no tokenizer files (tokenizer.json or tiktoken.model); serving "
+                                f"needs one")
+    return model.language_model, tokenizer, ImageInputs(model)
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535] (0 = any free port), got {args.port}")
@@ -41,18 +69,22 @@ def serve_command(args: argparse.Namespace) -> int:
     from k3.infer.cli import load_for_inference
     from k3.infer.engine import Engine
 
-    model, tokenizer = load_for_inference(args.run, args.model, args.device)
+    images = None
+    if args.model is not None and _has_vision(Path(args.model)):
+        model, tokenizer, images = _load_multimodal(args.model, args.device)
+    else:
+        model, tokenizer = load_for_inference(args.run, args.model, args.device)
     name = args.served_model_name or Path(args.run or args.model).resolve().name
     engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
                     prefix_cache=not args.no_prefix_cache)
     template = load_chat_template(tokenizer, _tokenizer_directory(args.run, args.model))
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
-    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template)
+    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template, images)
 
     def listening(url: str) -> None:
         print(f"k3 serve: {name} on {url} (OpenAI-compatible: {url}/v1; device {engine.device}, max batch "
-              f"{args.max_batch}, context {args.max_context}, chat template: {template.source}); Ctrl-C stops",
-              flush=True)
+              f"{args.max_batch}, context {args.max_context}, chat template: {template.source}"
+              f"{', images: yes' if images is not None else ''}); Ctrl-C stops", flush=True)
 
     try:
         run_server(app, args.host, args.port, on_listening=listening, log_level=args.log_level)

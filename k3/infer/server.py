@@ -31,8 +31,8 @@ from k3.infer.async_engine import EngineDead, QueueFull
 from k3.infer.chat_template import ChatTemplate, load_chat_template
 from k3.infer.detokenize import TextAssembler
 from k3.infer.metrics import ServerMetrics
-from k3.infer.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_model, check_prompt,
-                               parse_request, resolve_max_tokens, sampling_params)
+from k3.infer.protocol import (IMAGE_MARKER, APIError, ChatCompletionRequest, CompletionRequest, check_model,
+                               check_prompt, parse_request, resolve_max_tokens, sampling_params)
 from k3.infer.sse import SSE_DONE, sse_event
 
 log = logging.getLogger("k3.serve")
@@ -65,8 +65,9 @@ class Update:
 
 class _Server:
     def __init__(self, aengine, model_name: str, tokenizer, max_context: int, max_queue: int,
-                 chat_template: ChatTemplate) -> None:
+                 chat_template: ChatTemplate, images=None) -> None:
         self.aengine, self.model_name, self.tokenizer = aengine, model_name, tokenizer
+        self.images = images  # k3.infer.image_inputs.ImageInputs for a multimodal model, else None
         self.max_context, self.max_queue, self.chat_template = max_context, max_queue, chat_template
         self.vocab_size = aengine.engine.config.vocab_size
         self.metrics = ServerMetrics()
@@ -89,8 +90,10 @@ class _Server:
 class _Generation:
     """One HTTP request's engine requests (one per prompt, n samples each), merged into one stream of Updates."""
 
-    def __init__(self, server: _Server, prompts: list[list[int]], params, stops: list[str]) -> None:
+    def __init__(self, server: _Server, prompts: list[list[int]], params, stops: list[str],
+                 prompt_embeds: list | None = None) -> None:
         self.server, self.prompts, self.params = server, prompts, params
+        self.prompt_embeds = prompt_embeds or [None] * len(prompts)
         self.n = params.n
         self.choices = [Choice(p * self.n + i, TextAssembler(server.tokenizer, stops))
                         for p in range(len(prompts)) for i in range(self.n)]
@@ -104,7 +107,8 @@ class _Generation:
 
     async def _pump(self, p: int, ids: list[int]) -> None:
         try:
-            async for event in self.server.aengine.stream(ids, self.params):
+            async for event in self.server.aengine.stream(ids, self.params,
+                                                          prompt_embeds=self.prompt_embeds[p]):
                 self.queue.put_nowait((p, event))
             self.queue.put_nowait((p, None))
         except asyncio.CancelledError:
@@ -310,8 +314,8 @@ class _ChatFormat(_Format):
 
 
 async def _respond(request: Request, server: _Server, fmt: _Format, prompts: list[list[int]], params,
-                   stops: list[str], stream: bool, include_usage: bool) -> Response:
-    generation = _Generation(server, prompts, params, stops)
+                   stops: list[str], stream: bool, include_usage: bool, prompt_embeds: list | None = None) -> Response:
+    generation = _Generation(server, prompts, params, stops, prompt_embeds)
     metrics = server.metrics
     metrics.started(sum(len(p) for p in prompts))
     head = {"id": f"{fmt.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": server.model_name}
@@ -380,12 +384,13 @@ async def _respond(request: Request, server: _Server, fmt: _Format, prompts: lis
 
 
 def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_queue: int,
-               chat_template: ChatTemplate | None = None) -> "FastAPI":
+               chat_template: ChatTemplate | None = None, images=None) -> "FastAPI":
     """The FastAPI application. async_engine: k3.infer.AsyncEngine (its engine's tokenizer must be
     `tokenizer`); max_context: longest prompt + generation; max_queue: as given to the AsyncEngine (shown in
-    errors and /health)."""
+    errors and /health); images: k3.infer.image_inputs.ImageInputs when the model has a vision tower (chat
+    messages may then carry image_url parts with data: URLs)."""
     server = _Server(async_engine, model_name, tokenizer, max_context, max_queue,
-                     chat_template or load_chat_template(tokenizer))
+                     chat_template or load_chat_template(tokenizer), images)
     app = FastAPI(title="k3", description="OpenAI-compatible inference for K3-architecture models")
     app.state.k3 = server
 
@@ -452,17 +457,31 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
         body = parse_request(await request.body(), ChatCompletionRequest)
         check_model(body.model, server.model_name)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        urls = [url for m in body.messages for url in m.image_urls()]
+        if urls and server.images is None:
+            raise APIError(f"this model has no vision tower, so messages cannot carry image_url parts (got "
+                           f"{len(urls)}); serve a multimodal K3 directory (one with a vision_config) for images",
+                           param="messages")
         try:
-            ids = tokenizer.encode(server.chat_template.render(messages))
+            text = server.chat_template.render(messages)
         except ValueError as error:
             raise APIError(f"the messages could not be put through the chat template "
                            f"({server.chat_template.source}): {error}", param="messages") from error
+        embeds = None
+        if urls:
+            try:
+                ids, embeds = await asyncio.to_thread(server.images.prompt, text, IMAGE_MARKER, urls, tokenizer)
+            except ValueError as error:
+                raise APIError(f"invalid image_url: {error}", param="messages") from error
+        else:
+            ids = tokenizer.encode(text)
         check_prompt(ids, server.max_context, server.vocab_size, "messages")
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_context, None)
         stops = body.stop_strings() + [s for s in server.chat_template.stop if s not in body.stop_strings()]
         params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
         fmt = _ChatFormat(server, body.top_logprobs_count(), body.return_token_ids)
-        return await _respond(request, server, fmt, [ids], params, stops, body.stream, body.include_usage())
+        return await _respond(request, server, fmt, [ids], params, stops, body.stream, body.include_usage(),
+                              [embeds])
 
     return app
 

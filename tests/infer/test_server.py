@@ -155,6 +155,8 @@ BAD_CHAT = [
     ({"model": "tiny", "messages": [{"role": "user"}], "temperature": "0"}, "valid number"),
     ({"model": "tiny", "messages": [{"content": "hi"}]}, "'messages.0.role' is required"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000}, "too large"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "has no vision tower"),
 ]
 
 
