@@ -21,6 +21,7 @@ SUBSYSTEMS = [
     "k3.checkpoint.cli",
     "k3.sandbox.cli",
     "k3.rl.cli",
+    "k3.rl.distill_cli",
 ]
 
 

@@ -1,0 +1,514 @@
+"""Multi-teacher distillation: several domain teachers into one student (`k3 distill`).
+
+Modes, at equal student compute (the same prompts, samples per prompt and completion length per step):
+
+    on-policy   (the K3 way) the student samples G completions of each prompt with the engine, which also
+                returns the student's logprob of every sampled token; the prompt's domain teacher scores those
+                tokens by a packed prefill; each token's advantage is the negative reverse-KL sample
+                    A_t = -(log p_student(y_t) - log p_teacher(y_t)),
+                optimised with the RL policy-gradient objective of k3.rl.losses (token-level: dapo by
+                default), importance-corrected against the sampling logprobs (truncated IS, k3.rl.losses.
+                tis_weights), prompt tokens masked out.
+    offline     SFT on teacher samples: each domain's teacher samples the completions, the student is trained
+                by cross-entropy on them.
+    forward-kl  the teacher samples and gives its top-k logprobs at every completion position; the student
+                minimises the cross-entropy to that renormalised top-k distribution (forward KL up to the
+                teacher's entropy).
+    mixed       on-policy, plus ``mixed_weight`` x the top-k forward KL at the student's own sampled positions
+                (one teacher scoring pass gives both).
+
+Every ``heldout_every`` steps, per domain, on a fixed held-out prompt set: the exact reverse KL
+KL(p_student || p_teacher) summed over the vocabulary at every position of the student's own completions
+(fixed seeds), and the held-out loss (NLL) of the reference continuations, next to the teacher's own.
+
+Run directory, as `k3 rl` writes one (so `k3 generate --run DIR` reads it): distill_config.json, config.json,
+tokenizer/, checkpoint.pt (atomic: student, optimizer, step, RNG), metrics.jsonl, metrics.png. Resume is
+exact: prompts and sampling seeds follow from (seed, step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from k3.checkpoint.native import CHECKPOINT_NAME, atomic_write_bytes, directory_files, load_checkpoint, \
+    load_model_state, save_checkpoint
+from k3.config import ModelConfig
+from k3.infer.sampling import SamplingParams
+from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
+    load_model_and_tokenizer, packed_log_softmax, route
+from k3.rl.loop import weights_changed
+from k3.rl.losses import ALGORITHMS, loss_config_for, tis_weights
+from k3.rl.policy import micro_batches, packed_logprobs, token_logprobs
+from k3.rl.routing import RoutingReplay
+from k3.train.metrics import MetricsLog, read_metrics
+
+MODES = ("on-policy", "offline", "forward-kl", "mixed")
+TOKEN_LEVEL_ALGORITHMS = ("dapo", "cispo", "grpo", "drgrpo")  # objectives with a per-token term
+
+
+@dataclass
+class DistillConfig:
+    student: str = ""  # a k3 run or Hugging Face-format directory
+    teachers: dict[str, str] = field(default_factory=dict)  # domain -> run / HF directory
+    data: dict[str, str] = field(default_factory=dict)  # domain -> prompts (see k3.rl.distill_sources)
+    out: str = "runs/distill"
+    mode: str = "on-policy"
+    algo: str = "dapo"
+    steps: int = 50
+    prompts_per_domain: int = 4
+    samples: int = 4  # completions per prompt (G)
+    prompt_tokens: int = 32  # text data: prompt window
+    reference_tokens: int = 32  # text data: reference continuation for the held-out loss
+    max_new_tokens: int = 32
+    temperature: float = 1.0  # the reverse-KL advantage is exact at 1 (the engine's logprobs are at 1)
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    top_k: int = 16  # forward-kl / mixed: teacher top-k
+    mixed_weight: float = 1.0
+    tis_cap: float | None = 2.0
+    clip_low: float | None = None
+    clip_high: float | None = None
+    heldout_prompts: int = 16
+    heldout_samples: int = 2
+    heldout_every: int = 10
+    save_every: int = 10
+    seed: int = 0
+    max_context: int = 1024
+    micro_tokens: int = 8192
+    routing_replay: bool = True
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.algo not in TOKEN_LEVEL_ALGORITHMS:
+            raise ValueError(f"algo must be a token-level objective {TOKEN_LEVEL_ALGORITHMS} (the reverse-KL "
+                             f"advantage is per token), got {self.algo!r}")
+        for name in ("steps", "prompts_per_domain", "samples", "max_new_tokens", "heldout_every", "save_every",
+                     "heldout_samples"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.mode in ("forward-kl", "mixed") and self.top_k < 1:
+            raise ValueError(f"mode {self.mode} needs top_k >= 1, got {self.top_k}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _seed(*parts) -> int:
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:4], "big") % (2 ** 31)
+
+
+def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token advantage -(log p_student(y_t) - log p_teacher(y_t)) [T] from both logprobs of the sampled
+    tokens [T]. Its negative mean over tokens drawn from the student estimates KL(student || teacher)."""
+    return teacher_logprobs - student_logprobs
+
+
+def exact_reverse_kl(student_logp_TV: torch.Tensor, teacher_logp_TV: torch.Tensor) -> torch.Tensor:
+    """KL(p_s || p_t) = sum_v p_s(v) (log p_s(v) - log p_t(v)) per position: [T, V] log-distributions -> [T]."""
+    return (student_logp_TV.exp() * (student_logp_TV - teacher_logp_TV)).sum(-1)
+
+
+def topk_forward_kl(student_logp_TV: torch.Tensor, top_ids_TK: torch.Tensor, top_logp_TK: torch.Tensor):
+    """Cross-entropy and KL from the teacher's renormalised top-k distribution to the student, per position:
+    (ce [T], kl [T]); ce has the student's gradient, kl = ce - H(teacher top-k) is for reporting."""
+    teacher_p = torch.softmax(top_logp_TK, -1)
+    ce = -(teacher_p * student_logp_TV.gather(1, top_ids_TK)).sum(-1)
+    entropy = -(teacher_p * torch.log_softmax(top_logp_TK, -1)).sum(-1)
+    return ce, ce.detach() - entropy
+
+
+@dataclass
+class TokenSequence:
+    """One trainable sample: ids [n], start (the prompt length: tokens from start on are trained), and per
+    trained token (n - start each): the sampling logprobs (NaN unknown), the advantages, and optionally the
+    teacher's top-k ids / logprobs [n - start, k]. kind: "pg" (policy gradient), "sft" or "fkl"."""
+
+    domain: str
+    ids: list[int]
+    start: int
+    kind: str
+    rollout_logprobs: list[float] | None = None
+    advantages: list[float] | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def _top_tensors(top: list[list[tuple[int, float]]]) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor([[t for t, _ in row] for row in top], dtype=torch.long),
+            torch.tensor([[v for _, v in row] for row in top], dtype=torch.float32))
+
+
+class DistillUpdater:
+    """One optimizer step over a batch of TokenSequences. The policy-gradient part uses k3.rl.losses' objective
+    on the trained tokens laid out one per row (each row a length-1 "sequence" with its own advantage), which is
+    the token-mean of the per-token surrogate; the old-policy pass, routing replay, micro-batching and truncated
+    importance weights are the RL trainer's (k3.rl.policy)."""
+
+    def __init__(self, model, config: DistillConfig, autocast=None) -> None:
+        from k3.train.optim import build_optimizer
+
+        self.model, self.config, self.autocast = model, config, autocast
+        self.algorithm = ALGORITHMS[config.algo]
+        self.loss_config = loss_config_for(config.algo, clip_low=config.clip_low, clip_high=config.clip_high,
+                                           tis_cap=config.tis_cap)
+        self.optimizer = build_optimizer(model, config.lr, config.weight_decay)
+        self.device = next(model.parameters()).device
+        self.replay = RoutingReplay(model)
+
+    def _train_mode(self) -> None:
+        self.model.train()
+        for _, router in self.model.routers():
+            router.eval()  # the Quantile-Balancing bias stays frozen, as in RL
+
+    def _forward(self, members: list[TokenSequence], need_dist: bool):
+        ids = torch.tensor([t for s in members for t in s.ids], device=self.device)[None]
+        lengths = [len(s.ids) for s in members]
+        cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), device=self.device,
+                          dtype=torch.int32)
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            logits = self.model(ids, cu_seqlens=cu).logits[0]
+        token_lp, dists = [], []
+        for i, s in enumerate(members):
+            a, b = int(cu[i]), int(cu[i + 1])
+            token_lp.append(token_logprobs(logits[a:b], ids[0, a:b])[s.start:])
+            dists.append(torch.log_softmax(logits[a + s.start - 1:b - 1].float(), -1) if need_dist else None)
+        return token_lp, dists
+
+    def update(self, sequences: list[TokenSequence]) -> dict[str, float]:
+        if not sequences:
+            return {}
+        config = self.config
+        self._train_mode()
+        lengths = [len(s.ids) for s in sequences]
+        batches = micro_batches(lengths, config.micro_tokens)
+        old_logp, routes = {}, {}
+        with torch.no_grad():  # the old-policy pass: logprobs of the weights that sampled, experts recorded
+            for micro in batches:
+                with self.replay.record() as recorded:
+                    logps, _ = packed_logprobs(self.model, [sequences[i].ids for i in micro], self.device,
+                                               autocast=self.autocast)
+                routes[tuple(micro)] = recorded
+                old_logp.update({i: lp[sequences[i].start:] for i, lp in zip(micro, logps)})
+        counts = {kind: sum(len(s.ids) - s.start for s in sequences if s.kind == kind) for kind in ("pg", "sft", "fkl")}
+        sums = {"pg_loss": 0.0, "sft_loss": 0.0, "fkl": 0.0, "clip": 0.0, "gap": 0.0, "gap_known": 0}
+        weight_of = {"pg": 1.0, "sft": 1.0, "fkl": config.mixed_weight if config.mode == "mixed" else 1.0}
+        for micro in batches:
+            members = [sequences[i] for i in micro]
+            need_dist = any(s.top_ids is not None for s in members)
+            replay = self.replay.replay(routes[tuple(micro)]) if config.routing_replay else contextlib.nullcontext()
+            with replay:
+                token_lp, dists = self._forward(members, need_dist)
+            loss = torch.zeros((), device=self.device)
+            pg = [(i, s, lp) for i, s, lp in zip(micro, members, token_lp) if s.kind == "pg"]
+            if pg:
+                logp_N = torch.cat([lp for _, _, lp in pg])
+                old_N = torch.cat([old_logp[i] for i, _, _ in pg])
+                adv_N = torch.tensor([a for _, s, _ in pg for a in s.advantages], device=self.device)
+                rollout_N = torch.tensor([v for _, s, _ in pg for v in s.rollout_logprobs], device=self.device)
+                weights = tis_weights(old_N[:, None], rollout_N[:, None], self.loss_config.tis_cap)
+                ones = torch.ones_like(logp_N)[:, None]
+                out = self.algorithm.loss(logp_N[:, None], old_N[:, None], adv_N, ones, self.loss_config, weights)
+                share = logp_N.shape[0] / counts["pg"]
+                loss = loss + out.loss * share
+                sums["pg_loss"] += float(out.loss.detach()) * share
+                sums["clip"] += out.clip_fraction * share
+                known = torch.isfinite(rollout_N)
+                sums["gap"] += float((old_N - rollout_N)[known].abs().sum())
+                sums["gap_known"] += int(known.sum())
+            for s, lp, dist in zip(members, token_lp, dists):
+                if s.kind == "sft":
+                    term = -lp.sum() / counts["sft"]
+                    loss = loss + term
+                    sums["sft_loss"] += float(term.detach())
+                if s.top_ids is not None:
+                    ce, kl = topk_forward_kl(dist, s.top_ids.to(self.device), s.top_logprobs.to(self.device))
+                    denominator = counts["fkl"] if s.kind == "fkl" else counts["pg"]
+                    loss = loss + weight_of["fkl"] * ce.sum() / denominator
+                    sums["fkl"] += float(kl.sum()) / denominator
+            loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.eval()
+        metrics = {"grad_norm": grad_norm, "trained_tokens": float(sum(counts.values()))}
+        if counts["pg"]:
+            metrics.update(pg_loss=sums["pg_loss"], clip_fraction=sums["clip"],
+                           logprob_gap=sums["gap"] / sums["gap_known"] if sums["gap_known"] else math.nan)
+        if counts["sft"]:
+            metrics["sft_loss"] = sums["sft_loss"]
+        if any(s.top_ids is not None for s in sequences):
+            metrics["topk_forward_kl"] = sums["fkl"]
+        return metrics
+
+
+class DistillTrainer:
+    """Build with ``DistillTrainer(config)`` (or pass ``student``/``tokenizer``/``teachers`` from Python), then
+    ``train()``. ``resume=True`` continues DIR/checkpoint.pt exactly (only ``config.out`` is read from
+    ``config``; teachers passed in must be the run's)."""
+
+    def __init__(self, config: DistillConfig, resume: bool = False, log: Callable[[str], None] = print,
+                 show_progress: bool = True, student=None, tokenizer=None, teachers: dict | None = None) -> None:
+        from k3.infer import Engine
+        from k3.train.trainer import _rng_state, _set_rng_state, autocast_dtype, resolve_device
+
+        self.log, self.show_progress = log, show_progress
+        self.out = Path(config.out)
+        checkpoint = self.out / CHECKPOINT_NAME
+        state = None
+        if resume:
+            if not checkpoint.is_file():
+                raise FileNotFoundError(f"--resume given but {checkpoint} does not exist; start the run without "
+                                        f"--resume first")
+            state = load_checkpoint(checkpoint)
+            if "distill" not in state:
+                raise ValueError(f"{checkpoint} was not written by `k3 distill` (no distillation settings in it)")
+            config = dataclasses.replace(DistillConfig(**state["distill"]), out=config.out)
+        elif checkpoint.exists():
+            raise ValueError(f"{self.out} already holds a distillation run ({checkpoint}); pass --resume to "
+                             f"continue it or choose another --out")
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.autocast = autocast_dtype("auto", self.device)
+        torch.manual_seed(config.seed)
+        random.seed(config.seed)
+        if state is not None:
+            from k3.checkpoint.native import tokenizer_from_checkpoint
+            from k3.model import K3ForCausalLM
+
+            self.tokenizer = tokenizer_from_checkpoint(state, self.out / "tokenizer")
+            self.model = K3ForCausalLM(ModelConfig.from_dict(state["config"]))
+            load_model_state(self.model, state["model"], str(checkpoint))
+            self.model.to(self.device)
+        elif student is not None:
+            if tokenizer is None:
+                raise ValueError("a student passed in needs its tokenizer too")
+            self.model, self.tokenizer = student.to(self.device), tokenizer
+        else:
+            if not config.student:
+                raise ValueError("give the student: --student DIR (a k3 run or a Hugging Face-format directory)")
+            self.model, self.tokenizer = load_model_and_tokenizer(config.student, str(self.device))
+        if teachers is None:
+            if not config.teachers:
+                raise ValueError("give at least one teacher: --teacher NAME=DIR (NAME is the domain it teaches)")
+            teachers = {name: LocalTeacher.load(name, path, str(self.device), config.max_context)
+                        for name, path in config.teachers.items()}
+        self.teachers = teachers
+        check_shared_tokenizer(self.tokenizer, {name: t.tokenizer for name, t in teachers.items()})
+        missing = sorted(set(config.data) - set(teachers))
+        if missing:
+            raise ValueError(f"--data for domain(s) {missing} but no --teacher of that name (teachers: "
+                             f"{sorted(teachers)})")
+        items = load_items(config.data, self.tokenizer, config.prompt_tokens, config.reference_tokens)
+        self.prompts = PromptSets(items, sorted(teachers), config.heldout_prompts, config.seed)
+        self.model.eval()
+        self.updater = DistillUpdater(self.model, config, autocast=self.autocast)
+        batch = len(teachers) * config.prompts_per_domain * config.samples
+        self.engine = Engine(self.model, self.tokenizer, max_context=config.max_context,
+                             max_batch=max(batch, len(teachers) * config.heldout_prompts * config.heldout_samples),
+                             prefix_cache=False)
+        self.step = 0
+        if state is not None:
+            self.updater.optimizer.load_state_dict(state["optimizer"])
+            self.step = int(state["step"])
+            _set_rng_state(state["rng"])
+        else:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.tokenizer.save(self.out / "tokenizer")
+            atomic_write_bytes(self.out / "distill_config.json", (json.dumps(config.to_dict(), indent=2) + "\n").encode())
+            atomic_write_bytes(self.out / "config.json", (json.dumps(self.model.config.to_dict(), indent=2) + "\n").encode())
+        self._rng_state = _rng_state
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
+        self._teacher_heldout: dict[str, float] | None = None
+
+    # -- sampling and scoring -------------------------------------------------------------------------------
+    def _params(self, seed: int, n: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature,
+                              seed=seed, logprobs=0, n=n)
+
+    def _student_samples(self, items: list[Item], seeds: list[int], n: int) -> list[TokenSequence]:
+        outs = self.engine.complete([it.prompt for it in items], [self._params(s, n) for s in seeds])
+        return [TokenSequence(item.domain, item.prompt + list(c.token_ids), len(item.prompt), "pg",
+                              rollout_logprobs=list(c.logprobs))
+                for item, out in zip(items, outs) for c in out.outputs if c.token_ids]
+
+    def _teacher_samples(self, items: list[Item], seeds: list[int], kind: str) -> list[TokenSequence]:
+        out: list[TokenSequence] = []
+        for domain, members in route(items).items():
+            results = self.teachers[domain].sample([items[i].prompt for i in members],
+                                                   [self._params(seeds[i], self.config.samples) for i in members])
+            out.extend(TokenSequence(domain, items[i].prompt + list(c.token_ids), len(items[i].prompt), kind)
+                       for i, r in zip(members, results) for c in r.outputs if c.token_ids)
+        return out
+
+    def _score(self, sequences: list[TokenSequence], top_k: int) -> None:
+        """Each sequence's domain teacher scores its trained tokens: advantages, and top-k when asked."""
+        for domain, members in route(sequences).items():
+            scored = self.teachers[domain].score([sequences[i].ids for i in members],
+                                                 [sequences[i].start for i in members], top_k=top_k)
+            for i, result in zip(members, scored):
+                s = sequences[i]
+                if s.kind == "pg":
+                    s.advantages = reverse_kl_advantages(torch.tensor(s.rollout_logprobs),
+                                                         torch.tensor(result.logprobs)).tolist()
+                if top_k:
+                    s.top_ids, s.top_logprobs = _top_tensors(result.top_logprobs)
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def train_step(self) -> dict[str, Any]:
+        config = self.config
+        self.step += 1
+        started = time.perf_counter()
+        items = self.prompts.for_step(self.step, config.prompts_per_domain)
+        seeds = [_seed(config.seed, self.step, i) for i in range(len(items))]
+        t0 = time.perf_counter()
+        if config.mode in ("on-policy", "mixed"):
+            sequences = self._student_samples(items, seeds, config.samples)
+        else:
+            sequences = self._teacher_samples(items, seeds, "sft" if config.mode == "offline" else "fkl")
+        sample_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if config.mode != "offline":
+            self._score(sequences, config.top_k if config.mode in ("forward-kl", "mixed") else 0)
+        score_s = time.perf_counter() - t0
+        sampled = sum(len(s.ids) - s.start for s in sequences)
+        record: dict[str, Any] = {"step": self.step}
+        if config.mode in ("on-policy", "mixed"):
+            for domain, members in route(sequences).items():
+                values = [a for i in members for a in sequences[i].advantages]
+                record[f"train_rkl/{domain}"] = -sum(values) / max(len(values), 1)
+        t0 = time.perf_counter()
+        record.update(self.updater.update(sequences))
+        weights_changed(self.engine)
+        train_s = time.perf_counter() - t0
+        record.update(sampled_tokens=sampled, sample_s=sample_s, score_s=score_s, train_s=train_s,
+                      sample_tokens_per_s=sampled / sample_s if sample_s > 0 else 0.0,
+                      score_tokens_per_s=(sum(len(s.ids) for s in sequences) / score_s) if score_s > 0 else 0.0,
+                      step_s=time.perf_counter() - started)
+        return record
+
+    # -- held-out metrics -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Per domain: exact reverse KL to its teacher on the student's own completions of the held-out prompts
+        (fixed seeds), and the held-out NLL of the reference continuations for student and teacher."""
+        config = self.config
+        out: dict[str, float] = {}
+        for domain in self.prompts.domains:
+            items = self.prompts.heldout[domain]
+            seeds = [_seed(config.seed, "heldout", domain, i) for i in range(len(items))]
+            samples = self._student_samples(items, seeds, config.heldout_samples)
+            if samples:
+                ids, starts = [s.ids for s in samples], [s.start for s in samples]
+                student = packed_log_softmax(self.model, ids, starts, self.device)
+                teacher = self.teachers[domain].log_softmax(ids, starts)
+                kls = torch.cat([exact_reverse_kl(a, b.to(a.device)) for a, b in zip(student, teacher)])
+                out[f"heldout_rkl/{domain}"] = float(kls.mean())
+            out[f"heldout_nll/{domain}"] = self._nll(domain, items, student=True)
+        if self._teacher_heldout is None:
+            self._teacher_heldout = {f"teacher_heldout_nll/{d}": self._nll(d, self.prompts.heldout[d], student=False)
+                                     for d in self.prompts.domains}
+        out.update(self._teacher_heldout)
+        return out
+
+    def _nll(self, domain: str, items: list[Item], student: bool) -> float:
+        chosen = [it for it in items if it.reference and it.prompt]
+        if not chosen:
+            return math.nan
+        ids, starts = [it.prompt + it.reference for it in chosen], [len(it.prompt) for it in chosen]
+        if student:
+            logps, _ = packed_logprobs(self.model, ids, self.device)
+            values = torch.cat([lp[s:] for lp, s in zip(logps, starts)])
+        else:
+            values = torch.tensor([v for r in self.teachers[domain].score(ids, starts) for v in r.logprobs])
+        return float(-values.mean())
+
+    # -- run ------------------------------------------------------------------------------------------------
+    def save(self) -> None:
+        state = {"model": self.model.state_dict(), "optimizer": self.updater.optimizer.state_dict(),
+                 "config": self.model.config.to_dict(), "distill": self.config.to_dict(), "step": self.step,
+                 "rng": self._rng_state(), "tokenizer": directory_files(self.out / "tokenizer")}
+        save_checkpoint(self.out / CHECKPOINT_NAME, state)
+
+    def plot(self) -> None:
+        plot_distill_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
+
+    def train(self, stop_at: int | None = None) -> dict[str, Any]:
+        """Run to ``steps`` (or stop after step ``stop_at``, as an interrupted run would)."""
+        config = self.config
+        summary: dict[str, Any] = {"start_step": self.step}
+        if self.step == 0:
+            first = self.evaluate()
+            self.metrics.write({"step": 0, **first})
+            summary["first"] = first
+        bar = tqdm(total=config.steps, initial=self.step, desc=f"distill {config.mode}", unit="step",
+                   disable=not self.show_progress, dynamic_ncols=True)
+        try:
+            while self.step < config.steps and (stop_at is None or self.step < stop_at):
+                record = self.train_step()
+                if self.step % config.heldout_every == 0 or self.step == config.steps:
+                    record.update(self.evaluate())
+                    summary["last"] = {k: v for k, v in record.items() if k.startswith(("heldout", "teacher"))}
+                self.metrics.write(record)
+                bar.update(1)
+                if self.step % config.save_every == 0 or self.step == config.steps:
+                    self.save()
+        finally:
+            bar.close()
+        self.plot()
+        summary["steps"] = self.step
+        return summary
+
+
+def plot_distill_metrics(metrics_path, png_path) -> None:
+    """Per-domain held-out reverse KL and NLL (teacher's as dashed lines), training reverse KL, losses."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    keys = sorted({k for r in records for k in r if isinstance(r.get(k), (int, float))})
+
+    def series(key):
+        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    panels = [(axes[0][0], "heldout_rkl/", "held-out reverse KL to the domain's teacher"),
+              (axes[0][1], "heldout_nll/", "held-out NLL (dashed: teacher)"),
+              (axes[1][0], "train_rkl/", "training reverse KL (sampled tokens)"),
+              (axes[1][1], ("pg_loss", "sft_loss", "topk_forward_kl", "grad_norm"), "update")]
+    for ax, prefix, title in panels:
+        chosen = [k for k in keys if (k.startswith(prefix) if isinstance(prefix, str) else k in prefix)]
+        for key in chosen:
+            xs, ys = series(key)
+            ax.plot(xs, ys, "o-" if key.startswith("heldout") else "-", label=key, linewidth=1)
+            if key.startswith("heldout_nll/"):
+                txs, tys = series("teacher_" + key)
+                if txs:
+                    ax.plot(txs, tys, "--", label="teacher_" + key, linewidth=1)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if chosen:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    atomic_write_bytes(png_path, buffer.getvalue())
