@@ -91,7 +91,33 @@ class _Streamer:
             self.printed = len(text)
 
 
+def _generate_with_images(args: argparse.Namespace) -> int:
+    """One prompt after the given images, on a multimodal K3 directory (--model)."""
+    from k3.infer.serve_cli import _has_vision, _load_multimodal
+
+    if args.model is None or not _has_vision(Path(args.model)):
+        raise ValueError("--image needs --model with a multimodal K3 directory (a config.json with vision_config)")
+    for image in args.image:
+        if not Path(image).is_file():
+            raise FileNotFoundError(f"--image {image} does not exist")
+    model, tokenizer, images = _load_multimodal(args.model, args.device)
+    params = _sampling(args, tokenizer)
+    prompts = _prompts(args)
+    if len(prompts) != 1:
+        raise ValueError(f"--image takes exactly one --prompt (the text after the images), got {len(prompts)}")
+    marker = "\x00k3-image\x00"
+    ids, embeds = images.prompt(marker * len(args.image) + prompts[0], marker, list(args.image), tokenizer,
+                                local_files=True)
+    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_cache=False)
+    engine.check_prompt(ids, params, name="the prompt (with the images' tokens)")
+    out = engine.complete([ids], params, prompt_embeds=[embeds])[0].outputs[0]
+    print(f"{prompts[0]}{out.text}")
+    return 0
+
+
 def generate_command(args: argparse.Namespace) -> int:
+    if args.image:
+        return _generate_with_images(args)
     model, tokenizer = load_for_inference(args.run, args.model, args.device)
     params = _sampling(args, tokenizer)
     prompts = _prompts(args)
@@ -173,6 +199,8 @@ def register(subparsers) -> None:
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--escapes", action="store_true", help="interpret backslash escapes (\\n, \\t) in prompts")
     gen.add_argument("--no-stream", action="store_true", help="print a single prompt's output only at the end")
+    gen.add_argument("--image", action="append", help="an image file the prompt follows (multimodal --model "
+                                                      "directories only); repeatable")
     gen.set_defaults(func=generate_command)
 
     chat = subparsers.add_parser("chat", help="talk to a trained run or an HF model on the terminal",

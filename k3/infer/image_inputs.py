@@ -21,10 +21,12 @@ class ImageInputs:
         self.processor = ImageProcessor.for_vision(model.vision.config)
         self.media_token_id = model.media_token_id
 
-    def prompt(self, text: str, marker: str, urls: list[str], tokenizer) -> tuple[list[int], torch.Tensor]:
-        """text: the templated prompt with `marker` once per image, in the order of urls (data: URLs) ->
-        (token ids with every image's placeholders, input embeddings [len(ids), D]). ValueError for an image
-        that cannot be read or a marker count that does not match."""
+    def prompt(self, text: str, marker: str, urls: list, tokenizer,
+               local_files: bool = False) -> tuple[list[int], torch.Tensor]:
+        """text: the templated prompt with `marker` once per image, in the order of urls (data: URLs; with
+        local_files also paths, for the command line) -> (token ids with every image's placeholders, input
+        embeddings [len(ids), D]). ValueError for an image that cannot be read or a marker count that does
+        not match."""
         from k3.vision.processing import expand_placeholders
 
         pieces = text.split(marker)
@@ -32,7 +34,7 @@ class ImageInputs:
             raise ValueError(f"the chat template kept {len(pieces) - 1} of the {len(urls)} image part(s); a "
                              f"template must render each message's content")
         for i, url in enumerate(urls):
-            if not url.startswith("data:"):
+            if not local_files and not str(url).startswith("data:"):
                 raise ValueError(f"image {i}: only data: URLs are accepted ('data:image/png;base64,...'); this "
                                  f"server fetches nothing from the network, got {url[:40]!r}")
         ids: list[int] = []

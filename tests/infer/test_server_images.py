@@ -93,3 +93,23 @@ def test_bad_image_parts_get_400(server, url, message):
     assert answer.status_code == 400
     error = answer.json()["error"]
     assert error["param"] == "messages" and message in error["message"]
+
+
+def test_generate_with_an_image_file(model_dir, tmp_path, capsys):
+    import base64 as b64
+
+    from k3.cli import main
+
+    image = tmp_path / "x.png"
+    image.write_bytes(b64.b64decode(png_data_url(0).split(",", 1)[1]))
+    args = ["generate", "--model", str(model_dir), "--image", str(image), "--prompt", "see:", "--temperature", "0",
+            "--max-new-tokens", "5", "--device", "cpu"]
+    assert main(args) == 0
+    with_image = capsys.readouterr().out
+    assert with_image.startswith("see:")
+    image2 = tmp_path / "y.png"
+    image2.write_bytes(b64.b64decode(png_data_url(5).split(",", 1)[1]))
+    assert main(args[:4] + [str(image2)] + args[5:]) == 0
+    assert capsys.readouterr().out.startswith("see:")
+    assert main(args[:4] + [str(tmp_path / "missing.png")] + args[5:]) == 1
+    assert "does not exist" in capsys.readouterr().err
