@@ -4,10 +4,11 @@
 2. A byte-level BPE is trained on them and a small K3-architecture model (KDA + MLA layers, AttnRes, a latent
    MoE) is fine-tuned on them from scratch for a short while (`k3 sft` in Python): it learns the chat and
    tool-call format and partly learns to copy the task into Python and the output into submit.
-3. Held-out pass rate after SFT: greedy, one episode per task, every tool call executed in a sandbox.
-4. RL on calc's training split (`k3 rl` in Python), then the same held-out evaluation.
+3. Held-out pass rate after SFT: one episode per task, greedy and sampled at temperature 1 (the policy RL
+   trains), every tool call executed in a sandbox.
+4. RL on calc's training split (`k3 rl` in Python), then the same held-out evaluations.
 
-It prints both pass rates with their binomial standard errors and writes the curves (DIR/rl/metrics.png).
+It prints the pass rates with their binomial standard errors and writes the curves (DIR/rl/metrics.png).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def standard_error(rate: float, n: int) -> float:
     return math.sqrt(max(rate * (1 - rate), 1e-12) / max(n, 1))
 
 
-def run_rl_demo(out: str = "runs/rl-demo", demos: int = 800, sft_steps: int = 150, rl_steps: int = 30,
+def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 350, rl_steps: int = 18,
                 heldout: int = 200, group: int = 8, tasks_per_step: int = 8, algo: str = "gspo",
                 lr: float = 2e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
                 seed: int = 0, log=print) -> dict:
@@ -82,12 +83,13 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 800, sft_steps: int = 15
                          heldout_tasks=heldout, save_every=rl_steps, seed=seed, max_context=1024, device="cpu")
     trainer = RLTrainer(rl_config, show_progress=False, log=lambda *_: None)
     before = trainer.evaluate()
+    before_sampled = trainer.evaluate(temperature=1.0)
     log(f"[{time.perf_counter() - started:5.0f} s] held-out pass rate after SFT: {before['heldout_pass_rate']:.3f} "
-        f"+- {standard_error(before['heldout_pass_rate'], before['heldout_tasks']):.3f} "
-        f"({before['heldout_tasks']} tasks)")
+        f"+- {standard_error(before['heldout_pass_rate'], before['heldout_tasks']):.3f} greedy, "
+        f"{before_sampled['heldout_pass_rate']:.3f} sampled at temperature 1 ({before['heldout_tasks']} tasks)")
     trainer.metrics.write({"step": 0, **before})
     config_heldout, trainer.config.heldout_tasks = trainer.config.heldout_tasks, 0  # scored once, at the end
-    tool_calls = before["heldout_sandbox_calls"]
+    tool_calls = before["heldout_sandbox_calls"] + before_sampled["heldout_sandbox_calls"]
     for _ in range(rl_steps):
         record = trainer.train_step()
         tool_calls += record["sandbox_calls"]
@@ -97,23 +99,27 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 800, sft_steps: int = 15
             f"entropy {record.get('entropy', float('nan')):.3f}")
     trainer.config.heldout_tasks = config_heldout
     after = trainer.evaluate()
-    tool_calls += after["heldout_sandbox_calls"]
+    after_sampled = trainer.evaluate(temperature=1.0)
+    tool_calls += after["heldout_sandbox_calls"] + after_sampled["heldout_sandbox_calls"]
     trainer.metrics.write({"step": trainer.step, **after})
     trainer.save()
     trainer.plot()
     summary = {
         "sft_pass_rate": before["heldout_pass_rate"], "rl_pass_rate": after["heldout_pass_rate"],
         "heldout_tasks": after["heldout_tasks"],
+        "sft_pass_rate_sampled": before_sampled["heldout_pass_rate"],
+        "rl_pass_rate_sampled": after_sampled["heldout_pass_rate"],
         "sft_standard_error": standard_error(before["heldout_pass_rate"], before["heldout_tasks"]),
         "rl_standard_error": standard_error(after["heldout_pass_rate"], after["heldout_tasks"]),
         "tool_calls_executed": tool_calls + made["sandbox_calls"],
         "sft_steps": sft_summary["steps"], "rl_steps": trainer.step, "algo": algo, "group": group,
         "tasks_per_step": tasks_per_step, "seconds": time.perf_counter() - started,
     }
-    log(f"[{summary['seconds']:5.0f} s] held-out pass rate: after SFT {summary['sft_pass_rate']:.3f}, after RL "
-        f"{summary['rl_pass_rate']:.3f} ({summary['heldout_tasks']} tasks; standard errors "
-        f"{summary['sft_standard_error']:.3f} / {summary['rl_standard_error']:.3f}); curves in {out_dir / 'rl'}"
-        f"/metrics.png")
+    log(f"[{summary['seconds']:5.0f} s] held-out pass rate, greedy: after SFT {summary['sft_pass_rate']:.3f}, after "
+        f"RL {summary['rl_pass_rate']:.3f} (standard errors {summary['sft_standard_error']:.3f} / "
+        f"{summary['rl_standard_error']:.3f}); sampled at temperature 1: {summary['sft_pass_rate_sampled']:.3f} -> "
+        f"{summary['rl_pass_rate_sampled']:.3f}; {summary['heldout_tasks']} held-out tasks, "
+        f"{summary['tool_calls_executed']} tool calls run in sandboxes; curves in {out_dir / 'rl'}/metrics.png")
     atomic_write_bytes(out_dir / DEMO_MARKER, (json.dumps(summary, indent=2) + "\n").encode())
     if json_path:
         atomic_write_bytes(json_path, (json.dumps(summary, indent=2) + "\n").encode())

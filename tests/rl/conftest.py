@@ -2,8 +2,16 @@
 required feature missing: root, namespaces, overlayfs, cgroups), and a tiny tokenizer + model."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+# Python verifiers in these tests are named "tests.rl.verifiers:...": the repository root must be importable
+# also when pytest is started as `pytest` rather than `python -m pytest`.
+_ROOT = str(Path(__file__).resolve().parents[2])
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
 
 
 @pytest.fixture(scope="session")
