@@ -206,6 +206,20 @@ def _prepare_tokenizer(settings: AblationSettings, out: Path) -> str:
     return str(directory)
 
 
+def report_ablation(settings: AblationSettings, out: str | Path) -> list[dict]:
+    """Write the report from the runs finished so far (OUT/results.json); returns the joined rows."""
+    out = Path(out)
+    results = _load_results(out / "results.json")
+    joined = [{**entry, **results[entry["key"]], "axis": entry["axis"], "arm": entry["arm"]}
+              for entry in plan(settings) if entry["key"] in results]
+    if not joined:
+        raise ValueError(f"{out} holds no finished runs of this plan yet (results.json)")
+    from k3.eval.ablation_report import write_report
+
+    write_report(joined, settings, out)
+    return joined
+
+
 def run_ablation(settings: AblationSettings, out: str | Path, workers: int = 1, log=print) -> list[dict]:
     """Run every planned run not yet in OUT/results.json (one after another, or over `workers` processes),
     then write the report. Returns the plan entries joined with their results."""
@@ -241,8 +255,4 @@ def run_ablation(settings: AblationSettings, out: str | Path, workers: int = 1, 
                 results[row["key"]] = row
                 _save_results(results_path, results)
                 log(f"done {row['key']}: val loss {row['val_loss']:.4f}")
-    joined = [{**entry, **results[entry["key"]], "axis": entry["axis"], "arm": entry["arm"]} for entry in entries]
-    from k3.eval.ablation_report import write_report
-
-    write_report(joined, settings, out)
-    return joined
+    return report_ablation(settings, out)

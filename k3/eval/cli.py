@@ -104,7 +104,7 @@ def eval_command(args: argparse.Namespace) -> int:
 
 
 def ablate_command(args: argparse.Namespace) -> int:
-    from k3.eval.ablate import AXES, AblationSettings, run_ablation
+    from k3.eval.ablate import AXES, AblationSettings, report_ablation, run_ablation
 
     settings = AblationSettings(base=args.base, axes=tuple(args.axis or AXES), steps=args.steps, seeds=args.seeds,
                                 seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
@@ -113,7 +113,10 @@ def ablate_command(args: argparse.Namespace) -> int:
                                 eval_every=args.eval_every, threads=args.threads)
     if args.steps <= settings.warmup_steps:
         raise ValueError(f"--steps {args.steps} leaves no step after the {settings.warmup_steps} warm-up steps")
-    run_ablation(settings, args.out, workers=args.workers)
+    if args.report_only:
+        report_ablation(settings, args.out)
+    else:
+        run_ablation(settings, args.out, workers=args.workers)
     print(f"report written to {args.out}/report.md (plots: {args.out}/<axis>.png, rows: {args.out}/results.json)")
     return 0
 
@@ -138,6 +141,8 @@ def register(subparsers) -> None:
     a.add_argument("--workers", type=int, default=1, help="runs at once, one process each (default 1)")
     a.add_argument("--threads", type=int, default=1, help="torch threads per run (default 1)")
     a.add_argument("--out", required=True, help="ablation directory (results.json, report.md, plots, runs/)")
+    a.add_argument("--report-only", action="store_true", dest="report_only",
+                   help="write the report from the runs finished so far, run nothing")
     a.set_defaults(func=ablate_command)
 
     p = subparsers.add_parser("eval", help="long-context evaluation: MQAR, needles, variable tracking, common "
