@@ -43,9 +43,10 @@ def standard_error(rate: float, n: int) -> float:
 def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 350, rl_steps: int = 18,
                 heldout: int = 200, group: int = 8, tasks_per_step: int = 8, algo: str = "gspo",
                 lr: float = 2e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
-                seed: int = 0, log=print) -> dict:
+                seed: int = 0, log=None) -> dict:
     """Run the demo (see the module doc); returns the summary that --json writes."""
     started = time.perf_counter()
+    log = log or (lambda message: print(message, flush=True))
     out_dir = Path(out)
     if out_dir.exists():
         if not (out_dir / DEMO_MARKER).is_file():

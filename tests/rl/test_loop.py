@@ -92,3 +92,21 @@ def test_k3_rl_cli_runs_a_step_and_reads_back(start_run, tmp_path, capsys):
     record = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert record["step"] == 1 and record["episodes"] == 2
     assert main(["rl", "--suite", "nonsense", "--run", str(start_run), "--out", str(tmp_path / "x")]) == 1
+
+
+def test_k3_rl_demos_and_k3_sft_from_the_command_line(start_run, tmp_path, capsys):
+    from k3.cli import main
+
+    demos = tmp_path / "files.jsonl"
+    assert main(["rl", "demos", "--suite", "files", "--count", "3", "--out", str(demos)]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"examples": 3, "solved": 3,
+                                                                             "sandbox_calls": 3}
+    out = tmp_path / "sft"
+    assert main(["sft", "--run", str(start_run), "--data", str(demos), "--out", str(out), "--steps", "1",
+                 "--batch-size", "2", "--device", "cpu"]) == 0
+    assert main(["sft", "--out", str(out), "--resume", "--steps", "2", "--device", "cpu"]) == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert main(["sft", "--run", str(start_run), "--data", str(bad), "--out", str(tmp_path / "x")]) == 1
+    assert "bad.jsonl:1: field 'messages': no assistant message" in capsys.readouterr().err
