@@ -50,6 +50,9 @@ class Completion:
     finish_reason: str | None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With Engine(record_routing=True): the experts each fed token was routed to, [MoE layers, tokens, K]
+    # for the prompt and every generated token but the last (which was never fed), for routing replay.
+    routing: torch.Tensor | None = None
 
 
 @dataclass
@@ -77,11 +80,17 @@ class Engine:
     def __init__(self, model, tokenizer=None, max_context: int = 4096, max_batch: int = 32, page_size: int = 32,
                  prefill_chunk: int | None = None, max_step_tokens: int | None = None, prefix_cache: bool = True,
                  prefix_slots: int | None = None, num_pages: int | None = None, dtype: torch.dtype | None = None,
-                 use_cuda_graphs: bool | None = None) -> None:
+                 use_cuda_graphs: bool | None = None, record_routing: bool = False) -> None:
         if max_context < 2:
             raise ValueError(f"max_context must be >= 2 (a prompt token and a new one), got {max_context}")
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if record_routing:
+            # Recording runs Python hooks in every forward (no CUDA graphs), and a prompt's routing must come
+            # from its own prefill (a prefix-cache hit would skip it).
+            if use_cuda_graphs:
+                raise ValueError("record_routing needs eager decode steps; leave use_cuda_graphs unset or False")
+            use_cuda_graphs, prefix_cache = False, False
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config
@@ -111,6 +120,12 @@ class Engine:
         self.runner = ModelRunner(self.model, self.pool, max_pages, use_cuda_graphs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.record_routing = record_routing
+        self._routes: list[list[torch.Tensor]] | None = None  # filled by the router hooks during a step's forward
+        if record_routing:
+            for index, (_, router) in enumerate(model.routers()):
+                router.register_forward_hook(self._route_hook(index))
+            self._num_moe = len(model.routers())
         self.stats_counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0}
 
     # --- requests -----------------------------------------------------------------------------------
@@ -180,6 +195,30 @@ class Engine:
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    # --- routing capture ----------------------------------------------------------------------------
+    def _route_hook(self, index: int):
+        def hook(module, args, output) -> None:
+            if self._routes is not None:
+                self._routes[index].append(output.topk_ids_TK.detach())
+        return hook
+
+    def _capture(self, seqs: list[Sequence], run):
+        """Run a forward; with record_routing, append each row's expert ids ([T, K] per MoE layer) to it."""
+        if not self.record_routing:
+            return run()
+        self._routes = [[] for _ in range(self._num_moe)]
+        try:
+            out = run()
+            for layer, calls in enumerate(self._routes):
+                ids = torch.cat(calls).view(len(seqs), -1, calls[0].shape[-1]).cpu()
+                for row, seq in enumerate(seqs):
+                    if seq.routing is None:
+                        seq.routing = [[] for _ in range(self._num_moe)]
+                    seq.routing[layer].append(ids[row])
+        finally:
+            self._routes = None
+        return out
+
     # --- the step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[TokenEvent]:
@@ -187,7 +226,7 @@ class Engine:
         rows: list[Sequence] = []
         logits = []
         if plan.decodes:
-            logits.append(self.runner.decode(plan.decodes))
+            logits.append(self._capture(plan.decodes, lambda: self.runner.decode(plan.decodes)))
             for seq in plan.decodes:
                 seq.num_cached += 1
             rows.extend(plan.decodes)
@@ -195,7 +234,7 @@ class Engine:
         for seq, start, end in plan.prefills:
             groups.setdefault((start, end, seq.prompt_embeds is not None), []).append(seq)
         for (start, end, _), seqs in groups.items():
-            last_rows = self.runner.prefill(seqs, start, end)
+            last_rows = self._capture(seqs, lambda: self.runner.prefill(seqs, start, end))
             for seq, last in zip(seqs, last_rows):
                 seq.num_cached = end
                 self.stats_counters["prompt_tokens"] += end - start
@@ -327,9 +366,13 @@ class Engine:
             out = RequestOutput(rid, request.prompt)
             for seq in sorted(request.sequences, key=lambda s: s.index):
                 want = seq.params.logprobs is not None
+                routing = None
+                if seq.routing is not None:
+                    routing = torch.stack([torch.cat(calls) for calls in seq.routing])
                 out.outputs.append(Completion(seq.index, seq.generated, self.text_of(seq), seq.finish_reason,
                                               seq.logprobs if want else None,
-                                              seq.top_logprobs if want and seq.params.logprobs else None))
+                                              seq.top_logprobs if want and seq.params.logprobs else None,
+                                              routing))
             outputs.append(out)
         return outputs
 

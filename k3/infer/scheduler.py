@@ -54,6 +54,7 @@ class Sequence:
     text_offset: int = 0  # how much of the decoded text has been checked against stop strings
     first_token_time: float | None = None
     prompt_embeds: torch.Tensor | None = None  # [prompt_len, D] input embeddings (images) instead of ids
+    routing: list[list[torch.Tensor]] | None = None  # per MoE layer, the [T, K] expert ids of each forward
 
     @property
     def generated(self) -> list[int]:
@@ -221,7 +222,8 @@ class Scheduler:
         children = []
         for index, (slot, own) in enumerate(zip(request.reserved_slots, request.reserved_pages), start=1):
             child = Sequence(request.request_id, index, request.params, list(parent.tokens), parent.prompt_len,
-                             num_cached=parent.num_cached, slot=slot, status=DECODE)
+                             num_cached=parent.num_cached, slot=slot, status=DECODE,
+                             routing=None if parent.routing is None else [list(r) for r in parent.routing])
             self.pool.copy_slot(parent.slot, slot)
             for page in parent.pages[:full]:
                 self.pool.share_page(page)

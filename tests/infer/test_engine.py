@@ -265,3 +265,24 @@ def test_filters_keep_the_right_tokens():
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+def test_recorded_routing_is_what_a_full_forward_routes(model):
+    """record_routing: every fed token's experts per MoE layer, across chunked prefill, batched decode and
+    forks, equal to the experts a plain forward over the whole sequence picks (the trainer's view)."""
+    from k3.rl.routing import RoutingReplay
+
+    engine = small_engine(model, record_routing=True)
+    prompts = random_prompts(13, [40, 23])
+    outs = engine.complete(prompts, greedy(9, n=2))
+    replay = RoutingReplay(model)
+    for prompt, out in zip(prompts, outs):
+        for completion in out.outputs:
+            fed = prompt + completion.token_ids[:-1]
+            with replay.record() as routes, torch.no_grad():
+                model(torch.tensor([fed]))
+            expected = torch.stack([calls[0] for calls in routes])  # [layers, tokens, K]
+            assert completion.routing.shape == expected.shape
+            # Expert choice is a set: compare sorted ids per token.
+            assert torch.equal(completion.routing.sort(-1).values, expected.sort(-1).values)
+    assert_idle(engine)
