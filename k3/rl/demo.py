@@ -53,6 +53,9 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
             raise ValueError(f"{out_dir} exists and was not written by `k3 rl demo`; choose another --out")
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
+    if not summary["improved_beyond_noise"]:
+        log(f"RL did not raise the greedy held-out pass rate beyond the noise of {summary['heldout_tasks']} tasks "
+            f"(2 standard errors of the difference: {2 * noise:.3f}); see the training reward in the curves")
     atomic_write_bytes(out_dir / DEMO_MARKER, b"{}\n")
     if threads:
         torch.set_num_threads(threads)
@@ -116,11 +119,16 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
         "sft_steps": sft_summary["steps"], "rl_steps": trainer.step, "algo": algo, "group": group,
         "tasks_per_step": tasks_per_step, "seconds": time.perf_counter() - started,
     }
+    noise = math.hypot(summary["sft_standard_error"], summary["rl_standard_error"])
+    summary["improved_beyond_noise"] = summary["rl_pass_rate"] - summary["sft_pass_rate"] > 2 * noise
     log(f"[{summary['seconds']:5.0f} s] held-out pass rate, greedy: after SFT {summary['sft_pass_rate']:.3f}, after "
         f"RL {summary['rl_pass_rate']:.3f} (standard errors {summary['sft_standard_error']:.3f} / "
         f"{summary['rl_standard_error']:.3f}); sampled at temperature 1: {summary['sft_pass_rate_sampled']:.3f} -> "
         f"{summary['rl_pass_rate_sampled']:.3f}; {summary['heldout_tasks']} held-out tasks, "
         f"{summary['tool_calls_executed']} tool calls run in sandboxes; curves in {out_dir / 'rl'}/metrics.png")
+    if not summary["improved_beyond_noise"]:
+        log(f"RL did not raise the greedy held-out pass rate beyond the noise of {summary['heldout_tasks']} tasks "
+            f"(2 standard errors of the difference: {2 * noise:.3f}); see the training reward in the curves")
     atomic_write_bytes(out_dir / DEMO_MARKER, (json.dumps(summary, indent=2) + "\n").encode())
     if json_path:
         atomic_write_bytes(json_path, (json.dumps(summary, indent=2) + "\n").encode())

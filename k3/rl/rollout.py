@@ -127,6 +127,12 @@ class RolloutRunner:
     def _start_group(self, task: Task, group: int, size: int) -> list[Episode]:
         ids, mask = render_ids(initial_messages(task), self.tokenizer, add_generation_prompt=True)
         episodes = [Episode(task, group, s, list(ids), list(mask), [0.0] * len(ids), len(ids)) for s in range(size)]
+        if len(ids) + 2 > self.config.max_context:
+            for episode in episodes:
+                self._end(episode, "context", f"the prompt has {len(ids)} tokens, more than the context of "
+                                              f"{self.config.max_context} leaves room for")
+                episode.failed = True
+            return episodes
         started = time.perf_counter()
         try:
             base = prepare_sandbox(task, self.sandbox_limits)
