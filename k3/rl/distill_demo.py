@@ -62,8 +62,8 @@ def _train(out: Path, data: list[Path], tokenizer_dir: Path, steps: int, seed: i
         f"{summary.get('last_val_loss', float('nan')):.3f}")
 
 
-def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 150, student_steps: int = 40,
-                     distill_steps: int = 30, lr: float = 2e-3, json_path: str | None = None, seed: int = 0,
+def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, student_steps: int = 60,
+                     distill_steps: int = 150, lr: float = 2e-3, json_path: str | None = None, seed: int = 0,
                      threads: int = 0, log=print) -> dict:
     """Run the demo (see the module doc); returns the per-domain summary that --json writes."""
     from k3.data.tokenizer import train_bpe
@@ -82,8 +82,10 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 150, s
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     atomic_write_bytes(out_dir / DEMO_MARKER, b"{}\n")
-    if threads:
-        torch.set_num_threads(threads)
+    from k3.train.demo import idle_cores
+
+    # Oversubscribed OpenMP threads spin-wait: on a busy 2-core machine one thread ran this demo ~10x faster.
+    torch.set_num_threads(threads or idle_cores())
     torch.manual_seed(seed)
     paths = _write_domains(out_dir / "data", code_mb=0.5)
     sample = [json.loads(line)["text"] for p in paths.values()
@@ -104,7 +106,7 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 150, s
                                data={n: str(p) for n, p in paths.items()}, out=str(out_dir / mode), mode=mode,
                                steps=distill_steps, prompts_per_domain=4, samples=4, prompt_tokens=16,
                                reference_tokens=16, max_new_tokens=16, lr=lr, heldout_prompts=16,
-                               heldout_samples=1, heldout_every=max(1, distill_steps // 3),
+                               heldout_samples=1, heldout_every=max(1, distill_steps // 5),
                                save_every=distill_steps, seed=seed, max_context=512, device="cpu")
         trainer = DistillTrainer(config, log=lambda *_: None, show_progress=False, teachers=teachers)
         summary = trainer.train()
