@@ -117,6 +117,10 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pool, prefix_slots) if prefix_slots > 0 else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_batch, max_context, prefill_chunk,
                                    max_step_tokens or 4 * prefill_chunk + max_batch)
+        if use_cuda_graphs is None:
+            # The MoE layers capture only on the bf16 grouped-GEMM path; the expert loop (other dtypes) reads
+            # its counts back to the host, which a graph cannot hold.
+            use_cuda_graphs = self.device.type == "cuda" and (dtype == torch.bfloat16 or not model.routers())
         self.runner = ModelRunner(self.model, self.pool, max_pages, use_cuda_graphs)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -490,6 +494,12 @@ class Engine:
     def clear_prefix_cache(self) -> None:
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
+
+    def weights_changed(self) -> None:
+        """Call after the model's weights were updated in place (an RL step): cached prefix states were computed
+        with the old weights and go. CUDA graphs read the parameters where they are, so they stay valid as long
+        as the update is in place (optimizer steps are)."""
+        self.clear_prefix_cache()
 
 
 @torch.no_grad()
