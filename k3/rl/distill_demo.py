@@ -6,8 +6,9 @@
 2. Two teachers, one per domain, are trained with `k3 train` (k3.train.Trainer) on their own domain only; the
    student, the same architecture, is trained on both domains for a quarter of the steps (a weak generalist).
 3. `k3 distill` on-policy from that student: each domain's prompts are scored by its own teacher.
-4. The offline baseline (SFT on teacher samples) from the same student, at equal compute (same prompts,
-   samples and completion length per step, same steps).
+4. The offline baseline (SFT on teacher samples) and `mixed` (on-policy plus the teacher's top-k forward KL at
+   the student's own positions) from the same student, with the same prompts, samples and completion length
+   per step and the same number of steps.
 
 It prints, per domain: the exact reverse KL of the student to that domain's teacher on fixed held-out prompts,
 and the held-out loss (NLL per token of the reference text), before and after, next to the teacher's own, and
@@ -100,7 +101,7 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, s
     _train(out_dir / "student", [paths["code"], paths["docs"]], out_dir / "tokenizer", student_steps, seed, say)
     teachers = {name: LocalTeacher.load(name, str(out_dir / f"teacher-{name}"), "cpu", 512) for name in paths}
     results = {}
-    for mode in ("on-policy", "offline"):
+    for mode in ("on-policy", "offline", "mixed"):
         config = DistillConfig(student=str(out_dir / "student"), teachers={n: str(out_dir / f"teacher-{n}")
                                                                           for n in paths},
                                data={n: str(p) for n, p in paths.items()}, out=str(out_dir / mode), mode=mode,
@@ -115,30 +116,34 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, s
                         for d in paths)
         say(f"{mode}: {distill_steps} steps; held-out reverse KL {rkl}")
     before, after = results["on-policy"]
-    _, offline = results["offline"]
     table = {}
     for d in paths:
-        kl_before, kl_after = before[f"heldout_rkl/{d}"], after[f"heldout_rkl/{d}"]
-        table[d] = {"student_kl_before": kl_before, "student_kl_after": kl_after,
-                    "offline_kl_after": offline[f"heldout_rkl/{d}"],
-                    "gap_closed": 1 - kl_after / kl_before if kl_before > 0 else float("nan"),
-                    "offline_gap_closed": 1 - offline[f"heldout_rkl/{d}"] / kl_before if kl_before > 0 else float("nan"),
-                    "teacher_heldout_nll": before[f"teacher_heldout_nll/{d}"],
-                    "student_heldout_nll_before": before[f"heldout_nll/{d}"],
-                    "student_heldout_nll_after": after[f"heldout_nll/{d}"],
-                    "offline_heldout_nll_after": offline[f"heldout_nll/{d}"]}
-    log("\nper domain (reverse KL to that domain's teacher, exact over the vocabulary, on the student's own "
-        "completion of each of 16 held-out prompts; NLL per token of the held-out reference text):")
-    log(f"{'domain':8s} {'KL before':>10s} {'on-policy':>10s} {'offline':>10s} {'closed':>7s} | {'teacher NLL':>11s} "
-        f"{'NLL before':>10s} {'on-policy':>10s} {'offline':>10s}")
+        kl_before = before[f"heldout_rkl/{d}"]
+        row = {"student_kl_before": kl_before, "student_kl_after": after[f"heldout_rkl/{d}"],
+               "teacher_heldout_nll": before[f"teacher_heldout_nll/{d}"],
+               "student_heldout_nll_before": before[f"heldout_nll/{d}"],
+               "student_heldout_nll_after": after[f"heldout_nll/{d}"]}
+        row["gap_closed"] = 1 - row["student_kl_after"] / kl_before
+        for mode, prefix in (("offline", "offline"), ("mixed", "mixed")):
+            last = results[mode][1]
+            row[f"{prefix}_kl_after"] = last[f"heldout_rkl/{d}"]
+            row[f"{prefix}_gap_closed"] = 1 - last[f"heldout_rkl/{d}"] / kl_before
+            row[f"{prefix}_heldout_nll_after"] = last[f"heldout_nll/{d}"]
+        table[d] = row
+    log("\nper domain, after the same number of steps of each mode from the same student: reverse KL to that "
+        "domain's teacher (exact over the vocabulary, on the student's own completion of each of 16 held-out "
+        "prompts; the share of the gap closed in brackets) and NLL per token of the held-out reference text:")
+    log(f"{'domain':7s} {'KL before':>9s} {'on-policy':>14s} {'offline':>14s} {'mixed':>14s} | {'NLL teacher':>11s} "
+        f"{'before':>7s} {'on-policy':>9s} {'offline':>8s} {'mixed':>6s}")
     for d, row in table.items():
-        log(f"{d:8s} {row['student_kl_before']:10.3f} {row['student_kl_after']:10.3f} {row['offline_kl_after']:10.3f} "
-            f"{100 * row['gap_closed']:6.0f}% | {row['teacher_heldout_nll']:11.3f} "
-            f"{row['student_heldout_nll_before']:10.3f} {row['student_heldout_nll_after']:10.3f} "
-            f"{row['offline_heldout_nll_after']:10.3f}")
+        kls = " ".join(f"{row[k + '_kl_after']:7.3f} ({100 * row[g]:3.0f}%)" for k, g in
+                       (("student", "gap_closed"), ("offline", "offline_gap_closed"), ("mixed", "mixed_gap_closed")))
+        log(f"{d:7s} {row['student_kl_before']:9.3f} {kls} | {row['teacher_heldout_nll']:11.3f} "
+            f"{row['student_heldout_nll_before']:7.3f} {row['student_heldout_nll_after']:9.3f} "
+            f"{row['offline_heldout_nll_after']:8.3f} {row['mixed_heldout_nll_after']:6.3f}")
     summary = {"domains": table, "teacher_steps": teacher_steps, "student_steps": student_steps,
                "distill_steps": distill_steps, "seconds": time.perf_counter() - started}
-    say(f"done; curves in {out_dir / 'on-policy' / 'metrics.png'} and {out_dir / 'offline' / 'metrics.png'}")
+    say(f"done; curves in {out_dir}/{{on-policy,offline,mixed}}/metrics.png")
     atomic_write_bytes(out_dir / DEMO_MARKER, (json.dumps(summary, indent=2) + "\n").encode())
     if json_path:
         atomic_write_bytes(json_path, (json.dumps(summary, indent=2) + "\n").encode())
