@@ -396,10 +396,11 @@ class DistillTrainer:
         record.update(self.updater.update(sequences))
         weights_changed(self.engine)
         train_s = time.perf_counter() - t0
-        record.update(sampled_tokens=sampled, sample_s=sample_s, score_s=score_s, train_s=train_s,
+        record.update(sampled_tokens=sampled, sample_s=sample_s, train_s=train_s,
                       sample_tokens_per_s=sampled / sample_s if sample_s > 0 else 0.0,
-                      score_tokens_per_s=(sum(len(s.ids) for s in sequences) / score_s) if score_s > 0 else 0.0,
                       step_s=time.perf_counter() - started)
+        if config.mode != "offline":  # offline SFT asks the teacher for samples only
+            record.update(score_s=score_s, score_tokens_per_s=sum(len(s.ids) for s in sequences) / max(score_s, 1e-9))
         return record
 
     # -- held-out metrics -----------------------------------------------------------------------------------
