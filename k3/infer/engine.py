@@ -442,21 +442,29 @@ class Engine:
             self._score_packed(sequences, starts, batch, top_k, results)
         return results  # type: ignore[return-value]
 
-    def _score_packed(self, sequences, starts, batch, top_k, results) -> None:
+    def _score_packed(self, sequences, starts, batch, top_k, results, head_rows: int = 4096) -> None:
+        """One packed forward to the final hidden states; the LM head and log_softmax run over at most
+        head_rows positions at a time and only where a token is scored, so [tokens, vocab] logits are never
+        held at once (8.6 GB in fp32 for 64K tokens of a 163K vocabulary)."""
+        from k3.model import PackedDocs
+
         ids = torch.tensor([[t for j in batch for t in sequences[j]]], device=self.device)
         lengths = [len(sequences[j]) for j in batch]
         cu = torch.tensor([0] + list(itertools.accumulate(lengths)), device=self.device)
-        logits = self.model(ids, cu_seqlens=cu).logits[0].float()
+        hidden = self.model.model(ids, None, PackedDocs.from_cu_seqlens(cu, ids.shape[1]))[0]  # [T, D]
         offset = 0
         for j, length in zip(batch, lengths):
             start = starts[j]
-            log_probs = logits[offset + start - 1: offset + length - 1].log_softmax(-1)
-            targets = torch.tensor(sequences[j][start:], device=self.device)
-            picked = log_probs.gather(1, targets[:, None])[:, 0].tolist()
-            top = None
-            if top_k > 0:
-                values, index = log_probs.topk(top_k, dim=-1)
-                top = [list(zip(i_row, v_row)) for i_row, v_row in zip(index.tolist(), values.tolist())]
+            picked: list[float] = []
+            top: list | None = [] if top_k > 0 else None
+            for a in range(offset + start - 1, offset + length - 1, head_rows):
+                b = min(a + head_rows, offset + length - 1)
+                log_probs = self.model.lm_head(hidden[a:b]).float().log_softmax(-1)
+                targets = torch.tensor(sequences[j][a - offset + 1: b - offset + 1], device=self.device)
+                picked += log_probs.gather(1, targets[:, None])[:, 0].tolist()
+                if top is not None:
+                    values, index = log_probs.topk(top_k, dim=-1)
+                    top += [list(zip(i_row, v_row)) for i_row, v_row in zip(index.tolist(), values.tolist())]
             results[j] = ScoreOutput(picked, top)
             offset += length
 

@@ -286,3 +286,14 @@ def test_recorded_routing_is_what_a_full_forward_routes(model):
             # Expert choice is a set: compare sorted ids per token.
             assert torch.equal(completion.routing.sort(-1).values, expected.sort(-1).values)
     assert_idle(engine)
+
+
+def test_score_in_head_chunks_equals_one_chunk(model):
+    engine = small_engine(model)
+    seqs = random_prompts(14, [50, 9])
+    whole = engine.score(seqs, [1, 2], top_k=2)
+    results = [None, None]
+    engine._score_packed(seqs, [1, 2], [0, 1], 2, results, head_rows=7)
+    for a, b in zip(whole, results):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+        assert [[t for t, _ in row] for row in a.top_logprobs] == [[t for t, _ in row] for row in b.top_logprobs]
