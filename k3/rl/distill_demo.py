@@ -64,7 +64,7 @@ def _train(out: Path, data: list[Path], tokenizer_dir: Path, steps: int, seed: i
 
 
 def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, student_steps: int = 60,
-                     distill_steps: int = 150, lr: float = 2e-3, json_path: str | None = None, seed: int = 0,
+                     distill_steps: int = 300, lr: float = 2e-3, json_path: str | None = None, seed: int = 0,
                      threads: int = 0, log=print) -> dict:
     """Run the demo (see the module doc); returns the per-domain summary that --json writes."""
     from k3.data.tokenizer import train_bpe
