@@ -43,9 +43,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from k3.checkpoint.native import CHECKPOINT_NAME, atomic_write_bytes, directory_files, load_checkpoint, \
-    load_model_state, save_checkpoint
-from k3.config import ModelConfig
+from k3.checkpoint.native import CHECKPOINT_NAME, atomic_write_bytes, directory_files, save_checkpoint
 from k3.infer.sampling import SamplingParams
 from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
     load_model_and_tokenizer, packed_log_softmax, route
@@ -53,6 +51,7 @@ from k3.rl.loop import weights_changed
 from k3.rl.losses import ALGORITHMS, loss_config_for, tis_weights
 from k3.rl.policy import micro_batches, packed_logprobs, token_logprobs
 from k3.rl.routing import RoutingReplay
+from k3.rl.run_dir import open_run, policy_from
 from k3.train.metrics import MetricsLog, read_metrics
 
 MODES = ("on-policy", "offline", "forward-kl", "mixed")
@@ -269,36 +268,17 @@ class DistillTrainer:
 
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
-        checkpoint = self.out / CHECKPOINT_NAME
-        state = None
-        if resume:
-            if not checkpoint.is_file():
-                raise FileNotFoundError(f"--resume given but {checkpoint} does not exist; start the run without "
-                                        f"--resume first")
-            state = load_checkpoint(checkpoint)
-            if "distill" not in state:
-                raise ValueError(f"{checkpoint} was not written by `k3 distill` (no distillation settings in it)")
+        state = open_run(self.out, resume, "distill", "k3 distill", "a distillation run")
+        if state is not None:
             config = dataclasses.replace(DistillConfig(**state["distill"]), out=config.out)
-        elif checkpoint.exists():
-            raise ValueError(f"{self.out} already holds a distillation run ({checkpoint}); pass --resume to "
-                             f"continue it or choose another --out")
         self.config = config
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)
         torch.manual_seed(config.seed)
         random.seed(config.seed)
-        if state is not None:
-            from k3.checkpoint.native import tokenizer_from_checkpoint
-            from k3.model import K3ForCausalLM
-
-            self.tokenizer = tokenizer_from_checkpoint(state, self.out / "tokenizer")
-            self.model = K3ForCausalLM(ModelConfig.from_dict(state["config"]))
-            load_model_state(self.model, state["model"], str(checkpoint))
-            self.model.to(self.device)
-        elif student is not None:
-            if tokenizer is None:
-                raise ValueError("a student passed in needs its tokenizer too")
-            self.model, self.tokenizer = student.to(self.device), tokenizer
+        policy = policy_from(state, self.out, self.device, student, tokenizer)
+        if policy is not None:
+            self.model, self.tokenizer = policy
         else:
             if not config.student:
                 raise ValueError("give the student: --student DIR (a k3 run or a Hugging Face-format directory)")

@@ -31,12 +31,11 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from k3.checkpoint.native import CHECKPOINT_NAME, atomic_write_bytes, directory_files, load_checkpoint, \
-    load_model_state, save_checkpoint
-from k3.config import ModelConfig
+from k3.checkpoint.native import CHECKPOINT_NAME, atomic_write_bytes, directory_files, save_checkpoint
 from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages, loss_config_for
 from k3.rl.policy import PolicyConfig, PolicyUpdater, Sequence
 from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner
+from k3.rl.run_dir import open_run, policy_from
 from k3.rl.tasks import Task, load_tasks
 from k3.train.metrics import MetricsLog, read_metrics
 
@@ -172,36 +171,17 @@ class RLTrainer:
 
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
-        checkpoint = self.out / CHECKPOINT_NAME
-        state = None
-        if resume:
-            if not checkpoint.is_file():
-                raise FileNotFoundError(f"--resume given but {checkpoint} does not exist; start the run without "
-                                        f"--resume first")
-            state = load_checkpoint(checkpoint)
-            if "rl" not in state:
-                raise ValueError(f"{checkpoint} was not written by `k3 rl` (no RL settings in it)")
+        state = open_run(self.out, resume, "rl", "k3 rl", "an RL run")
+        if state is not None:
             config = dataclasses.replace(RLConfig(**state["rl"]), out=config.out)
-        elif checkpoint.exists():
-            raise ValueError(f"{self.out} already holds an RL run ({checkpoint}); pass --resume to continue it or "
-                             f"choose another --out")
         self.config = config
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)
         torch.manual_seed(config.seed)
         random.seed(config.seed)
-        if state is not None:
-            from k3.checkpoint.native import tokenizer_from_checkpoint
-            from k3.model import K3ForCausalLM
-
-            self.tokenizer = tokenizer_from_checkpoint(state, self.out / "tokenizer")
-            self.model = K3ForCausalLM(ModelConfig.from_dict(state["config"]))
-            load_model_state(self.model, state["model"], str(checkpoint))
-            self.model.to(self.device)
-        elif model is not None:
-            if tokenizer is None:
-                raise ValueError("a model passed in needs its tokenizer too")
-            self.model, self.tokenizer = model.to(self.device), tokenizer
+        policy = policy_from(state, self.out, self.device, model, tokenizer)
+        if policy is not None:
+            self.model, self.tokenizer = policy
         else:
             if not config.run:
                 raise ValueError("give the starting checkpoint: --run DIR (a `k3 train`, `k3 sft` or `k3 rl` run)")
