@@ -35,7 +35,7 @@ class EngineDead(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: Engine, max_queue: int = 256, idle_wait_s: float = 0.05) -> None:
         self.engine, self.max_queue, self.idle_wait_s = engine, max_queue, idle_wait_s
-        self.lock = threading.Lock()  # held by every step; stats() takes it for a consistent reading
+        self.lock = threading.Lock()  # held by every step (the engine is not thread-safe)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", id, prompt, params) / ("abort", id)
         self._queued = 0  # requests in the inbox, not yet handed to the engine
         self._count_lock = threading.Lock()
@@ -44,20 +44,25 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.error: BaseException | None = None
+        # The engine's counters as of the last step, for readers on other threads: a reader waiting for the lock
+        # would starve (the loop takes it again at once) and a /health call would hang for a whole request.
+        self._stats = engine.stats()
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 
     # --- the loop (engine thread) -------------------------------------------------------------------
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> int:
+        """Hand queued adds and aborts to the engine; returns how many adds moved (they stay counted as
+        queued until the next stats snapshot shows them)."""
+        moved = 0
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return moved
             if item[0] == "add":
                 _, request_id, prompt, params, embeds = item
-                with self._count_lock:
-                    self._queued -= 1
+                moved += 1
                 try:
                     self.engine.add_request(prompt, params, request_id, prompt_embeds=embeds)
                 except ValueError as error:  # validated before queueing; a late refusal still reaches the stream
@@ -80,7 +85,7 @@ class AsyncEngine:
         while not self._stopping:
             with self.lock:
                 try:
-                    self._drain_inbox()
+                    moved = self._drain_inbox()
                     busy = self.engine.has_unfinished()
                     events = self.engine.step() if busy else []
                 except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
@@ -93,6 +98,10 @@ class AsyncEngine:
                     by_request.setdefault(event.request_id, []).append(event)
                 for request_id, items in by_request.items():
                     self._deliver(request_id, items)
+                stats = self.engine.stats()
+                with self._count_lock:  # the snapshot and the inbox count change together
+                    self._stats = stats
+                    self._queued -= moved
             if not busy:
                 self._wakeup.wait(self.idle_wait_s)
                 self._wakeup.clear()
@@ -100,8 +109,8 @@ class AsyncEngine:
     # --- requests (any thread) ----------------------------------------------------------------------
     @property
     def waiting(self) -> int:
-        """Requests not yet running: in the inbox or in the engine's queue (read without the lock)."""
-        return self._queued + len(self.engine.scheduler.waiting)
+        """Requests not yet running: in the inbox, or in the engine's queue as of its last step."""
+        return self._queued + self._stats["waiting"]
 
     def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
             events: asyncio.Queue | None = None, prompt_embeds=None) -> str:
@@ -158,9 +167,11 @@ class AsyncEngine:
         self.abort_now(request_id)
 
     def stats(self) -> dict:
-        with self.lock:
-            stats = self.engine.stats()
-        stats["waiting"] += self._queued
+        """The engine's counters after its last step (never waits for a step), plus requests still in the
+        inbox as waiting."""
+        with self._count_lock:
+            stats = dict(self._stats)
+            stats["waiting"] += self._queued
         return stats
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
