@@ -32,7 +32,6 @@ import contextlib
 import dataclasses
 import hashlib
 import io
-import json
 import math
 import random
 import time
@@ -43,7 +42,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from k3.checkpoint.native import CHECKPOINT_NAME, atomic_write_bytes, directory_files, save_checkpoint
+from k3.checkpoint.native import atomic_write_bytes
 from k3.infer.sampling import SamplingParams
 from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
     load_model_and_tokenizer, packed_log_softmax, route
@@ -51,7 +50,7 @@ from k3.rl.loop import weights_changed
 from k3.rl.losses import ALGORITHMS, loss_config_for, tis_weights
 from k3.rl.policy import micro_batches, packed_logprobs, token_logprobs
 from k3.rl.routing import RoutingReplay
-from k3.rl.run_dir import open_run, policy_from
+from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.train.metrics import MetricsLog, read_metrics
 
 MODES = ("on-policy", "offline", "forward-kl", "mixed")
@@ -264,7 +263,7 @@ class DistillTrainer:
     def __init__(self, config: DistillConfig, resume: bool = False, log: Callable[[str], None] = print,
                  show_progress: bool = True, student=None, tokenizer=None, teachers: dict | None = None) -> None:
         from k3.infer import Engine
-        from k3.train.trainer import _rng_state, _set_rng_state, autocast_dtype, resolve_device
+        from k3.train.trainer import autocast_dtype, resolve_device
 
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
@@ -302,17 +301,8 @@ class DistillTrainer:
         self.engine = Engine(self.model, self.tokenizer, max_context=config.max_context,
                              max_batch=max(batch, len(teachers) * config.heldout_prompts * config.heldout_samples),
                              prefix_cache=False)
-        self.step = 0
-        if state is not None:
-            self.updater.optimizer.load_state_dict(state["optimizer"])
-            self.step = int(state["step"])
-            _set_rng_state(state["rng"])
-        else:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.tokenizer.save(self.out / "tokenizer")
-            atomic_write_bytes(self.out / "distill_config.json", (json.dumps(config.to_dict(), indent=2) + "\n").encode())
-            atomic_write_bytes(self.out / "config.json", (json.dumps(self.model.config.to_dict(), indent=2) + "\n").encode())
-        self._rng_state = _rng_state
+        self.step = start_or_restore(self.out, state, self.updater.optimizer, self.tokenizer,
+                                     "distill_config.json", config.to_dict(), self.model.config.to_dict())
         self.metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
         self._teacher_heldout: dict[str, float] | None = None
 
@@ -421,10 +411,7 @@ class DistillTrainer:
 
     # -- run ------------------------------------------------------------------------------------------------
     def save(self) -> None:
-        state = {"model": self.model.state_dict(), "optimizer": self.updater.optimizer.state_dict(),
-                 "config": self.model.config.to_dict(), "distill": self.config.to_dict(), "step": self.step,
-                 "rng": self._rng_state(), "tokenizer": directory_files(self.out / "tokenizer")}
-        save_checkpoint(self.out / CHECKPOINT_NAME, state)
+        save_run(self.out, self.model, self.updater.optimizer, "distill", self.config.to_dict(), self.step)
 
     def plot(self) -> None:
         plot_distill_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")

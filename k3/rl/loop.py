@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -31,11 +30,11 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from k3.checkpoint.native import CHECKPOINT_NAME, atomic_write_bytes, directory_files, save_checkpoint
+from k3.checkpoint.native import atomic_write_bytes
 from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages, loss_config_for
 from k3.rl.policy import PolicyConfig, PolicyUpdater, Sequence
 from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner
-from k3.rl.run_dir import open_run, policy_from
+from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.rl.tasks import Task, load_tasks
 from k3.train.metrics import MetricsLog, read_metrics
 
@@ -167,7 +166,7 @@ class RLTrainer:
                  show_progress: bool = True, model=None, tokenizer=None) -> None:
         """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``). model and
         tokenizer: start from these (Python use) instead of loading ``config.run``."""
-        from k3.train.trainer import _rng_state, _set_rng_state, autocast_dtype, resolve_device
+        from k3.train.trainer import autocast_dtype, resolve_device
 
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
@@ -209,18 +208,8 @@ class RLTrainer:
                                 threads=config.threads)
         self.runner = RolloutRunner(self.engine, self.tokenizer, rollout, seed=config.seed)
         self.tasks = TaskSource(config.suite, config.seed)
-        self.step = 0
-        if state is not None:
-            self.updater.optimizer.load_state_dict(state["optimizer"])
-            self.step = int(state["step"])
-            _set_rng_state(state["rng"])
-        else:
-            self.out.mkdir(parents=True, exist_ok=True)
-            self.tokenizer.save(self.out / "tokenizer")
-            atomic_write_bytes(self.out / "rl_config.json", (json.dumps(config.to_dict(), indent=2) + "\n").encode())
-            atomic_write_bytes(self.out / "config.json",
-                               (json.dumps(self.model_config.to_dict(), indent=2) + "\n").encode())
-        self._rng_state = _rng_state
+        self.step = start_or_restore(self.out, state, self.updater.optimizer, self.tokenizer, "rl_config.json",
+                                     config.to_dict(), self.model_config.to_dict())
         self.metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
 
     # -- pieces ------------------------------------------------------------------------------------
@@ -262,10 +251,7 @@ class RLTrainer:
         return out, sum(keep)
 
     def save(self) -> None:
-        state = {"model": self.model.state_dict(), "optimizer": self.updater.optimizer.state_dict(),
-                 "config": self.model_config.to_dict(), "rl": self.config.to_dict(), "step": self.step,
-                 "rng": self._rng_state(), "tokenizer": directory_files(self.out / "tokenizer")}
-        save_checkpoint(self.out / CHECKPOINT_NAME, state)
+        save_run(self.out, self.model, self.updater.optimizer, "rl", self.config.to_dict(), self.step)
 
     def plot(self) -> None:
         plot_rl_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")

@@ -43,3 +43,34 @@ def policy_from(state: dict | None, out: Path, device, model=None, tokenizer=Non
             raise ValueError("a model passed in needs its tokenizer too")
         return model.to(device), tokenizer
     return None
+
+
+def start_or_restore(out: Path, state: dict | None, optimizer, tokenizer, settings_file: str, settings: dict,
+                     model_config: dict) -> int:
+    """Resumed (state given): load the optimizer and RNG states and return the saved step. New: write the
+    run's tokenizer/, its settings (settings_file, e.g. rl_config.json) and config.json, and return 0."""
+    import json
+
+    from k3.checkpoint.native import atomic_write_bytes
+    from k3.train.trainer import _set_rng_state
+
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+        _set_rng_state(state["rng"])
+        return int(state["step"])
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(out / "tokenizer")
+    for name, payload in ((settings_file, settings), ("config.json", model_config)):
+        atomic_write_bytes(out / name, (json.dumps(payload, indent=2) + "\n").encode())
+    return 0
+
+
+def save_run(out: Path, model, optimizer, key: str, settings: dict, step: int) -> None:
+    """The run's atomic checkpoint: model, optimizer, model config, the command's settings under `key`, step,
+    RNG states and the tokenizer files (what open_run / policy_from / start_or_restore read back)."""
+    from k3.checkpoint.native import directory_files, save_checkpoint
+    from k3.train.trainer import _rng_state
+
+    save_checkpoint(out / CHECKPOINT_NAME, {
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": model.config.to_dict(),
+        key: settings, "step": step, "rng": _rng_state(), "tokenizer": directory_files(out / "tokenizer")})

@@ -10,7 +10,6 @@ read it. Resume is exact: the examples of a step follow from (seed, step).
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 from dataclasses import dataclass
@@ -20,11 +19,9 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from k3.checkpoint.native import CHECKPOINT_NAME, atomic_write_bytes, directory_files, load_checkpoint, \
-    load_model_state, save_checkpoint
-from k3.config import ModelConfig
 from k3.rl.chat_format import render_ids
 from k3.rl.demos import read_demonstrations
+from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.train.metrics import MetricsLog
 from k3.train.optim import build_optimizer, lr_at
 
@@ -64,34 +61,22 @@ class SFTTrainer:
                  log: Callable[[str], None] = print, show_progress: bool = True,
                  steps_override: int | None = None) -> None:
         """resume: continue DIR/checkpoint.pt with its saved settings (``steps_override`` may extend it)."""
-        from k3.train.trainer import _rng_state, _set_rng_state, autocast_dtype, resolve_device
+        from k3.train.trainer import autocast_dtype, resolve_device
 
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
-        checkpoint = self.out / CHECKPOINT_NAME
-        state = None
-        if resume:
-            if not checkpoint.is_file():
-                raise FileNotFoundError(f"--resume given but {checkpoint} does not exist")
-            state = load_checkpoint(checkpoint)
-            if "sft" not in state:
-                raise ValueError(f"{checkpoint} was not written by `k3 sft`")
+        state = open_run(self.out, resume, "sft", "k3 sft", "an SFT run")
+        if state is not None:
             saved = SFTConfig(**state["sft"])
             config = dataclasses.replace(saved, out=config.out, steps=steps_override or saved.steps)
-        elif checkpoint.exists():
-            raise ValueError(f"{self.out} already holds a run ({checkpoint}); pass --resume or choose another --out")
         self.config = config
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)
         torch.manual_seed(config.seed)
-        if state is not None:
-            from k3.checkpoint.native import tokenizer_from_checkpoint
-            from k3.model import K3ForCausalLM
-
-            tokenizer = tokenizer_from_checkpoint(state, self.out / "tokenizer")
-            model = K3ForCausalLM(ModelConfig.from_dict(state["config"]))
-            load_model_state(model, state["model"], str(checkpoint))
-        elif model is None:
+        policy = policy_from(state, self.out, self.device, model, tokenizer)
+        if policy is not None:
+            model, tokenizer = policy
+        else:
             if not config.run:
                 raise ValueError("give the starting checkpoint: --run DIR (a `k3 train` run)")
             from k3.infer.cli import load_for_inference
@@ -102,17 +87,8 @@ class SFTTrainer:
         self.model, self.tokenizer = model.to(self.device), tokenizer
         self.examples = [sft_rows(m, tokenizer, config.max_tokens) for m in read_demonstrations(config.data)]
         self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
-        self.step = 0
-        if state is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.step = int(state["step"])
-            _set_rng_state(state["rng"])
-        else:
-            self.out.mkdir(parents=True, exist_ok=True)
-            tokenizer.save(self.out / "tokenizer")
-            atomic_write_bytes(self.out / "sft_config.json", (json.dumps(config.to_dict(), indent=2) + "\n").encode())
-            atomic_write_bytes(self.out / "config.json", (json.dumps(model.config.to_dict(), indent=2) + "\n").encode())
-        self._rng_state = _rng_state
+        self.step = start_or_restore(self.out, state, self.optimizer, tokenizer, "sft_config.json",
+                                     config.to_dict(), model.config.to_dict())
         self.metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -127,10 +103,7 @@ class SFTTrainer:
                 cu.to(self.device))
 
     def save(self) -> None:
-        save_checkpoint(self.out / CHECKPOINT_NAME, {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "config": self.model.config.to_dict(), "sft": self.config.to_dict(), "step": self.step,
-            "rng": self._rng_state(), "tokenizer": directory_files(self.out / "tokenizer")})
+        save_run(self.out, self.model, self.optimizer, "sft", self.config.to_dict(), self.step)
 
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
         config = self.config
