@@ -7,8 +7,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
-
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
 
@@ -42,8 +40,9 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
             tokenizer = load_tokenizer(run_dir / "tokenizer")
         else:
             tokenizer = tokenizer_from_checkpoint(state, tempfile.mkdtemp(prefix="k3-tokenizer-"))
-    target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if device == "auto" else device))
+    from k3.train.trainer import resolve_device
+
+    target = resolve_device(device)
     return model.to(target).eval(), tokenizer
 
 

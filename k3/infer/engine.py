@@ -175,7 +175,8 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, prompt, params, prompt_embeds=prompt_embeds)
+        request = Request(request_id, prompt, params, prompt_embeds=prompt_embeds,
+                          stop_ids=frozenset(self.stop_ids(params)))
         self.requests[request_id] = request
         self.scheduler.waiting.append(request)
         return request_id
@@ -302,7 +303,7 @@ class Engine:
         return events
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
-        if token in self.stop_ids(seq.params):
+        if token in seq.stop_ids:
             return "stop"
         if seq.params.stop and self._hits_stop_string(seq):
             return "stop"
@@ -328,12 +329,13 @@ class Engine:
             self.step()
         return {rid: sorted(r.sequences, key=lambda s: s.index) for rid, r in pending.items()}
 
-    def text_of(self, seq: Sequence) -> str | None:
+    def text_of(self, tokens: list[int], params: SamplingParams) -> str | None:
+        """Generated tokens as text: stop tokens dropped, cut before the first stop string."""
         if self.tokenizer is None:
             return None
-        stops = self.stop_ids(seq.params)
-        text = self.tokenizer.decode([t for t in seq.generated if t not in stops])
-        for stop in seq.params.stop:
+        stops = self.stop_ids(params)
+        text = self.tokenizer.decode([t for t in tokens if t not in stops])
+        for stop in params.stop:
             if stop in text:
                 text = text[: text.index(stop)]
         return text
@@ -373,7 +375,7 @@ class Engine:
                 routing = None
                 if seq.routing is not None:
                     routing = torch.stack([torch.cat(calls) for calls in seq.routing])
-                out.outputs.append(Completion(seq.index, seq.generated, self.text_of(seq), seq.finish_reason,
+                out.outputs.append(Completion(seq.index, seq.generated, self.text_of(seq.generated, seq.params), seq.finish_reason,
                                               seq.logprobs if want else None,
                                               seq.top_logprobs if want and seq.params.logprobs else None,
                                               routing))
@@ -405,16 +407,7 @@ class Engine:
         if self.tokenizer is None:
             raise ValueError("generate() needs a tokenizer; use generate_ids() with token ids")
         ids = [self.tokenizer.encode(p) for p in prompts]
-        outs = self.generate_ids(ids, params, on_token)
-        stops = self.stop_ids(params)
-        texts = []
-        for seq in outs:
-            text = self.tokenizer.decode([t for t in seq if t not in stops])
-            for stop in params.stop:
-                if stop in text:
-                    text = text[: text.index(stop)]
-            texts.append(text)
-        return texts
+        return [self.text_of(out, params) for out in self.generate_ids(ids, params, on_token)]
 
     # --- scoring ------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -55,6 +55,7 @@ class Sequence:
     first_token_time: float | None = None
     prompt_embeds: torch.Tensor | None = None  # [prompt_len, D] input embeddings (images) instead of ids
     routing: list[list[torch.Tensor]] | None = None  # per MoE layer, the [T, K] expert ids of each forward
+    stop_ids: frozenset[int] = frozenset()
 
     @property
     def generated(self) -> list[int]:
@@ -68,6 +69,7 @@ class Request:
     params: SamplingParams
     arrival: float = field(default_factory=time.monotonic)
     prompt_embeds: torch.Tensor | None = None
+    stop_ids: frozenset[int] = frozenset()  # the params' stop tokens and the tokenizer's EOS
     sequences: list[Sequence] = field(default_factory=list)
     # Resources reserved at admission for the samples that the fork will create.
     reserved_slots: list[int] = field(default_factory=list)
@@ -147,7 +149,7 @@ class Scheduler:
                         self.pool.return_page(page)
             return False
         parent = Sequence(request.request_id, 0, request.params, list(prompt), len(prompt),
-                          prompt_embeds=request.prompt_embeds)
+                          prompt_embeds=request.prompt_embeds, stop_ids=request.stop_ids)
         parent.slot = self.pool.allocate_slot()
         parent.pages = (list(hit.pages) if hit is not None else []) + self.pool.allocate_pages(total_pages - shared)
         parent.shared_pages = shared
@@ -222,7 +224,7 @@ class Scheduler:
         children = []
         for index, (slot, own) in enumerate(zip(request.reserved_slots, request.reserved_pages), start=1):
             child = Sequence(request.request_id, index, request.params, list(parent.tokens), parent.prompt_len,
-                             num_cached=parent.num_cached, slot=slot, status=DECODE,
+                             num_cached=parent.num_cached, slot=slot, status=DECODE, stop_ids=parent.stop_ids,
                              routing=None if parent.routing is None else [list(r) for r in parent.routing])
             self.pool.copy_slot(parent.slot, slot)
             for page in parent.pages[:full]:

@@ -30,14 +30,13 @@ def _has_vision(directory: Path) -> bool:
 
 def _load_multimodal(path: str, device: str):
     """(the language model for the engine, tokenizer, ImageInputs) from a multimodal K3 directory."""
-    import torch
-
     from k3.checkpoint.hf import load_hf_tokenizer
     from k3.infer.image_inputs import ImageInputs
     from k3.multimodal import from_pretrained
 
-    target = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                          ("cpu" if device == "auto" else device))
+    from k3.train.trainer import resolve_device
+
+    target = resolve_device(device)
     model = from_pretrained(path, progress=False).to(target).eval()
     tokenizer = load_hf_tokenizer(path, required=False)
     if tokenizer is None:
