@@ -321,12 +321,19 @@ class Engine:
         return any(s in window for s in seq.params.stop)
 
     # --- whole-batch helpers ------------------------------------------------------------------------
-    def run_until_done(self, request_ids: list[str]) -> dict[str, list[Sequence]]:
+    def run_until_done(self, request_ids: list[str], progress=None) -> dict[str, list[Sequence]]:
+        """Step until every given request has finished -> its sequences by sample index. progress: a tqdm bar
+        advanced by finished requests."""
         pending = {rid: self.requests[rid] for rid in request_ids}
+        done = 0
         while any(not r.finished for r in pending.values()):
             if not self.has_unfinished():
                 raise RuntimeError("the engine stopped with requests still unfinished")
             self.step()
+            if progress is not None:
+                now = sum(r.finished for r in pending.values())
+                progress.update(now - done)
+                done = now
         return {rid: sorted(r.sequences, key=lambda s: s.index) for rid, r in pending.items()}
 
     def text_of(self, tokens: list[int], params: SamplingParams) -> str | None:
@@ -356,29 +363,20 @@ class Engine:
             from tqdm import tqdm
 
             progress = tqdm(total=len(ids), desc="generate", unit="req")
-        pending = {rid: self.requests[rid] for rid in ids}
-        done = 0
-        while any(not r.finished for r in pending.values()):
-            self.step()
-            if progress is not None:
-                now = sum(r.finished for r in pending.values())
-                progress.update(now - done)
-                done = now
+        finished = self.run_until_done(ids, progress)
         if progress is not None:
             progress.close()
         outputs = []
         for rid in ids:
-            request = pending[rid]
-            out = RequestOutput(rid, request.prompt)
-            for seq in sorted(request.sequences, key=lambda s: s.index):
+            out = RequestOutput(rid, finished[rid][0].tokens[: finished[rid][0].prompt_len])
+            for seq in finished[rid]:
                 want = seq.params.logprobs is not None
                 routing = None
                 if seq.routing is not None:
                     routing = torch.stack([torch.cat(calls) for calls in seq.routing])
-                out.outputs.append(Completion(seq.index, seq.generated, self.text_of(seq.generated, seq.params), seq.finish_reason,
-                                              seq.logprobs if want else None,
-                                              seq.top_logprobs if want and seq.params.logprobs else None,
-                                              routing))
+                out.outputs.append(Completion(seq.index, seq.generated, self.text_of(seq.generated, seq.params),
+                                              seq.finish_reason, seq.logprobs if want else None,
+                                              seq.top_logprobs if want and seq.params.logprobs else None, routing))
             outputs.append(out)
         return outputs
 

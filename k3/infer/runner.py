@@ -88,23 +88,22 @@ class ModelRunner:
     # --- CUDA graphs --------------------------------------------------------------------------------
     def _decode_graph(self, seqs: list[Sequence]) -> torch.Tensor:
         rows = next(b for b in self.graph_batch_sizes if b >= len(seqs))
-        graph = self.graphs.get(rows)
-        if graph is None:
+        inputs = self._decode_inputs(seqs, rows, self.max_pages_per_seq)
+        return self._graph(rows).run(*inputs)[: len(seqs)]
+
+    def _graph(self, rows: int) -> "_DecodeGraph":
+        """The decode graph for `rows` rows, captured on first use (all graphs share one memory pool)."""
+        if rows not in self.graphs:
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = self.graphs[rows] = _DecodeGraph(self, rows, self._graph_pool)
-        inputs = self._decode_inputs(seqs, rows, self.max_pages_per_seq)
-        return graph.run(*inputs)[: len(seqs)]
+            self.graphs[rows] = _DecodeGraph(self, rows, self._graph_pool)
+        return self.graphs[rows]
 
     def capture(self, batch_sizes: tuple[int, ...] | None = None) -> None:
         """Capture the decode graphs now (otherwise each is captured on first use)."""
-        if not self.use_cuda_graphs:
-            return
-        for rows in batch_sizes or self.graph_batch_sizes:
-            if rows not in self.graphs:
-                if self._graph_pool is None:
-                    self._graph_pool = torch.cuda.graph_pool_handle()
-                self.graphs[rows] = _DecodeGraph(self, rows, self._graph_pool)
+        if self.use_cuda_graphs:
+            for rows in batch_sizes or self.graph_batch_sizes:
+                self._graph(rows)
 
 
 class _DecodeGraph:
