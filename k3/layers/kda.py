@@ -19,6 +19,11 @@ from k3.ops.kda import chunk_kda, fused_recurrent_kda
 
 # Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.
 RECURRENT_MAX_TOKENS = 16
+# Longer inputs run the six input projections as one GEMM over weights concatenated on the fly (names and
+# checkpoint layout unchanged). The concatenation copies the weights once per forward, which is noise next to
+# a GEMM over many tokens; the backward then runs one dgrad GEMM instead of six and five adds. Decode steps
+# keep the separate GEMMs (a per-step weight copy would triple the bytes a memory-bound step reads).
+FUSED_PROJECTION_MIN_TOKENS = RECURRENT_MAX_TOKENS + 1
 
 
 class KimiDeltaAttention(nn.Module):
@@ -83,13 +88,13 @@ class KimiDeltaAttention(nn.Module):
         batch, length, _ = x.shape
         shape = (batch, length, self.num_heads, self.head_dim)
         tails = cache.conv_tails if cache is not None else (None, None, None)
-        q, tail_q = self.q_conv1d(self.q_proj(x), tails[0], position_in_doc)
-        k, tail_k = self.k_conv1d(self.k_proj(x), tails[1], position_in_doc)
-        v, tail_v = self.v_conv1d(self.v_proj(x), tails[2], position_in_doc)
+        q, k, v, f_a, g_in, beta_logits = self._project(x)
+        q, tail_q = self.q_conv1d(q, tails[0], position_in_doc, cu_seqlens)
+        k, tail_k = self.k_conv1d(k, tails[1], position_in_doc, cu_seqlens)
+        v, tail_v = self.v_conv1d(v, tails[2], position_in_doc, cu_seqlens)
         # The decay gate, beta's sigmoid and the q/k L2 norm run inside the KDA op (fused into fla's kernels on
         # CUDA; the PyTorch twin applies the same formulas), so only the raw projections are formed here.
-        raw_gate = self.f_b_proj(self.f_a_proj(x)).view(shape)
-        beta_logits = self.b_proj(x)
+        raw_gate = self.f_b_proj(f_a).view(shape)
         state = cache.state if cache is not None else None
         kernel = fused_recurrent_kda if (cache is not None and length <= RECURRENT_MAX_TOKENS) else chunk_kda
         o, new_state = kernel(q.view(shape), k.view(shape), v.view(shape), raw_gate, beta_logits,
@@ -97,6 +102,19 @@ class KimiDeltaAttention(nn.Module):
                               use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **self.gate_kwargs())
         if cache is not None:
             cache.update(new_state, (tail_q, tail_k, tail_v))
-        gate = self.g_proj(x) if hasattr(self, "g_proj") else self.g_b_proj(self.g_a_proj(x))
+        gate = g_in if hasattr(self, "g_proj") else self.g_b_proj(g_in)
         o = self.o_norm(o.to(x.dtype), gate.view(shape))
         return self.o_proj(o.reshape(batch, length, -1))
+
+    def _input_projections(self) -> list[nn.Linear]:
+        """Every projection that reads the layer input x, in the order _project returns them."""
+        gate = self.g_proj if hasattr(self, "g_proj") else self.g_a_proj
+        return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj]
+
+    def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """q, k, v (before the convs), f_a(x), the output gate's first projection, beta logits."""
+        projections = self._input_projections()
+        if x.shape[1] < FUSED_PROJECTION_MIN_TOKENS:
+            return [p(x) for p in projections]
+        weight = torch.cat([p.weight for p in projections], dim=0)
+        return list(torch.nn.functional.linear(x, weight).split([p.out_features for p in projections], dim=-1))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from k3.config import ModelConfig
 from k3.layers.norm import RMSNorm, compute_dtype
@@ -104,10 +105,12 @@ class GatedMLA(nn.Module):
                                                      is_causal=b - a > 1, scale=self.scaling)
                       for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
             return torch.cat(pieces, dim=2).transpose(1, 2)  # [B, T, H, v]
-        mask = self._mask(length, total, past, q.device)
+        # After `past` cached tokens the causal diagonal sits bottom-right. causal_lower_right says so without
+        # a [T, past + T] boolean mask (64 GB for a 64K chunk at 1M context) and keeps the flash kernels.
+        mask = causal_lower_right(length, total) if past > 0 and length > 1 else None
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=mask, is_causal=mask is None and length > 1, scale=self.scaling)
+            attn_mask=mask, is_causal=past == 0 and length > 1, scale=self.scaling)
         return out.transpose(1, 2)  # [B, T, H, v]
 
     def _attend_absorbed(self, q, latent, k_rope, past, mask=None):

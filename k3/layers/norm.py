@@ -1,14 +1,14 @@
-"""RMSNorm variants. Statistics are taken in fp32 (or fp64 for fp64 inputs), whatever the input dtype."""
+"""RMSNorm modules. Statistics are taken in fp32 (or fp64 for fp64 inputs), whatever the input dtype; the math
+lives in k3.ops.norm (fla's fused kernels on CUDA, PyTorch twins elsewhere)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from k3.ops.norm import compute_dtype, rms_norm, rms_norm_gated
 
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """fp32 for low-precision inputs; fp64 stays fp64 (parity tests run in double)."""
-    return torch.promote_types(x.dtype, torch.float32)
+__all__ = ["RMSNorm", "GatedRMSNorm", "compute_dtype"]
 
 
 class RMSNorm(nn.Module):
@@ -20,17 +20,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(compute_dtype(x))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.to(x.dtype)).to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class GatedRMSNorm(RMSNorm):
     """KDA output norm: RMSNorm(x) * sigmoid(gate), per head (the last dimension is the head dim)."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        dtype = x.dtype
-        x = x.to(compute_dtype(x))
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.to(x.dtype)
-        return (x * torch.sigmoid(gate.to(x.dtype))).to(dtype)
+        return rms_norm_gated(x, gate, self.weight, self.eps)

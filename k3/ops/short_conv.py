@@ -1,0 +1,86 @@
+"""Depthwise causal short convolution + SiLU (KDA's q/k/v convs): fla's fused Triton kernel or PyTorch.
+
+    y_t = silu( sum_j w[:, W-1-j] * x_{t-j} ),  taps never reach before the start of a document,
+    the (W-1) inputs before the first token come from `tail` (the decode cache) or are zeros.
+
+The PyTorch twin (k3.layers.conv.ShortConv's own code) transposes to [B, C, T] for a cuDNN depthwise conv and
+applies SiLU as a separate kernel; fla's `causal_conv1d` reads [B, T, C] in place (strided views allowed), does
+the taps, SiLU and packed-document boundaries in one kernel, and returns the cache state it needs.
+Which one runs follows the KDA backend switch (k3.ops.kda.kda_backend): fla on CUDA when it imports.
+
+Cache layouts: k3 keeps the last W-1 inputs as a tail [B, W-1, C]; fla keeps a window [N, C, W] whose last W-1
+columns are those inputs (column 0 is unused on input and holds the oldest input on output).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from k3.ops.kda import kda_backend
+
+
+@functools.lru_cache(maxsize=1)
+def _load_fla_conv():
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except Exception as exc:  # a broken triton install raises more than ImportError
+        return f"{type(exc).__name__}: {exc}"
+    return causal_conv1d
+
+
+def short_conv_torch(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None = None,
+                     position_in_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, T, C]; weight [C, W]; tail [B, W-1, C] or None; position_in_doc [T] (0 at each document start)
+    for packed input. Returns (silu(conv(x)) [B, T, C], new tail [B, W-1, C])."""
+    batch, length, channels = x.shape
+    width = weight_CW.shape[1]
+    if tail is None:
+        tail = x.new_zeros(batch, width - 1, channels)
+    full = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W-1+T, C]
+    weight = weight_CW.to(x.dtype)
+    if position_in_doc is None:
+        y = F.conv1d(full.transpose(1, 2), weight.unsqueeze(1), groups=channels).transpose(1, 2)
+    else:
+        # Tap j (looking j steps back) is valid only when the token is at least j into its document.
+        y = x * weight[:, width - 1]
+        for j in range(1, width):
+            shifted = full[:, width - 1 - j: width - 1 - j + length]
+            valid = (position_in_doc >= j).to(x.dtype).view(1, length, 1)
+            y = y + shifted * valid * weight[:, width - 1 - j]
+    new_tail = full[:, -(width - 1):] if width > 1 else full[:, :0]
+    return F.silu(y), new_tail
+
+
+def short_conv_fla(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None = None,
+                   cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same op through fla's causal_conv1d (CUDA). Packed documents come as cu_seqlens [N+1] (B = 1, no
+    tail). Returns (y [B, T, C], new tail [N, W-1, C])."""
+    conv = _load_fla_conv()
+    if isinstance(conv, str):
+        raise RuntimeError(f"fla's causal_conv1d is not importable ({conv})")
+    width = weight_CW.shape[1]
+    state = None
+    if tail is not None:
+        state = F.pad(tail.to(x.dtype).transpose(1, 2), (1, 0)).contiguous()  # [B, C, W]
+    y, final = conv(x, weight=weight_CW.to(x.dtype), initial_state=state, output_final_state=True,
+                    activation="silu", cu_seqlens=cu_seqlens)
+    return y, final[:, :, 1:].transpose(1, 2)[:, -(width - 1):]
+
+
+def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None = None,
+               cu_seqlens: torch.Tensor | None = None,
+               position_in_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: fla for CUDA inputs when the KDA backend resolves to fla (packed input must then come with
+    cu_seqlens and without a tail), PyTorch otherwise (packed input by position_in_doc)."""
+    packed = cu_seqlens is not None or position_in_doc is not None
+    fla_ok = (kda_backend(x) == "fla" and not isinstance(_load_fla_conv(), str)
+              and not (packed and (cu_seqlens is None or tail is not None)))
+    if fla_ok:
+        return short_conv_fla(x, weight_CW, tail, cu_seqlens if packed else None)
+    if position_in_doc is None and cu_seqlens is not None:
+        starts = cu_seqlens[:-1].repeat_interleave(cu_seqlens.diff())
+        position_in_doc = torch.arange(x.shape[1], device=x.device) - starts
+    return short_conv_torch(x, weight_CW, tail, position_in_doc)

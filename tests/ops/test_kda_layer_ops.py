@@ -1,0 +1,167 @@
+"""The KDA layer's other ops: short conv, RMSNorm, gated RMSNorm and the fused input projection.
+
+CPU: the PyTorch paths against per-token fp64 oracles. CUDA (skipped elsewhere): fla's fused kernels against
+the PyTorch twins on outputs, cache tails and gradients, and the whole KDA layer with every fla path on vs off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import k3.layers.kda as kda_layer
+from k3 import ModelConfig
+from k3.layers.kda import KimiDeltaAttention
+from k3.ops.kda import set_kda_backend
+from k3.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_torch, rms_norm_torch, set_norm_backend
+from k3.ops.short_conv import _load_fla_conv, short_conv, short_conv_fla, short_conv_torch
+
+CUDA = torch.cuda.is_available() and not isinstance(_load_fla_conv(), str)
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA and fla")
+
+
+def conv_oracle(x, weight, tail, starts):
+    """Per-token loop: y_t = silu(sum_j w[:, W-1-j] x_{t-j}), taps stop at document starts (tail only before
+    the first document)."""
+    batch, length, channels = x.shape
+    width = weight.shape[1]
+    history = torch.cat([tail if tail is not None else x.new_zeros(batch, width - 1, channels), x], 1)
+    y = torch.zeros_like(x)
+    doc_start = 0
+    for t in range(length):
+        if t in starts:
+            doc_start = t
+        for j in range(width):
+            if t - j < doc_start and not (doc_start == 0 and tail is not None):
+                continue
+            y[:, t] += weight[:, width - 1 - j] * history[:, width - 1 + t - j]
+    return F.silu(y)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def test_short_conv_matches_oracle_with_tail_and_carries_it():
+    x = torch.randn(2, 11, 6, dtype=torch.float64)
+    w = torch.randn(6, 4, dtype=torch.float64)
+    tail = torch.randn(2, 3, 6, dtype=torch.float64)
+    y, new_tail = short_conv_torch(x, w, tail)
+    assert rel(y, conv_oracle(x, w, tail, {0})) < 1e-12
+    assert torch.equal(new_tail, x[:, -3:])
+    # Two pieces with the tail carried = one piece.
+    y1, t1 = short_conv_torch(x[:, :5], w, tail)
+    y2, _ = short_conv_torch(x[:, 5:], w, t1)
+    assert rel(torch.cat([y1, y2], 1), y) < 1e-12
+
+
+def test_short_conv_packed_documents_do_not_leak():
+    x = torch.randn(1, 12, 5, dtype=torch.float64)
+    w = torch.randn(5, 4, dtype=torch.float64)
+    cu = torch.tensor([0, 2, 7, 12])
+    expect = conv_oracle(x, w, None, {0, 2, 7})
+    y_cu, _ = short_conv(x, w, cu_seqlens=cu)  # positions derived from cu_seqlens on the PyTorch path
+    pos = torch.tensor([0, 1, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4])
+    y_pos, _ = short_conv(x, w, position_in_doc=pos)
+    assert rel(y_cu, expect) < 1e-12 and rel(y_pos, expect) < 1e-12
+    leaky, _ = short_conv_torch(x, w)  # control: ignoring the boundaries must differ
+    assert rel(leaky, expect) > 1e-3
+
+
+def test_norms_match_formulas():
+    x, g, w = torch.randn(3, 4, 16), torch.randn(3, 4, 16), torch.randn(16)
+    x64 = x.double()
+    ref = x64 / x64.pow(2).mean(-1, keepdim=True).add(1e-5).sqrt() * w.double()
+    assert rel(rms_norm(x, w, 1e-5), ref) < 1e-6
+    assert rel(rms_norm_gated(x, g, w, 1e-5), ref * torch.sigmoid(g.double())) < 1e-6
+    assert rms_norm(x.bfloat16(), w, 1e-5).dtype == torch.bfloat16
+
+
+def small_kda_config(**overrides):
+    return ModelConfig.from_preset("debug", hidden_size=64, kda_num_heads=2, kda_head_dim=16, **overrides)
+
+
+@pytest.mark.parametrize("gate", ["full_rank", "low_rank"])
+def test_fused_input_projection_equals_separate(monkeypatch, gate):
+    torch.manual_seed(3)
+    layer = KimiDeltaAttention(small_kda_config(kda_output_gate=gate), 0).double()
+    x = torch.randn(2, 40, 64, dtype=torch.float64, requires_grad=True)
+
+    def run():
+        y = layer(x)
+        grads = torch.autograd.grad((y * torch.linspace(-1, 1, 64, dtype=y.dtype)).sum(),
+                                    [x, *layer.parameters()])
+        return [y, *grads]
+
+    fused = run()
+    monkeypatch.setattr(kda_layer, "FUSED_PROJECTION_MIN_TOKENS", 10**9)
+    separate = run()
+    for a, b in zip(fused, separate):
+        assert rel(a, b) < 1e-12
+
+
+@needs_cuda
+def test_fla_short_conv_equals_torch_cuda():
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    x = torch.randn(3, 300, 256, device=dev, requires_grad=True)
+    w = torch.randn(256, 4, device=dev, requires_grad=True)
+    tail = torch.randn(3, 3, 256, device=dev)
+    for t in (tail, None):
+        y_f, tail_f = short_conv_fla(x, w, t)
+        y_t, tail_t = short_conv_torch(x, w, t)
+        assert rel(y_f, y_t) < 1e-5 and torch.equal(tail_f, tail_t)
+        gy = torch.randn_like(y_t)
+        g_f = torch.autograd.grad(y_f, [x, w], gy)
+        g_t = torch.autograd.grad(y_t, [x, w], gy)
+        assert all(rel(a, b) < 1e-5 for a, b in zip(g_f, g_t))
+    # One decode token with a tail (what the engine's CUDA graph runs).
+    y_f, tail_f = short_conv_fla(x[:, :1], w, tail)
+    y_t, tail_t = short_conv_torch(x[:, :1], w, tail)
+    assert rel(y_f, y_t) < 1e-5 and torch.equal(tail_f, tail_t)
+    # Packed documents.
+    xp = torch.randn(1, 500, 256, device=dev)
+    cu = torch.tensor([0, 3, 200, 500], device=dev)
+    pos = torch.arange(500, device=dev) - cu[:-1].repeat_interleave(cu.diff())
+    assert rel(short_conv_fla(xp, w, None, cu)[0], short_conv_torch(xp, w, None, pos)[0]) < 1e-5
+
+
+@needs_cuda
+def test_fla_norms_equal_torch_cuda():
+    dev = torch.device("cuda")
+    x = torch.randn(4, 300, 8, 128, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x, requires_grad=True)
+    w = torch.randn(128, device=dev, requires_grad=True)
+    pairs = [(rms_norm(x, w, 1e-5), rms_norm_torch(x, w, 1e-5), [x, w]),
+             (rms_norm_gated(x, g, w, 1e-5), rms_norm_gated_torch(x, g, w, 1e-5), [x, g, w])]
+    for fast, twin, inputs in pairs:
+        assert rel(fast, twin) < 1e-2
+        gy = torch.randn_like(twin)
+        for a, b in zip(torch.autograd.grad(fast, inputs, gy), torch.autograd.grad(twin, inputs, gy)):
+            assert rel(a, b) < 2e-2
+
+
+@needs_cuda
+def test_kda_layer_fla_paths_equal_torch_cuda():
+    torch.manual_seed(1)
+    dev = torch.device("cuda")
+    config = ModelConfig.from_preset("debug", hidden_size=256, kda_num_heads=2, kda_head_dim=128)
+    layer = KimiDeltaAttention(config, 0).to(dev)
+    layer.reset_gate_parameters()
+    x = torch.randn(2, 256, 256, device=dev, requires_grad=True)
+
+    def run():
+        y = layer(x)
+        return [y, *torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])]
+
+    fast = run()
+    set_kda_backend("torch")
+    set_norm_backend("torch")
+    try:
+        twin = run()
+    finally:
+        set_kda_backend(None)
+        set_norm_backend(None)
+    for a, b in zip(fast, twin):
+        assert rel(a, b) < 5e-3
