@@ -17,11 +17,13 @@ from k3.infer.sampling import SamplingParams
 class Generated:
     """token_ids: the new tokens (the EOS that ended the turn included); logprobs: log p(token) under the
     sampling model at temperature 1, one per token, or None when the engine gives none; finish_reason:
-    "stop" (EOS / stop token) or "length"."""
+    "stop" (EOS / stop token) or "length"; routing: with an engine that records routing, the experts of every
+    token the engine fed ([MoE layers, prompt + new tokens - 1, K]), else None."""
 
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str
+    routing: object | None = None
 
 
 def sampling_params(max_new_tokens: int, temperature: float, top_p: float, seed: int | None, stop_ids: list[int],
@@ -67,7 +69,8 @@ def generate(engine, prompts: list[list[int]], max_new_tokens: list[int], temper
         for out in outputs:
             for completion in out.outputs:
                 reason = "stop" if completion.finish_reason == "stop" else "length"
-                generated.append(Generated(list(completion.token_ids), completion.logprobs, reason))
+                generated.append(Generated(list(completion.token_ids), completion.logprobs, reason,
+                                           getattr(completion, "routing", None)))
         return generated
     # Today's engine: one sampling params (and one generator) per call, so prompts are batched by their
     # token budget; each batch's seed is its first member's.

@@ -13,8 +13,9 @@ Run directory (as `k3 train` writes one, so `k3 generate --run` and `k3 rl --run
     metrics.jsonl    one record per step; metrics.png the curves
 
 Resume is exact: tasks and sampling seeds follow from (seed, step), and the RNG states are saved, so a run
-stopped and resumed equals the unbroken run. Episodes parked by partial rollouts are not saved: a resume
-starts without them.
+stopped and resumed equals the unbroken run. Episodes parked by partial rollouts are saved with the
+checkpoint (their tokens, counters and routing, and each parked sandbox's snapshot exported from the layer
+store), so a resumed run continues them as the unbroken run does.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class RLConfig:
     tau: float | None = None
     dynamic_sampling: bool | None = None  # None: on for dapo only
     routing_replay: bool = True
+    routing_source: str = "rollout"  # rollout: replay the engine's recorded experts; trainer: the old-policy pass's
     update_balancer: bool = False
     max_context: int = 2048
     tool_budget: int = 1000
@@ -78,6 +80,8 @@ class RLConfig:
         for name in ("group", "tasks_per_step", "steps", "heldout_every", "save_every", "minibatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.routing_source not in ("rollout", "trainer"):
+            raise ValueError(f"routing_source must be 'rollout' or 'trainer', got {self.routing_source!r}")
         if self.heldout_tasks < 0:
             raise ValueError(f"heldout_tasks must be >= 0, got {self.heldout_tasks}")
 
@@ -138,9 +142,12 @@ def _episode_metrics(episodes: list[Episode]) -> dict[str, float]:
     }
 
 
-def build_engine(model, tokenizer, max_context: int, max_batch: int = 32, cuda_graphs: bool | None = None):
+def build_engine(model, tokenizer, max_context: int, max_batch: int = 32, cuda_graphs: bool | None = None,
+                 record_routing: bool = False):
     """The inference engine over the policy model itself: updates reach it in process, with no copy (call
-    weights_changed after each update: its prefix cache holds states computed by the old weights)."""
+    weights_changed after each update: its prefix cache holds states computed by the old weights).
+    record_routing (MoE models only): the engine records every fed token's experts for routing replay; it
+    then runs without CUDA graphs and without its prefix cache."""
     import inspect
 
     from k3.infer import Engine
@@ -151,6 +158,8 @@ def build_engine(model, tokenizer, max_context: int, max_batch: int = 32, cuda_g
         kwargs["max_batch"] = max_batch
     if cuda_graphs is not None and "use_cuda_graphs" in parameters:
         kwargs["use_cuda_graphs"] = cuda_graphs
+    if record_routing and model.routers():
+        kwargs["record_routing"] = True
     return Engine(model, tokenizer, **kwargs)
 
 
@@ -202,11 +211,14 @@ class RLTrainer:
                                      autocast=self.autocast)
         self.engine = build_engine(self.model, self.tokenizer, config.max_context,
                                    max_batch=min(256, config.group * config.tasks_per_step),
-                                   cuda_graphs=config.cuda_graphs)
+                                   cuda_graphs=config.cuda_graphs,
+                                   record_routing=config.routing_replay and config.routing_source == "rollout")
         rollout = RolloutConfig(temperature=config.temperature, max_context=config.max_context,
                                 tool_budget=config.tool_budget, iteration_token_budget=config.iteration_token_budget,
                                 threads=config.threads)
         self.runner = RolloutRunner(self.engine, self.tokenizer, rollout, seed=config.seed)
+        if state is not None:
+            self.runner.restore_parked(state.get("parked"))
         self.tasks = TaskSource(config.suite, config.seed)
         self.step = start_or_restore(self.out, state, self.updater.optimizer, self.tokenizer, "rl_config.json",
                                      config.to_dict(), self.model_config.to_dict())
@@ -247,11 +259,12 @@ class RLTrainer:
             for episode, advantage in zip(group, advantages.tolist()):
                 if episode.failed or not any(episode.mask):
                     continue  # a sandbox failure is not the policy's doing: no gradient from it
-                out.append(Sequence(episode.ids, episode.mask, episode.logprobs, advantage))
+                out.append(Sequence(episode.ids, episode.mask, episode.logprobs, advantage, episode.routing))
         return out, sum(keep)
 
     def save(self) -> None:
-        save_run(self.out, self.model, self.updater.optimizer, "rl", self.config.to_dict(), self.step)
+        save_run(self.out, self.model, self.updater.optimizer, "rl", self.config.to_dict(), self.step,
+                 extra={"parked": self.runner.parked_state()})
 
     def plot(self) -> None:
         plot_rl_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")

@@ -4,7 +4,9 @@ Sequences are packed into one row ([1, total], cu_seqlens: no padding, no leakag
 micro-batches of at most ``micro_tokens`` tokens. Per update:
 
 1. the old-policy pass (no grad): logprobs under the weights that sampled, with each token's experts recorded
-   (routing replay), and the reference model's logprobs when a KL term is on;
+   (routing replay), and the reference model's logprobs when a KL term is on. When the sequences carry the
+   rollout engine's routing (Sequence.routing), this pass already replays it, so both the old and the new
+   logprobs route every token as the rollout did (tokens the engine never fed keep the old policy's choice);
 2. per mini-batch: the training forward (replaying the recorded experts), the algorithm's loss on tokens the
    policy produced only (tool output and prompts are masked out), backward, clip, one optimizer step.
 
@@ -34,6 +36,7 @@ class Sequence:
     mask: list[bool]
     rollout_logprobs: list[float]
     advantage: float
+    routing: torch.Tensor | None = None  # the rollout's experts [MoE layers, n' <= n, K]; -1 rows: unknown
 
 
 def token_logprobs(logits_TV: torch.Tensor, ids_T: torch.Tensor) -> torch.Tensor:
@@ -126,6 +129,19 @@ class PolicyUpdater:
             for _, router in self.model.routers():
                 router.eval()  # QB solves a new bias only in training mode: frozen during RL
 
+    def _rollout_routes(self, members: list[Sequence]):
+        """replay's routes from the members' rollout routing, or None when none of them has any."""
+        from k3.rl.routing import rollout_routes
+
+        known = [s.routing for s in members if s.routing is not None]
+        if not known or not self.replay.routers:
+            return None
+        layers, _, k = known[0].shape
+        empty = torch.empty(layers, 0, k, dtype=torch.long)
+        self.rollout_routed += sum(int((s.routing[0, :, 0] >= 0).sum()) for s in members if s.routing is not None)
+        return rollout_routes([s.routing if s.routing is not None else empty for s in members],
+                              [len(s.ids) for s in members])
+
     def update(self, sequences: list[Sequence]) -> dict[str, float]:
         if not sequences:
             return {}
@@ -135,11 +151,14 @@ class PolicyUpdater:
         minibatches = [order[i::config.minibatches] for i in range(min(config.minibatches, len(order)))]
         # 1. old-policy pass: logprobs, entropy, recorded routes, reference logprobs.
         old_logp, entropy, routes, ref_logp = {}, {}, {}, {}
+        self.rollout_routed = 0
         with torch.no_grad():
             for mb in minibatches:
                 for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
                     members = [mb[i] for i in micro]
-                    with self.replay.record() as recorded:
+                    rollout = self._rollout_routes([sequences[i] for i in members]) if config.routing_replay else None
+                    from_rollout = self.replay.replay(rollout) if rollout is not None else contextlib.nullcontext()
+                    with from_rollout, self.replay.record() as recorded:
                         logps, ents = packed_logprobs(self.model, [sequences[i].ids for i in members], self.device,
                                                       with_entropy=True, autocast=self.autocast)
                     routes[tuple(members)] = recorded
@@ -196,6 +215,7 @@ class PolicyUpdater:
         self.model.eval()
         metrics.update(loss=sum(losses) / len(minibatches), clip_fraction=sum(clips) / len(clips),
                        grad_norm=sum(norms) / len(norms), trained_tokens=total_tokens,
-                       kl_ref=(sum(kls) / len(kls)) if kls else 0.0)
+                       kl_ref=(sum(kls) / len(kls)) if kls else 0.0,
+                       rollout_routed_share=self.rollout_routed / max(sum(len(s.ids) for s in sequences), 1))
         return metrics
 

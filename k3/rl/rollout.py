@@ -10,10 +10,14 @@ An episode ends on submit, on a turn without a tool call (its text is the answer
 total tokens, wall seconds, the engine's context). A sandbox that dies ends its episode as failed (reward 0,
 reason kept); the others go on. Partial rollouts (Kimi k1.5): with ``iteration_token_budget`` set, once
 the step has generated that many tokens the episodes still running are parked (their tokens kept, their
-sandbox snapshotted and closed) and continue in the next call, before any new task starts.
+sandbox snapshotted and closed) and continue in the next call, before any new task starts; their finished
+siblings are verified at once. ``parked_state`` / ``restore_parked`` carry parked groups through a
+checkpoint: plain data (tokens, counters, the task) plus each parked sandbox's snapshot exported from the
+layer store, so a resumed run continues them even on a machine whose store never held those layers.
 
 Per token an episode keeps: ids, whether the policy produced it (tool output, prompts and markers are not
-trainable), and the engine's logprob (NaN where the engine gives none).
+trainable), the engine's logprob (NaN where the engine gives none) and, with an engine that records routing,
+the experts it was routed to in every MoE layer (for routing replay of the rollout's own routing).
 """
 
 from __future__ import annotations
@@ -56,9 +60,13 @@ class Episode:
     sandbox_seconds: float = 0.0
     truncated_outputs: int = 0
     failed: bool = False  # the sandbox failed (not the policy): reward 0 without verification
+    verified: bool = False  # reward and reason are final
     started: float = field(default_factory=time.perf_counter)
     transcript: list[dict] = field(default_factory=list)
     last_output: object | None = None  # the turn just generated (k3.rl.generation.Generated)
+    # With an engine that records routing: the experts of every token it fed, [MoE layers, fed, K] (int32),
+    # each token's as of the turn that first fed it; the trainer replays them (k3.rl.routing).
+    routing: object | None = None
 
     @property
     def response_tokens(self) -> int:
@@ -155,6 +163,7 @@ class RolloutRunner:
         from k3.sandbox import Sandbox
 
         if episode.done or episode.parked_snapshot is None:
+            episode.parked_snapshot = None
             return
         try:
             episode.sandbox = Sandbox(episode.task.image, self.sandbox_limits, snapshot=episode.parked_snapshot)
@@ -207,8 +216,10 @@ class RolloutRunner:
                     if not episode.done:
                         self._park(episode)
             self.parked = waiting
+        # Finished episodes of parked groups are verified now too: no sandbox is held across calls.
+        to_verify = [e for g in finished + waiting for e in g if e.done and not e.verified]
         with ThreadPoolExecutor(max_workers=max(1, config.threads)) as threads:
-            list(threads.map(self._verify, [e for g in finished for e in g]))
+            list(threads.map(self._verify, to_verify))
         verify_s = time.perf_counter() - t0
         self.stats = {"generation_s": generation_s, "tool_s": tool_s, "sandbox_setup_s": sandbox_setup,
                       "verify_s": verify_s, "generated_tokens": generated_tokens,
@@ -239,12 +250,26 @@ class RolloutRunner:
             index += run
         outputs = generate(self.engine, prompts, budgets, config.temperature, config.top_p, seeds, [], sizes)
         for episode, out in zip(live, outputs):
+            if out.routing is not None:
+                self._add_routing(episode, out.routing)
             episode.ids.extend(out.token_ids)
             episode.mask.extend([True] * len(out.token_ids))
             episode.logprobs.extend(out.logprobs if out.logprobs is not None else [math.nan] * len(out.token_ids))
             episode.model_tokens += len(out.token_ids)
             episode.turns += 1
             episode.last_output = out
+
+    @staticmethod
+    def _add_routing(episode: Episode, routing) -> None:
+        """Keep the rows of tokens fed for the first time this turn (the observation after the last turn, the
+        last token of that turn, and this turn's new tokens but its last)."""
+        import torch
+
+        fed = 0 if episode.routing is None else episode.routing.shape[1]
+        if routing.shape[1] <= fed:
+            return
+        new = routing[:, fed:].to(torch.int32)
+        episode.routing = new if episode.routing is None else torch.cat([episode.routing, new], 1)
 
     def _act(self, episode: Episode) -> None:
         """Parse the turn just generated, run its tool calls, append the observations, check the limits."""
@@ -311,6 +336,7 @@ class RolloutRunner:
         self._close(episode)
 
     def _verify(self, episode: Episode) -> None:
+        episode.verified = True
         if episode.failed:
             self._close(episode)
             return
@@ -332,3 +358,88 @@ class RolloutRunner:
     def close(self) -> None:
         """Forget parked episodes (their snapshots stay in the layer store until its GC)."""
         self.parked = []
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def parked_state(self) -> dict:
+        """The parked groups as plain data for a checkpoint: {"groups": [[episode state]], "snapshots":
+        {snapshot id: the snapshot with its parent layers, exported from this machine's layer store}}."""
+        groups = [[episode_state(e) for e in group] for group in self.parked]
+        snapshots = {}
+        for group in self.parked:
+            for episode in group:
+                if episode.parked_snapshot is not None and episode.parked_snapshot not in snapshots:
+                    snapshots[episode.parked_snapshot] = export_snapshot(episode.parked_snapshot)
+        return {"groups": groups, "snapshots": snapshots}
+
+    def restore_parked(self, state: dict | None) -> None:
+        """Take back parked groups from ``parked_state`` (possibly written on another machine): their
+        snapshots are imported into this machine's layer store, and the next ``run`` continues them."""
+        if not state:
+            return
+        for exported in state.get("snapshots", {}).values():
+            import_snapshot(exported)
+        self.parked = [[episode_from_state(e) for e in group] for group in state.get("groups", [])]
+
+
+_TRANSIENT = ("sandbox", "last_output", "started", "task")
+
+
+def task_state(task: Task) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(task)
+
+
+def task_from_state(data: dict) -> Task:
+    from k3.rl.tasks import EpisodeLimits, Verifier
+
+    fields = dict(data)
+    fields["verifier"] = Verifier(**fields["verifier"])
+    fields["limits"] = EpisodeLimits(**fields["limits"])
+    fields["tools"] = tuple(fields["tools"]) if fields.get("tools") is not None else None
+    return Task(**fields)
+
+
+def episode_state(episode: Episode) -> dict:
+    """An episode between turns as plain data (no sandbox: a parked one names its snapshot)."""
+    import dataclasses
+
+    if episode.sandbox is not None:
+        raise ValueError(f"episode {episode.task.id}/{episode.sample} still holds a live sandbox; park it first")
+    data = {f.name: getattr(episode, f.name) for f in dataclasses.fields(episode) if f.name not in _TRANSIENT}
+    data["task"] = task_state(episode.task)
+    data["elapsed"] = time.perf_counter() - episode.started  # the wall-time limit counts on after a resume
+    return data
+
+
+def episode_from_state(data: dict) -> Episode:
+    fields = dict(data)
+    elapsed = fields.pop("elapsed", 0.0)
+    fields["task"] = task_from_state(fields["task"])
+    episode = Episode(**fields)
+    episode.started = time.perf_counter() - elapsed
+    return episode
+
+
+def export_snapshot(snapshot: str) -> dict:
+    """A snapshot of this machine's layer store with its parent layers (and memory images, if any), as a
+    picklable dict (the form k3.sandbox's RayFleet ships between nodes)."""
+    from k3.sandbox import memory
+    from k3.sandbox.layers import LayerStore
+    from k3.sandbox.paths import scratch_dir
+
+    store = LayerStore(scratch_dir())
+    exported = store.export(snapshot)
+    exported["memory"] = memory.export_images(store.home, store.chain(snapshot))
+    return exported
+
+
+def import_snapshot(exported: dict) -> str:
+    """Store an exported snapshot in this machine's layer store (layers it has already are kept)."""
+    from k3.sandbox import memory
+    from k3.sandbox.layers import LayerStore
+    from k3.sandbox.paths import scratch_dir
+
+    store = LayerStore(scratch_dir())
+    memory.import_images(store.home, exported.get("memory", {}))
+    return store.import_(exported)

@@ -14,6 +14,11 @@ changes, and outside a ``record`` / ``replay`` block the hooks are gone.
         old = model(ids, cu_seqlens=cu)
     with replay.replay(routes):
         new = model(ids, cu_seqlens=cu)  # same experts per token as the recorded forward
+
+Routes may also come from elsewhere: the inference engine records the experts of every token it fed
+(``Engine(record_routing=True)``, Completion.routing), and ``rollout_routes`` turns those of packed sequences
+into the one-call-per-layer form ``replay`` takes. A row of -1 is a token nobody recorded (the last token of
+a sequence is never fed to the engine): it keeps the router's own choice.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ class RoutingReplay:
                 if ids_TK.shape[0] != output.scores_TE.shape[0]:
                     raise RuntimeError(f"MoE layer {index}: recorded {ids_TK.shape[0]} tokens, this forward has "
                                        f"{output.scores_TE.shape[0]}: replay needs the same token layout")
+                if bool((ids_TK < 0).any()):  # rows the recording did not see: the router's own choice
+                    ids_TK = torch.where(ids_TK[:, :1] >= 0, ids_TK, output.topk_ids_TK)
                 weights_TK = output.scores_TE.gather(1, ids_TK)
                 if module.renormalize:
                     weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
@@ -69,3 +76,21 @@ class RoutingReplay:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def rollout_routes(routings: list[torch.Tensor], lengths: list[int]) -> list[list[torch.Tensor]]:
+    """Per-sequence rollout routing ([L, n_i, K] expert ids, n_i <= length_i; missing tail rows and -1 rows are
+    unknown) of sequences packed in one row -> ``replay``'s routes: per MoE layer, one [sum length_i, K] call."""
+    if len(routings) != len(lengths):
+        raise ValueError(f"{len(routings)} routings for {len(lengths)} sequences")
+    layers, _, k = routings[0].shape
+    rows = []
+    for routing, length in zip(routings, lengths):
+        if routing.shape[0] != layers or routing.shape[2] != k:
+            raise ValueError(f"routing of shape {list(routing.shape)} does not match [{layers}, n, {k}]")
+        if routing.shape[1] > length:
+            raise ValueError(f"routing covers {routing.shape[1]} tokens of a {length}-token sequence")
+        pad = torch.full((layers, length - routing.shape[1], k), -1, dtype=torch.long)
+        rows.append(torch.cat([routing.long(), pad], 1))
+    packed = torch.cat(rows, 1)
+    return [[packed[layer]] for layer in range(layers)]

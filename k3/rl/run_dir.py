@@ -65,12 +65,14 @@ def start_or_restore(out: Path, state: dict | None, optimizer, tokenizer, settin
     return 0
 
 
-def save_run(out: Path, model, optimizer, key: str, settings: dict, step: int) -> None:
+def save_run(out: Path, model, optimizer, key: str, settings: dict, step: int, extra: dict | None = None) -> None:
     """The run's atomic checkpoint: model, optimizer, model config, the command's settings under `key`, step,
-    RNG states and the tokenizer files (what open_run / policy_from / start_or_restore read back)."""
+    RNG states and the tokenizer files (what open_run / policy_from / start_or_restore read back); extra:
+    more entries of the command's own (k3 rl: its parked partial rollouts)."""
     from k3.checkpoint.native import directory_files, save_checkpoint
     from k3.train.trainer import _rng_state
 
     save_checkpoint(out / CHECKPOINT_NAME, {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": model.config.to_dict(),
-        key: settings, "step": step, "rng": _rng_state(), "tokenizer": directory_files(out / "tokenizer")})
+        key: settings, "step": step, "rng": _rng_state(), "tokenizer": directory_files(out / "tokenizer"),
+        **(extra or {})})
