@@ -46,6 +46,7 @@ from k3.checkpoint.native import atomic_write_bytes
 from k3.infer.sampling import SamplingParams
 from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
     load_model_and_tokenizer, packed_log_softmax, route
+from k3.rl.distill_tasks import centred_rewards, load_reward_suite, suite_items, task_reward
 from k3.rl.loop import weights_changed
 from k3.rl.losses import ALGORITHMS, loss_config_for, tis_weights
 from k3.rl.policy import micro_batches, packed_logprobs, token_logprobs
@@ -54,6 +55,7 @@ from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.train.metrics import MetricsLog, read_metrics
 
 MODES = ("on-policy", "offline", "forward-kl", "mixed")
+ESTIMATORS = ("sampled", "topk")  # on-policy reverse KL: per sampled token (the RL step), or over the teacher's top-k
 TOKEN_LEVEL_ALGORITHMS = ("dapo", "cispo", "grpo", "drgrpo")  # objectives with a per-token term
 
 
@@ -64,6 +66,7 @@ class DistillConfig:
     data: dict[str, str] = field(default_factory=dict)  # domain -> prompts (see k3.rl.distill_sources)
     out: str = "runs/distill"
     mode: str = "on-policy"
+    estimator: str = "sampled"  # on-policy / mixed: "sampled" (advantage per token) or "topk" (see the module doc)
     algo: str = "dapo"
     steps: int = 50
     prompts_per_domain: int = 4
@@ -77,6 +80,8 @@ class DistillConfig:
     grad_clip: float = 1.0
     top_k: int = 16  # forward-kl / mixed: teacher top-k
     mixed_weight: float = 1.0
+    rl_suites: dict[str, float] = field(default_factory=dict)  # suite name or task file -> reward weight
+    suite_tasks: int = 512  # training tasks drawn from each built-in suite
     tis_cap: float | None = 2.0
     clip_low: float | None = None
     clip_high: float | None = None
@@ -93,6 +98,8 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.algo not in TOKEN_LEVEL_ALGORITHMS:
             raise ValueError(f"algo must be a token-level objective {TOKEN_LEVEL_ALGORITHMS} (the reverse-KL "
                              f"advantage is per token), got {self.algo!r}")
@@ -100,8 +107,19 @@ class DistillConfig:
                      "heldout_samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.mode in ("forward-kl", "mixed") and self.top_k < 1:
-            raise ValueError(f"mode {self.mode} needs top_k >= 1, got {self.top_k}")
+        if self.rl_suites and not self.on_policy:
+            raise ValueError(f"--rl-suite adds a task reward to the on-policy advantage; mode {self.mode} has none "
+                             f"(use on-policy or mixed)")
+        if self.uses_top_k and self.top_k < 1:
+            raise ValueError(f"mode {self.mode} (estimator {self.estimator}) needs top_k >= 1, got {self.top_k}")
+
+    @property
+    def on_policy(self) -> bool:
+        return self.mode in ("on-policy", "mixed")
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.mode in ("forward-kl", "mixed") or (self.on_policy and self.estimator == "topk")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -120,6 +138,21 @@ def reverse_kl_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torc
 def exact_reverse_kl(student_logp_TV: torch.Tensor, teacher_logp_TV: torch.Tensor) -> torch.Tensor:
     """KL(p_s || p_t) = sum_v p_s(v) (log p_s(v) - log p_t(v)) per position: [T, V] log-distributions -> [T]."""
     return (student_logp_TV.exp() * (student_logp_TV - teacher_logp_TV)).sum(-1)
+
+
+def topk_reverse_kl(student_logp_TV: torch.Tensor, top_ids_TK: torch.Tensor, top_logp_TK: torch.Tensor):
+    """Reverse KL(p_s || p_t) over the teacher's top-k ids plus one bucket for every other id, per position
+    [T], with the student's gradient. The teacher's top-k logprobs [T, K] are its raw log-softmax values, so the
+    bucket holds the rest of its mass. This is the KL between the two distributions coarsened to K + 1 outcomes:
+    a lower bound on the full KL, equal to it when K is the vocabulary."""
+    student_k = student_logp_TV.gather(1, top_ids_TK)
+    term = (student_k.exp() * (student_k - top_logp_TK)).sum(-1)
+    if top_ids_TK.shape[1] >= student_logp_TV.shape[1]:
+        return term
+    outside = torch.ones_like(student_logp_TV, dtype=torch.bool).scatter(1, top_ids_TK, False)
+    student_rest = torch.logsumexp(student_logp_TV.masked_fill(~outside, -math.inf), -1)
+    teacher_rest = torch.log((1 - top_logp_TK.exp().sum(-1)).clamp(min=1e-8))
+    return term + student_rest.exp() * (student_rest - teacher_rest)
 
 
 def topk_forward_kl(student_logp_TV: torch.Tensor, top_ids_TK: torch.Tensor, top_logp_TK: torch.Tensor):
@@ -142,7 +175,11 @@ class TokenSequence:
     start: int
     kind: str
     rollout_logprobs: list[float] | None = None
+    teacher_logprobs: list[float] | None = None
     advantages: list[float] | None = None
+    group: int = -1  # the index of its prompt in the step: the G completions of one prompt share it
+    task: Any = None  # --rl-suite: the task whose verifier rewards the completion
+    reward: float | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
 
@@ -204,8 +241,9 @@ class DistillUpdater:
                 routes[tuple(micro)] = recorded
                 old_logp.update({i: lp[sequences[i].start:] for i, lp in zip(micro, logps)})
         counts = {kind: sum(len(s.ids) - s.start for s in sequences if s.kind == kind) for kind in ("pg", "sft", "fkl")}
-        sums = {"pg_loss": 0.0, "sft_loss": 0.0, "fkl": 0.0, "clip": 0.0, "gap": 0.0, "gap_known": 0}
-        weight_of = {"pg": 1.0, "sft": 1.0, "fkl": config.mixed_weight if config.mode == "mixed" else 1.0}
+        sums = {"pg_loss": 0.0, "sft_loss": 0.0, "fkl": 0.0, "rkl": 0.0, "clip": 0.0, "gap": 0.0, "gap_known": 0}
+        fkl_weight = config.mixed_weight if config.mode == "mixed" else 1.0
+        topk_rkl = config.estimator == "topk"
         for micro in batches:
             members = [sequences[i] for i in micro]
             need_dist = any(s.top_ids is not None for s in members)
@@ -234,10 +272,17 @@ class DistillUpdater:
                     term = -lp.sum() / counts["sft"]
                     loss = loss + term
                     sums["sft_loss"] += float(term.detach())
-                if s.top_ids is not None:
-                    ce, kl = topk_forward_kl(dist, s.top_ids.to(self.device), s.top_logprobs.to(self.device))
+                if s.top_ids is None:
+                    continue
+                top_ids, top_logp = s.top_ids.to(self.device), s.top_logprobs.to(self.device)
+                if s.kind == "pg" and topk_rkl:
+                    rkl = topk_reverse_kl(dist, top_ids, top_logp).sum() / counts["pg"]
+                    loss = loss + rkl
+                    sums["rkl"] += float(rkl.detach())
+                if s.kind == "fkl" or config.mode == "mixed":
+                    ce, kl = topk_forward_kl(dist, top_ids, top_logp)
                     denominator = counts["fkl"] if s.kind == "fkl" else counts["pg"]
-                    loss = loss + weight_of["fkl"] * ce.sum() / denominator
+                    loss = loss + fkl_weight * ce.sum() / denominator
                     sums["fkl"] += float(kl.sum()) / denominator
             loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip))
@@ -250,8 +295,10 @@ class DistillUpdater:
                            logprob_gap=sums["gap"] / sums["gap_known"] if sums["gap_known"] else math.nan)
         if counts["sft"]:
             metrics["sft_loss"] = sums["sft_loss"]
-        if any(s.top_ids is not None for s in sequences):
+        if config.mode in ("forward-kl", "mixed"):
             metrics["topk_forward_kl"] = sums["fkl"]
+        if counts["pg"] and topk_rkl:
+            metrics["topk_reverse_kl"] = sums["rkl"]
         return metrics
 
 
@@ -293,8 +340,19 @@ class DistillTrainer:
         if missing:
             raise ValueError(f"--data for domain(s) {missing} but no --teacher of that name (teachers: "
                              f"{sorted(teachers)})")
-        items = load_items(config.data, self.tokenizer, config.prompt_tokens, config.reference_tokens)
-        self.prompts = PromptSets(items, sorted(teachers), config.heldout_prompts, config.seed)
+        items = load_items(config.data, self.tokenizer, config.prompt_tokens, config.reference_tokens) \
+            if config.data else []
+        self.reward_weights: dict[str, float] = {}
+        fixed_heldout: dict[str, list[Item]] = {}
+        for name, weight in config.rl_suites.items():
+            suite = load_reward_suite(name, weight, config.suite_tasks, config.heldout_prompts)
+            if suite.name not in teachers:
+                raise ValueError(f"--rl-suite {name}: its prompts are domain {suite.name!r}, which has no teacher; "
+                                 f"give --teacher {suite.name}=DIR (teachers: {sorted(teachers)})")
+            train_items, fixed_heldout[suite.name] = suite_items(suite, self.tokenizer)
+            items.extend(train_items)
+            self.reward_weights[suite.name] = weight
+        self.prompts = PromptSets(items, sorted(teachers), config.heldout_prompts, config.seed, fixed_heldout)
         self.model.eval()
         self.updater = DistillUpdater(self.model, config, autocast=self.autocast)
         batch = len(teachers) * config.prompts_per_domain * config.samples
@@ -314,8 +372,8 @@ class DistillTrainer:
     def _student_samples(self, items: list[Item], seeds: list[int], n: int) -> list[TokenSequence]:
         outs = self.engine.complete([it.prompt for it in items], [self._params(s, n) for s in seeds])
         return [TokenSequence(item.domain, item.prompt + list(c.token_ids), len(item.prompt), "pg",
-                              rollout_logprobs=list(c.logprobs))
-                for item, out in zip(items, outs) for c in out.outputs if c.token_ids]
+                              rollout_logprobs=list(c.logprobs), group=index, task=item.task)
+                for index, (item, out) in enumerate(zip(items, outs)) for c in out.outputs if c.token_ids]
 
     def _teacher_samples(self, items: list[Item], seeds: list[int], kind: str) -> list[TokenSequence]:
         out: list[TokenSequence] = []
@@ -333,11 +391,25 @@ class DistillTrainer:
                                                  [sequences[i].start for i in members], top_k=top_k)
             for i, result in zip(members, scored):
                 s = sequences[i]
+                s.teacher_logprobs = list(result.logprobs)
                 if s.kind == "pg":
-                    s.advantages = reverse_kl_advantages(torch.tensor(s.rollout_logprobs),
-                                                         torch.tensor(result.logprobs)).tolist()
+                    dense = reverse_kl_advantages(torch.tensor(s.rollout_logprobs), torch.tensor(result.logprobs))
+                    # topk: the reverse KL is a loss of its own; the policy-gradient advantage is the task reward only
+                    s.advantages = (dense if self.config.estimator == "sampled" else torch.zeros_like(dense)).tolist()
                 if top_k:
                     s.top_ids, s.top_logprobs = _top_tensors(result.top_logprobs)
+
+    def _rewards(self, sequences: list[TokenSequence]) -> None:
+        for s in sequences:
+            if s.task is not None:
+                s.reward = task_reward(s.task, s.ids[s.start:], self.tokenizer)
+
+    def _add_task_rewards(self, sequences: list[TokenSequence]) -> None:
+        """advantage += weight x (reward - its group's mean reward) on every token of a rewarded completion."""
+        chosen = [s for s in sequences if s.reward is not None]
+        for s, centred in zip(chosen, centred_rewards([s.reward for s in chosen], [s.group for s in chosen])):
+            bonus = self.reward_weights[s.domain] * centred
+            s.advantages = [a + bonus for a in s.advantages]
 
     # -- one step -------------------------------------------------------------------------------------------
     def train_step(self) -> dict[str, Any]:
@@ -347,21 +419,28 @@ class DistillTrainer:
         items = self.prompts.for_step(self.step, config.prompts_per_domain)
         seeds = [_seed(config.seed, self.step, i) for i in range(len(items))]
         t0 = time.perf_counter()
-        if config.mode in ("on-policy", "mixed"):
+        if config.on_policy:
             sequences = self._student_samples(items, seeds, config.samples)
         else:
             sequences = self._teacher_samples(items, seeds, "sft" if config.mode == "offline" else "fkl")
         sample_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         if config.mode != "offline":
-            self._score(sequences, config.top_k if config.mode in ("forward-kl", "mixed") else 0)
+            self._score(sequences, config.top_k if config.uses_top_k else 0)
         score_s = time.perf_counter() - t0
+        if config.on_policy:
+            self._rewards(sequences)
+            self._add_task_rewards(sequences)
         sampled = sum(len(s.ids) - s.start for s in sequences)
         record: dict[str, Any] = {"step": self.step}
-        if config.mode in ("on-policy", "mixed"):
+        if config.on_policy:
             for domain, members in route(sequences).items():
-                values = [a for i in members for a in sequences[i].advantages]
-                record[f"train_rkl/{domain}"] = -sum(values) / max(len(values), 1)
+                values = [s - t for i in members for s, t in zip(sequences[i].rollout_logprobs,
+                                                                 sequences[i].teacher_logprobs)]
+                record[f"train_rkl/{domain}"] = sum(values) / max(len(values), 1)
+                rewards = [sequences[i].reward for i in members if sequences[i].reward is not None]
+                if rewards:
+                    record[f"train_reward/{domain}"] = sum(rewards) / len(rewards)
         t0 = time.perf_counter()
         record.update(self.updater.update(sequences))
         weights_changed(self.engine)
@@ -391,11 +470,26 @@ class DistillTrainer:
                 kls = torch.cat([exact_reverse_kl(a, b.to(a.device)) for a, b in zip(student, teacher)])
                 out[f"heldout_rkl/{domain}"] = float(kls.mean())
             out[f"heldout_nll/{domain}"] = self._nll(domain, items, student=True)
+            if domain in self.reward_weights:
+                self._rewards(samples)
+                out[f"heldout_pass/{domain}"] = sum(s.reward for s in samples) / max(len(samples), 1)
         if self._teacher_heldout is None:
             self._teacher_heldout = {f"teacher_heldout_nll/{d}": self._nll(d, self.prompts.heldout[d], student=False)
                                      for d in self.prompts.domains}
+            for domain in self.reward_weights:
+                self._teacher_heldout[f"teacher_heldout_pass/{domain}"] = self._teacher_pass(domain)
         out.update(self._teacher_heldout)
         return out
+
+    def _teacher_pass(self, domain: str) -> float:
+        """The domain's teacher's mean reward on the held-out tasks, sampled as the student's are."""
+        items = self.prompts.heldout[domain]
+        seeds = [_seed(self.config.seed, "heldout", domain, i) for i in range(len(items))]
+        params = [self._params(seed, self.config.heldout_samples) for seed in seeds]
+        results = self.teachers[domain].sample([it.prompt for it in items], params)
+        rewards = [task_reward(it.task, list(c.token_ids), self.tokenizer)
+                   for it, r in zip(items, results) for c in r.outputs]
+        return sum(rewards) / max(len(rewards), 1)
 
     def _nll(self, domain: str, items: list[Item], student: bool) -> float:
         chosen = [it for it in items if it.reference and it.prompt]

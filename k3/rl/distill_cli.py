@@ -7,10 +7,10 @@ import json
 
 import torch
 
-from k3.rl.distill import MODES, TOKEN_LEVEL_ALGORITHMS
+from k3.rl.distill import ESTIMATORS, MODES, TOKEN_LEVEL_ALGORITHMS
 
-FIELDS = ("student", "out", "mode", "algo", "steps", "prompts_per_domain", "samples", "prompt_tokens",
-          "reference_tokens", "max_new_tokens", "temperature", "lr", "top_k", "mixed_weight", "tis_cap",
+FIELDS = ("student", "out", "mode", "estimator", "algo", "steps", "prompts_per_domain", "samples", "prompt_tokens",
+          "reference_tokens", "max_new_tokens", "temperature", "lr", "top_k", "mixed_weight", "tis_cap", "suite_tasks",
           "heldout_prompts", "heldout_samples", "heldout_every", "save_every", "seed", "max_context", "device")
 
 
@@ -42,12 +42,15 @@ def distill_command(args: argparse.Namespace) -> int:
     if args.resume:
         config = DistillConfig(out=args.out)
     else:
+        from k3.rl.distill_tasks import parse_rl_suite
+
         teachers, data = _pairs(args.teacher, "--teacher"), _pairs(args.data, "--data")
-        if not args.student or not teachers or not data:
-            raise ValueError("k3 distill needs --student DIR, at least one --teacher NAME=DIR and one --data "
-                             "NAME=PATH per teacher")
+        suites = dict(parse_rl_suite(spec) for spec in args.rl_suite or [])
+        if not args.student or not teachers or not (data or suites):
+            raise ValueError("k3 distill needs --student DIR, at least one --teacher NAME=DIR and, per teacher, "
+                             "--data NAME=PATH or --rl-suite NAME[:WEIGHT]")
         fields = {name: getattr(args, name) for name in FIELDS if getattr(args, name, None) is not None}
-        config = DistillConfig(teachers=teachers, data=data, **fields)
+        config = DistillConfig(teachers=teachers, data=data, rl_suites=suites, **fields)
     trainer = DistillTrainer(config, resume=args.resume)
     summary = trainer.train()
     if args.json:
@@ -71,6 +74,15 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="the run directory")
     p.add_argument("--mode", choices=MODES, help="on-policy (default), offline (SFT on teacher samples), "
                                                  "forward-kl (teacher top-k), mixed (on-policy + top-k forward KL)")
+    p.add_argument("--estimator", choices=ESTIMATORS,
+                   help="on-policy reverse KL: sampled (default: per-token advantage log p_teacher - log p_student "
+                        "through the policy-gradient step) or topk (the reverse KL over the teacher's top-k ids "
+                        "plus one bucket for the rest, at the student's own sampled positions)")
+    p.add_argument("--rl-suite", action="append", dest="rl_suite",
+                   help="NAME[:WEIGHT]: add WEIGHT (default 1) x the centred task reward of an RL suite (calc, "
+                        "files, or a task file; single-turn, answer-checked) to the advantage; its prompts are "
+                        "domain NAME, scored by --teacher NAME=DIR. Repeatable")
+    p.add_argument("--suite-tasks", type=int, dest="suite_tasks", help="training tasks per built-in suite")
     p.add_argument("--algo", choices=TOKEN_LEVEL_ALGORITHMS, help="policy-gradient objective (default dapo)")
     p.add_argument("--steps", type=int)
     p.add_argument("--prompts-per-domain", type=int, dest="prompts_per_domain")

@@ -21,6 +21,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,11 +32,12 @@ PROBE_TEXTS = ("def main():\n    return 0\n", "The quick brown fox jumps over th
 @dataclass
 class Item:
     """One prompt of one domain: prompt ids, and a reference continuation (ids, possibly empty) for the held-out
-    loss."""
+    loss; ``task`` the k3.rl task whose verifier rewards the completion (--rl-suite), else None."""
 
     domain: str
     prompt: list[int]
     reference: list[int]
+    task: Any = None
 
 
 # --- tokenizers --------------------------------------------------------------------------------------------
@@ -129,9 +131,12 @@ def load_items(data: dict[str, str], tokenizer, prompt_tokens: int, reference_to
 
 class PromptSets:
     """Items split per domain into a fixed held-out set and the training prompts; ``for_step`` draws a step's
-    prompts from (seed, step) alone, so a resumed run draws the very same."""
+    prompts from (seed, step) alone, so a resumed run draws the very same. ``fixed_heldout`` gives a domain its
+    held-out set instead (an RL suite's own held-out split); all of that domain's ``items`` then train."""
 
-    def __init__(self, items: list[Item], domains: list[str], heldout: int, seed: int) -> None:
+    def __init__(self, items: list[Item], domains: list[str], heldout: int, seed: int,
+                 fixed_heldout: dict[str, list[Item]] | None = None) -> None:
+        fixed_heldout = fixed_heldout or {}
         self.domains = list(domains)
         self.seed = seed
         unknown = sorted({item.domain for item in items} - set(domains))
@@ -143,6 +148,9 @@ class PromptSets:
         for domain in domains:
             mine = [item for item in items if item.domain == domain]
             random.Random(f"{seed}/split/{domain}").shuffle(mine)
+            if domain in fixed_heldout:
+                self.heldout[domain], self.train[domain] = list(fixed_heldout[domain]), mine
+                continue
             if len(mine) <= heldout:
                 raise ValueError(f"domain {domain!r} has {len(mine)} prompts; it needs more than the {heldout} held "
                                  f"out (give more data or a smaller heldout_prompts)")
