@@ -10,7 +10,9 @@ the next document) is -100: it cannot be predicted from inside the document.
 
 Order: rows are visited in a permutation drawn from (seed, epoch); the data position is just the number of rows
 consumed, so resuming needs only that number. Optionally a fraction of rows is replaced by synthetic recall
-sequences, drawn from an RNG seeded by (seed, batch index): also reproducible from the position alone.
+sequences, drawn from an RNG seeded by (seed, batch index): also reproducible from the position alone. A recall
+row may hold several short sequences (recall_length) and weigh its answers more than a text token in the loss
+(recall_weight): a row is then (ids, labels, weights) and the packed batch carries the weights.
 """
 
 from __future__ import annotations
@@ -56,26 +58,40 @@ class PackedBatch:
     input_ids: torch.Tensor  # [1, B*T] int64
     labels: torch.Tensor  # [1, B*T] int64, -100 where not scored
     cu_seqlens: torch.Tensor  # [N+1] int64
+    weights: torch.Tensor | None = None  # [1, B*T] float32 loss weight per scored token; None: all 1
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[1]
 
+    def scored_weight(self) -> float:
+        """Sum of the loss weights of the scored tokens (their count when unweighted)."""
+        scored = self.labels != -100
+        if self.weights is None:
+            return float(scored.sum())
+        return float(self.weights[scored].sum())
 
-def pack_rows(rows: list[tuple[np.ndarray, np.ndarray]], eos_token_id: int | None) -> PackedBatch:
-    """rows: (ids [T], labels [T]) pairs -> one packed batch. Segments start at every row start and after
-    every EOS input token."""
+
+def pack_rows(rows: list[tuple[np.ndarray, ...]], eos_token_id: int | None) -> PackedBatch:
+    """rows: (ids [T], labels [T]) or (ids, labels, weights [T]) -> one packed batch. Segments start at every
+    row start and after every EOS input token. Weights (1 for rows without them) are kept only when some row
+    has them."""
     ids = np.concatenate([r[0] for r in rows]).astype(np.int64)
     labels = np.concatenate([r[1] for r in rows]).astype(np.int64)
+    weights = None
+    if any(len(r) > 2 for r in rows):
+        weights = torch.from_numpy(np.concatenate([r[2] if len(r) > 2 else np.ones(len(r[0]))
+                                                   for r in rows]).astype(np.float32))[None]
     starts = {0}
     offset = 0
-    for row_ids, _ in rows:
+    for row in rows:
+        row_ids = row[0]
         starts.add(offset)
         if eos_token_id is not None:
             starts.update((offset + np.flatnonzero(row_ids[:-1] == eos_token_id) + 1).tolist())
         offset += len(row_ids)
     cu = sorted(starts) + [offset]
-    return PackedBatch(torch.from_numpy(ids)[None], torch.from_numpy(labels)[None], torch.tensor(cu))
+    return PackedBatch(torch.from_numpy(ids)[None], torch.from_numpy(labels)[None], torch.tensor(cu), weights)
 
 
 def text_row(stream: np.ndarray, index: int, length: int, eos_token_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -89,7 +105,8 @@ class BatchStream:
     """Deterministic batches of packed rows from a token stream, resumable from `state_dict()`."""
 
     def __init__(self, stream: np.ndarray, seq_len: int, batch_size: int, eos_token_id: int, seed: int = 0,
-                 shuffle: bool = True, recall: RecallTask | None = None, recall_fraction: float = 0.0) -> None:
+                 shuffle: bool = True, recall: RecallTask | None = None, recall_fraction: float = 0.0,
+                 recall_length: int = 0, recall_weight: float = 1.0) -> None:
         self.num_rows = (len(stream) - 1) // seq_len
         if self.num_rows < 1:
             raise ValueError(f"the token stream has {len(stream)} tokens, fewer than one row of seq_len={seq_len} "
@@ -97,6 +114,7 @@ class BatchStream:
         self.stream, self.seq_len, self.batch_size = stream, seq_len, batch_size
         self.eos_token_id, self.seed, self.shuffle = eos_token_id, seed, shuffle
         self.recall, self.recall_fraction = recall, recall_fraction
+        self.recall_length, self.recall_weight = recall_length, recall_weight
         self.rows_consumed = 0
         self.batches_made = 0
         self._perm_epoch = -1
@@ -120,13 +138,22 @@ class BatchStream:
         rows = []
         for _ in range(self.batch_size):
             if self.recall is not None and rng.random() < self.recall_fraction:
-                rows.append(self.recall.sample(self.seq_len, rng))
+                rows.append(self._recall_row(rng))
             else:
                 rows.append(text_row(self.stream, self._row_index(self.rows_consumed), self.seq_len,
                                      self.eos_token_id))
                 self.rows_consumed += 1
         self.batches_made += 1
         return rows
+
+    def _recall_row(self, rng: np.random.Generator) -> tuple[np.ndarray, ...]:
+        if self.recall_length and self.recall_length < self.seq_len:
+            ids, labels = self.recall.packed_row(self.seq_len, self.recall_length, self.eos_token_id, rng)
+        else:
+            ids, labels = self.recall.sample(self.seq_len, rng)
+        if self.recall_weight == 1.0:
+            return ids, labels
+        return ids, labels, np.where(labels != -100, self.recall_weight, 1.0).astype(np.float32)
 
     @property
     def epoch(self) -> float:

@@ -65,6 +65,26 @@ class RecallTask:
         labels[query_positions] = ids[query_positions + 1]
         return ids, labels
 
+    def packed_row(self, seq_len: int, example_len: int, eos_token_id: int,
+                   rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """One training row of exactly `seq_len` tokens holding several independent sequences of `example_len`
+        tokens, each followed by EOS (the packer starts a new segment after every EOS, so no sequence sees
+        another's pairs); the last sequence takes the tokens left over. (ids [seq_len], labels [seq_len]) int64.
+        Short sequences give many answers per row: the signal a mixed text + recall batch needs to learn recall
+        in a few hundred steps; evaluating at longer lengths then measures retrieval beyond the trained one."""
+        count = seq_len // (example_len + 1)
+        if count < 1:
+            raise ValueError(f"a row of {seq_len} tokens cannot hold a recall sequence of {example_len} tokens "
+                             f"and its EOS; use a shorter recall length")
+        lengths = [example_len] * count
+        lengths[-1] += seq_len - count * (example_len + 1)
+        ids, labels = [], []
+        for length in lengths:
+            one_ids, one_labels = self.sample(length, rng)
+            ids += [one_ids, np.array([eos_token_id], dtype=np.int64)]
+            labels += [one_labels, np.array([-100], dtype=np.int64)]
+        return np.concatenate(ids), np.concatenate(labels)
+
 
 @torch.no_grad()
 def recall_accuracy(model, task: RecallTask, length: int, num_sequences: int, seed: int = 0,

@@ -26,7 +26,8 @@ def train_command(args: argparse.Namespace) -> int:
         fields = {name: getattr(args, name) for name in (
             "preset", "out", "max_steps", "seq_len", "batch_size", "lr", "warmup_steps", "weight_decay",
             "grad_clip", "dtype", "device", "seed", "max_corpus_mb", "tokenizer", "val_fraction", "eval_every",
-            "eval_batches", "save_every", "recall_fraction", "time_budget_s", "ep", "checkpoint_format",
+            "eval_batches", "save_every", "recall_fraction", "recall_pairs", "recall_queries", "recall_length",
+            "recall_weight", "time_budget_s", "ep", "checkpoint_format",
             "ep_balanced", "qb_aggregate", "qb_iters", "global_batch") if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
         if args.seq_len_schedule:
@@ -83,6 +84,13 @@ def register(subparsers) -> None:
     train.add_argument("--save-every", type=int, dest="save_every")
     train.add_argument("--recall-fraction", type=float, dest="recall_fraction",
                        help="share of rows replaced by synthetic associative-recall sequences")
+    train.add_argument("--recall-pairs", type=int, dest="recall_pairs", help="key-value pairs per recall sequence")
+    train.add_argument("--recall-queries", type=int, dest="recall_queries",
+                       help="queries per recall sequence (default: one per pair)")
+    train.add_argument("--recall-length", type=int, dest="recall_length",
+                       help="tokens per recall sequence; several are packed into a row (default: one per row)")
+    train.add_argument("--recall-weight", type=float, dest="recall_weight",
+                       help="loss weight of a recall answer relative to a text token (default 1)")
     train.add_argument("--time-budget-s", type=float, dest="time_budget_s", help="stop (and save) after this long")
     train.add_argument("--threads", type=int, help="CPU threads for torch")
     train.add_argument("--ep", type=int, help="expert parallelism under `torchrun --nproc-per-node N -m k3 train "

@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, directory_files, load_checkpoint,
@@ -72,6 +73,9 @@ class TrainConfig:
     save_every: int = 50
     recall_fraction: float = 0.0  # share of rows replaced by synthetic recall sequences
     recall_pairs: int = 8
+    recall_queries: int = 0  # queries per recall sequence (0: one per pair)
+    recall_length: int = 0  # tokens per recall sequence, several packed into a row (0: one sequence per row)
+    recall_weight: float = 1.0  # loss weight of a recall answer relative to a text token
     time_budget_s: float | None = None  # stop (and save) once training has run this long
     ep: int = 0  # under torchrun: ranks per EP group (divides the processes; FSDP2 over all); 0: one process
     # "full": DIR/checkpoint.pt gathered on rank 0; "sharded": DIR/checkpoint/, each rank writes its own shards
@@ -97,6 +101,9 @@ class TrainConfig:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.recall_fraction <= 1:
             raise ValueError(f"recall_fraction must be in [0, 1], got {self.recall_fraction}")
+        if self.recall_weight <= 0 or self.recall_length < 0 or self.recall_queries < 0:
+            raise ValueError(f"recall_weight must be positive and recall_length, recall_queries >= 0; got "
+                             f"{self.recall_weight}, {self.recall_length}, {self.recall_queries}")
         if self.seq_len_schedule is not None:
             self.seq_len_schedule = [[int(n), int(s)] for n, s in self.seq_len_schedule]
             check_seq_len_schedule(self.seq_len_schedule)
@@ -110,6 +117,14 @@ class TrainConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted mean cross-entropy over the scored tokens. logits [1, T, V]; labels, weights [1, T]."""
+    token_loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100,
+                                 reduction="none")
+    weights = weights.reshape(-1) * (labels.reshape(-1) != -100)
+    return (token_loss * weights).sum() / weights.sum().clamp_min(1e-9)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -253,7 +268,7 @@ class Trainer:
         recall = None
         if config.recall_fraction > 0:
             recall = RecallTask(model_config.vocab_size, num_pairs=config.recall_pairs,
-                                num_queries=config.recall_pairs)
+                                num_queries=config.recall_queries or config.recall_pairs)
         self.recall_task = recall
         rank = self.dist.rank if self.dist is not None else 0
         self.stage = 0
@@ -292,7 +307,8 @@ class Trainer:
         seed = config.seed + (0 if config.global_batch else rank) + 100_003 * index
         return BatchStream(self.train_tokens, self.stages[index][0], rows_for(self.stages, index, config.batch_size),
                            self.tokenizer.eos_token_id, seed=seed, recall=self.recall_task,
-                           recall_fraction=config.recall_fraction)
+                           recall_fraction=config.recall_fraction, recall_length=config.recall_length,
+                           recall_weight=config.recall_weight)
 
     def _check_global_batch(self) -> None:
         if not (self.config.global_batch and self.dist is not None):
@@ -319,7 +335,7 @@ class Trainer:
         """(loss whose gradient, averaged over ranks, is the global batch's mean-loss gradient; the global mean
         loss for the log). Ranks score different numbers of tokens (recall rows score only their answers), so a
         mean of the ranks' means would weight tokens unequally."""
-        counts = torch.tensor([float((batch.labels != -100).sum())], dtype=torch.float64, device=self.device)
+        counts = torch.tensor([batch.scored_weight()], dtype=torch.float64, device=self.device)
         local = counts.clone()
         torch.distributed.all_reduce(counts)
         weight = float(local / counts.clamp_min(1.0))
@@ -437,7 +453,10 @@ class Trainer:
         cu = batch.cu_seqlens.to(self.device)
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
                             enabled=self.autocast is not None):
-            loss = self.model(ids, cu_seqlens=cu, labels=labels).loss
+            if batch.weights is None:
+                loss = self.model(ids, cu_seqlens=cu, labels=labels).loss
+            else:
+                loss = weighted_loss(self.model(ids, cu_seqlens=cu).logits, labels, batch.weights.to(self.device))
         if self.config.moe_aux_loss > 0 and self.model.training:
             aux = [r.aux_loss for _, r in self.model.routers() if r.aux_loss is not None]
             if aux:
