@@ -57,6 +57,9 @@ class AblationSettings:
     warmup_steps: int = 20
     recall_fraction: float = 0.5
     recall_pairs: int = 4
+    recall_queries: int = 0  # 0: one query per pair
+    recall_length: int = 0  # tokens per recall sequence, several packed into a row; 0: one per row (seq_len)
+    recall_weight: float = 1.0  # loss weight of a recall answer relative to a text token
     max_corpus_mb: float = 1.0
     data: tuple[str, ...] = ()
     eval_every: int = 50
@@ -126,6 +129,13 @@ def plan(settings: AblationSettings) -> list[dict[str, Any]]:
     return entries
 
 
+def mqar_trained_length(settings: AblationSettings) -> int:
+    """The length of the recall sequences the runs trained on: MQAR is measured there and at 4x."""
+    if settings.recall_length and settings.recall_length < settings.seq_len:
+        return settings.recall_length
+    return settings.seq_len
+
+
 def _maxvio_stats(metrics: list[dict], warmup: int) -> tuple[float, float]:
     values = [r["maxvio"] for r in metrics if "maxvio" in r and r["step"] > warmup]
     if not values:
@@ -154,7 +164,9 @@ def run_one(entry: dict[str, Any], settings: AblationSettings, out: Path, tokeni
                          seed=entry["seed"], data=list(settings.data), max_corpus_mb=settings.max_corpus_mb,
                          tokenizer=tokenizer_path, eval_every=settings.eval_every, eval_batches=2,
                          save_every=settings.steps, recall_fraction=settings.recall_fraction,
-                         recall_pairs=settings.recall_pairs, model_overrides=dict(entry["model"]),
+                         recall_pairs=settings.recall_pairs, recall_queries=settings.recall_queries,
+                         recall_length=settings.recall_length, recall_weight=settings.recall_weight,
+                         model_overrides=dict(entry["model"]),
                          **entry["train"])
     started = time.perf_counter()
     trainer = Trainer(config, show_progress=False, log=lambda *_: None)
@@ -162,11 +174,12 @@ def run_one(entry: dict[str, Any], settings: AblationSettings, out: Path, tokeni
     metrics = read_metrics(run_dir / "metrics.jsonl")
     maxvio_mean, maxvio_p99 = _maxvio_stats(metrics, settings.warmup_steps)
     model = trainer.model.eval()
-    task = trainer.recall_task or RecallTask(model.config.vocab_size, settings.recall_pairs, settings.recall_pairs)
+    task = trainer.recall_task or RecallTask(model.config.vocab_size, settings.recall_pairs,
+                                             settings.recall_queries or settings.recall_pairs)
     ctx = TaskContext(trainer.tokenizer, model.config.vocab_size, Filler(trainer.tokenizer), task)
     mqar = {}
     for factor in (1, 4):
-        length = settings.seq_len * factor
+        length = mqar_trained_length(settings) * factor
         examples = make_examples("mqar", ctx, length, MQAR_SEQUENCES, seed=1234)
         mqar[factor] = evaluate_examples(engine_for(model, trainer.tokenizer, length), "mqar", length,
                                          examples).accuracy

@@ -103,11 +103,18 @@ def plot_axis(rows: list[dict], axis: str, path: Path) -> None:
 
 def write_report(rows: list[dict], settings, out: Path) -> Path:
     """OUT/report.md (tables) and OUT/<axis>.png; returns the report path."""
+    from k3.eval.ablate import mqar_trained_length
+
     tables = markdown_tables(rows)
+    trained = mqar_trained_length(settings)
+    queries = settings.recall_queries or settings.recall_pairs
+    packed = (f" ({settings.seq_len // (trained + 1)} per row)" if trained < settings.seq_len else "")
+    weight = f", answers weighted {settings.recall_weight:g}x in the loss" if settings.recall_weight != 1 else ""
     header = (f"# Ablation: base preset `{settings.base}`, {settings.steps} steps of {settings.batch_size} x "
               f"{settings.seq_len} tokens, {settings.seeds} seed(s)\n\nCells: mean over seeds [min, max]. MQAR: "
-              f"{settings.recall_pairs} pairs, at the trained length {settings.seq_len} and at {4 * settings.seq_len}."
-              f" maxvio: of the routed training batches after warm-up.\n\n")
+              f"{settings.recall_pairs} pairs, {queries} queries; training rows: {settings.recall_fraction:g} of them "
+              f"recall sequences of {trained} tokens{packed}{weight}; measured at the trained length {trained} and at "
+              f"{4 * trained}. maxvio: of the routed training batches after warm-up.\n\n")
     report = out / "report.md"
     atomic_write_bytes(report, (header + tables + "\n").encode("utf-8"))
     for axis in dict.fromkeys(r["axis"] for r in rows):

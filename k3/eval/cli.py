@@ -40,13 +40,15 @@ def _mqar_layout(args: argparse.Namespace, vocab_size: int):
     """MQAR with the run's recall settings when it trained on recall rows (same key/value id ranges)."""
     from k3.data.synthetic import RecallTask
 
-    pairs = args.mqar_pairs
-    if pairs is None and args.run:
+    pairs, queries = args.mqar_pairs, None
+    if args.run:
         saved = Path(args.run) / "train_config.json"
         if saved.is_file():
-            pairs = json.loads(saved.read_text()).get("recall_pairs")
+            trained = json.loads(saved.read_text())
+            if pairs is None:
+                pairs, queries = trained.get("recall_pairs"), trained.get("recall_queries")
     pairs = pairs or 8
-    return RecallTask(vocab_size, num_pairs=pairs, num_queries=pairs)
+    return RecallTask(vocab_size, num_pairs=pairs, num_queries=queries or pairs)
 
 
 def eval_command(args: argparse.Namespace) -> int:
@@ -109,7 +111,8 @@ def ablate_command(args: argparse.Namespace) -> int:
     settings = AblationSettings(base=args.base, axes=tuple(args.axis or AXES), steps=args.steps, seeds=args.seeds,
                                 seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
                                 recall_fraction=args.recall_fraction, recall_pairs=args.recall_pairs,
-                                max_corpus_mb=args.max_corpus_mb, data=tuple(args.data or ()),
+                                recall_queries=args.recall_queries, recall_length=args.recall_length,
+                                recall_weight=args.recall_weight, max_corpus_mb=args.max_corpus_mb, data=tuple(args.data or ()),
                                 eval_every=args.eval_every, threads=args.threads)
     if args.steps <= settings.warmup_steps:
         raise ValueError(f"--steps {args.steps} leaves no step after the {settings.warmup_steps} warm-up steps")
@@ -135,6 +138,13 @@ def register(subparsers) -> None:
     a.add_argument("--lr", type=float, default=3e-3)
     a.add_argument("--recall-fraction", type=float, default=0.5, dest="recall_fraction")
     a.add_argument("--recall-pairs", type=int, default=4, dest="recall_pairs")
+    a.add_argument("--recall-queries", type=int, default=0, dest="recall_queries",
+                   help="queries per recall sequence (default: one per pair)")
+    a.add_argument("--recall-length", type=int, default=0, dest="recall_length",
+                   help="tokens per recall sequence, several packed into a row; MQAR is then measured at this length "
+                        "and 4x it (default: one sequence per row, measured at --seq-len)")
+    a.add_argument("--recall-weight", type=float, default=1.0, dest="recall_weight",
+                   help="loss weight of a recall answer relative to a text token (default 1)")
     a.add_argument("--max-corpus-mb", type=float, default=1.0, dest="max_corpus_mb")
     a.add_argument("--data", action="append", help="training text (default: this machine's Python standard library)")
     a.add_argument("--eval-every", type=int, default=50, dest="eval_every")

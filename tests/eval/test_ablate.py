@@ -6,7 +6,7 @@ import json
 import pytest
 
 from k3.config import ModelConfig
-from k3.eval.ablate import AXES, AblationSettings, arm_changes, plan, run_ablation
+from k3.eval.ablate import AXES, AblationSettings, arm_changes, mqar_trained_length, plan, run_ablation
 from k3.eval.ablation_report import markdown_tables
 
 
@@ -39,8 +39,8 @@ def test_plan_shares_identical_configurations():
 
 def test_small_ablation_runs_resumes_and_reports(tmp_path, corpus_dir):
     settings = AblationSettings(base="debug", axes=("kda_gate",), steps=4, seeds=1, seq_len=32, batch_size=2,
-                                warmup_steps=1, recall_fraction=0.5, recall_pairs=2, data=(str(corpus_dir),),
-                                eval_every=2)
+                                warmup_steps=1, recall_fraction=0.5, recall_pairs=2, recall_queries=6,
+                                recall_weight=2.0, data=(str(corpus_dir),), eval_every=2)
     logged = []
     rows = run_ablation(settings, tmp_path / "abl", log=logged.append)
     assert {(r["axis"], r["arm"]) for r in rows} == {("kda_gate", "lower_bound"), ("kda_gate", "softplus")}
@@ -52,6 +52,7 @@ def test_small_ablation_runs_resumes_and_reports(tmp_path, corpus_dir):
     assert len(saved) == 2
     report = (tmp_path / "abl" / "report.md").read_text()
     assert "| softplus | 1 |" in report and "MQAR @4L" in report
+    assert "2 pairs, 6 queries" in report and "weighted 2x" in report and "at 128" in report
     assert (tmp_path / "abl" / "kda_gate.png").read_bytes()[:4] == b"\x89PNG"
     logged.clear()
     run_ablation(settings, tmp_path / "abl", log=logged.append)
@@ -63,3 +64,9 @@ def test_report_spread_over_seeds():
              "maxvio_p99": 0.0, "tokens_per_s": 100.0, "mqar_chance": 1 / 32} for v in (4.0, 5.0)]
     table = markdown_tables(rows)
     assert "| latent | 2 | 4.5000 [4.0000, 5.0000] | 0.500 |" in table
+
+
+def test_mqar_is_measured_at_the_length_of_the_trained_recall_sequences():
+    assert mqar_trained_length(AblationSettings(seq_len=64)) == 64
+    assert mqar_trained_length(AblationSettings(seq_len=256, recall_length=63)) == 63  # four per row
+    assert mqar_trained_length(AblationSettings(seq_len=64, recall_length=64)) == 64  # one per row

@@ -10,7 +10,8 @@ def test_eval_run_writes_rows_plot_and_loss_by_position(tmp_path, corpus_dir, ca
     run = tmp_path / "run"
     config = TrainConfig(preset="debug", out=str(run), max_steps=2, seq_len=32, batch_size=2, warmup_steps=1,
                          eval_every=2, eval_batches=1, save_every=2, data=[str(corpus_dir)], val_fraction=0.2,
-                         model_overrides={"vocab_size": 320}, recall_fraction=0.5, recall_pairs=4)
+                         model_overrides={"vocab_size": 320}, recall_fraction=0.5, recall_pairs=4,
+                         recall_queries=6)
     Trainer(config, show_progress=False, log=lambda *_: None).train()
     out = tmp_path / "eval"
     assert main(["eval", "--run", str(run), "--task", "mqar", "needle_single", "common_words", "--lengths", "400,800",
@@ -20,7 +21,7 @@ def test_eval_run_writes_rows_plot_and_loss_by_position(tmp_path, corpus_dir, ca
     assert {(r["task"], r["length"]) for r in rows} == {(t, n) for t in ("mqar", "needle_single", "common_words")
                                                         for n in (400, 800)}
     assert all(set(r) == {"task", "length", "accuracy", "n"} and 0 <= r["accuracy"] <= 1 for r in rows)
-    assert {r["n"] for r in rows if r["task"] == "mqar"} == {8}  # 2 sequences x the run's 4 recall pairs
+    assert {r["n"] for r in rows if r["task"] == "mqar"} == {12}  # 2 sequences x the run's 6 recall queries
     assert {r["n"] for r in rows if r["task"] != "mqar"} == {2}
     ppl = json.loads((out / "perplexity.json").read_text())
     assert {r["length"] for r in ppl} == {400, 800} and all(r["loss"] > 0 for r in ppl)
