@@ -11,7 +11,8 @@ from k3.rl.losses import ALGORITHMS
 
 RL_FIELDS = ("run", "suite", "out", "algo", "group", "tasks_per_step", "steps", "lr", "minibatches", "temperature",
              "heldout_every", "heldout_tasks", "save_every", "seed", "kl_coef", "tis_cap", "clip_low", "clip_high",
-             "tau", "max_context", "tool_budget", "iteration_token_budget", "device")
+             "tau", "max_context", "tool_budget", "iteration_token_budget", "device", "ray", "rollout_workers",
+             "rollout_worker_cpus", "rollout_worker_gpus", "routing_source")
 
 
 def rl_command(args: argparse.Namespace) -> int:
@@ -48,7 +49,10 @@ def rl_command(args: argparse.Namespace) -> int:
             fields["routing_replay"] = False
         config = RLConfig(**fields)
     trainer = RLTrainer(config, resume=args.resume)
-    summary = trainer.train()
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
     print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl, metrics.png)")
     return 0
@@ -98,6 +102,13 @@ def register(subparsers) -> None:
     rl.add_argument("--iteration-token-budget", type=int, dest="iteration_token_budget",
                     help="partial rollouts: park episodes once a step has generated this many tokens")
     rl.add_argument("--no-routing-replay", action="store_true", dest="no_routing_replay")
+    rl.add_argument("--routing-source", choices=("rollout", "trainer"), dest="routing_source",
+                    help="routing replay of the engine's recorded experts (default) or of the trainer's old pass")
+    rl.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                    help="rollouts on Ray workers: a local Ray (no ADDRESS) or the cluster at ADDRESS")
+    rl.add_argument("--rollout-workers", type=int, dest="rollout_workers", help="--ray: rollout workers (default 2)")
+    rl.add_argument("--rollout-worker-cpus", type=float, dest="rollout_worker_cpus")
+    rl.add_argument("--rollout-worker-gpus", type=float, dest="rollout_worker_gpus")
     rl.add_argument("--device")
     rl.add_argument("--threads", type=int, default=0)
     rl.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")

@@ -73,6 +73,11 @@ class RLConfig:
     device: str = "auto"
     threads: int = 8
     cuda_graphs: bool | None = None  # the engine's CUDA-graph decode (None: the engine decides)
+    ray: str | None = None  # rollouts on Ray workers: "local" (start or join a local Ray) or a cluster address
+    rollout_workers: int = 2  # Ray rollout workers, each with a policy copy, an engine and its sandboxes
+    rollout_worker_cpus: float = 1.0
+    rollout_worker_gpus: float = 0.0
+    rollout_timeout_s: float | None = None  # --ray: longest wait for the workers' answer to one call
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -204,19 +209,32 @@ class RLTrainer:
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         loss_config = loss_config_for(config.algo, clip_low=config.clip_low, clip_high=config.clip_high,
                                       tau=config.tau, tis_cap=config.tis_cap, kl_coef=config.kl_coef)
+        # loss_config_for skips None overrides: tis_cap=None has to be set here to turn truncated IS off.
+        loss_config = dataclasses.replace(loss_config, tis_cap=config.tis_cap)
         policy = PolicyConfig(algorithm=config.algo, lr=config.lr, minibatches=config.minibatches,
                               micro_tokens=config.micro_tokens, routing_replay=config.routing_replay,
                               update_balancer=config.update_balancer)
         self.updater = PolicyUpdater(self.model, policy, loss_config, reference=self.reference,
                                      autocast=self.autocast)
-        self.engine = build_engine(self.model, self.tokenizer, config.max_context,
-                                   max_batch=min(256, config.group * config.tasks_per_step),
-                                   cuda_graphs=config.cuda_graphs,
-                                   record_routing=config.routing_replay and config.routing_source == "rollout")
+        record_routing = config.routing_replay and config.routing_source == "rollout"
+        max_batch = min(256, config.group * config.tasks_per_step)
         rollout = RolloutConfig(temperature=config.temperature, max_context=config.max_context,
                                 tool_budget=config.tool_budget, iteration_token_budget=config.iteration_token_budget,
                                 threads=config.threads)
-        self.runner = RolloutRunner(self.engine, self.tokenizer, rollout, seed=config.seed)
+        self._started_ray = False
+        if config.ray:
+            from k3.rl.fleet import RayRollouts
+
+            self._join_ray(config.ray)
+            self.engine = None
+            self.runner = RayRollouts(self.model, self.tokenizer, rollout, workers=config.rollout_workers,
+                                      seed=config.seed, max_batch=max_batch, record_routing=record_routing,
+                                      num_cpus=config.rollout_worker_cpus, num_gpus=config.rollout_worker_gpus,
+                                      cuda_graphs=config.cuda_graphs, timeout=config.rollout_timeout_s)
+        else:
+            self.engine = build_engine(self.model, self.tokenizer, config.max_context, max_batch=max_batch,
+                                       cuda_graphs=config.cuda_graphs, record_routing=record_routing)
+            self.runner = RolloutRunner(self.engine, self.tokenizer, rollout, seed=config.seed)
         if state is not None:
             self.runner.restore_parked(state.get("parked"))
         self.tasks = TaskSource(config.suite, config.seed)
@@ -224,22 +242,41 @@ class RLTrainer:
                                      config.to_dict(), self.model_config.to_dict())
         self.metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
 
+    def _join_ray(self, address: str) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        if address == "local":
+            ray.init(include_dashboard=False, log_to_driver=False)
+        else:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        self._started_ray = True
+
+    def close(self) -> None:
+        """Stop the Ray rollout workers (and the Ray this trainer started); nothing to do in process."""
+        if self.config.ray and self.runner.workers:
+            self.runner.close()
+            if self._started_ray:
+                import ray
+
+                ray.shutdown()
+                self._started_ray = False
+
+    def _weights_changed(self) -> None:
+        if self.engine is None:
+            self.runner.push_weights(self.model)  # Ray workers: the new weights to every engine copy
+        else:
+            weights_changed(self.engine)
+
     # -- pieces ------------------------------------------------------------------------------------
     def evaluate(self, count: int | None = None, temperature: float | None = None) -> dict[str, float]:
         """Pass rate on the first ``count`` held-out tasks, one episode each (greedy unless told)."""
         tasks = self.tasks.heldout(self.config.heldout_tasks if count is None else count)
         if not tasks:
             return {}
-        saved = self.runner.config.temperature
-        self.runner.config.temperature = self.config.eval_temperature if temperature is None else temperature
-        parked, self.runner.parked = self.runner.parked, []
-        budget, self.runner.config.iteration_token_budget = self.runner.config.iteration_token_budget, None
-        try:
-            groups = self.runner.run(tasks, 1, step=-1)
-        finally:
-            self.runner.config.temperature = saved
-            self.runner.parked = parked
-            self.runner.config.iteration_token_budget = budget
+        groups = self.runner.run_aside(tasks, 1, -1, self.config.eval_temperature if temperature is None
+                                       else temperature)
         episodes = [e for g in groups for e in g]
         stats = _episode_metrics(episodes)
         return {"heldout_pass_rate": stats["pass_rate"], "heldout_reward": stats["reward_mean"],
@@ -281,7 +318,7 @@ class RLTrainer:
         sequences, kept = self.sequences(groups)
         update = self.updater.update(sequences) if any(s.advantage != 0 for s in sequences) else {}
         if update:
-            weights_changed(self.engine)
+            self._weights_changed()
         train_s = time.perf_counter() - t0
         record = {"step": self.step, **_episode_metrics(episodes), **update, "groups_kept": kept,
                   "groups": len(groups), **{k: round(v, 4) if isinstance(v, float) else v

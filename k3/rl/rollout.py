@@ -61,6 +61,7 @@ class Episode:
     truncated_outputs: int = 0
     failed: bool = False  # the sandbox failed (not the policy): reward 0 without verification
     verified: bool = False  # reward and reason are final
+    origin: tuple[int, int] = (0, 0)  # (step, index in that step's tasks): orders groups wherever they ran
     started: float = field(default_factory=time.perf_counter)
     transcript: list[dict] = field(default_factory=list)
     last_output: object | None = None  # the turn just generated (k3.rl.generation.Generated)
@@ -132,9 +133,10 @@ class RolloutRunner:
         self.stats: dict[str, float] = {}
 
     # -- set up ------------------------------------------------------------------------------------
-    def _start_group(self, task: Task, group: int, size: int) -> list[Episode]:
+    def _start_group(self, task: Task, group: int, size: int, origin: tuple[int, int] = (0, 0)) -> list[Episode]:
         ids, mask = render_ids(initial_messages(task), self.tokenizer, add_generation_prompt=True)
-        episodes = [Episode(task, group, s, list(ids), list(mask), [0.0] * len(ids), len(ids)) for s in range(size)]
+        episodes = [Episode(task, group, s, list(ids), list(mask), [0.0] * len(ids), len(ids), origin=origin)
+                    for s in range(size)]
         if len(ids) + 2 > self.config.max_context:
             for episode in episodes:
                 self._end(episode, "context", f"the prompt has {len(ids)} tokens, more than the context of "
@@ -172,9 +174,23 @@ class RolloutRunner:
         episode.parked_snapshot = None
 
     # -- the loop ----------------------------------------------------------------------------------
-    def run(self, tasks: list[Task], group_size: int, step: int = 0) -> list[list[Episode]]:
+    def run_aside(self, tasks: list[Task], group_size: int, step: int, temperature: float,
+                  indices: list[int] | None = None) -> list[list[Episode]]:
+        """``run`` at another temperature and without the token budget, leaving the parked groups where they
+        are (held-out scoring between training steps)."""
+        config = self.config
+        saved = config.temperature, config.iteration_token_budget, self.parked
+        config.temperature, config.iteration_token_budget, self.parked = temperature, None, []
+        try:
+            return self.run(tasks, group_size, step, indices)
+        finally:
+            config.temperature, config.iteration_token_budget, self.parked = saved
+
+    def run(self, tasks: list[Task], group_size: int, step: int = 0,
+            indices: list[int] | None = None) -> list[list[Episode]]:
         """Parked groups first, then one group of ``group_size`` per task; returns the groups whose episodes
-        all finished (a group with a parked episode waits for the next call)."""
+        all finished (a group with a parked episode waits for the next call). indices: where ``tasks`` stand
+        in the step's task list (a worker given a share of them), for the groups' origin."""
         config = self.config
         started = time.perf_counter()
         groups = self.parked
@@ -183,9 +199,10 @@ class RolloutRunner:
             for episode in group:
                 self._unpark(episode)
         first_group = len(groups)
+        origins = [(step, index) for index in (indices if indices is not None else range(len(tasks)))]
         with ThreadPoolExecutor(max_workers=max(1, min(config.threads, len(tasks) or 1))) as threads:
-            groups += list(threads.map(lambda item: self._start_group(item[1], first_group + item[0], group_size),
-                                       enumerate(tasks)))
+            groups += list(threads.map(lambda i: self._start_group(tasks[i], first_group + i, group_size, origins[i]),
+                                       range(len(tasks))))
         sandbox_setup = time.perf_counter() - started
         generated_tokens, generation_s, tool_s, turn = 0, 0.0, 0.0, 0
         episodes = [e for group in groups for e in group]
