@@ -47,6 +47,8 @@ def rl_command(args: argparse.Namespace) -> int:
         fields = {name: getattr(args, name) for name in RL_FIELDS if getattr(args, name, None) is not None}
         if args.no_routing_replay:
             fields["routing_replay"] = False
+        if args.no_tis:
+            fields["tis_cap"] = None
         config = RLConfig(**fields)
     trainer = RLTrainer(config, resume=args.resume)
     try:
@@ -78,7 +80,9 @@ def register(subparsers) -> None:
     rl = subparsers.add_parser("rl", help="RL on sandboxed tool-use tasks (k3 rl --run DIR --suite calc --out "
                                           "DIR), the CPU demo (k3 rl demo), or solver demonstrations (k3 rl demos)")
     rl.add_argument("action", nargs="?", default="train", choices=("train", "demo", "demos"))
-    rl.add_argument("--run", help="starting checkpoint: a k3 train / k3 sft / k3 rl run directory")
+    rl.add_argument("--run", "--from", dest="run",
+                    help="starting checkpoint: a k3 train / k3 sft / k3 rl run directory (--from: the same, for "
+                         "torchrun, whose own --run-path makes it refuse --run)")
     rl.add_argument("--suite", default=None, help="calc, fix, files, or a .jsonl file / directory of tasks")
     rl.add_argument("--out", help="the RL run directory (demos: the JSONL file to write)")
     rl.add_argument("--algo", choices=sorted(ALGORITHMS), help="policy objective (default gspo)")
@@ -94,6 +98,7 @@ def register(subparsers) -> None:
     rl.add_argument("--seed", type=int)
     rl.add_argument("--kl-coef", type=float, dest="kl_coef", help="KL to the frozen starting policy (default 0)")
     rl.add_argument("--tis-cap", type=float, dest="tis_cap", help="truncated importance sampling cap (default 2)")
+    rl.add_argument("--no-tis", action="store_true", dest="no_tis", help="no truncated importance sampling")
     rl.add_argument("--clip-low", type=float, dest="clip_low")
     rl.add_argument("--clip-high", type=float, dest="clip_high")
     rl.add_argument("--tau", type=float, help="pmd: the KL strength")

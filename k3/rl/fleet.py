@@ -120,21 +120,25 @@ class RayRollouts:
         state = self.parked_state()
         return [[episode_from_state(e) for e in group] for group in state["groups"]]
 
-    def _run(self, tasks: list[Task], group_size: int, step: int, temperature: float | None) -> list[list[Episode]]:
+    def _run(self, tasks: list[Task], group_size: int, step: int, temperature: float | None,
+             indices: list[int] | None) -> list[list[Episode]]:
+        origins = indices if indices is not None else list(range(len(tasks)))
         shares = [list(range(w, len(tasks), len(self.workers))) for w in range(len(self.workers))]
-        calls = [worker.run.remote([tasks[i] for i in share], share, group_size, step, temperature)
-                 for worker, share in zip(self.workers, shares)]
+        calls = [worker.run.remote([tasks[i] for i in share], [origins[i] for i in share], group_size, step,
+                                   temperature) for worker, share in zip(self.workers, shares)]
         results = self._get(calls)
         if temperature is None:
             self.stats = merge_stats([stats for _, stats in results])
         groups = [[episode_from_state(e) for e in group] for states, _ in results for group in states]
         return sorted(groups, key=lambda group: tuple(group[0].origin))
 
-    def run(self, tasks: list[Task], group_size: int, step: int = 0) -> list[list[Episode]]:
-        return self._run(tasks, group_size, step, None)
+    def run(self, tasks: list[Task], group_size: int, step: int = 0,
+            indices: list[int] | None = None) -> list[list[Episode]]:
+        return self._run(tasks, group_size, step, None, indices)
 
-    def run_aside(self, tasks: list[Task], group_size: int, step: int, temperature: float) -> list[list[Episode]]:
-        return self._run(tasks, group_size, step, temperature)
+    def run_aside(self, tasks: list[Task], group_size: int, step: int, temperature: float,
+                  indices: list[int] | None = None) -> list[list[Episode]]:
+        return self._run(tasks, group_size, step, temperature, indices)
 
     def push_weights(self, model) -> None:
         """The trainer's weights to every worker (shipped once through the object store)."""

@@ -126,22 +126,30 @@ class TaskSource:
         return self.heldout_pool[:count]
 
 
-def _episode_metrics(episodes: list[Episode]) -> dict[str, float]:
+def episode_summary(e: Episode) -> dict[str, Any]:
+    """What the step's metrics need of an episode (small: gathered from every rank under torchrun)."""
+    return {"reward": e.reward, "model_tokens": e.model_tokens, "tokens": len(e.ids), "turns": e.turns,
+            "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "sandbox_calls": e.sandbox_calls,
+            "failed": e.failed, "sandbox_seconds": e.sandbox_seconds, "finish": e.finish}
+
+
+def _episode_metrics(episodes: list[dict[str, Any]]) -> dict[str, float]:
+    """Step metrics from episode_summary records."""
     n = max(len(episodes), 1)
     finishes: dict[str, int] = {}
     for e in episodes:
-        finishes[e.finish] = finishes.get(e.finish, 0) + 1
+        finishes[e["finish"]] = finishes.get(e["finish"], 0) + 1
     return {
-        "reward_mean": sum(e.reward for e in episodes) / n,
-        "pass_rate": sum(e.reward >= 1.0 for e in episodes) / n,
-        "response_tokens": sum(e.model_tokens for e in episodes) / n,
-        "episode_tokens": sum(len(e.ids) for e in episodes) / n,
-        "turns": sum(e.turns for e in episodes) / n,
-        "tool_calls": sum(e.tool_calls for e in episodes) / n,
-        "tool_errors": sum(e.tool_errors for e in episodes) / n,
-        "sandbox_calls": sum(e.sandbox_calls for e in episodes),
-        "sandbox_failures": sum(e.failed for e in episodes),
-        "sandbox_s": sum(e.sandbox_seconds for e in episodes),
+        "reward_mean": sum(e["reward"] for e in episodes) / n,
+        "pass_rate": sum(e["reward"] >= 1.0 for e in episodes) / n,
+        "response_tokens": sum(e["model_tokens"] for e in episodes) / n,
+        "episode_tokens": sum(e["tokens"] for e in episodes) / n,
+        "turns": sum(e["turns"] for e in episodes) / n,
+        "tool_calls": sum(e["tool_calls"] for e in episodes) / n,
+        "tool_errors": sum(e["tool_errors"] for e in episodes) / n,
+        "sandbox_calls": sum(e["sandbox_calls"] for e in episodes),
+        "sandbox_failures": sum(e["failed"] for e in episodes),
+        "sandbox_s": sum(e["sandbox_seconds"] for e in episodes),
         "episodes": len(episodes),
         "finish": finishes,
     }
@@ -188,7 +196,15 @@ class RLTrainer:
         if state is not None:
             config = dataclasses.replace(RLConfig(**state["rl"]), out=config.out)
         self.config = config
-        self.device = resolve_device(config.device)
+        from k3.rl.data_parallel import Ranks
+
+        self.ranks = Ranks(config.device)  # torchrun: join the job (data-parallel RL, k3.rl.data_parallel)
+        if self.ranks.world > 1 and config.ray:
+            raise ValueError("--ray rollouts and torchrun training do not combine yet: run one process with --ray "
+                             "or torchrun without it")
+        self.device = self.ranks.device or resolve_device(config.device)
+        if not self.ranks.main:
+            self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype("auto", self.device)
         torch.manual_seed(config.seed)
         random.seed(config.seed)
@@ -236,11 +252,18 @@ class RLTrainer:
                                        cuda_graphs=config.cuda_graphs, record_routing=record_routing)
             self.runner = RolloutRunner(self.engine, self.tokenizer, rollout, seed=config.seed)
         if state is not None:
-            self.runner.restore_parked(state.get("parked"))
+            from k3.rl.data_parallel import parked_share
+
+            self.runner.restore_parked(parked_share(state.get("parked"), self.ranks.rank, self.ranks.world))
         self.tasks = TaskSource(config.suite, config.seed)
-        self.step = start_or_restore(self.out, state, self.updater.optimizer, self.tokenizer, "rl_config.json",
-                                     config.to_dict(), self.model_config.to_dict())
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
+        if self.ranks.main or state is not None:  # a new run's files are rank 0's to write
+            self.step = start_or_restore(self.out, state, self.updater.optimizer, self.tokenizer, "rl_config.json",
+                                         config.to_dict(), self.model_config.to_dict())
+        else:
+            self.step = 0
+        self.metrics = (MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
+                        if self.ranks.main else None)
+        self.ranks.barrier()
 
     def _join_ray(self, address: str) -> None:
         import ray
@@ -254,7 +277,8 @@ class RLTrainer:
         self._started_ray = True
 
     def close(self) -> None:
-        """Stop the Ray rollout workers (and the Ray this trainer started); nothing to do in process."""
+        """Stop the Ray rollout workers (and the Ray this trainer started), or leave the torchrun job."""
+        self.ranks.shutdown()
         if self.config.ray and self.runner.workers:
             self.runner.close()
             if self._started_ray:
@@ -272,12 +296,14 @@ class RLTrainer:
     # -- pieces ------------------------------------------------------------------------------------
     def evaluate(self, count: int | None = None, temperature: float | None = None) -> dict[str, float]:
         """Pass rate on the first ``count`` held-out tasks, one episode each (greedy unless told)."""
-        tasks = self.tasks.heldout(self.config.heldout_tasks if count is None else count)
-        if not tasks:
+        tasks, indices = self.ranks.share(self.tasks.heldout(self.config.heldout_tasks if count is None else count))
+        if not tasks and self.ranks.world == 1:
             return {}
         groups = self.runner.run_aside(tasks, 1, -1, self.config.eval_temperature if temperature is None
-                                       else temperature)
-        episodes = [e for g in groups for e in g]
+                                       else temperature, indices)
+        episodes = [s for rank in self.ranks.gather([episode_summary(e) for g in groups for e in g]) for s in rank]
+        if not episodes:
+            return {}
         stats = _episode_metrics(episodes)
         return {"heldout_pass_rate": stats["pass_rate"], "heldout_reward": stats["reward_mean"],
                 "heldout_tasks": len(episodes), "heldout_sandbox_calls": stats["sandbox_calls"]}
@@ -300,29 +326,48 @@ class RLTrainer:
         return out, sum(keep)
 
     def save(self) -> None:
-        save_run(self.out, self.model, self.updater.optimizer, "rl", self.config.to_dict(), self.step,
-                 extra={"parked": self.runner.parked_state()})
+        """The checkpoint, with every rank's parked groups (collective under torchrun; rank 0 writes)."""
+        from k3.rl.data_parallel import merge_parked
+
+        parked = merge_parked(self.ranks.gather(self.runner.parked_state()))
+        if self.ranks.main:
+            save_run(self.out, self.model, self.updater.optimizer, "rl", self.config.to_dict(), self.step,
+                     extra={"parked": parked})
 
     def plot(self) -> None:
-        plot_rl_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
+        if self.ranks.main:
+            plot_rl_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
+
+    def _write(self, record: dict) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
 
     def train_step(self) -> dict[str, Any]:
         self.step += 1
         started = time.perf_counter()
-        tasks = self.tasks.train(self.step, self.config.tasks_per_step)
-        groups = self.runner.run(tasks, self.config.group, step=self.step)
+        tasks, indices = self.ranks.share(self.tasks.train(self.step, self.config.tasks_per_step))
+        groups = self.runner.run(tasks, self.config.group, self.step, indices)
         self.last_groups = groups
-        rollout_stats = dict(self.runner.stats)
-        episodes = [e for g in groups for e in g]
+        gathered = self.ranks.gather(({"stats": dict(self.runner.stats), "groups": len(groups),
+                                       "episodes": [episode_summary(e) for g in groups for e in g]}))
+        if self.ranks.world > 1:
+            from k3.rl.fleet import merge_stats
+
+            rollout_stats = merge_stats([g["stats"] for g in gathered])
+        else:
+            rollout_stats = gathered[0]["stats"]
+        episodes = [e for g in gathered for e in g["episodes"]]
         t0 = time.perf_counter()
         sequences, kept = self.sequences(groups)
-        update = self.updater.update(sequences) if any(s.advantage != 0 for s in sequences) else {}
+        kept = sum(self.ranks.gather(kept))
+        learn = self.ranks.any(any(s.advantage != 0 for s in sequences))  # every rank updates, or none
+        update = self.updater.update(sequences) if learn else {}
         if update:
             self._weights_changed()
         train_s = time.perf_counter() - t0
         record = {"step": self.step, **_episode_metrics(episodes), **update, "groups_kept": kept,
-                  "groups": len(groups), **{k: round(v, 4) if isinstance(v, float) else v
-                                            for k, v in rollout_stats.items()},
+                  "groups": sum(g["groups"] for g in gathered), **{k: round(v, 4) if isinstance(v, float) else v
+                                                                  for k, v in rollout_stats.items()},
                   "train_s": train_s, "step_s": time.perf_counter() - started}
         if not update:
             record["skipped_update"] = "every advantage was 0 (all rewards in each group equal)"
@@ -334,7 +379,7 @@ class RLTrainer:
         summary: dict[str, Any] = {"start_step": self.step}
         if self.step == 0 and config.heldout_tasks:
             first = self.evaluate()
-            self.metrics.write({"step": 0, **first})
+            self._write({"step": 0, **first})
             summary["first_heldout_pass_rate"] = first.get("heldout_pass_rate")
             self.log(f"step 0: held-out pass rate {first.get('heldout_pass_rate', 0):.3f} on "
                      f"{first.get('heldout_tasks', 0)} tasks")
@@ -348,7 +393,7 @@ class RLTrainer:
                 if config.heldout_tasks and (self.step % config.heldout_every == 0 or self.step == config.steps):
                     record.update(self.evaluate())
                     summary["last_heldout_pass_rate"] = record["heldout_pass_rate"]
-                self.metrics.write(record)
+                self._write(record)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", pass_rate=f"{record['pass_rate']:.2f}")
                 if self.step % config.save_every == 0 or self.step == config.steps:

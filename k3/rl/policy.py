@@ -142,13 +142,43 @@ class PolicyUpdater:
         return rollout_routes([s.routing if s.routing is not None else empty for s in members],
                               [len(s.ids) for s in members])
 
+    def _all_reduce_grads(self, bucket: int = 1 << 24) -> None:
+        """Sum every gradient over the ranks (data parallel: each rank backpropagated its own sequences, with
+        shares of the global batch), in flat buckets of about ``bucket`` elements."""
+        from k3.distributed.launch import all_reduce_sum
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # a rank without sequences in this mini-batch still adds its zeros
+                p.grad = torch.zeros_like(p)
+        start = 0
+        while start < len(params):
+            end, size = start, 0
+            while end < len(params) and (size == 0 or size + params[end].numel() <= bucket):
+                size += params[end].numel()
+                end += 1
+            flat = torch.cat([p.grad.reshape(-1) for p in params[start:end]])
+            all_reduce_sum(flat)
+            offset = 0
+            for p in params[start:end]:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+                offset += p.numel()
+            start = end
+
     def update(self, sequences: list[Sequence]) -> dict[str, float]:
-        if not sequences:
+        """One update over ``sequences``. Under torch.distributed (torchrun) every rank passes its own share of
+        the batch (possibly none) and every rank must call: the losses are normalised by the global batch,
+        the gradients summed over the ranks, so each rank takes the step one process would over all of them."""
+        from k3.distributed.launch import all_reduce_sum, is_distributed
+
+        data_parallel = is_distributed()
+        if not sequences and not data_parallel:
             return {}
         config = self.config
         self._train_mode()
         order = list(range(len(sequences)))
-        minibatches = [order[i::config.minibatches] for i in range(min(config.minibatches, len(order)))]
+        count = config.minibatches if data_parallel else min(config.minibatches, len(order))
+        minibatches = [order[i::config.minibatches] for i in range(count)]
         # 1. old-policy pass: logprobs, entropy, recorded routes, reference logprobs.
         old_logp, entropy, routes, ref_logp = {}, {}, {}, {}
         self.rollout_routed = 0
@@ -169,20 +199,26 @@ class PolicyUpdater:
                     old_logp.update(zip(members, logps))
                     entropy.update(zip(members, ents))
         masks = {i: torch.tensor(s.mask, dtype=torch.float32, device=self.device) for i, s in enumerate(sequences)}
-        total_tokens = sum(float(m.sum()) for m in masks.values())
-        metrics = {"entropy": sum(float((entropy[i] * masks[i]).sum()) for i in masks) / max(total_tokens, 1)}
         gap, known = 0.0, 0
         for i, s in enumerate(sequences):
             rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
             where = masks[i].bool() & torch.isfinite(rollout)
             gap += float((old_logp[i] - rollout)[where].abs().sum())
             known += int(where.sum())
-        metrics["logprob_gap"] = gap / known if known else math.nan
+        # Sums over the whole batch (every rank's share under torch.distributed).
+        totals = all_reduce_sum(torch.tensor([
+            sum(float(m.sum()) for m in masks.values()), sum(float((entropy[i] * masks[i]).sum()) for i in masks),
+            gap, known, self.rollout_routed, sum(len(s.ids) for s in sequences)], dtype=torch.float64))
+        total_tokens, entropy_sum, gap, known, routed, all_tokens = totals.tolist()
+        metrics = {"entropy": entropy_sum / max(total_tokens, 1), "logprob_gap": gap / known if known else math.nan}
+        # The global size of each mini-batch (sequences, trainable tokens): the loss shares' denominators.
+        sizes = all_reduce_sum(torch.tensor([[len(mb), sum(float(masks[i].sum()) for i in mb)] for mb in minibatches],
+                                            dtype=torch.float64).reshape(-1, 2))
         # 2. one optimizer step per mini-batch.
         losses, clips, kls, norms = [], [], [], []
         token_level = self.config.algorithm in ("dapo", "cispo")
-        for mb in minibatches:
-            mb_tokens = sum(float(masks[i].sum()) for i in mb)
+        for index, mb in enumerate(minibatches):
+            mb_sequences, mb_tokens = sizes[index].tolist()
             for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
                 members = [mb[i] for i in micro]
                 context = self.replay.replay(routes[tuple(members)]) if config.routing_replay else contextlib.nullcontext()
@@ -203,19 +239,23 @@ class PolicyUpdater:
                     kl = (kl_k3(logp_BT, pad([ref_logp[i] for i in members])) * mask_BT).sum() / mask_BT.sum().clamp(min=1)
                     loss = loss + self.loss_config.kl_coef * kl
                     kls.append(float(kl.detach()))
-                share = (float(mask_BT.sum()) / max(mb_tokens, 1)) if token_level else len(members) / len(mb)
+                share = (float(mask_BT.sum()) / max(mb_tokens, 1)) if token_level else len(members) / mb_sequences
                 (loss * share).backward()
                 losses.append(float(out.loss.detach()) * share)
                 clips.append(out.clip_fraction)
+            if data_parallel:
+                self._all_reduce_grads()
             norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if config.update_balancer:
             self.model.update_balancers()
         self.model.eval()
-        metrics.update(loss=sum(losses) / len(minibatches), clip_fraction=sum(clips) / len(clips),
+        loss_sum, clip_sum, clip_count, kl_sum, kl_count = all_reduce_sum(torch.tensor(
+            [sum(losses), sum(clips), len(clips), sum(kls), len(kls)], dtype=torch.float64)).tolist()
+        metrics.update(loss=loss_sum / len(minibatches), clip_fraction=clip_sum / max(clip_count, 1),
                        grad_norm=sum(norms) / len(norms), trained_tokens=total_tokens,
-                       kl_ref=(sum(kls) / len(kls)) if kls else 0.0,
-                       rollout_routed_share=self.rollout_routed / max(sum(len(s.ids) for s in sequences), 1))
+                       kl_ref=kl_sum / kl_count if kl_count else 0.0,
+                       rollout_routed_share=routed / max(all_tokens, 1))
         return metrics
 

@@ -1,0 +1,54 @@
+"""`torchrun --nproc-per-node 2 -m k3 rl` (gloo on CPU): each rank rolls out and trains its share of the
+episodes, gradients summed over the ranks; the run equals one process to float noise (slow: two ranks)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3.checkpoint.native import load_checkpoint
+from tests.rl.callers import make_caller_run
+from tests.rl.test_rollout_state import comparable
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[2]
+
+
+def args(run, suite, out):
+    return ["rl", "--from", str(run), "--suite", str(suite), "--out", str(out), "--algo", "grpo", "--group", "4",
+            "--tasks-per-step", "2", "--steps", "2", "--lr", "1e-2", "--heldout-tasks", "0", "--device", "cpu",
+            "--max-context", "1024", "--no-tis", "--save-every", "1"]
+
+
+def test_two_ranks_train_as_one_process(sandbox_home, tokenizer, tmp_path):
+    from k3.cli import main
+
+    run, suite, _ = make_caller_run(tokenizer, tmp_path)
+    assert main(args(run, suite, tmp_path / "one")) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "k3",
+               *args(run, suite, tmp_path / "two"), "--threads", "1"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=str(REPO))
+    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    one, two = comparable(tmp_path / "one" / "metrics.jsonl"), comparable(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
+    assert all("loss" in r for r in one)  # two updates to compare
+    for mine, theirs in zip(one, two):
+        assert mine.keys() == theirs.keys()
+        for key, value in mine.items():
+            if key in ("loss", "logprob_gap"):  # ~0 on policy: compared absolutely
+                assert theirs[key] == pytest.approx(value, abs=1e-6), key
+            elif isinstance(value, float):
+                assert theirs[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+            else:
+                assert theirs[key] == value, key
+    assert load_checkpoint(tmp_path / "two")["parked"]["world"] == 2  # rank 0 gathered both ranks' state
+    # Adam turns float noise (packing, the all-reduce's summation order) into weight differences of this order.
+    a, b = load_checkpoint(tmp_path / "one")["model"], load_checkpoint(tmp_path / "two")["model"]
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    print(json.dumps({"max_weight_difference": worst}))
+    assert worst < 1e-4, worst
