@@ -11,7 +11,9 @@ For each case (batch x prompt length):
   peer   transformers KimiLinearForCausalLM.generate (greedy, sdpa, grouped_mm experts) at the matched peer
          config: ms per step = (time for 1 + new tokens - time for 1 token) / new.
 Models: k3-small (the `small` preset) and k3-matched (k3 at the peer's config), random weights.
-Also printed: cache bytes per sequence against context length, split into KDA (constant) and MLA.
+Also printed: the memory floor of each k3 step (the bytes it must move: dense weights, the routed experts the
+batch's tokens touch, KDA states read + written, MLA latents read; over the copy bandwidth measured in the
+same run) and the graph step's ratio to it; cache bytes per sequence against context length.
 """
 
 from __future__ import annotations
@@ -50,7 +52,42 @@ def synthetic_static(config: ModelConfig, batch: int, filled: int, capacity: int
     return cache
 
 
-def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device) -> dict:
+def copy_bandwidth(device, nbytes: int = 1 << 30) -> float:
+    """Device memory bandwidth in bytes/s, measured as a large device-to-device copy (read + write)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup=3, repeats=10)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
+    """Bytes one decode step must move at least: every weight it uses once (the routed experts only where the
+    batch's tokens go, counted from one recorded step; the embedding only the looked-up rows), the KDA states
+    and conv tails read and written, and the MLA latents of the context read."""
+    from k3.rl.routing import RoutingReplay
+
+    saved = static.snapshot()
+    replay = RoutingReplay(model)
+    with replay.record() as routes:
+        decode_step(model, static, first)
+    static.restore(saved)
+    touched = [int(torch.unique(calls[0]).numel()) for calls in routes]  # distinct experts per MoE layer
+    moes = [layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
+    layer_bytes = [sum(p.numel() * p.element_size() for p in (m.w1, m.w2, m.w3)) for m in moes]
+    expert_weights = sum(layer_bytes)
+    expert_bytes = sum(b // config.num_experts * n for b, n in zip(layer_bytes, touched))
+    embed = model.model.embed_tokens.weight
+    dense = sum(p.numel() * p.element_size() for p in model.parameters()) - expert_weights - \
+        embed.numel() * embed.element_size() + batch * embed.shape[1] * embed.element_size()
+    kda = sum(t.numel() * t.element_size() for slot in static.layers if hasattr(slot, "conv_tails")
+              for t in [slot.state, *slot.conv_tails])
+    mla = batch * context * (config.kv_lora_rank + config.qk_rope_head_dim) * 2 * config.layer_types.count("mla")
+    return dict(dense_weight_bytes=dense, expert_bytes=expert_bytes, experts_touched_mean=sum(touched) / len(touched),
+                kda_state_bytes=2 * kda, mla_cache_bytes=mla, total_bytes=dense + expert_bytes + 2 * kda + mla)
+
+
+def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,
+             bandwidth: float | None = None) -> dict:
     reset_peak_memory()
     ids = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
     synchronize()
@@ -70,6 +107,7 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
         per_seq = None
         first = ids[:, -1:]
         synthetic = True
+    floor = step_bytes(model, config, static, first, batch, prompt) if bandwidth else {}
     saved = static.snapshot()
     eager_ms = time_ms(lambda: (static.restore(saved), decode_step(model, static, first)), warmup=2, repeats=5)
     static.restore(saved)
@@ -87,7 +125,10 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
         greedy(first, new)
 
     graph_ms = time_ms(run, warmup=1, repeats=3) / new
-    return dict(prefill_s=prefill_s, eager_step_ms=eager_ms, graph_step_ms=graph_ms,
+    if floor:
+        floor["floor_ms"] = floor["total_bytes"] / bandwidth * 1e3
+        floor["graph_vs_floor"] = graph_ms / floor["floor_ms"]
+    return dict(prefill_s=prefill_s, eager_step_ms=eager_ms, graph_step_ms=graph_ms, memory_floor=floor,
                 tokens_per_s=batch * 1e3 / graph_ms, synthetic_cache=synthetic, cache_bytes_per_seq=per_seq,
                 peak_gib=peak_memory_gib())
 
@@ -120,6 +161,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
+    bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
+    if bandwidth:
+        print(f"device copy bandwidth (read + write, 1 GiB): {bandwidth / 1e12:.2f} TB/s", flush=True)
     results: dict[str, dict[str, dict]] = {}
     for name in args.models:
         torch.manual_seed(0)
@@ -139,7 +183,7 @@ def main() -> None:
                 if name == "peer":
                     r = bench_peer(model, batch, prompt, args.new, device)
                 else:
-                    r = bench_k3(model, config, batch, prompt, args.new, args.max_real_tokens, device)
+                    r = bench_k3(model, config, batch, prompt, args.new, args.max_real_tokens, device, bandwidth)
             except Exception as exc:
                 traceback.print_exc()
                 r = dict(error=f"{type(exc).__name__}: {exc}"[:300])
@@ -166,6 +210,19 @@ def main() -> None:
                 ["model", "batch x prompt", "prefill s", "eager ms/step", "graph ms/step", "tokens/s",
                  "speed-up vs peer", "peak GiB"], rows)
 
+    floor_rows = []
+    for name, cases in results.items():
+        for case, r in cases.items():
+            f = r.get("memory_floor") or {}
+            if f:
+                floor_rows.append([name, case, f["dense_weight_bytes"] / 2**20, f["experts_touched_mean"],
+                                   f["expert_bytes"] / 2**20, (f["kda_state_bytes"] + f["mla_cache_bytes"]) / 2**20,
+                                   f["floor_ms"], r["graph_step_ms"], f"{f['graph_vs_floor']:.2f}x"])
+    if floor_rows:
+        print_table(f"Decode memory floor: bytes a step must read / copy bandwidth {bandwidth / 1e12:.2f} TB/s",
+                    ["model", "batch x prompt", "dense MiB", "experts touched/layer", "experts MiB", "cache MiB",
+                     "floor ms", "graph ms", "graph / floor"], floor_rows)
+
     mem_rows = []
     for name in ("k3-small", "k3-matched"):
         config = k3_matched_config() if name == "k3-matched" else ModelConfig.from_preset("small")
@@ -180,7 +237,7 @@ def main() -> None:
                              "measured" if measured else "bytes/token x context"])
     print_table("Decode cache per sequence (MiB): KDA state is constant, MLA latent grows with context",
                 ["model", "context", "KDA MiB", "MLA MiB", "total MiB", "source"], mem_rows)
-    write_json(args.out, {"bench": "decode", "new_tokens": args.new, "results": results,
+    write_json(args.out, {"bench": "decode", "new_tokens": args.new, "results": results, "bandwidth": bandwidth,
                           "cache_per_sequence": [dict(zip(["model", "context", "kda_mib", "mla_mib", "total_mib",
                                                            "source"], r)) for r in mem_rows]})
 

@@ -7,6 +7,8 @@ Rows per shape (B x T), forward (no grad) and forward+backward, median ms over r
   k3 chunk_kda op       k3.ops.kda.chunk_kda as the layer calls it: raw gate and beta logits, fused in-kernel
   fla KDA layer         fla.layers.KimiDeltaAttention (safe gate, lower bound -5), projections included
   k3 KDA layer          k3.layers.kda.KimiDeltaAttention at the same widths (low-rank output gate like fla's)
+  k3 layer, unfused     the same with K3_FUSED_BACKEND=torch (PyTorch short conv and gated norm: the layer
+                        before fla's fused kernels), for the before/after in one run
 Ratios: op vs bare kernel, k3 layer vs fla layer ("layer overhead"), and each layer vs the bare kernel.
 """
 
@@ -20,6 +22,7 @@ from common import device_name, print_table, reset_peak_memory, time_ms, write_j
 
 from k3.config import ModelConfig
 from k3.layers.kda import KimiDeltaAttention
+from k3.ops.fused_backend import set_fused_backend
 from k3.ops.kda import chunk_kda, kda_backend, kda_gate
 
 LOWER_BOUND = -5.0
@@ -52,8 +55,12 @@ def run_op(x: dict, backward: bool):
         o.backward(torch.ones_like(o))
 
 
-def run_layer(layer, hidden: torch.Tensor, backward: bool, is_fla: bool):
-    out = layer(hidden)
+def run_layer(layer, hidden: torch.Tensor, backward: bool, is_fla: bool, unfused: bool = False):
+    set_fused_backend("torch" if unfused else None)
+    try:
+        out = layer(hidden)
+    finally:
+        set_fused_backend(None)
     out = out[0] if is_fla else out
     if backward:
         out.backward(torch.ones_like(out))
@@ -95,7 +102,8 @@ def main() -> None:
                 for name, fn in [("bare", lambda: run_bare(fla_chunk, x, backward)),
                                  ("op", lambda: run_op(x, backward)),
                                  ("fla_layer", lambda: run_layer(theirs, hidden, backward, True)),
-                                 ("k3_layer", lambda: run_layer(ours, hidden, backward, False))]:
+                                 ("k3_layer", lambda: run_layer(ours, hidden, backward, False)),
+                                 ("k3_unfused", lambda: run_layer(ours, hidden, backward, False, True))]:
                     reset_peak_memory()
                     timings[name] = time_ms(fn, warmup=3, repeats=args.repeats)
             r = dict(B=B, T=T, mode=mode, **{f"{k}_ms": v for k, v in timings.items()},
@@ -105,11 +113,12 @@ def main() -> None:
                      fla_layer_vs_bare=timings["fla_layer"] / timings["bare"])
             results.append(r)
             rows.append([f"{B}x{T}", mode, timings["bare"], timings["op"], timings["fla_layer"], timings["k3_layer"],
+                         timings["k3_unfused"],
                          f"{100 * r['op_overhead']:+.1f}%", f"{100 * r['layer_overhead_vs_fla_layer']:+.1f}%",
                          f"{r['k3_layer_vs_bare']:.2f}x", f"{r['fla_layer_vs_bare']:.2f}x"])
             print(rows[-1], flush=True)
     print_table(f"KDA: k3 vs fla on {device_name()} (ms, median of {args.repeats})",
-                ["BxT", "mode", "fla kernel", "k3 op", "fla layer", "k3 layer", "op ovh", "layer ovh vs fla layer",
+                ["BxT", "mode", "fla kernel", "k3 op", "fla layer", "k3 layer", "k3 unfused", "op ovh", "layer ovh vs fla layer",
                  "k3 layer/kernel", "fla layer/kernel"], rows)
     write_json(args.out, {"bench": "kda", "heads": H, "dim": D, "hidden": args.hidden, "results": results})
 

@@ -11,14 +11,18 @@ Models, all built in the same process on the same GPU:
               config._experts_implementation = "grouped_mm" (the baseline)
   k3-matched  k3 at the same Kimi-Linear config (softplus gate, plain residuals, SiLU, no latent MoE)
   k3-small    the `small` preset (16 layers, block AttnRes, latent MoE, SiTU, QB balancing)
-Variants of k3-small: eager AttnRes mix instead of the compiled one; torch.compile on the dense/shared MLPs
-and norms.
+Variants of k3-small / k3-matched: `-unfused` (PyTorch short conv and norms instead of fla's fused kernels,
+K3_FUSED_BACKEND=torch: the state before those kernels), `-eager-attnres` (eager AttnRes mix instead of the
+compiled one), `-compiled` (torch.compile on the dense/shared MLPs and norms).
+Also reported: the wall time of the first step (kernel compile/autotune included). --profile PATH writes
+torch.profiler's kernel table of one k3-small step by self CUDA time to PATH.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import time
 import traceback
 
 import torch
@@ -30,6 +34,7 @@ from k3 import K3ForCausalLM, ModelConfig
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.attn_res import set_attn_res_backend
+from k3.ops.fused_backend import set_fused_backend
 
 PEER = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=12, intermediate_size=4096,
             linear_num_heads=8, linear_head_dim=128, num_attention_heads=8, num_key_value_heads=8,
@@ -91,6 +96,22 @@ def step_fn(model, ids, is_k3: bool):
     return step
 
 
+def profile_step(step, path: str, title: str) -> None:
+    """One profiled step; the kernel table sorted by self CUDA time, written atomically to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=70)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{title}\n\n{table}\n")
+    os.replace(tmp, path)
+    print(f"profile written to {path}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -99,6 +120,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+",
                         default=["peer", "k3-matched", "k3-small"])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile", default=None, help="write a kernel table of one k3-small step here")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -107,7 +129,8 @@ def main() -> None:
     for name in args.variants:
         torch.manual_seed(0)
         reset_peak_memory()
-        set_attn_res_backend("eager" if name == "k3-small-eager-attnres" else None)
+        set_attn_res_backend("eager" if name.endswith("-eager-attnres") else None)
+        set_fused_backend("torch" if name.endswith("-unfused") else None)
         try:
             if name == "peer":
                 model = peer_model(device)
@@ -115,15 +138,24 @@ def main() -> None:
                 flops = hf_train_flops_per_token(model, args.seq, 2, 8, 128, 128, 10, 8, 128,
                                                  c.num_local_experts, c.num_experts_per_tok)
             else:
-                config = k3_matched_config() if name == "k3-matched" else ModelConfig.from_preset("small")
+                config = k3_matched_config() if name.startswith("k3-matched") else ModelConfig.from_preset("small")
                 model = k3_model(config, device, compile_blocks=name.endswith("compiled"))
                 flops = k3_train_flops_per_token(config, args.seq)
             vocab = model.config.vocab_size
             ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
-            ms = time_ms(step_fn(model, ids, name != "peer"), warmup=3, repeats=args.steps)
+            step = step_fn(model, ids, name != "peer")
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            first_s = time.perf_counter() - t0
+            ms = time_ms(step, warmup=2, repeats=args.steps)
+            if args.profile and name == "k3-small":
+                profile_step(step, args.profile, f"k3-small training step, B={args.batch} x T={args.seq}, "
+                             f"bf16, on {device_name()}")
             tps = tokens / (ms / 1e3)
             params = sum(p.numel() for p in model.parameters())
-            results[name] = dict(step_ms=ms, tokens_per_s=tps, mfu=flops * tps / H200_BF16_PEAK_FLOPS,
+            results[name] = dict(step_ms=ms, first_step_s=first_s, tokens_per_s=tps, mfu=flops * tps / H200_BF16_PEAK_FLOPS,
                                  flops_per_token=flops, params=params, peak_gib=peak_memory_gib())
             print(name, results[name], flush=True)
             write_json(args.out, {"bench": "train", "batch": args.batch, "seq": args.seq, "partial": True,
@@ -133,6 +165,7 @@ def main() -> None:
             results[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
             set_attn_res_backend(None)
+            set_fused_backend(None)
             model = None
             torch.cuda.empty_cache()
     base = results.get("peer", {}).get("tokens_per_s")
@@ -143,9 +176,9 @@ def main() -> None:
             continue
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"
         rows.append([name, f"{r['params'] / 1e9:.2f}B", r["step_ms"], r["tokens_per_s"], f"{100 * r['mfu']:.1f}%",
-                     ratio, r["peak_gib"]])
+                     ratio, r["peak_gib"], r["first_step_s"]])
     print_table(f"Training step, B={args.batch} x T={args.seq}, bf16 + fused AdamW, on {device_name()}",
-                ["model", "params", "step ms", "tokens/s", "MFU", "vs peer", "peak GiB"], rows)
+                ["model", "params", "step ms", "tokens/s", "MFU", "vs peer", "peak GiB", "first step s"], rows)
     write_json(args.out, {"bench": "train", "batch": args.batch, "seq": args.seq,
                           "env": {k: v for k, v in os.environ.items() if k.startswith("K3_")}, "results": results})
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.layers.balancing import QB_MAX_ITERS, loss_free_bias, maxvio, solve_batch_bias
+from k3.layers.balancing import QB_MAX_ITERS, QB_TOLERANCE, loss_free_bias, maxvio, solve_batch_bias
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.moe import count_per_expert, inverse_permutation, run_experts
@@ -55,6 +55,7 @@ class Router(nn.Module):
         # QB updates per training forward (SPEC section 7 iterated on the routed batch until it balances);
         # 1 is a single update from the previous bias, which leaves maxvio ~0.5-2.6 on the tiny preset.
         self.qb_max_iters = QB_MAX_ITERS
+        self.qb_tolerance = QB_TOLERANCE
         self.last_qb_iters = 0
         # Auxiliary balancing loss (Switch / DeepSeek style), an ablation baseline set by the trainer: when > 0,
         # each training forward leaves coef * E * sum_e f_e * P_e in `aux_loss` (f_e: share of the routed pairs,
@@ -78,7 +79,7 @@ class Router(nn.Module):
                 with torch.no_grad():
                     new_bias, self.last_qb_iters = solve_batch_bias(
                         scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.qb_max_iters,
-                        gather=self.gather, reduce=self.reduce)
+                        gather=self.gather, reduce=self.reduce, tolerance=self.qb_tolerance)
                     self.e_score_correction_bias.copy_(new_bias)
             topk_ids_TK = (scores_TE.detach() + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, topk_ids_TK)

@@ -7,21 +7,16 @@ Statistics in fp32 (fp64 stays fp64), the result in x's dtype. Eager PyTorch spe
 kernels on each (upcast, square, mean, rsqrt, scale, gate, downcast) and keeps their fp32 intermediates for the
 backward; fla does each in one kernel forward and one backward, reading x once.
 
-Backend: `set_norm_backend(name)` if called (None resets), else the env var K3_NORM_BACKEND, else "auto"
-(fla for CUDA tensors in fp16/bf16/fp32 when `fla.modules` imports, PyTorch otherwise); "torch" and "fla"
-force one. The gated norm sits inside the KDA layer and follows this switch too.
+Which runs follows k3.ops.fused_backend (K3_FUSED_BACKEND: fla on CUDA when it imports, else PyTorch).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-_BACKENDS = ("auto", "torch", "fla")
-_ENV = "K3_NORM_BACKEND"
-_override: str | None = None
+from k3.ops.fused_backend import fused_backend
 
 
 @functools.lru_cache(maxsize=1)
@@ -34,29 +29,8 @@ def _load_fla_norms():
     return rms_norm, rms_norm_gated
 
 
-def set_norm_backend(name: str | None) -> None:
-    """Force "auto", "torch" or "fla"; None goes back to K3_NORM_BACKEND (default "auto")."""
-    global _override
-    if name is not None and name not in _BACKENDS:
-        raise ValueError(f"set_norm_backend(name) must be one of {_BACKENDS}, got {name!r}")
-    if name == "fla" and isinstance(_load_fla_norms(), str):
-        raise RuntimeError(f"norm backend 'fla' requested but fla is not importable ({_load_fla_norms()})")
-    _override = name
-
-
-def norm_backend(x: torch.Tensor | None = None) -> str:
-    """Without x: the configured backend. With x: what a call on x runs, "fla" or "torch"."""
-    name = _override if _override is not None else os.environ.get(_ENV, "auto").strip().lower()
-    if name not in _BACKENDS:
-        raise ValueError(f"{_ENV} must be one of {_BACKENDS}, got {name!r}")
-    if x is None or name == "torch":
-        return name
-    usable = x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32) \
-        and not isinstance(_load_fla_norms(), str)
-    if name == "fla" and not usable:
-        raise RuntimeError(f"norm backend 'fla' forced but it cannot run on {x.device} / {x.dtype} "
-                           f"(fla needs CUDA fp16/bf16/fp32 tensors); set {_ENV}=auto or torch")
-    return "fla" if usable else "torch"
+def _use_fla(x: torch.Tensor) -> bool:
+    return fused_backend(x, available=not isinstance(_load_fla_norms(), str)) == "fla"
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -80,13 +54,13 @@ def rms_norm_gated_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension (x [..., D], weight [D])."""
-    if norm_backend(x) == "fla":
+    if _use_fla(x):
         return _load_fla_norms()[0](x, weight, None, eps=eps)
     return rms_norm_torch(x, weight, eps)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * sigmoid(gate) over the last dimension (x, gate [..., D], weight [D]); x's dtype out."""
-    if norm_backend(x) == "fla":
+    if _use_fla(x):
         return _load_fla_norms()[1](x, gate.to(x.dtype), weight, None, activation="sigmoid", eps=eps)
     return rms_norm_gated_torch(x, gate, weight, eps)

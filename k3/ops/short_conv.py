@@ -6,7 +6,7 @@
 The PyTorch twin (k3.layers.conv.ShortConv's own code) transposes to [B, C, T] for a cuDNN depthwise conv and
 applies SiLU as a separate kernel; fla's `causal_conv1d` reads [B, T, C] in place (strided views allowed), does
 the taps, SiLU and packed-document boundaries in one kernel, and returns the cache state it needs.
-Which one runs follows the KDA backend switch (k3.ops.kda.kda_backend): fla on CUDA when it imports.
+Which one runs follows k3.ops.fused_backend (K3_FUSED_BACKEND): fla on CUDA when it imports.
 
 Cache layouts: k3 keeps the last W-1 inputs as a tail [B, W-1, C]; fla keeps a window [N, C, W] whose last W-1
 columns are those inputs (column 0 is unused on input and holds the oldest input on output).
@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from k3.ops.kda import kda_backend
+from k3.ops.fused_backend import fused_backend
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,10 +73,10 @@ def short_conv_fla(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor 
 def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None = None,
                cu_seqlens: torch.Tensor | None = None,
                position_in_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: fla for CUDA inputs when the KDA backend resolves to fla (packed input must then come with
+    """Dispatch: fla for CUDA inputs when the fused backend resolves to fla (packed input must then come with
     cu_seqlens and without a tail), PyTorch otherwise (packed input by position_in_doc)."""
     packed = cu_seqlens is not None or position_in_doc is not None
-    fla_ok = (kda_backend(x) == "fla" and not isinstance(_load_fla_conv(), str)
+    fla_ok = (fused_backend(x, available=not isinstance(_load_fla_conv(), str)) == "fla"
               and not (packed and (cu_seqlens is None or tail is not None)))
     if fla_ok:
         return short_conv_fla(x, weight_CW, tail, cu_seqlens if packed else None)

@@ -57,7 +57,7 @@ def test_solver_stops_once_balanced_and_reports_its_updates():
     assert balanced_enough(load, K, 1024) and maxvio(load) == 0.0
     assert 1 < used < 50  # measured 21
     again, used_again = solve_batch_bias(scores, bias, K, max_iters=200)
-    assert used_again == 1  # from the solution, one update confirms it
+    assert used_again == 0  # from the solution, the load test passes before any update
     assert abs(float(bias.mean())) < 1e-5
 
 

@@ -14,7 +14,8 @@ import k3.layers.kda as kda_layer
 from k3 import ModelConfig
 from k3.layers.kda import KimiDeltaAttention
 from k3.ops.kda import set_kda_backend
-from k3.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_torch, rms_norm_torch, set_norm_backend
+from k3.ops.fused_backend import set_fused_backend
+from k3.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_torch, rms_norm_torch
 from k3.ops.short_conv import _load_fla_conv, short_conv, short_conv_fla, short_conv_torch
 
 CUDA = torch.cuda.is_available() and not isinstance(_load_fla_conv(), str)
@@ -157,11 +158,11 @@ def test_kda_layer_fla_paths_equal_torch_cuda():
 
     fast = run()
     set_kda_backend("torch")
-    set_norm_backend("torch")
+    set_fused_backend("torch")
     try:
         twin = run()
     finally:
         set_kda_backend(None)
-        set_norm_backend(None)
+        set_fused_backend(None)
     for a, b in zip(fast, twin):
         assert rel(a, b) < 5e-3

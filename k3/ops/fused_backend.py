@@ -1,0 +1,40 @@
+"""One switch for fla's fused layer kernels outside the KDA recurrence: the short conv, RMSNorm and KDA's gated
+RMSNorm (k3.ops.short_conv, k3.ops.norm). The recurrence itself has its own switch (k3.ops.kda).
+
+Backend: `set_fused_backend(name)` if called (None resets), else the env var K3_FUSED_BACKEND, else "auto"
+(fla for CUDA tensors in fp16/bf16/fp32 when fla imports, PyTorch otherwise); "torch" and "fla" force one.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+_BACKENDS = ("auto", "torch", "fla")
+_ENV = "K3_FUSED_BACKEND"
+_override: str | None = None
+
+
+def set_fused_backend(name: str | None) -> None:
+    """Force "auto", "torch" or "fla"; None goes back to K3_FUSED_BACKEND (default "auto")."""
+    global _override
+    if name is not None and name not in _BACKENDS:
+        raise ValueError(f"set_fused_backend(name) must be one of {_BACKENDS}, got {name!r}")
+    _override = name
+
+
+def fused_backend(x: torch.Tensor | None = None, available: bool = True) -> str:
+    """Without x: the configured backend. With x: what a call on x runs, "fla" or "torch"; `available` says
+    whether the caller's fla kernel imported."""
+    name = _override if _override is not None else os.environ.get(_ENV, "auto").strip().lower()
+    if name not in _BACKENDS:
+        raise ValueError(f"{_ENV} must be one of {_BACKENDS}, got {name!r}")
+    if x is None or name == "torch":
+        return name
+    usable = available and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    if name == "fla" and not usable:
+        raise RuntimeError(f"fused backend 'fla' forced but it cannot run on {x.device} / {x.dtype} "
+                           f"(fla needs CUDA fp16/bf16/fp32 tensors and an importable fla); "
+                           f"set {_ENV}=auto or torch")
+    return "fla" if usable else "torch"
