@@ -53,6 +53,7 @@ from k3.rl.policy import micro_batches, packed_logprobs, token_logprobs
 from k3.rl.routing import RoutingReplay
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.train.metrics import MetricsLog, read_metrics
+from k3.train.optim import lr_at
 
 MODES = ("on-policy", "offline", "forward-kl", "mixed")
 ESTIMATORS = ("sampled", "topk")  # on-policy reverse KL: per sampled token (the RL step), or over the teacher's top-k
@@ -76,6 +77,7 @@ class DistillConfig:
     max_new_tokens: int = 32
     temperature: float = 1.0  # the reverse-KL advantage is exact at 1 (the engine's logprobs are at 1)
     lr: float = 1e-4
+    lr_schedule: str = "constant"  # or "cosine": from lr down to lr / 10 at the last step (k3.train.optim.lr_at)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     top_k: int = 16  # forward-kl / mixed: teacher top-k
@@ -83,6 +85,7 @@ class DistillConfig:
     rl_suites: dict[str, float] = field(default_factory=dict)  # suite name or task file -> reward weight
     suite_tasks: int = 512  # training tasks drawn from each built-in suite
     tis_cap: float | None = 2.0
+    baseline: bool = False  # sampled: subtract the batch's mean reverse-KL advantage (a constant: unbiased)
     clip_low: float | None = None
     clip_high: float | None = None
     heldout_prompts: int = 16
@@ -98,6 +101,8 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
         if self.algo not in TOKEN_LEVEL_ALGORITHMS:
@@ -385,19 +390,42 @@ class DistillTrainer:
         return out
 
     def _score(self, sequences: list[TokenSequence], top_k: int) -> None:
-        """Each sequence's domain teacher scores its trained tokens: advantages, and top-k when asked."""
+        """Each sequence's domain teacher scores its trained tokens: advantages, and top-k when asked. A top-k
+        of the whole vocabulary takes the teacher's full distributions as tensors (no per-id lists)."""
         for domain, members in route(sequences).items():
-            scored = self.teachers[domain].score([sequences[i].ids for i in members],
-                                                 [sequences[i].start for i in members], top_k=top_k)
-            for i, result in zip(members, scored):
+            teacher = self.teachers[domain]
+            ids, starts = [sequences[i].ids for i in members], [sequences[i].start for i in members]
+            full = top_k >= teacher.vocab_size
+            if full:
+                dists = teacher.log_softmax(ids, starts)
+                scored = [(dist.gather(1, torch.tensor(seq[start:])[:, None])[:, 0].tolist(), dist)
+                          for seq, start, dist in zip(ids, starts, dists)]
+            else:
+                scored = [(r.logprobs, r.top_logprobs) for r in teacher.score(ids, starts, top_k=top_k)]
+            for i, (logprobs, top) in zip(members, scored):
                 s = sequences[i]
-                s.teacher_logprobs = list(result.logprobs)
+                s.teacher_logprobs = list(logprobs)
                 if s.kind == "pg":
-                    dense = reverse_kl_advantages(torch.tensor(s.rollout_logprobs), torch.tensor(result.logprobs))
+                    dense = reverse_kl_advantages(torch.tensor(s.rollout_logprobs), torch.tensor(logprobs))
                     # topk: the reverse KL is a loss of its own; the policy-gradient advantage is the task reward only
                     s.advantages = (dense if self.config.estimator == "sampled" else torch.zeros_like(dense)).tolist()
-                if top_k:
-                    s.top_ids, s.top_logprobs = _top_tensors(result.top_logprobs)
+                if full:
+                    s.top_ids = torch.arange(top.shape[1]).expand(top.shape[0], -1)
+                    s.top_logprobs = top
+                elif top_k:
+                    s.top_ids, s.top_logprobs = _top_tensors(top)
+
+    @staticmethod
+    def _subtract_baseline(sequences: list[TokenSequence]) -> None:
+        """A_t -= mean of A over the batch's sampled tokens. A constant baseline leaves the expected gradient as
+        it is (E[grad log p] = 0) and removes the part of each token's push that is only the mean reverse KL;
+        nothing is divided by a spread, so the dense per-token signal keeps its scale."""
+        values = [a for s in sequences if s.kind == "pg" for a in s.advantages]
+        if values:
+            mean = sum(values) / len(values)
+            for s in sequences:
+                if s.kind == "pg":
+                    s.advantages = [a - mean for a in s.advantages]
 
     def _rewards(self, sequences: list[TokenSequence]) -> None:
         for s in sequences:
@@ -428,6 +456,8 @@ class DistillTrainer:
         if config.mode != "offline":
             self._score(sequences, config.top_k if config.uses_top_k else 0)
         score_s = time.perf_counter() - t0
+        if config.on_policy and config.baseline and config.estimator == "sampled":
+            self._subtract_baseline(sequences)
         if config.on_policy:
             self._rewards(sequences)
             self._add_task_rewards(sequences)
@@ -442,7 +472,10 @@ class DistillTrainer:
                 if rewards:
                     record[f"train_reward/{domain}"] = sum(rewards) / len(rewards)
         t0 = time.perf_counter()
-        record.update(self.updater.update(sequences))
+        lr = config.lr if config.lr_schedule == "constant" else lr_at(self.step - 1, config.steps, config.lr, 0)
+        for group in self.updater.optimizer.param_groups:
+            group["lr"] = lr
+        record.update(self.updater.update(sequences), lr=lr)
         weights_changed(self.engine)
         train_s = time.perf_counter() - t0
         record.update(sampled_tokens=sampled, sample_s=sample_s, train_s=train_s,

@@ -10,7 +10,7 @@ import torch
 from k3.rl.distill import ESTIMATORS, MODES, TOKEN_LEVEL_ALGORITHMS
 
 FIELDS = ("student", "out", "mode", "estimator", "algo", "steps", "prompts_per_domain", "samples", "prompt_tokens",
-          "reference_tokens", "max_new_tokens", "temperature", "lr", "top_k", "mixed_weight", "tis_cap", "suite_tasks",
+          "reference_tokens", "max_new_tokens", "temperature", "lr", "lr_schedule", "top_k", "mixed_weight", "tis_cap", "baseline", "suite_tasks",
           "heldout_prompts", "heldout_samples", "heldout_every", "save_every", "seed", "max_context", "device")
 
 
@@ -78,6 +78,8 @@ def register(subparsers) -> None:
                    help="on-policy reverse KL: sampled (default: per-token advantage log p_teacher - log p_student "
                         "through the policy-gradient step) or topk (the reverse KL over the teacher's top-k ids "
                         "plus one bucket for the rest, at the student's own sampled positions)")
+    p.add_argument("--baseline", action="store_true", default=None,
+                   help="sampled estimator: subtract the batch's mean advantage (a constant baseline)")
     p.add_argument("--rl-suite", action="append", dest="rl_suite",
                    help="NAME[:WEIGHT]: add WEIGHT (default 1) x the centred task reward of an RL suite (calc, "
                         "files, or a task file; single-turn, answer-checked) to the advantage; its prompts are "
@@ -92,6 +94,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
     p.add_argument("--temperature", type=float)
     p.add_argument("--lr", type=float)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), dest="lr_schedule",
+                   help="constant (default) or cosine down to lr/10 at the last step")
     p.add_argument("--top-k", type=int, dest="top_k")
     p.add_argument("--mixed-weight", type=float, dest="mixed_weight")
     p.add_argument("--tis-cap", type=float, dest="tis_cap")

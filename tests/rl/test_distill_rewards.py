@@ -127,3 +127,33 @@ def test_topk_estimator_trains_with_the_reward_only_in_the_policy_gradient(token
     for s in captured:  # no reverse-KL term in the advantage: only weight x the centred reward, one per sequence
         assert len(set(s.advantages)) == 1
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_the_batch_baseline_only_shifts_the_sampled_advantages():
+    from k3.rl.distill import TokenSequence
+
+    sequences = [TokenSequence("a", [1, 2, 3], 1, "pg", advantages=[-1.0, -3.0]),
+                 TokenSequence("b", [1, 2], 1, "pg", advantages=[-2.0]),
+                 TokenSequence("a", [1, 2], 1, "sft")]
+    DistillTrainer._subtract_baseline(sequences)
+    assert sequences[0].advantages == [1.0, -1.0] and sequences[1].advantages == [0.0]
+    assert sequences[2].advantages is None
+
+
+def test_a_top_k_of_the_whole_vocabulary_takes_the_teachers_full_distributions(tokenizer):
+    import copy
+
+    from k3.rl.distill import TokenSequence
+
+    teacher = LocalTeacher("a", _model(tokenizer, 1), tokenizer, 256)
+    trainer = DistillTrainer.__new__(DistillTrainer)  # only _score's state: the teachers and the config
+    trainer.teachers, trainer.config = {"a": teacher}, DistillConfig(estimator="topk")
+    sequences = [TokenSequence("a", ids, 3, "pg", rollout_logprobs=[0.0] * (len(ids) - 3))
+                 for ids in (tokenizer.encode(text) for text in TEXTS[:3])]
+    full, listed = copy.deepcopy(sequences), copy.deepcopy(sequences)
+    trainer._score(full, teacher.vocab_size)
+    trainer._score(listed, teacher.vocab_size - 1)  # through engine.score's top-k lists
+    for a, b in zip(full, listed):
+        torch.testing.assert_close(torch.tensor(a.teacher_logprobs), torch.tensor(b.teacher_logprobs), atol=1e-4, rtol=0)
+        assert a.top_logprobs.shape == (len(a.ids) - 3, teacher.vocab_size)
+        torch.testing.assert_close(a.top_logprobs.gather(1, b.top_ids), b.top_logprobs, atol=1e-4, rtol=0)
