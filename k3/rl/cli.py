@@ -30,8 +30,11 @@ def rl_command(args: argparse.Namespace) -> int:
         if not args.out:
             raise ValueError("k3 rl demos needs --out FILE.jsonl")
         suite = args.suite or "calc"
-        if suite not in ("calc", "fix", "files"):
-            raise ValueError(f"demonstrations come from a built-in suite's solver (calc, fix, files), not {suite!r}")
+        from k3.rl.suites import SUITE_NAMES
+
+        if suite not in SUITE_NAMES:
+            raise ValueError(f"demonstrations come from a built-in suite's solver ({', '.join(SUITE_NAMES)}), "
+                             f"not {suite!r}")
         summary = write_demonstrations(suite, args.count, args.out)
         print(json.dumps(summary))
         return 0
@@ -83,7 +86,7 @@ def register(subparsers) -> None:
     rl.add_argument("--run", "--from", dest="run",
                     help="starting checkpoint: a k3 train / k3 sft / k3 rl run directory (--from: the same, for "
                          "torchrun, whose own --run-path makes it refuse --run)")
-    rl.add_argument("--suite", default=None, help="calc, fix, files, or a .jsonl file / directory of tasks")
+    rl.add_argument("--suite", default=None, help="calc, fix, files, browse, or a .jsonl file / directory of tasks")
     rl.add_argument("--out", help="the RL run directory (demos: the JSONL file to write)")
     rl.add_argument("--algo", choices=sorted(ALGORITHMS), help="policy objective (default gspo)")
     rl.add_argument("--group", type=int, help="episodes per task, forked from one snapshot (default 8)")

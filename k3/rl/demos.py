@@ -17,7 +17,7 @@ from k3.checkpoint.native import atomic_write_bytes
 from k3.rl.chat_format import format_tool_call, parse_tool_calls
 from k3.rl.rollout import initial_messages, prepare_sandbox
 from k3.rl.tasks import Task
-from k3.rl.tools import run_tool
+from k3.rl.tools import run_tool, web_session
 from k3.rl.verify import score
 
 
@@ -26,11 +26,12 @@ def demonstration(suite, task: Task, budget: int = 1000) -> tuple[list[dict], fl
     messages = initial_messages(task)
     box = prepare_sandbox(task)
     answer, ran = None, 0
+    web = web_session(task.tools)
     try:
         for name, arguments in suite.solution(task):
             text = format_tool_call(name, arguments)
             messages.append({"role": "assistant", "content": text})
-            observation = run_tool(parse_tool_calls(text)[0], box, task.tools, budget)
+            observation = run_tool(parse_tool_calls(text)[0], box, task.tools, budget, web=web)
             ran += observation.ran
             if observation.submitted is not None:
                 answer = observation.submitted

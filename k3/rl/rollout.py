@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from k3.rl.chat_format import parse_tool_calls, render_ids, tool_message_ids
 from k3.rl.generation import generate
 from k3.rl.tasks import Task
-from k3.rl.tools import SandboxGone, run_tool, tool_list_text, truncate
+from k3.rl.tools import SandboxGone, run_tool, tool_list_text, truncate, web_session
 from k3.rl.verify import score
 
 
@@ -68,6 +68,8 @@ class Episode:
     # With an engine that records routing: the experts of every token it fed, [MoE layers, fed, K] (int32),
     # each token's as of the turn that first fed it; the trainer replays them (k3.rl.routing).
     routing: object | None = None
+    web: object | None = None  # the offline-web session of a task with web tools (k3.rl.tools.web_session)
+    web_state: dict | None = None  # its open page and links, kept through a checkpoint
 
     @property
     def response_tokens(self) -> int:
@@ -277,6 +279,14 @@ class RolloutRunner:
             episode.last_output = out
 
     @staticmethod
+    def _web(episode: Episode):
+        if episode.web is None:
+            episode.web = web_session(episode.task.tools)
+            if episode.web is not None and episode.web_state:
+                episode.web.url, episode.web.links = episode.web_state["url"], list(episode.web_state["links"])
+        return episode.web
+
+    @staticmethod
     def _add_routing(episode: Episode, routing) -> None:
         """Keep the rows of tokens fed for the first time this turn (the observation after the last turn, the
         last token of that turn, and this turn's new tokens but its last)."""
@@ -306,7 +316,7 @@ class RolloutRunner:
             episode.tool_calls += 1
             try:
                 observation = run_tool(call, episode.sandbox, episode.task.tools, self.config.tool_budget,
-                                       self.config.tool_timeout)
+                                       self.config.tool_timeout, web=self._web(episode))
             except SandboxGone as error:
                 self._end(episode, "sandbox_died", f"the sandbox died during {call.name or 'a tool call'}: {error}")
                 return
@@ -398,7 +408,7 @@ class RolloutRunner:
         self.parked = [[episode_from_state(e) for e in group] for group in state.get("groups", [])]
 
 
-_TRANSIENT = ("sandbox", "last_output", "started", "task")
+_TRANSIENT = ("sandbox", "last_output", "started", "task", "web")
 
 
 def task_state(task: Task) -> dict:
@@ -425,6 +435,8 @@ def episode_state(episode: Episode) -> dict:
         raise ValueError(f"episode {episode.task.id}/{episode.sample} still holds a live sandbox; park it first")
     data = {f.name: getattr(episode, f.name) for f in dataclasses.fields(episode) if f.name not in _TRANSIENT}
     data["task"] = task_state(episode.task)
+    if episode.web is not None:
+        data["web_state"] = {"url": episode.web.url, "links": list(episode.web.links)}
     data["elapsed"] = time.perf_counter() - episode.started  # the wall-time limit counts on after a resume
     return data
 

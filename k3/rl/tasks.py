@@ -11,7 +11,8 @@ Task schema (one JSON object per JSONL line, or per .json file):
                relative paths are relative to the task file
     files      {absolute sandbox path: text}, optional: written into the sandbox before the episode
     setup      str, optional: a shell command run after the files are written (its failure fails the task)
-    tools      [str], optional: tools the model may call (default: all of k3.rl.tools.TOOLS)
+    tools      [str], optional: tools the model may call (default: k3.rl.tools.DEFAULT_TOOLS; the web tools
+               search / open / find only when named)
     verifier   required, one of
                  {"type": "answer", "expected": str, "match": "exact" | "number" | "contains"}
                     compares the submitted answer (exact: after stripping whitespace; number: as floats,

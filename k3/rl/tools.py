@@ -10,6 +10,14 @@
     edit(path, old, new)                replaces the one occurrence of old by new (an error unless exactly one)
     submit(answer)                      ends the episode with this answer
 
+The offline web (k3.sandbox.web: the standard library and Python docs as linked pages), for tasks that name
+these tools (the browse suite); each episode has its own browser session, so find and link numbers refer to
+the page it has open:
+
+    search(query)                       ranked results with snippets, numbered
+    open(url, offset?)                  a page (web://py/...) or the number of a link in the last listing
+    find(text)                          the lines of the open page that contain text
+
 A call with an unknown name, a missing or unexpected argument, an argument of the wrong type, or a failure
 inside the sandbox (a missing file, a timeout) gives an observation that says what went wrong; nothing here
 raises for anything the model wrote. ``SandboxGone`` is raised only when the sandbox itself is dead
@@ -34,7 +42,12 @@ TOOLS: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "write_file": (("path", "content"), (), "write a text file"),
     "edit": (("path", "old", "new"), (), "replace the one occurrence of old by new in a file"),
     "submit": (("answer",), (), "give the final answer and end"),
+    "search": (("query",), (), "search the offline web (Python's standard library and docs)"),
+    "open": (("url",), ("offset",), "open a web://py/... page, or the number of a link in the last listing"),
+    "find": (("text",), (), "the lines of the open page that contain text"),
 }
+WEB_TOOLS = ("search", "open", "find")
+DEFAULT_TOOLS = tuple(name for name in TOOLS if name not in WEB_TOOLS)  # what a task gets unless it names its own
 DEFAULT_BUDGET = 2000
 MAX_TOOL_TIMEOUT = 60.0
 
@@ -55,7 +68,7 @@ class Observation:
 
 def tool_list_text(tools: tuple[str, ...] | None = None) -> str:
     """One line per tool, for a system prompt."""
-    names = tools or tuple(TOOLS)
+    names = tools or DEFAULT_TOOLS
     lines = []
     for name in names:
         required, optional, description = TOOLS[name]
@@ -79,7 +92,7 @@ def check_arguments(call: ToolCall, allowed: tuple[str, ...] | None = None) -> s
     """None when the call names an allowed tool with the right arguments, else the error to show."""
     if call.error:
         return call.error
-    names = allowed or tuple(TOOLS)
+    names = allowed or DEFAULT_TOOLS
     if call.name not in TOOLS or call.name not in names:
         return f"unknown tool {call.name!r}; the tools are: {', '.join(names)}"
     required, optional, _ = TOOLS[call.name]
@@ -92,12 +105,18 @@ def check_arguments(call: ToolCall, allowed: tuple[str, ...] | None = None) -> s
     for name in required:
         if name == "answer":
             continue  # an answer may be a number or a string; it is compared as text
+        if name == "url" and isinstance(call.arguments[name], int) and not isinstance(call.arguments[name], bool):
+            continue  # open(3): the third link of the last listing
         if not isinstance(call.arguments[name], str):
             return f"{call.name}: argument {name!r} must be a string, got {type(call.arguments[name]).__name__}"
     if "timeout" in call.arguments:
         timeout = call.arguments["timeout"]
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             return f"{call.name}: timeout must be a positive number of seconds, got {timeout!r}"
+    if "offset" in call.arguments:
+        offset = call.arguments["offset"]
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            return f"{call.name}: offset must be a character position >= 0, got {offset!r}"
     if call.name in ("read_file", "write_file", "edit") and not call.arguments["path"].startswith("/"):
         return f"{call.name}: path must be absolute, like /work/main.py; got {call.arguments['path']!r}"
     return None
@@ -118,10 +137,20 @@ def _exec_text(result) -> str:
     return "\n".join(parts) if parts else "[no output]"
 
 
+def web_session(tools: tuple[str, ...] | None):
+    """A fresh offline-web browser (k3.sandbox.web.tools.WebSession) when ``tools`` name a web tool, else None."""
+    if not tools or not any(name in WEB_TOOLS for name in tools):
+        return None
+    from k3.sandbox.web.tools import WebSession, default_tools
+
+    return WebSession(default_tools())
+
+
 def run_tool(call: ToolCall, sandbox, allowed: tuple[str, ...] | None = None, budget: int = DEFAULT_BUDGET,
-             default_timeout: float = 20.0) -> Observation:
+             default_timeout: float = 20.0, web=None) -> Observation:
     """Run one parsed call in ``sandbox`` (a k3.sandbox.Sandbox, or anything with its exec/read_file/write_file)
-    and return what the model sees next."""
+    and return what the model sees next. web: the episode's offline-web session (web_session) for the web
+    tools."""
     import time
 
     from k3.sandbox import SandboxError
@@ -135,6 +164,18 @@ def run_tool(call: ToolCall, sandbox, allowed: tuple[str, ...] | None = None, bu
         return Observation("submitted", submitted=answer if isinstance(answer, str) else json_text(answer))
     timeout = min(float(args.get("timeout", default_timeout)), MAX_TOOL_TIMEOUT)
     started = time.perf_counter()
+    if call.name in WEB_TOOLS:
+        if web is None:
+            return Observation(f"error: {call.name}: the offline web is not available in this task", is_error=True)
+        if call.name == "search":
+            text = web.search(args["query"])
+        elif call.name == "open":
+            text = web.open(args["url"], args.get("offset", 0))
+        else:
+            text = web.find(args["text"])
+        text, cut = truncate(text, budget)  # answered on the host: the web is read-only, the sandbox not involved
+        return Observation(text, is_error=text.startswith("error:"), truncated=cut,
+                           seconds=time.perf_counter() - started)
     try:
         if call.name == "bash":
             result = sandbox.exec(args["command"], timeout=timeout)

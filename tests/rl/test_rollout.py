@@ -73,11 +73,11 @@ def test_a_forked_group_sees_one_prepared_state_and_no_sibling_writes(sandbox_ho
 def test_a_killed_sandbox_or_a_crashed_verifier_ends_only_its_episode(sandbox_home, tokenizer, monkeypatch):
     real_run_tool = rollout_module.run_tool
 
-    def run_tool(call, sandbox, *args):
+    def run_tool(call, sandbox, *args, **kwargs):
         if call.arguments.get("command") == "echo die":
             for pid in sandbox.pids():  # kill the sandbox from outside, as the OOM killer or an operator would
                 os.kill(pid, signal.SIGKILL)
-        return real_run_tool(call, sandbox, *args)
+        return real_run_tool(call, sandbox, *args, **kwargs)
 
     monkeypatch.setattr(rollout_module, "run_tool", run_tool)
 

@@ -73,5 +73,5 @@ def test_suites_are_deterministic_and_splits_disjoint(name):
 
 
 def test_unknown_suite_says_what_exists():
-    with pytest.raises(ValueError, match=r"built-in suites are \['calc', 'files', 'fix'\]"):
+    with pytest.raises(ValueError, match=r"built-in suites are \['browse', 'calc', 'files', 'fix'\]"):
         get_suite("chess")

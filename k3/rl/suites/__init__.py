@@ -4,6 +4,8 @@ writes demonstrations.
     calc    arithmetic and string puzzles, solved by calling python and submitting its output
     fix     a small repository with a one-line bug and a failing test; reward = the hidden tests pass
     files   find / grep / count questions over a generated directory tree
+    browse  multi-hop questions over the offline web of Python's docs (k3.sandbox.web), answered with the web
+            tools search / open / find
 
 ``get_suite(name)`` returns the suite; ``suite.tasks(split, count, start=0)`` the tasks (the same index gives
 the same task on every machine); ``suite.solution(task)`` the solver's tool calls [(name, arguments)].
@@ -58,14 +60,15 @@ class Suite:
 
 
 def _registry() -> dict[str, Callable[[], Suite]]:
+    from k3.rl.suites.browse import BrowseSuite
     from k3.rl.suites.calc import CalcSuite
     from k3.rl.suites.files import FilesSuite
     from k3.rl.suites.fix import FixSuite
 
-    return {"calc": CalcSuite, "fix": FixSuite, "files": FilesSuite}
+    return {"calc": CalcSuite, "fix": FixSuite, "files": FilesSuite, "browse": BrowseSuite}
 
 
-SUITE_NAMES = ("calc", "fix", "files")
+SUITE_NAMES = ("calc", "fix", "files", "browse")
 
 
 def get_suite(name: str) -> Suite:
