@@ -54,12 +54,14 @@ def rl_command(args: argparse.Namespace) -> int:
             fields["tis_cap"] = None
         config = RLConfig(**fields)
     trainer = RLTrainer(config, resume=args.resume)
+    main = trainer.ranks.main  # under torchrun, rank 0 speaks for the job
     try:
         summary = trainer.train()
     finally:
         trainer.close()
-    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
-    print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl, metrics.png)")
+    if main:
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
+        print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl, metrics.png)")
     return 0
 
 
