@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from k3.checkpoint.native import load_checkpoint
 from tests.rl.callers import make_caller_run
