@@ -208,12 +208,13 @@ class PolicyUpdater:
         # Sums over the whole batch (every rank's share under torch.distributed).
         totals = all_reduce_sum(torch.tensor([
             sum(float(m.sum()) for m in masks.values()), sum(float((entropy[i] * masks[i]).sum()) for i in masks),
-            gap, known, self.rollout_routed, sum(len(s.ids) for s in sequences)], dtype=torch.float64))
+            gap, known, self.rollout_routed, sum(len(s.ids) for s in sequences)], dtype=torch.float64,
+            device=self.device))  # on the device: NCCL reduces CUDA tensors only
         total_tokens, entropy_sum, gap, known, routed, all_tokens = totals.tolist()
         metrics = {"entropy": entropy_sum / max(total_tokens, 1), "logprob_gap": gap / known if known else math.nan}
         # The global size of each mini-batch (sequences, trainable tokens): the loss shares' denominators.
         sizes = all_reduce_sum(torch.tensor([[len(mb), sum(float(masks[i].sum()) for i in mb)] for mb in minibatches],
-                                            dtype=torch.float64).reshape(-1, 2))
+                                            dtype=torch.float64, device=self.device).reshape(-1, 2)).cpu()
         # 2. one optimizer step per mini-batch.
         losses, clips, kls, norms = [], [], [], []
         token_level = self.config.algorithm in ("dapo", "cispo")
@@ -251,8 +252,9 @@ class PolicyUpdater:
         if config.update_balancer:
             self.model.update_balancers()
         self.model.eval()
-        loss_sum, clip_sum, clip_count, kl_sum, kl_count = all_reduce_sum(torch.tensor(
-            [sum(losses), sum(clips), len(clips), sum(kls), len(kls)], dtype=torch.float64)).tolist()
+        sums = torch.tensor([sum(losses), sum(clips), len(clips), sum(kls), len(kls)], dtype=torch.float64,
+                            device=self.device)
+        loss_sum, clip_sum, clip_count, kl_sum, kl_count = all_reduce_sum(sums).tolist()
         metrics.update(loss=loss_sum / len(minibatches), clip_fraction=clip_sum / max(clip_count, 1),
                        grad_norm=sum(norms) / len(norms), trained_tokens=total_tokens,
                        kl_ref=kl_sum / kl_count if kl_count else 0.0,
