@@ -8,9 +8,9 @@ Checks (relative error ||fast - twin|| / ||twin||, every output and gradient):
   moe_grouped    torch._grouped_mm experts vs the per-expert loop (bf16; some experts get no tokens)
   attn_res       torch.compile-fused AttnRes mix vs eager
   mla_flash      MLA prefill with SDPA forced to the flash kernel vs the math kernel
-  model          whole model (debug preset x4 widths, bf16), all fast paths vs all twins: logits and grads, the
-                 twin replaying the fast run's expert choices (free-routing errors and the flip rate as info
-                 rows), then one path at a time
+  model          whole model (debug preset x4 widths, bf16) under the fast run's expert choices: all fast
+                 paths, then each fast path alone, against an fp32 run of the twins, next to the bf16 twin's
+                 own error (free-routing errors and the expert flip rate as info rows)
   static_decode  static-cache decode, eager and CUDA-graph replay, vs the full forward's logits
 Prints a table; exits 1 if any check fails or errors. Also runs on CPU (fast paths then equal their twins).
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import os
 import sys
 import traceback
@@ -222,46 +223,66 @@ def check_model(device, rows) -> None:
 
     A bf16 router score that differs in its last bit between two paths can cross a top-k boundary and send a
     token to another expert; one flipped expert moves that token's logits by O(1), so free-routing runs of two
-    correct paths differ by far more than the bf16 tolerance. The check therefore compares like with like: the
-    twin replays the experts the fast run chose (k3.rl.routing), and the flip rate of free routing is reported
-    beside it. Per-path rows switch one fast path to its twin at a time (same routing)."""
+    correct paths differ by far more than the bf16 tolerance. So every comparison here replays the experts the
+    fast run chose (k3.rl.routing); the flip rate and the free-routing errors are info rows.
+
+    Even under the same routing, two bf16 runs of 8 layers differ by more than one op's bf16 rounding (each
+    path rounds its intermediates differently and the differences compound, most in the gradients). The
+    measure of a fast path is therefore its error against an fp32 run of the twins (same weights, same
+    routing), next to the bf16 twin's own error against that reference: a fast path passes when it is within
+    BF16_TOL of the reference, or no more than 1.5x as far from it as the bf16 twin is. Per-path rows switch
+    one fast path to its twin at a time."""
     torch.manual_seed(10)
     model = K3ForCausalLM(wide_debug_config()).to(device, torch.bfloat16).train()
     for name, p in model.named_parameters():
         if name.endswith("res.proj.weight"):
             torch.nn.init.normal_(p, std=0.5)
+    reference = copy.deepcopy(model).float()
     ids = torch.randint(0, model.config.vocab_size, (2, 300), device=device)
     cu = torch.tensor([0, 100, 137, 600], device=device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    # QB solves the router biases inside every training forward: both runs must start from the same biases.
+    # QB solves the router biases inside every training forward: every run starts from the same biases.
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    replay = RoutingReplay(model)
 
-    def run(routes=None):
-        for name, b in model.named_buffers():
+    def run(m, routes=None):
+        for name, b in m.named_buffers():
             b.copy_(buffers[name])
+        replay = RoutingReplay(m)
+        params = [p for p in m.parameters() if p.requires_grad]
         with replay.record() as seen, (replay.replay(routes) if routes is not None else contextlib.nullcontext()):
-            out = model(ids, labels=ids)
-            packed = model(ids.reshape(1, -1), cu_seqlens=cu).logits
+            out = m(ids, labels=ids)
+            packed = m(ids.reshape(1, -1), cu_seqlens=cu).logits
             grads = torch.autograd.grad(out.loss, params, allow_unused=True)
         flat = torch.cat([g.float().flatten() for g in grads if g is not None])
-        return [out.logits, packed, flat], seen
+        return [out.logits.float(), packed.float(), flat], seen
 
-    fast, fast_routes = run()
+    labels = ["logits", "packed_logits", "all_grads"]
+    fast, fast_routes = run(model)
     with twins(True):
-        free, free_routes = run()
-        same, _ = run(fast_routes)
+        free, free_routes = run(model)
+        twin, _ = run(model, fast_routes)
+        ref, _ = run(reference, fast_routes)
     flips = sum((a != b).sum().item() for la, lb in zip(fast_routes, free_routes) for a, b in zip(la, lb))
     total = sum(a.numel() for la in fast_routes for a in la)
     rows.append(["model", "expert choices flipped (free routing)", flips / total, "-", "info"])
-    labels = ["logits", "packed_logits", "all_grads"]
     for label, a, b in zip(labels, fast, free):
-        rows.append(["model", f"{label} (free routing)", relative_error(a, b), "-", "info"])
-    compare("model", fast, same, [f"{label} (same routing)" for label in labels], BF16_TOL, rows)
+        rows.append(["model", f"{label}: fast vs twin, free routing", relative_error(a, b), "-", "info"])
+    for label, a, b in zip(labels, fast, twin):
+        rows.append(["model", f"{label}: fast vs twin, same routing", relative_error(a, b), "-", "info"])
+    twin_err = [relative_error(b, r) for b, r in zip(twin, ref)]
+    for label, e in zip(labels, twin_err):
+        rows.append(["model", f"{label}: bf16 twin vs fp32 twin", e, "-", "info"])
+
+    def against_reference(name, outputs):
+        for label, a, r, bound in zip(labels, outputs, ref, twin_err):
+            err = relative_error(a, r)
+            tol = max(BF16_TOL, 1.5 * bound)
+            rows.append([name, f"{label}: vs fp32 twin", err, round(tol, 4), "ok" if err <= tol else "FAIL"])
+
+    against_reference("model[all fast]", fast)
     for path in PATHS:
-        with twins((path,)):
-            one, _ = run(fast_routes)
-        compare(f"model[{path} twin]", fast, one, [f"{label} (same routing)" for label in labels], BF16_TOL, rows)
+        with twins(tuple(p for p in PATHS if p != path)):
+            one, _ = run(model, fast_routes)
+        against_reference(f"model[{path} fast only]", one)
 
 
 def check_static_decode(device, rows) -> None:
