@@ -87,6 +87,9 @@ class RLConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.routing_source not in ("rollout", "trainer"):
             raise ValueError(f"routing_source must be 'rollout' or 'trainer', got {self.routing_source!r}")
+        if self.cuda_graphs and self.routing_replay and self.routing_source == "rollout":
+            raise ValueError("cuda_graphs=True cannot record the rollout's routing (the engine records in eager steps "
+                             "only): use routing_source='trainer' with CUDA graphs, or leave cuda_graphs unset")
         if self.heldout_tasks < 0:
             raise ValueError(f"heldout_tasks must be >= 0, got {self.heldout_tasks}")
 
