@@ -489,7 +489,8 @@ class DistillTrainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Per domain: exact reverse KL to its teacher on the student's own completions of the held-out prompts
-        (fixed seeds), and the held-out NLL of the reference continuations for student and teacher."""
+        (fixed seeds), and the held-out NLL of the reference continuations for student and teacher (for an
+        --rl-suite domain, which has no reference text, the mean task reward of those completions instead)."""
         config = self.config
         out: dict[str, float] = {}
         for domain in self.prompts.domains:
@@ -502,13 +503,14 @@ class DistillTrainer:
                 teacher = self.teachers[domain].log_softmax(ids, starts)
                 kls = torch.cat([exact_reverse_kl(a, b.to(a.device)) for a, b in zip(student, teacher)])
                 out[f"heldout_rkl/{domain}"] = float(kls.mean())
-            out[f"heldout_nll/{domain}"] = self._nll(domain, items, student=True)
-            if domain in self.reward_weights:
+            if domain not in self.reward_weights:  # a suite's prompts have no reference text
+                out[f"heldout_nll/{domain}"] = self._nll(domain, items, student=True)
+            else:
                 self._rewards(samples)
                 out[f"heldout_pass/{domain}"] = sum(s.reward for s in samples) / max(len(samples), 1)
         if self._teacher_heldout is None:
             self._teacher_heldout = {f"teacher_heldout_nll/{d}": self._nll(d, self.prompts.heldout[d], student=False)
-                                     for d in self.prompts.domains}
+                                     for d in self.prompts.domains if d not in self.reward_weights}
             for domain in self.reward_weights:
                 self._teacher_heldout[f"teacher_heldout_pass/{domain}"] = self._teacher_pass(domain)
         out.update(self._teacher_heldout)

@@ -4,15 +4,16 @@
    English documentation pydoc ships, pydoc_data/topics.py). One byte-level BPE is trained on both: teachers
    and student share it.
 2. Two teachers, one per domain, are trained with `k3 train` (k3.train.Trainer) on their own domain only; the
-   student, the same architecture, is trained on both domains for a quarter of the steps (a weak generalist).
-3. `k3 distill` on-policy from that student: each domain's prompts are scored by its own teacher.
-4. The offline baseline (SFT on teacher samples) and `mixed` (on-policy plus the teacher's top-k forward KL at
-   the student's own positions) from the same student, with the same prompts, samples and completion length
-   per step and the same number of steps.
+   student, the same architecture, is trained on both domains for a fifth of the steps (a weak generalist).
+3. Three arms of `k3 distill` from that student, each domain's prompts scored by its own teacher, with the same
+   prompts, samples and completion length per step and the same number of steps (equal student compute):
+   on-policy with the per-token sampled advantage (the RL step), on-policy with the exact reverse KL over the
+   vocabulary at the student's own sampled positions ("on-policy full"), and the offline baseline (SFT on
+   teacher samples).
 
-It prints, per domain: the exact reverse KL of the student to that domain's teacher on fixed held-out prompts,
-and the held-out loss (NLL per token of the reference text), before and after, next to the teacher's own, and
-the share of the reverse-KL gap closed.
+It prints, per domain: the exact reverse KL of the student to that domain's teacher on fixed held-out prompts
+(the teacher's own is 0), and the held-out loss (NLL per token of the reference text), before and after, next
+to the teacher's own, and the share of the reverse-KL gap closed, 1 - after / before.
 """
 
 from __future__ import annotations
@@ -63,9 +64,22 @@ def _train(out: Path, data: list[Path], tokenizer_dir: Path, steps: int, seed: i
         f"{summary.get('last_val_loss', float('nan')):.3f}")
 
 
+# The arms, all from the same student with the same prompts, samples and completion length per step and the
+# same number of steps (equal student compute): label, DistillConfig fields.
+# "on-policy": the per-token advantage log p_teacher - log p_student of each sampled token through the RL
+# policy-gradient step (minus the batch's mean advantage). "on-policy full": the same student samples, with the
+# exact reverse KL over the whole vocabulary at each of their positions as the loss (estimator topk with
+# top_k = the vocabulary). "offline": SFT on teacher samples.
+ARMS = (("on-policy", {"mode": "on-policy", "estimator": "sampled", "baseline": True}),
+        ("on-policy full", {"mode": "on-policy", "estimator": "topk", "top_k": VOCAB}),
+        ("offline", {"mode": "offline"}))
+KEYS = {"on-policy": "student", "on-policy full": "full", "offline": "offline"}
+
+
 def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, student_steps: int = 60,
-                     distill_steps: int = 300, lr: float = 2e-3, json_path: str | None = None, seed: int = 0,
-                     threads: int = 0, log=print) -> dict:
+                     distill_steps: int = 300, lr: float = 2e-3, prompts_per_domain: int = 8, samples: int = 4,
+                     json_path: str | None = None, seed: int = 0, threads: int = 0,
+                     log=print) -> dict:
     """Run the demo (see the module doc); returns the per-domain summary that --json writes."""
     from k3.data.tokenizer import train_bpe
     from k3.rl.distill import DistillConfig, DistillTrainer
@@ -101,49 +115,50 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, s
     _train(out_dir / "student", [paths["code"], paths["docs"]], out_dir / "tokenizer", student_steps, seed, say)
     teachers = {name: LocalTeacher.load(name, str(out_dir / f"teacher-{name}"), "cpu", 512) for name in paths}
     results = {}
-    for mode in ("on-policy", "offline", "mixed"):
+    for label, fields in ARMS:
         config = DistillConfig(student=str(out_dir / "student"), teachers={n: str(out_dir / f"teacher-{n}")
                                                                           for n in paths},
-                               data={n: str(p) for n, p in paths.items()}, out=str(out_dir / mode), mode=mode,
-                               steps=distill_steps, prompts_per_domain=4, samples=4, prompt_tokens=16,
-                               reference_tokens=16, max_new_tokens=16, lr=lr, heldout_prompts=16,
-                               heldout_samples=1, heldout_every=max(1, distill_steps // 5),
-                               save_every=distill_steps, seed=seed, max_context=512, device="cpu")
+                               data={n: str(p) for n, p in paths.items()}, out=str(out_dir / label.replace(" ", "-")),
+                               steps=distill_steps, prompts_per_domain=prompts_per_domain, samples=samples,
+                               prompt_tokens=16, reference_tokens=16, max_new_tokens=16, lr=lr,
+                               heldout_prompts=16, heldout_samples=1, heldout_every=max(1, distill_steps // 5),
+                               save_every=distill_steps, seed=seed, max_context=512, device="cpu", **fields)
         trainer = DistillTrainer(config, log=lambda *_: None, show_progress=False, teachers=teachers)
         summary = trainer.train()
-        results[mode] = (summary["first"], summary["last"])
+        results[label] = (summary["first"], summary["last"])
         rkl = ", ".join(f"{d} {summary['first'][f'heldout_rkl/{d}']:.3f} -> {summary['last'][f'heldout_rkl/{d}']:.3f}"
                         for d in paths)
-        say(f"{mode}: {distill_steps} steps; held-out reverse KL {rkl}")
-    before, after = results["on-policy"]
+        say(f"{label}: {distill_steps} steps; held-out reverse KL {rkl}")
+    before = results[ARMS[0][0]][0]
     table = {}
     for d in paths:
         kl_before = before[f"heldout_rkl/{d}"]
-        row = {"student_kl_before": kl_before, "student_kl_after": after[f"heldout_rkl/{d}"],
-               "teacher_heldout_nll": before[f"teacher_heldout_nll/{d}"],
-               "student_heldout_nll_before": before[f"heldout_nll/{d}"],
-               "student_heldout_nll_after": after[f"heldout_nll/{d}"]}
-        row["gap_closed"] = 1 - row["student_kl_after"] / kl_before
-        for mode, prefix in (("offline", "offline"), ("mixed", "mixed")):
-            last = results[mode][1]
-            row[f"{prefix}_kl_after"] = last[f"heldout_rkl/{d}"]
-            row[f"{prefix}_gap_closed"] = 1 - last[f"heldout_rkl/{d}"] / kl_before
-            row[f"{prefix}_heldout_nll_after"] = last[f"heldout_nll/{d}"]
+        row = {"student_kl_before": kl_before, "teacher_heldout_nll": before[f"teacher_heldout_nll/{d}"],
+               "student_heldout_nll_before": before[f"heldout_nll/{d}"]}
+        for label, _ in ARMS:
+            key, last = KEYS[label], results[label][1]
+            row[f"{key}_kl_after"] = last[f"heldout_rkl/{d}"]
+            row[f"{key}_gap_closed"] = 1 - last[f"heldout_rkl/{d}"] / kl_before
+            row[f"{key}_heldout_nll_after"] = last[f"heldout_nll/{d}"]
         table[d] = row
-    log("\nper domain, after the same number of steps of each mode from the same student: reverse KL to that "
+    labels = [label for label, _ in ARMS]
+    log("\nper domain, after the same number of steps of each arm from the same student: reverse KL to that "
         "domain's teacher (exact over the vocabulary, on the student's own completion of each of 16 held-out "
-        "prompts; the share of the gap closed in brackets) and NLL per token of the held-out reference text:")
-    log(f"{'domain':7s} {'KL before':>9s} {'on-policy':>14s} {'offline':>14s} {'mixed':>14s} | {'NLL teacher':>11s} "
-        f"{'before':>7s} {'on-policy':>9s} {'offline':>8s} {'mixed':>6s}")
+        "prompts; the teacher's own is 0; the share of the gap closed, 1 - after / before, in brackets) and NLL "
+        "per token of the held-out reference text:")
+    log(f"{'domain':7s} {'KL before':>9s} " + " ".join(f"{label:>15s}" for label in labels)
+        + f" | {'NLL teacher':>11s} {'before':>7s} " + " ".join(f"{label:>15s}" for label in labels))
     for d, row in table.items():
-        kls = " ".join(f"{row[k + '_kl_after']:7.3f} ({100 * row[g]:3.0f}%)" for k, g in
-                       (("student", "gap_closed"), ("offline", "offline_gap_closed"), ("mixed", "mixed_gap_closed")))
+        kls = " ".join(f"{row[KEYS[label] + '_kl_after']:7.3f} ({100 * row[KEYS[label] + '_gap_closed']:3.0f}%)"
+                       for label in labels)
+        nlls = " ".join(f"{row[KEYS[label] + '_heldout_nll_after']:15.3f}" for label in labels)
         log(f"{d:7s} {row['student_kl_before']:9.3f} {kls} | {row['teacher_heldout_nll']:11.3f} "
-            f"{row['student_heldout_nll_before']:7.3f} {row['student_heldout_nll_after']:9.3f} "
-            f"{row['offline_heldout_nll_after']:8.3f} {row['mixed_heldout_nll_after']:6.3f}")
-    summary = {"domains": table, "teacher_steps": teacher_steps, "student_steps": student_steps,
-               "distill_steps": distill_steps, "seconds": time.perf_counter() - started}
-    say(f"done; curves in {out_dir}/{{on-policy,offline,mixed}}/metrics.png")
+            f"{row['student_heldout_nll_before']:7.3f} {nlls}")
+    summary = {"domains": table, "arms": {label: fields for label, fields in ARMS}, "teacher_steps": teacher_steps,
+               "student_steps": student_steps, "distill_steps": distill_steps, "lr": lr,
+               "prompts_per_domain": prompts_per_domain, "samples": samples,
+               "seconds": time.perf_counter() - started}
+    say(f"done; curves in {out_dir}/{{{','.join(label.replace(' ', '-') for label in labels)}}}/metrics.png")
     atomic_write_bytes(out_dir / DEMO_MARKER, (json.dumps(summary, indent=2) + "\n").encode())
     if json_path:
         atomic_write_bytes(json_path, (json.dumps(summary, indent=2) + "\n").encode())
