@@ -2,9 +2,11 @@
 trained on recall sequences alone goes from chance (1/32) to well above it, at the trained length and at
 twice that length, where the pairs lie further back than any training sequence reached.
 
-Slow (about 9 minutes on one CPU thread): it needs tens of thousands of sequences, which is also why the
-10-minute `k3 demo` (a few hundred recall rows) stays near chance. Measured (this test, one thread, 2026-11-30):
-accuracy 0.008 before training, 0.898 at length 48 and 0.836 at 96 after 2,000 steps of 32 sequences."""
+Slow (about 9 minutes on one CPU thread): with one query per pair it needs tens of thousands of sequences.
+Many queries per sequence with a loss weight (k3 train --recall-queries/--recall-weight, what `k3 demo` and the
+MQAR-trained ablation use) learn it in a few hundred steps mixed with text (docs/ablations.md).
+Measured (this test, one thread, 2026-11-30): accuracy 0.008 before training, 0.898 at length 48 and 0.836
+at 96 after 2,000 steps of 32 sequences."""
 
 from __future__ import annotations
 
