@@ -96,3 +96,13 @@ def test_reports(tmp_path):
     assert json.loads((tmp_path / "rows.json").read_text()) == rows
     plot_accuracy(rows, tmp_path / "acc.png")
     assert (tmp_path / "acc.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_long_prompts_prefill_in_chunks_of_a_sixteenth():
+    from k3.eval.harness import long_prefill_chunk
+
+    assert long_prefill_chunk(8192) is None and long_prefill_chunk(32768) is None  # the engine's default
+    assert long_prefill_chunk(65536) == 4096
+    assert long_prefill_chunk(1 << 20) == 65536
+    assert long_prefill_chunk(1 << 22) == 65536  # capped
+    assert all(long_prefill_chunk(n) % 2048 == 0 for n in (40000, 100000, 700000))
