@@ -40,6 +40,13 @@ def launch(tmp_path: Path, name: str, nproc: int, *args: str) -> dict:
                    "--standalone", str(WORKER)]
     done = subprocess.run(command + [*args, "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=900)
+    if done.returncode != 0 and "terminate called without an active exception" in done.stderr:
+        # Seen once in 2026-12 on a 2-core machine at load ~4: one gloo rank aborted inside the C++ runtime
+        # before any Python error (the same test passed alone and in an earlier full run). Such an abort is
+        # retried once; a failure of k3's code fails both attempts.
+        print(f"{name}: a rank aborted in the C++ runtime; retrying once\n{done.stderr[-2000:]}")
+        done = subprocess.run(command + [*args, "--out", str(out)], env=env, capture_output=True, text=True,
+                              timeout=900)
     if done.returncode != 0:
         raise AssertionError(f"{name} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
     return json.loads(out.read_text())
