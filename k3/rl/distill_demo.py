@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -123,7 +124,8 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, s
                                prompt_tokens=16, reference_tokens=16, max_new_tokens=16, lr=lr,
                                heldout_prompts=16, heldout_samples=1, heldout_every=max(1, distill_steps // 5),
                                save_every=distill_steps, seed=seed, max_context=512, device="cpu", **fields)
-        trainer = DistillTrainer(config, log=lambda *_: None, show_progress=False, teachers=teachers)
+        # A progress bar per arm (each runs minutes) where someone watches; logs stay free of bar redraws.
+        trainer = DistillTrainer(config, log=lambda *_: None, show_progress=sys.stderr.isatty(), teachers=teachers)
         summary = trainer.train()
         results[label] = (summary["first"], summary["last"])
         rkl = ", ".join(f"{d} {summary['first'][f'heldout_rkl/{d}']:.3f} -> {summary['last'][f'heldout_rkl/{d}']:.3f}"
