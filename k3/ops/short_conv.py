@@ -61,13 +61,12 @@ def short_conv_fla(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor 
     conv = _load_fla_conv()
     if isinstance(conv, str):
         raise RuntimeError(f"fla's causal_conv1d is not importable ({conv})")
-    width = weight_CW.shape[1]
     state = None
     if tail is not None:
         state = F.pad(tail.to(x.dtype).transpose(1, 2), (1, 0)).contiguous()  # [B, C, W]
     y, final = conv(x, weight=weight_CW.to(x.dtype), initial_state=state, output_final_state=True,
                     activation="silu", cu_seqlens=cu_seqlens)
-    return y, final[:, :, 1:].transpose(1, 2)[:, -(width - 1):]
+    return y, final[:, :, 1:].transpose(1, 2)
 
 
 def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None = None,

@@ -23,8 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from k3.rl.chat_format import parse_tool_calls, render_ids
 from k3.rl.distill_sources import Item
+from k3.rl.losses import group_advantages
 from k3.rl.tasks import Task
 from k3.rl.verify import score
 
@@ -117,8 +120,14 @@ def task_reward(task: Task, completion_ids: list[int], tokenizer) -> float:
 
 
 def centred_rewards(rewards: list[float], groups: list[int]) -> list[float]:
-    """Each reward minus the mean reward of its group (the completions of one prompt)."""
-    sums: dict[int, list[float]] = {}
-    for reward, group in zip(rewards, groups):
-        sums.setdefault(group, []).append(reward)
-    return [reward - sum(sums[group]) / len(sums[group]) for reward, group in zip(rewards, groups)]
+    """Each reward minus the mean reward of its group (the completions of one prompt): the RL step's "mean"
+    group advantage (k3.rl.losses.group_advantages), group by group."""
+    members: dict[int, list[int]] = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+    out = [0.0] * len(rewards)
+    for indices in members.values():
+        centred = group_advantages(torch.tensor([rewards[i] for i in indices], dtype=torch.float64), "mean")
+        for i, value in zip(indices, centred.tolist()):
+            out[i] = value
+    return out

@@ -64,8 +64,9 @@ class RoutingReplay:
                 if ids_TK.shape[0] != output.scores_TE.shape[0]:
                     raise RuntimeError(f"MoE layer {index}: recorded {ids_TK.shape[0]} tokens, this forward has "
                                        f"{output.scores_TE.shape[0]}: replay needs the same token layout")
-                if bool((ids_TK < 0).any()):  # rows the recording did not see: the router's own choice
-                    ids_TK = torch.where(ids_TK[:, :1] >= 0, ids_TK, output.topk_ids_TK)
+                # Rows the recording did not see (-1) keep the router's own choice; done for every row rather
+                # than after an any() test, which would sync the host with the device once per MoE layer.
+                ids_TK = torch.where(ids_TK[:, :1] >= 0, ids_TK, output.topk_ids_TK)
                 weights_TK = output.scores_TE.gather(1, ids_TK)
                 if module.renormalize:
                     weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
