@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from k3.infer.cli import DTYPE_CHOICES, DTYPE_HELP
+
 
 def _held_out_stream(args: argparse.Namespace, tokenizer) -> np.ndarray | None:
     """Token ids of held-out text: --data files, else the run's validation split, else None."""
@@ -65,7 +67,7 @@ def eval_command(args: argparse.Namespace) -> int:
     tasks = list(TASKS) if not args.task or "all" in args.task else list(dict.fromkeys(args.task))
     if args.perplexity_only:
         tasks = []
-    model, tokenizer = load_for_inference(args.run, args.model, args.device)
+    model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
     stream = _held_out_stream(args, tokenizer)
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -179,6 +181,7 @@ def register(subparsers) -> None:
     p.add_argument("--plot", help="write the accuracy-by-length PNG here")
     p.add_argument("--out", help="directory for eval.json, eval.png, perplexity.json, perplexity.png")
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     p.add_argument("--threads", type=int, help="CPU threads for torch")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=eval_command)

@@ -7,13 +7,28 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
 
 
-def load_for_inference(run: str | None, model_path: str | None, device: str = "auto"):
+DTYPE_CHOICES = ("auto", "fp32", "bf16")
+DTYPE_HELP = ("weights and activations: auto = bf16 on a CUDA device with bf16 support (the grouped-GEMM MoE and "
+              "CUDA-graph decode need it), fp32 elsewhere")
+
+
+def inference_dtype(name: str, device) -> torch.dtype:
+    """The dtype a served/evaluated model runs in: `--dtype` resolved for the device (auto: bf16 on CUDA)."""
+    from k3.train.trainer import autocast_dtype
+
+    return autocast_dtype(name, torch.device(device)) or torch.float32
+
+
+def load_for_inference(run: str | None, model_path: str | None, device: str = "auto", dtype: str | None = None):
     """(model, tokenizer) from a training run directory / checkpoint file, or from a Hugging Face-format
-    directory."""
+    directory. dtype (auto | fp32 | bf16): cast the weights for inference; None keeps the checkpoint's (fp32
+    master weights, for trainers that start from a run)."""
     if (run is None) == (model_path is None):
         raise ValueError("give exactly one of --run DIR (a k3 training run) or --model PATH (a Hugging Face-format "
                          "directory)")
@@ -43,7 +58,10 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
     from k3.train.trainer import resolve_device
 
     target = resolve_device(device)
-    return model.to(target).eval(), tokenizer
+    model = model.to(target)
+    if dtype is not None:
+        model = model.to(inference_dtype(dtype, target))
+    return model.eval(), tokenizer
 
 
 def _sampling(args: argparse.Namespace, tokenizer) -> SamplingParams:
@@ -117,7 +135,7 @@ def _generate_with_images(args: argparse.Namespace) -> int:
 def generate_command(args: argparse.Namespace) -> int:
     if args.image:
         return _generate_with_images(args)
-    model, tokenizer = load_for_inference(args.run, args.model, args.device)
+    model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
     params = _sampling(args, tokenizer)
     prompts = _prompts(args)
     engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=min(len(prompts), 32),
@@ -142,7 +160,7 @@ def chat_command(args: argparse.Namespace) -> int:
     """A plain-text conversation with a base model: each turn is `User: ...` then `Assistant:`; the reply
     stops at a newline. Each turn sends the whole conversation; the engine's prefix cache starts it from the
     previous turn's saved state, so little is recomputed."""
-    model, tokenizer = load_for_inference(args.run, args.model, args.device)
+    model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
     engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_slots=4)
     params = _sampling(args, tokenizer)
     params.stop = ["\n"]
@@ -179,6 +197,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--run", help="a `k3 train` run directory (or its checkpoint.pt or sharded checkpoint/)")
     source.add_argument("--model", help="a Hugging Face-format model directory")
     source.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    source.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-new-tokens", type=int, default=64)
     sampling.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")

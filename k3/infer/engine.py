@@ -421,10 +421,15 @@ class Engine:
                                  f"prediction)")
             if len(seq) > self.max_context:
                 raise ValueError(f"sequence {i} has {len(seq)} tokens but the context allows {self.max_context}")
-        budget = max_tokens_per_forward or max(self.scheduler.prefill_chunk * 4, max(map(len, sequences)))
+        # A sequence longer than one forward's budget is scored alone, in chunks through a recurrent cache
+        # (KDA state carried, MLA latents appended), so activation memory stays that of one chunk at any length.
+        budget = max_tokens_per_forward or self.scheduler.prefill_chunk * 4
         results: list[ScoreOutput | None] = [None] * len(sequences)
         batch: list[int] = []
         for i in sorted(range(len(sequences)), key=lambda j: len(sequences[j])):
+            if len(sequences[i]) > budget:
+                self._score_chunked(sequences[i], starts[i], top_k, budget, results, i)
+                continue
             if batch and sum(len(sequences[j]) for j in batch) + len(sequences[i]) > budget:
                 self._score_packed(sequences, starts, batch, top_k, results)
                 batch = []
@@ -434,9 +439,7 @@ class Engine:
         return results  # type: ignore[return-value]
 
     def _score_packed(self, sequences, starts, batch, top_k, results, head_rows: int = 4096) -> None:
-        """One packed forward to the final hidden states; the LM head and log_softmax run over at most
-        head_rows positions at a time and only where a token is scored, so [tokens, vocab] logits are never
-        held at once (8.6 GB in fp32 for 64K tokens of a 163K vocabulary)."""
+        """One packed forward to the final hidden states, then the head over the scored rows of each sequence."""
         from k3.model import PackedDocs
 
         ids = torch.tensor([[t for j in batch for t in sequences[j]]], device=self.device)
@@ -445,19 +448,40 @@ class Engine:
         hidden = self.model.model(ids, None, PackedDocs.from_cu_seqlens(cu, ids.shape[1]))[0]  # [T, D]
         offset = 0
         for j, length in zip(batch, lengths):
-            start = starts[j]
             picked: list[float] = []
             top: list | None = [] if top_k > 0 else None
-            for a in range(offset + start - 1, offset + length - 1, head_rows):
-                b = min(a + head_rows, offset + length - 1)
-                log_probs = self.model.lm_head(hidden[a:b]).float().log_softmax(-1)
-                targets = torch.tensor(sequences[j][a - offset + 1: b - offset + 1], device=self.device)
-                picked += log_probs.gather(1, targets[:, None])[:, 0].tolist()
-                if top is not None:
-                    values, index = log_probs.topk(top_k, dim=-1)
-                    top += [list(zip(i_row, v_row)) for i_row, v_row in zip(index.tolist(), values.tolist())]
+            self._score_rows(hidden[offset:offset + length], sequences[j], 0, starts[j] - 1, length - 1, top_k,
+                             picked, top, head_rows)
             results[j] = ScoreOutput(picked, top)
             offset += length
+
+    def _score_chunked(self, seq, start, top_k, chunk, results, j) -> None:
+        """One long sequence in forwards of at most ``chunk`` tokens through a HybridCache."""
+        cache = self.model.new_cache(1)
+        ids = torch.tensor([seq], device=self.device)
+        picked: list[float] = []
+        top: list | None = [] if top_k > 0 else None
+        for a in range(0, len(seq), chunk):
+            b = min(a + chunk, len(seq))
+            hidden = self.model.model(ids[:, a:b], cache)[0]
+            cache.seen_tokens += b - a
+            lo, hi = max(a, start - 1), min(b, len(seq) - 1)
+            if lo < hi:
+                self._score_rows(hidden, seq, a, lo, hi, top_k, picked, top)
+        results[j] = ScoreOutput(picked, top)
+
+    def _score_rows(self, hidden, seq, first, lo, hi, top_k, picked, top, head_rows: int = 4096) -> None:
+        """log p(seq[p + 1]) for positions p in [lo, hi), where hidden[0] is position ``first``. The LM head and
+        log_softmax run over at most head_rows positions at a time, so [tokens, vocab] logits are never held at
+        once (8.6 GB in fp32 for 64K tokens of a 163K vocabulary)."""
+        for a in range(lo, hi, head_rows):
+            b = min(a + head_rows, hi)
+            log_probs = self.model.lm_head(hidden[a - first:b - first]).float().log_softmax(-1)
+            targets = torch.tensor(seq[a + 1:b + 1], device=self.device)
+            picked += log_probs.gather(1, targets[:, None])[:, 0].tolist()
+            if top is not None:
+                values, index = log_probs.topk(top_k, dim=-1)
+                top += [list(zip(i_row, v_row)) for i_row, v_row in zip(index.tolist(), values.tolist())]
 
     # --- accounting ---------------------------------------------------------------------------------
     def stats(self) -> dict:

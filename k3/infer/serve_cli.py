@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from k3.infer.cli import DTYPE_CHOICES, DTYPE_HELP
+
 
 def _tokenizer_directory(run: str | None, model_path: str | None) -> Path | None:
     """Where a chat template file may sit: the HF model directory, or the run's tokenizer/ directory."""
@@ -72,7 +74,7 @@ def serve_command(args: argparse.Namespace) -> int:
     if args.model is not None and _has_vision(Path(args.model)):
         model, tokenizer, images = _load_multimodal(args.model, args.device)
     else:
-        model, tokenizer = load_for_inference(args.run, args.model, args.device)
+        model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
     name = args.served_model_name or Path(args.run or args.model).resolve().name
     engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
                     prefix_cache=not args.no_prefix_cache)
@@ -103,6 +105,7 @@ def register(subparsers) -> None:
     source.add_argument("--run", help="a `k3 train` run directory (or its checkpoint.pt or sharded checkpoint/)")
     source.add_argument("--model", help="a Hugging Face-format model directory")
     source.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
+    source.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
     source.add_argument("--served-model-name", help="the model name clients send (default: the directory's name)")
     http = serve.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "

@@ -62,3 +62,23 @@ def test_generate_from_a_hugging_face_directory(run, tmp_path, capsys):
     from_run = capsys.readouterr().out
     assert main(["generate", "--model", str(tmp_path / "hf"), *args]) == 0
     assert capsys.readouterr().out == from_run
+
+
+def test_inference_dtype_casts_only_when_asked(run, capsys):
+    """The inference CLIs take --dtype (auto: bf16 on CUDA, fp32 on CPU); trainers that start from a run
+    (dtype=None) keep the fp32 master weights."""
+    import torch
+
+    from k3.infer.cli import inference_dtype, load_for_inference
+
+    assert inference_dtype("auto", "cpu") == torch.float32
+    assert inference_dtype("bf16", "cpu") == torch.bfloat16
+    kept, _ = load_for_inference(str(run), None, "cpu")
+    assert {p.dtype for p in kept.parameters()} == {torch.float32}
+    cast, _ = load_for_inference(str(run), None, "cpu", "bf16")
+    assert {p.dtype for p in cast.parameters()} == {torch.bfloat16}
+    assert main(["generate", "--run", str(run), "--prompt", "def", "--max-new-tokens", "3", "--temperature", "0",
+                 "--dtype", "bf16", "--no-stream"]) == 0
+    assert capsys.readouterr().out.strip()
+    with pytest.raises(SystemExit):
+        main(["generate", "--run", str(run), "--prompt", "def", "--dtype", "fp16"])

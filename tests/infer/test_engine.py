@@ -157,6 +157,21 @@ def test_score_packs_sequences_without_leaking(model):
         engine.score([[1, 2]], [0])
 
 
+def test_score_longer_than_a_forward_runs_in_cached_chunks(model):
+    """A sequence over the per-forward budget is fed in chunks through the recurrent cache (how k3 eval scores
+    1M tokens): the same log-probs and top-k as one whole forward, with chunk edges inside the scored span and
+    before its start."""
+    engine = small_engine(model)
+    seqs = random_prompts(21, [61, 40, 9])
+    starts = [1, 23, 4]
+    whole = engine.score(seqs, starts, top_k=2, max_tokens_per_forward=128)
+    chunked = engine.score(seqs, starts, top_k=2, max_tokens_per_forward=16)  # 61 and 40 chunked, 9 packed
+    for seq, start, a, b in zip(seqs, starts, whole, chunked):
+        assert len(b.logprobs) == len(seq) - start
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+        assert [[t for t, _ in row] for row in b.top_logprobs] == [[t for t, _ in row] for row in a.top_logprobs]
+
+
 def test_stop_tokens_strings_and_lengths(model):
     engine = small_engine(model)
     prompts = [[3, 4, 5], [9, 8, 7]]
