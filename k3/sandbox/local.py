@@ -160,7 +160,11 @@ class Supervisor:
         then remove the cgroup."""
         self.process.wait()
         if self._pidfd is not None:
-            select.select([self._pidfd], [], [])  # readable once the process has exited
+            # Readable once the process has exited. poll, not select: select() rejects descriptors >= 1024,
+            # which a process holding hundreds of sandboxes (each with pipes and a pidfd) reaches.
+            waiter = select.poll()
+            waiter.register(self._pidfd, select.POLLIN)
+            waiter.poll()
             os.close(self._pidfd)
             self._pidfd = None
         for stream in (self.process.stdin, self.process.stdout, self.upcall):

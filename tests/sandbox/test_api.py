@@ -243,3 +243,30 @@ def test_image_paths_that_overlay_cannot_parse_are_refused(tmp_path):
     odd.mkdir()
     with pytest.raises(ValueError, match="must not contain"):
         Image.from_dir(str(odd))
+
+
+def test_supervisor_wait_works_with_descriptors_past_1024(box):
+    """A process holding hundreds of sandboxes has file descriptors past 1024, where select() fails; waiting
+    for a supervisor whose pidfd lies there must still work (it once raised 'filedescriptor out of range')."""
+    import resource
+
+    from k3.sandbox import local
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the hard open-file limit {hard} is below the 1,200 the test needs")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1200 if soft == resource.RLIM_INFINITY else max(soft, 1200), hard))
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        supervisor = local.Supervisor()
+        supervisor.wait_hello()
+        assert supervisor._pidfd > 1024
+        supervisor.kill()
+        supervisor.wait()
+        assert supervisor._pidfd is None and supervisor.process.returncode is not None
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
