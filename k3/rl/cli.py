@@ -53,7 +53,7 @@ def rl_command(args: argparse.Namespace) -> int:
         if args.no_tis:
             fields["tis_cap"] = None
         config = RLConfig(**fields)
-    trainer = RLTrainer(config, resume=args.resume)
+    trainer = RLTrainer(config, resume=args.resume, steps_override=args.steps if args.resume else None)
     main = trainer.ranks.main  # under torchrun, rank 0 speaks for the job
     try:
         summary = trainer.train()
@@ -93,7 +93,7 @@ def register(subparsers) -> None:
     rl.add_argument("--algo", choices=sorted(ALGORITHMS), help="policy objective (default gspo)")
     rl.add_argument("--group", type=int, help="episodes per task, forked from one snapshot (default 8)")
     rl.add_argument("--tasks-per-step", type=int, dest="tasks_per_step")
-    rl.add_argument("--steps", type=int)
+    rl.add_argument("--steps", type=int, help="steps in all (with --resume: extend the run to this many)")
     rl.add_argument("--lr", type=float)
     rl.add_argument("--minibatches", type=int, help="optimizer steps per batch of rollouts")
     rl.add_argument("--temperature", type=float)

@@ -188,16 +188,20 @@ def weights_changed(engine) -> None:
 
 class RLTrainer:
     def __init__(self, config: RLConfig, resume: bool = False, log: Callable[[str], None] = print,
-                 show_progress: bool = True, model=None, tokenizer=None) -> None:
-        """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``). model and
-        tokenizer: start from these (Python use) instead of loading ``config.run``."""
+                 show_progress: bool = True, model=None, tokenizer=None, steps_override: int | None = None) -> None:
+        """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``;
+        ``steps_override`` may extend the run past its saved ``steps``). model and tokenizer: start from these
+        (Python use) instead of loading ``config.run``."""
         from k3.train.trainer import autocast_dtype, resolve_device
 
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
         state = open_run(self.out, resume, "rl", "k3 rl", "an RL run")
         if state is not None:
-            config = dataclasses.replace(RLConfig(**state["rl"]), out=config.out)
+            saved = RLConfig(**state["rl"])
+            if steps_override is not None and steps_override < state["step"]:
+                raise ValueError(f"--steps {steps_override} is below the {state['step']} steps this run has done")
+            config = dataclasses.replace(saved, out=config.out, steps=steps_override or saved.steps)
         self.config = config
         from k3.rl.data_parallel import Ranks
 

@@ -51,3 +51,30 @@ def test_two_ranks_train_as_one_process(sandbox_home, tokenizer, tmp_path):
     worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
     print(json.dumps({"max_weight_difference": worst}))
     assert worst < 1e-4, worst
+
+
+def test_two_rank_resume_with_parked_groups_equals_the_unbroken_run(sandbox_home, tokenizer, tmp_path):
+    """Under torchrun, a run stopped after step 1 with groups parked (each rank's share in the checkpoint) and
+    resumed under torchrun with --steps 2 takes the same step 2 as the unbroken two-rank run."""
+    run, suite, _ = make_caller_run(tokenizer, tmp_path)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "k3"]
+    budget = ["--iteration-token-budget", "60", "--threads", "1"]
+
+    def launch(extra):
+        done = subprocess.run(torchrun + extra, env=env, capture_output=True, text=True, timeout=600, cwd=str(REPO))
+        assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+    launch(args(run, suite, tmp_path / "unbroken") + budget)
+    first = args(run, suite, tmp_path / "resumed")
+    first[first.index("--steps") + 1] = "1"
+    launch(first + budget)
+    saved = load_checkpoint(tmp_path / "resumed")["parked"]
+    assert saved["world"] == 2 and any(saved["groups"]), saved.keys()
+    launch(["rl", "--out", str(tmp_path / "resumed"), "--resume", "--steps", "2", "--threads", "1"])
+    records = comparable(tmp_path / "unbroken" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0].get("parked_groups", 0) > 0
+    assert comparable(tmp_path / "resumed" / "metrics.jsonl") == records
+    a, b = load_checkpoint(tmp_path / "unbroken")["model"], load_checkpoint(tmp_path / "resumed")["model"]
+    assert all(a[k].equal(b[k]) for k in a)
