@@ -12,7 +12,7 @@ from k3.rl.losses import ALGORITHMS
 RL_FIELDS = ("run", "suite", "out", "algo", "group", "tasks_per_step", "steps", "lr", "minibatches", "temperature",
              "heldout_every", "heldout_tasks", "save_every", "seed", "kl_coef", "tis_cap", "clip_low", "clip_high",
              "tau", "max_context", "tool_budget", "iteration_token_budget", "device", "ray", "rollout_workers",
-             "rollout_worker_cpus", "rollout_worker_gpus", "routing_source")
+             "rollout_worker_cpus", "rollout_worker_gpus", "routing_source", "rollout_dtype")
 
 
 def rl_command(args: argparse.Namespace) -> int:
@@ -114,6 +114,9 @@ def register(subparsers) -> None:
     rl.add_argument("--no-routing-replay", action="store_true", dest="no_routing_replay")
     rl.add_argument("--routing-source", choices=("rollout", "trainer"), dest="routing_source",
                     help="routing replay of the engine's recorded experts (default) or of the trainer's old pass")
+    rl.add_argument("--rollout-dtype", choices=("auto", "fp32", "bf16"), dest="rollout_dtype",
+                    help="the in-process engine's weights: auto = a bf16 copy of the policy on CUDA, refreshed after "
+                         "each update (fp32: the policy itself, the default on CPU)")
     rl.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
                     help="rollouts on Ray workers: a local Ray (no ADDRESS) or the cluster at ADDRESS")
     rl.add_argument("--rollout-workers", type=int, dest="rollout_workers", help="--ray: rollout workers (default 2)")

@@ -73,6 +73,9 @@ class RLConfig:
     device: str = "auto"
     threads: int = 8
     cuda_graphs: bool | None = None  # the engine's CUDA-graph decode (None: the engine decides)
+    # The in-process engine's weights: auto = a bf16 copy of the policy on CUDA (the grouped-GEMM MoE and CUDA
+    # graphs need bf16), refreshed after every update; fp32/bf16 force one (fp32: the trainer's policy itself).
+    rollout_dtype: str = "auto"
     ray: str | None = None  # rollouts on Ray workers: "local" (start or join a local Ray) or a cluster address
     rollout_workers: int = 2  # Ray rollout workers, each with a policy copy, an engine and its sandboxes
     rollout_worker_cpus: float = 1.0
@@ -92,6 +95,8 @@ class RLConfig:
                              "only): use routing_source='trainer' with CUDA graphs, or leave cuda_graphs unset")
         if self.heldout_tasks < 0:
             raise ValueError(f"heldout_tasks must be >= 0, got {self.heldout_tasks}")
+        if self.rollout_dtype not in ("auto", "fp32", "bf16"):
+            raise ValueError(f"rollout_dtype must be auto, fp32 or bf16, got {self.rollout_dtype!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -179,6 +184,30 @@ def build_engine(model, tokenizer, max_context: int, max_batch: int = 32, cuda_g
     return Engine(model, tokenizer, **kwargs)
 
 
+def rollout_copy(model, dtype: str):
+    """The model the in-process engine runs: ``model`` itself when it already has the rollout dtype, else a
+    frozen copy in that dtype (auto: bf16 on CUDA, the policy's own dtype elsewhere)."""
+    import copy
+
+    device = next(model.parameters()).device
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
+    if want is None:
+        want = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    if want is None or want == next(model.parameters()).dtype:
+        return model
+    return copy.deepcopy(model).to(want).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def sync_rollout_copy(copy_model, model) -> None:
+    """Copy the policy's weights (and buffers: the balancers' biases) into the rollout copy, in place, so
+    captured CUDA graphs keep reading the right addresses."""
+    for mine, theirs in zip(copy_model.parameters(), model.parameters()):
+        mine.copy_(theirs)
+    for mine, theirs in zip(copy_model.buffers(), model.buffers()):
+        mine.copy_(theirs)
+
+
 def weights_changed(engine) -> None:
     """Tell the engine its model's weights moved: cached prefix states are stale."""
     clear = getattr(engine, "clear_prefix_cache", None)
@@ -245,6 +274,7 @@ class RLTrainer:
                                 tool_budget=config.tool_budget, iteration_token_budget=config.iteration_token_budget,
                                 threads=config.threads)
         self._started_ray = False
+        self.rollout_model = self.model
         if config.ray:
             from k3.rl.fleet import RayRollouts
 
@@ -255,7 +285,8 @@ class RLTrainer:
                                       num_cpus=config.rollout_worker_cpus, num_gpus=config.rollout_worker_gpus,
                                       cuda_graphs=config.cuda_graphs, timeout=config.rollout_timeout_s)
         else:
-            self.engine = build_engine(self.model, self.tokenizer, config.max_context, max_batch=max_batch,
+            self.rollout_model = rollout_copy(self.model, config.rollout_dtype)
+            self.engine = build_engine(self.rollout_model, self.tokenizer, config.max_context, max_batch=max_batch,
                                        cuda_graphs=config.cuda_graphs, record_routing=record_routing)
             self.runner = RolloutRunner(self.engine, self.tokenizer, rollout, seed=config.seed)
         if state is not None:
@@ -298,6 +329,8 @@ class RLTrainer:
         if self.engine is None:
             self.runner.push_weights(self.model)  # Ray workers: the new weights to every engine copy
         else:
+            if self.rollout_model is not self.model:
+                sync_rollout_copy(self.rollout_model, self.model)
             weights_changed(self.engine)
 
     # -- pieces ------------------------------------------------------------------------------------

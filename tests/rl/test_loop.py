@@ -110,3 +110,26 @@ def test_k3_rl_demos_and_k3_sft_from_the_command_line(start_run, tmp_path, capsy
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     assert main(["sft", "--run", str(start_run), "--data", str(bad), "--out", str(tmp_path / "x")]) == 1
     assert "bad.jsonl:1: field 'messages': no assistant message" in capsys.readouterr().err
+
+
+def test_a_bf16_rollout_copy_follows_every_update(start_run, user_suite, tmp_path):
+    """rollout_dtype=bf16 (the default on CUDA): the engine samples from a bf16 copy of the fp32 policy, which
+    holds the policy's weights again after every update; fp32 (the default on CPU) shares the policy itself."""
+    shared = RLTrainer(rl_config(start_run, user_suite, tmp_path / "shared"), show_progress=False, log=lambda *_: None)
+    assert shared.rollout_model is shared.model and shared.engine.model is shared.model
+    trainer = RLTrainer(rl_config(start_run, user_suite, tmp_path / "copy", rollout_dtype="bf16"),
+                        show_progress=False, log=lambda *_: None)
+    copy = trainer.engine.model
+    assert copy is trainer.rollout_model and copy is not trainer.model
+    assert {p.dtype for p in copy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+    before = {k: v.clone() for k, v in copy.state_dict().items()}
+    record = trainer.train_step()
+    assert "loss" in record  # the user suite's rewards vary, so the step updated the policy
+    moved = 0
+    for (name, mine), theirs in zip(copy.state_dict().items(), trainer.model.state_dict().values()):
+        assert torch.equal(mine, theirs.to(mine.dtype)), name
+        moved += not torch.equal(mine, before[name])
+    assert moved > 0
+    with pytest.raises(ValueError, match="rollout_dtype"):
+        RLConfig(rollout_dtype="fp16")
