@@ -58,9 +58,8 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
     from k3.train.trainer import resolve_device
 
     target = resolve_device(device)
-    model = model.to(target)
-    if dtype is not None:
-        model = model.to(inference_dtype(dtype, target))
+    # One move that also casts: moving the fp32 weights first would hold them on the device before the cast.
+    model = model.to(target, inference_dtype(dtype, target) if dtype is not None else None)
     return model.eval(), tokenizer
 
 

@@ -186,14 +186,14 @@ def build_engine(model, tokenizer, max_context: int, max_batch: int = 32, cuda_g
 
 def rollout_copy(model, dtype: str):
     """The model the in-process engine runs: ``model`` itself when it already has the rollout dtype, else a
-    frozen copy in that dtype (auto: bf16 on CUDA, the policy's own dtype elsewhere)."""
+    frozen copy in that dtype (the inference CLIs' --dtype rule: auto = bf16 on CUDA, fp32 elsewhere)."""
     import copy
 
-    device = next(model.parameters()).device
-    want = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(dtype)
-    if want is None:
-        want = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    if want is None or want == next(model.parameters()).dtype:
+    from k3.infer.cli import inference_dtype
+
+    weight = next(model.parameters())
+    want = inference_dtype(dtype, weight.device)
+    if want == weight.dtype:
         return model
     return copy.deepcopy(model).to(want).eval().requires_grad_(False)
 
