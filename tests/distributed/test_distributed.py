@@ -9,7 +9,6 @@ The trained runs chain their checkpoints: 1 process -> EP=2 on 2 ranks -> EP=2 o
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,33 +22,15 @@ from k3.distributed.balanced import balanced_plan, imbalance
 from k3.distributed.dispatcher import _piece_overlap, home_plan, source_to_slot_order
 from k3.distributed.parallelize import check_ep_size, parallelize
 from k3.model import K3ForCausalLM
+from tests.distributed.launching import REPO, run_scenario
 
 WORKER = Path(__file__).with_name("worker.py")
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 20
 
 
 def launch(tmp_path: Path, name: str, nproc: int, *args: str) -> dict:
     """Run one worker scenario on `nproc` processes and return rank 0's JSON."""
-    out = tmp_path / f"{name}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    if nproc == 1:
-        command = [sys.executable, str(WORKER)]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                   "--standalone", str(WORKER)]
-    done = subprocess.run(command + [*args, "--out", str(out)], env=env, capture_output=True, text=True,
-                          timeout=900)
-    if done.returncode != 0 and "terminate called without an active exception" in done.stderr:
-        # Seen once in 2026-12 on a 2-core machine at load ~4: one gloo rank aborted inside the C++ runtime
-        # before any Python error (the same test passed alone and in an earlier full run). Such an abort is
-        # retried once; a failure of k3's code fails both attempts.
-        print(f"{name}: a rank aborted in the C++ runtime; retrying once\n{done.stderr[-2000:]}")
-        done = subprocess.run(command + [*args, "--out", str(out)], env=env, capture_output=True, text=True,
-                              timeout=900)
-    if done.returncode != 0:
-        raise AssertionError(f"{name} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_scenario(WORKER, tmp_path / f"{name}.json", name, nproc, args, timeout=900)
 
 
 def assert_losses_match(reference: list[float], got: list[float], rtol: float = 1e-5) -> None:

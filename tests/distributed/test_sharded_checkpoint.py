@@ -3,10 +3,6 @@ training run saved under EP=2 that resumes with the same losses in one process a
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +11,9 @@ import torch
 from k3.config import ModelConfig
 from k3.distributed.sharded_checkpoint import load_sharded, save_sharded
 from k3.model import K3ForCausalLM
+from tests.distributed.launching import run_scenario
 
 WORKER = Path(__file__).with_name("sharded_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -72,15 +68,7 @@ def test_bad_directories_give_clear_errors(tmp_path):
 
 
 def run_worker(tmp_path: Path, name: str, nproc: int, *args: str) -> dict:
-    out = tmp_path / f"{name}.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    launcher = ([sys.executable] if nproc == 1 else
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)])
-    done = subprocess.run(launcher + [str(WORKER), *args, "--out", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    if done.returncode != 0:
-        raise AssertionError(f"{name} failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    return run_scenario(WORKER, tmp_path / f"{name}.json", name, nproc, args, timeout=600)
 
 
 def test_ep2_checkpoint_resumes_in_one_process_and_under_fsdp_only(tmp_path):
