@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -56,7 +57,7 @@ def _mqar_layout(args: argparse.Namespace, vocab_size: int):
 def eval_command(args: argparse.Namespace) -> int:
     from k3.eval.harness import evaluate_tasks
     from k3.eval.perplexity import perplexity_by_position
-    from k3.eval.report import (accuracy_table, parse_lengths, perplexity_table, plot_accuracy, plot_perplexity,
+    from k3.eval.report import (accuracy_table, cost_table, parse_lengths, perplexity_table, plot_accuracy, plot_perplexity,
                                 write_json)
     from k3.eval.tasks import TASKS, Filler, TaskContext
     from k3.infer.cli import load_for_inference
@@ -82,6 +83,7 @@ def eval_command(args: argparse.Namespace) -> int:
                                  show_progress=not args.quiet)
         rows = [r.row() for r in results]
         print(accuracy_table(rows))
+        print("\n" + cost_table(results))
         if json_path:
             write_json(json_path, rows)
             print(f"rows written to {json_path}")
@@ -94,9 +96,11 @@ def eval_command(args: argparse.Namespace) -> int:
             raise ValueError("loss by position needs held-out text: give --run DIR with data/val.bin or --data "
                              "FILE (.txt, .jsonl, .parquet or a directory)")
         ppl_lengths = parse_lengths(args.ppl_lengths) if args.ppl_lengths else lengths
+        start = time.perf_counter()
         buckets = perplexity_by_position(model, tokenizer, stream, ppl_lengths, args.ppl_windows, args.seed)
         ppl_rows = [b.row() for b in buckets]
         print("\n" + perplexity_table(ppl_rows))
+        print(f"loss by position: {time.perf_counter() - start:.1f} s")
         ppl_json = args.ppl_json or (out / "perplexity.json" if out else None)
         if ppl_json:
             write_json(ppl_json, ppl_rows)

@@ -9,8 +9,10 @@ answer iff each answer token is the argmax after the previous ones); tests/eval 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+import torch
 from tqdm import tqdm
 
 from k3.eval.tasks import Example
@@ -27,6 +29,8 @@ class TaskResult:
     length: int
     correct: int
     n: int
+    seconds: float = 0.0  # wall time of this task at this length (examples built and evaluated)
+    peak_gib: float | None = None  # peak CUDA memory allocated meanwhile; None off CUDA
 
     @property
     def accuracy(self) -> float:
@@ -113,8 +117,18 @@ def evaluate_tasks(model, tokenizer, ctx, tasks: list[str], lengths: list[int], 
         engine = engine_for(model, tokenizer, length)
         for task in tasks:
             bar.set_postfix(task=task, length=length)
+            on_cuda = engine.device.type == "cuda"
+            if on_cuda:
+                torch.cuda.synchronize(engine.device)
+                torch.cuda.reset_peak_memory_stats(engine.device)
+            start = time.perf_counter()
             examples = make_examples(task, ctx, length, count, seed)
-            results.append(evaluate_examples(engine, task, length, examples, mode))
+            result = evaluate_examples(engine, task, length, examples, mode)
+            if on_cuda:
+                torch.cuda.synchronize(engine.device)
+                result.peak_gib = torch.cuda.max_memory_allocated(engine.device) / 2**30
+            result.seconds = time.perf_counter() - start
+            results.append(result)
             bar.update(1)
         del engine
     bar.close()

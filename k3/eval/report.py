@@ -57,6 +57,15 @@ def accuracy_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def cost_table(results) -> str:
+    """What each task cost at each length: wall seconds and, on CUDA, peak memory (TaskResult fields)."""
+    lines = [f"{'task':<18} {'length':>7} {'seconds':>9} {'peak GiB':>9}"]
+    for r in results:
+        peak = f"{r.peak_gib:>9.1f}" if r.peak_gib is not None else f"{'-':>9}"
+        lines.append(f"{r.task:<18} {format_length(r.length):>7} {r.seconds:>9.2f} {peak}")
+    return "\n".join(lines)
+
+
 def perplexity_table(rows: list[dict]) -> str:
     lines = [f"{'length':>8}  {'positions':>17}  {'loss':>7}  {'ppl':>9}  {'tokens':>9}  source"]
     for r in rows:

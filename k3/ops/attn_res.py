@@ -17,20 +17,22 @@ import functools
 import os
 
 import torch
+import torch._dynamo.decorators
 
 _BACKENDS = ("auto", "eager", "compiled")
 _ENV = "K3_ATTN_RES_BACKEND"
 _override: str | None = None
 
 
-def _mix_stacked(values_SBTD: torch.Tensor, norm_weight_D: torch.Tensor, query_D: torch.Tensor,
+def _mix_stacked(values_SND: torch.Tensor, norm_weight_D: torch.Tensor, query_D: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    compute = torch.promote_types(values_SBTD.dtype, torch.float32)
-    values_SBTD = values_SBTD.to(compute)
-    inv_rms_SBT = torch.rsqrt(values_SBTD.pow(2).mean(-1) + eps)
+    """values_SND: the S sources stacked, tokens on any leading dims ([S, N, D] or [S, B, T, D])."""
+    compute = torch.promote_types(values_SND.dtype, torch.float32)
+    values_SND = values_SND.to(compute)
+    inv_rms_SN = torch.rsqrt(values_SND.pow(2).mean(-1) + eps)
     q_D = (norm_weight_D.to(compute) * query_D.to(compute))
-    alpha_SBT = torch.softmax((values_SBTD @ q_D) * inv_rms_SBT, dim=0)
-    return (alpha_SBT.unsqueeze(-1) * values_SBTD).sum(0)
+    alpha_SN = torch.softmax((values_SND @ q_D) * inv_rms_SN, dim=0)
+    return (alpha_SN.unsqueeze(-1) * values_SND).sum(0)
 
 
 def attn_res_mix_eager(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
@@ -42,10 +44,19 @@ def attn_res_mix_eager(sources: list[torch.Tensor], norm_weight_D: torch.Tensor,
 
 @functools.lru_cache(maxsize=1)
 def _compiled():
-    # The sources enter stacked and every dimension is dynamic: one graph serves every source count
-    # (1..blocks+1), batch and length (prefill and one-token decode). Specialising per (S, B, T) instead
-    # hit dynamo's recompile limit in decode.
+    # One graph must serve every source count (2..blocks+1; one source never reaches the op), batch and
+    # length, prefill and one-token decode: specialising per shape hit dynamo's recompile limit in decode,
+    # and each new graph is an Inductor compile of tens of seconds. See _stack_tokens for the token count.
     return torch.compile(_mix_stacked, dynamic=True, fullgraph=True)
+
+
+def _stack_tokens(sources: list[torch.Tensor]) -> torch.Tensor:
+    """[S, N, D] with N = B*T, a fresh tensor (a view of a stack would put its base's strides in the guards).
+    Even dynamic, dynamo specialises a size that is 1 the first time it sees it, so B=1 or T=1 (decode)
+    would each cost a graph; N is marked unbacked, which dynamo never specialises."""
+    stacked = torch.stack([s.reshape(-1, s.shape[-1]) for s in sources], dim=0)
+    torch._dynamo.decorators.mark_unbacked(stacked, 1)
+    return stacked
 
 
 def set_attn_res_backend(name: str | None) -> None:
@@ -70,5 +81,6 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query
                  eps: float) -> torch.Tensor:
     """Dispatching entry point; same arguments and result as attn_res_mix_eager."""
     if attn_res_backend(sources[0]) == "compiled":
-        return _compiled()(torch.stack(sources, dim=0), norm_weight_D, query_D, eps).to(sources[0].dtype)
+        mixed_ND = _compiled()(_stack_tokens(sources), norm_weight_D, query_D, eps)
+        return mixed_ND.view(sources[0].shape).to(sources[0].dtype)
     return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)

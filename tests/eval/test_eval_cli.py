@@ -28,6 +28,9 @@ def test_eval_run_writes_rows_plot_and_loss_by_position(tmp_path, corpus_dir, ca
     for name in ("eval.png", "perplexity.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert "needle_single" in printed and "positions" in printed
+    cost = printed[printed.index("peak GiB"):].splitlines()[1:7]  # one line per task and length, CPU: no peak
+    assert len(cost) == 6 and all(float(line.split()[2]) >= 0 and line.split()[3] == "-" for line in cost)
+    assert "loss by position:" in printed
 
 
 def test_eval_without_held_out_text_says_what_is_missing(tmp_path, capsys):
