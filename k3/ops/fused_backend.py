@@ -8,8 +8,12 @@ Backend: `set_fused_backend(name)` if called (None resets), else the env var K3_
 from __future__ import annotations
 
 import os
+import warnings
+from typing import Callable, Hashable, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 _BACKENDS = ("auto", "torch", "fla")
 _ENV = "K3_FUSED_BACKEND"
@@ -38,3 +42,35 @@ def fused_backend(x: torch.Tensor | None = None, available: bool = True) -> str:
                            f"(fla needs CUDA fp16/bf16/fp32 tensors and an importable fla); "
                            f"set {_ENV}=auto or torch")
     return "fla" if usable else "torch"
+
+
+# Kernel variants (op, input flags) whose fla kernel Triton failed to compile; they run the PyTorch twin.
+_failed: dict[Hashable, str] = {}
+
+
+def is_triton_compile_failure(exc: BaseException) -> bool:
+    """Triton's compiler giving up on a kernel config (an MLIR pass failing, a CompilationError), which its
+    autotuner does not catch. Out-of-memory and ordinary errors are not this and must surface."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    if type(exc).__name__ in ("CompilationError", "CompileTimeAssertionFailure", "MLIRCompilationError"):
+        return True
+    return isinstance(exc, RuntimeError) and "PassManager::run failed" in str(exc)
+
+
+def with_torch_fallback(variant: Hashable, fla_call: Callable[[], T], torch_call: Callable[[], T]) -> T:
+    """fla_call(), unless Triton cannot compile that kernel variant: then warn once, run torch_call() and keep
+    this variant on PyTorch for the rest of the process. Seen on one H200 (Triton 3.6): while autotuning a new
+    variant (an input layout first met in `k3 eval`), one config of fla's short-conv and norm kernels crashed
+    Triton's compiler and took the whole run down."""
+    if variant in _failed:
+        return torch_call()
+    try:
+        return fla_call()
+    except Exception as exc:
+        if not is_triton_compile_failure(exc):
+            raise
+        _failed[variant] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+        warnings.warn(f"fla's kernel for {variant} failed to compile in Triton ({_failed[variant]}); k3 runs its "
+                      "PyTorch twin for it from now on", RuntimeWarning, stacklevel=2)
+        return torch_call()

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from k3.ops.fused_backend import fused_backend
+from k3.ops.fused_backend import fused_backend, with_torch_fallback
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,8 +29,26 @@ def _load_fla_norms():
     return rms_norm, rms_norm_gated
 
 
-def _use_fla(x: torch.Tensor) -> bool:
-    return fused_backend(x, available=not isinstance(_load_fla_norms(), str)) == "fla"
+# fla compiles and autotunes (9 configs) its norm kernels for rows of D <= 512 once per bucket of rows: 2,048
+# rows for rms_norm, 65,536 for the gated norm (the kernels' NB). Training and decode see a few fixed row
+# counts, but prefill sees every one (chunks, last chunks, batch sizes), so `k3 eval` spent minutes autotuning
+# and, at D=512 on one H200 (Triton 3.6), hit a config that crashes Triton's compiler. Beyond one bucket
+# without autograd the PyTorch twin runs instead: memory-bound, small next to the rest of a long prefill chunk.
+RMS_NORM_BUCKET_ROWS = 2048
+GATED_NORM_BUCKET_ROWS = 65536
+
+
+def _use_fla(x: torch.Tensor, bucket_rows: int) -> bool:
+    if fused_backend(x, available=not isinstance(_load_fla_norms(), str)) != "fla":
+        return False
+    return fla_row_count_ok(x, bucket_rows)
+
+
+def fla_row_count_ok(x: torch.Tensor, bucket_rows: int) -> bool:
+    """Whether fla's kernel may take x's row count (see above): wide rows, one bucket, or a training step."""
+    width = x.shape[-1]
+    rows = x.numel() // max(width, 1)
+    return width > 512 or rows <= bucket_rows or (torch.is_grad_enabled() and x.requires_grad)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -54,13 +72,18 @@ def rms_norm_gated_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension (x [..., D], weight [D])."""
-    if _use_fla(x):
-        return _load_fla_norms()[0](x, weight, None, eps=eps)
+    if _use_fla(x, RMS_NORM_BUCKET_ROWS):
+        return with_torch_fallback(("rms_norm", x.shape[-1], x.dtype),
+                                   lambda: _load_fla_norms()[0](x, weight, None, eps=eps),
+                                   lambda: rms_norm_torch(x, weight, eps))
     return rms_norm_torch(x, weight, eps)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * sigmoid(gate) over the last dimension (x, gate [..., D], weight [D]); x's dtype out."""
-    if _use_fla(x):
-        return _load_fla_norms()[1](x, gate.to(x.dtype), weight, None, activation="sigmoid", eps=eps)
+    if _use_fla(x, GATED_NORM_BUCKET_ROWS):
+        return with_torch_fallback(("rms_norm_gated", x.shape[-1], x.dtype),
+                                   lambda: _load_fla_norms()[1](x, gate.to(x.dtype), weight, None,
+                                                                activation="sigmoid", eps=eps),
+                                   lambda: rms_norm_gated_torch(x, gate, weight, eps))
     return rms_norm_gated_torch(x, gate, weight, eps)

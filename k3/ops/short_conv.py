@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from k3.ops.fused_backend import fused_backend
+from k3.ops.fused_backend import fused_backend, with_torch_fallback
 
 
 @functools.lru_cache(maxsize=1)
@@ -77,9 +77,15 @@ def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | No
     packed = cu_seqlens is not None or position_in_doc is not None
     fla_ok = (fused_backend(x, available=not isinstance(_load_fla_conv(), str)) == "fla"
               and not (packed and (cu_seqlens is None or tail is not None)))
+    def torch_call():
+        positions = position_in_doc
+        if positions is None and cu_seqlens is not None:
+            starts = cu_seqlens[:-1].repeat_interleave(cu_seqlens.diff())
+            positions = torch.arange(x.shape[1], device=x.device) - starts
+        return short_conv_torch(x, weight_CW, tail, positions)
+
     if fla_ok:
-        return short_conv_fla(x, weight_CW, tail, cu_seqlens if packed else None)
-    if position_in_doc is None and cu_seqlens is not None:
-        starts = cu_seqlens[:-1].repeat_interleave(cu_seqlens.diff())
-        position_in_doc = torch.arange(x.shape[1], device=x.device) - starts
-    return short_conv_torch(x, weight_CW, tail, position_in_doc)
+        variant = ("short_conv", x.dtype, tail is not None, packed, x.shape[0] > 1)
+        return with_torch_fallback(variant, lambda: short_conv_fla(x, weight_CW, tail, cu_seqlens if packed else None),
+                                   torch_call)
+    return torch_call()

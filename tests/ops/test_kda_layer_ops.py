@@ -15,7 +15,9 @@ from k3 import ModelConfig
 from k3.layers.kda import KimiDeltaAttention
 from k3.ops.kda import set_kda_backend
 from k3.ops.fused_backend import set_fused_backend
-from k3.ops.norm import rms_norm, rms_norm_gated, rms_norm_gated_torch, rms_norm_torch
+from k3.ops.fused_backend import is_triton_compile_failure, with_torch_fallback
+from k3.ops.norm import (GATED_NORM_BUCKET_ROWS, RMS_NORM_BUCKET_ROWS, fla_row_count_ok, rms_norm, rms_norm_gated,
+                         rms_norm_gated_torch, rms_norm_torch)
 from k3.ops.short_conv import _load_fla_conv, short_conv, short_conv_fla, short_conv_torch
 
 CUDA = torch.cuda.is_available() and not isinstance(_load_fla_conv(), str)
@@ -126,6 +128,42 @@ def test_fla_short_conv_equals_torch_cuda():
     cu = torch.tensor([0, 3, 200, 500], device=dev)
     pos = torch.arange(500, device=dev) - cu[:-1].repeat_interleave(cu.diff())
     assert rel(short_conv_fla(xp, w, None, cu)[0], short_conv_torch(xp, w, None, pos)[0]) < 1e-5
+
+
+def test_fla_norm_kernels_take_only_row_counts_they_compile_once():
+    """fla's narrow-row norm kernels compile and autotune per bucket of rows; prefill beyond one bucket takes
+    the PyTorch twin, training (autograd) and wide rows stay on fla."""
+    narrow = torch.zeros(3, 1000, 512)  # 3,000 rows of 512
+    assert not fla_row_count_ok(narrow, RMS_NORM_BUCKET_ROWS)
+    assert fla_row_count_ok(narrow[:2], RMS_NORM_BUCKET_ROWS)  # 2,000 rows: one bucket
+    assert fla_row_count_ok(torch.zeros(3000, 2048), RMS_NORM_BUCKET_ROWS)  # fla's row kernel, no buckets
+    assert fla_row_count_ok(narrow.requires_grad_(), RMS_NORM_BUCKET_ROWS)
+    with torch.no_grad():
+        assert not fla_row_count_ok(narrow, RMS_NORM_BUCKET_ROWS)
+    heads = torch.zeros(8192, 16, 128)  # KDA's gated norm: rows are tokens x heads
+    assert not fla_row_count_ok(heads, GATED_NORM_BUCKET_ROWS)
+    assert fla_row_count_ok(heads[:4096], GATED_NORM_BUCKET_ROWS)
+
+
+def test_a_kernel_triton_cannot_compile_falls_back_to_torch_once_and_for_good():
+    calls = []
+
+    def broken():
+        calls.append("fla")
+        raise RuntimeError("PassManager::run failed")
+
+    variant = ("test_op", "broken")
+    with pytest.warns(RuntimeWarning, match="failed to compile"):
+        assert with_torch_fallback(variant, broken, lambda: "torch") == "torch"
+    assert with_torch_fallback(variant, broken, lambda: "torch") == "torch"
+    assert calls == ["fla"]  # the broken variant is not retried
+    assert with_torch_fallback(("test_op", "fine"), lambda: "fla", lambda: "torch") == "fla"
+    for error in (torch.OutOfMemoryError("CUDA out of memory"), RuntimeError("shape mismatch")):
+        def failing(error=error):
+            raise error
+        with pytest.raises(type(error)):  # real errors surface instead of silently changing the backend
+            with_torch_fallback(("test_op", repr(error)), failing, lambda: "torch")
+    assert is_triton_compile_failure(type("CompilationError", (Exception,), {})())
 
 
 @needs_cuda
