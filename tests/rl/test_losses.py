@@ -94,6 +94,9 @@ def test_group_advantages():
     assert group_advantages(rewards, "grpo").tolist() == pytest.approx([0.866025, -0.866025, -0.866025, 0.866025],
                                                                       abs=1e-5)
     assert group_advantages(rewards, "drgrpo").tolist() == [0.5, -0.5, -0.5, 0.5]
+    # Each objective's own advantage: Dr. GRPO drops GRPO's division by the group's std as well as the length.
+    assert {name: algo.advantage for name, algo in ALGORITHMS.items()} == {
+        "grpo": "grpo", "drgrpo": "drgrpo", "dapo": "grpo", "gspo": "grpo", "cispo": "grpo", "pmd": "mean"}
     assert group_advantages(torch.tensor([1.0, 1.0]), "grpo").tolist() == [0.0, 0.0]
     assert group_advantages(torch.tensor([1.0]), "grpo").tolist() == [0.0]
 
