@@ -77,6 +77,7 @@ def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | No
     packed = cu_seqlens is not None or position_in_doc is not None
     fla_ok = (fused_backend(x, available=not isinstance(_load_fla_conv(), str)) == "fla"
               and not (packed and (cu_seqlens is None or tail is not None)))
+
     def torch_call():
         positions = position_in_doc
         if positions is None and cu_seqlens is not None:
@@ -86,6 +87,6 @@ def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | No
 
     if fla_ok:
         variant = ("short_conv", x.dtype, tail is not None, packed, x.shape[0] > 1)
-        return with_torch_fallback(variant, lambda: short_conv_fla(x, weight_CW, tail, cu_seqlens if packed else None),
-                                   torch_call)
+        fla_call = lambda: short_conv_fla(x, weight_CW, tail, cu_seqlens if packed else None)  # noqa: E731
+        return with_torch_fallback(variant, fla_call, torch_call)
     return torch_call()
