@@ -35,8 +35,9 @@ class RolloutWorker:
 
     def __init__(self, model_config: dict, state: dict, tokenizer, config: RolloutConfig, seed: int,
                  max_batch: int, record_routing: bool, threads: int, env: dict[str, str], device: str = "cpu",
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, dtype: str = "auto") -> None:
         from k3.config import ModelConfig
+        from k3.infer.cli import inference_dtype
         from k3.model import K3ForCausalLM
         from k3.rl.loop import build_engine
 
@@ -44,7 +45,9 @@ class RolloutWorker:
         torch.set_num_threads(max(1, threads))
         self.model = K3ForCausalLM(ModelConfig.from_dict(model_config))
         self.model.load_state_dict(state)
-        self.model.to(device).eval().requires_grad_(False)
+        # The rollout dtype as the in-process engine has it (k3.rl.loop.rollout_copy): auto = bf16 on CUDA.
+        # Pushed fp32 weights are cast on load_state_dict's copy.
+        self.model.to(device=device, dtype=inference_dtype(dtype, device)).eval().requires_grad_(False)
         self.engine = build_engine(self.model, tokenizer, config.max_context, max_batch=max_batch,
                                    cuda_graphs=cuda_graphs, record_routing=record_routing)
         self.runner = RolloutRunner(self.engine, tokenizer, config, seed=seed)
@@ -71,6 +74,9 @@ class RolloutWorker:
         """A number that changes with the weights (tests check a push arrived)."""
         return float(sum(p.double().sum() for p in self.model.parameters()))
 
+    def weights_dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype)
+
 
 def merge_stats(stats: list[dict]) -> dict[str, float]:
     """Workers' rollout stats as one step's: counts add up, times are the slowest worker's (they ran at once)."""
@@ -92,7 +98,7 @@ class RayRollouts:
 
     def __init__(self, model, tokenizer, config: RolloutConfig, workers: int = 2, seed: int = 0,
                  max_batch: int = 32, record_routing: bool = False, num_cpus: float = 1.0, num_gpus: float = 0.0,
-                 cuda_graphs: bool | None = None, timeout: float | None = None) -> None:
+                 cuda_graphs: bool | None = None, timeout: float | None = None, dtype: str = "auto") -> None:
         import ray
 
         if not ray.is_initialized():
@@ -107,7 +113,8 @@ class RayRollouts:
         state = ray.put(_cpu_state(model))
         threads = max(1, int(num_cpus))
         self.workers = [actor.remote(model.config.to_dict(), state, tokenizer, config, seed, max_batch,
-                                     record_routing, threads, env, "cuda" if num_gpus > 0 else "cpu", cuda_graphs)
+                                     record_routing, threads, env, "cuda" if num_gpus > 0 else "cpu", cuda_graphs,
+                                     dtype)
                         for _ in range(workers)]
 
     def _get(self, refs):
@@ -163,6 +170,9 @@ class RayRollouts:
                 if snapshot is not None:
                     share["snapshots"][snapshot] = state["snapshots"][snapshot]
         self._get([worker.restore_parked.remote(share) for worker, share in zip(self.workers, shares)])
+
+    def weights_dtypes(self) -> list[str]:
+        return self._get([worker.weights_dtype.remote() for worker in self.workers])
 
     def weights_digests(self) -> list[float]:
         return self._get([worker.weights_digest.remote() for worker in self.workers])

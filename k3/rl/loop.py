@@ -283,7 +283,8 @@ class RLTrainer:
             self.runner = RayRollouts(self.model, self.tokenizer, rollout, workers=config.rollout_workers,
                                       seed=config.seed, max_batch=max_batch, record_routing=record_routing,
                                       num_cpus=config.rollout_worker_cpus, num_gpus=config.rollout_worker_gpus,
-                                      cuda_graphs=config.cuda_graphs, timeout=config.rollout_timeout_s)
+                                      cuda_graphs=config.cuda_graphs, timeout=config.rollout_timeout_s,
+                                      dtype=config.rollout_dtype)
         else:
             self.rollout_model = rollout_copy(self.model, config.rollout_dtype)
             self.engine = build_engine(self.rollout_model, self.tokenizer, config.max_context, max_batch=max_batch,

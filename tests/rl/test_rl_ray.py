@@ -59,3 +59,24 @@ def test_ray_rollout_workers_give_the_in_process_run(sandbox_home, tokenizer, tm
         assert mine.keys() == theirs.keys()
         for key, value in mine.items():
             assert theirs[key] == (pytest.approx(value, abs=1e-6) if key == "logprob_gap" else value), key
+
+
+def test_ray_workers_sample_in_the_rollout_dtype(sandbox_home, tokenizer, tmp_path):
+    """--rollout-dtype reaches the Ray workers as it does the in-process engine (auto: bf16 on CUDA; forced to
+    bf16 here, on CPU), and the fp32 weights pushed after an update arrive cast."""
+    run, suite, _ = make_caller_run(tokenizer, tmp_path)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}})
+    try:
+        trainer = RLTrainer(config(run, suite, tmp_path / "bf16", ray="local", rollout_workers=1,
+                                   rollout_timeout_s=300, rollout_dtype="bf16"), show_progress=False,
+                            log=lambda *_: None)
+        assert trainer.runner.weights_dtypes() == ["torch.bfloat16"]
+        record = trainer.train_step()
+        assert record["step"] == 1 and "reward_mean" in record
+        cast = float(sum(p.detach().bfloat16().double().sum() for p in trainer.model.parameters()))
+        assert next(trainer.model.parameters()).dtype == torch.float32  # the policy itself stays fp32
+        assert trainer.runner.weights_digests() == [cast]
+        trainer.close()
+    finally:
+        ray.shutdown()
