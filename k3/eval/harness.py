@@ -44,17 +44,8 @@ def engine_for(model, tokenizer, length: int, answer_room: int = 64) -> Engine:
     """An engine sized for sequences of `length` tokens: as many at once as fit the token budget."""
     context = length + answer_room
     max_batch = max(1, min(32, ENGINE_TOKEN_BUDGET // context))
-    return Engine(model, tokenizer, max_context=context, max_batch=max_batch, prefix_cache=False,
-                  prefill_chunk=long_prefill_chunk(length))
-
-
-def long_prefill_chunk(length: int) -> int | None:
-    """Prefill chunk for prompts of `length` tokens: the engine's default (None) up to 32K, then length/16 in
-    multiples of 2,048, at most 65,536. Each chunk after the first up-projects MLA's keys and values over the
-    whole context so far, so a 1M prompt in the default 2,048-token chunks would do that 512 times; 16 chunks
-    keep it cheap while one chunk's MoE intermediate stays far below one whole-prompt forward's."""
-    chunk = (length // 16) // 2048 * 2048
-    return min(65536, chunk) if chunk > 2048 else None
+    # The engine sizes its prefill chunks from max_context (k3.infer.engine.long_prefill_chunk).
+    return Engine(model, tokenizer, max_context=context, max_batch=max_batch, prefix_cache=False)
 
 
 def generated_correct(engine: Engine, examples: list[Example]) -> list[bool]:

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3.eval.harness import long_prefill_chunk
 from k3.infer.engine import Engine
 
 
@@ -104,9 +103,8 @@ def perplexity_by_position(model, tokenizer, stream: np.ndarray, lengths: list[i
     eos = getattr(tokenizer, "eos_token_id", None)
     for length in lengths:
         chosen, source = held_out_windows(stream, eos, length, windows, seed)
-        # The prefill chunk sets Engine.score's per-forward budget (4 chunks): a 1M window is scored in four
-        # cached forwards of 256K tokens rather than one of 1M.
-        engine = Engine(model, tokenizer, max_context=length, max_batch=1, prefix_cache=False,
-                        prefill_chunk=long_prefill_chunk(length))
+        # The engine's prefill chunk grows with max_context (long_prefill_chunk) and sets Engine.score's
+        # per-forward budget (4 chunks): a 1M window is scored in four cached forwards of 256K tokens.
+        engine = Engine(model, tokenizer, max_context=length, max_batch=1, prefix_cache=False)
         rows.extend(bucketed_loss(engine, chosen, length, source))
     return rows

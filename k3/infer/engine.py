@@ -68,6 +68,15 @@ class ScoreOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+def long_prefill_chunk(length: int) -> int | None:
+    """Prefill chunk for contexts of `length` tokens: None (the engine's short default) up to 32K, then
+    length/16 in multiples of 2,048, at most 65,536. Each chunk after the first up-projects MLA's keys and values over the
+    whole context so far, so a 1M prompt in the default 2,048-token chunks would do that 512 times; 16 chunks
+    keep it cheap while one chunk's MoE intermediate stays far below one whole-prompt forward's."""
+    chunk = (length // 16) // 2048 * 2048
+    return min(65536, chunk) if chunk > 2048 else None
+
+
 class Engine:
     """model: K3ForCausalLM (put in eval mode here); tokenizer: the project's tokenizer interface or None.
 
@@ -99,8 +108,9 @@ class Engine:
         dtype = dtype or next(model.parameters()).dtype
         if prefill_chunk is None:
             # On a GPU a 512-token forward of a mid-size model is bound by kernel launches (measured for
-            # `small` on one H200: 9 ms of GPU work under 78 ms of host time), so chunks are larger there.
-            prefill_chunk = 2048 if self.device.type == "cuda" else 512
+            # `small` on one H200: 9 ms of GPU work under 78 ms of host time), so chunks are larger there;
+            # beyond 32K of context they grow with it (long_prefill_chunk).
+            prefill_chunk = long_prefill_chunk(max_context) or (2048 if self.device.type == "cuda" else 512)
         prefill_chunk = max(page_size, (prefill_chunk // page_size) * page_size)
         max_pages = pages_for(max_context, page_size)
         prefix_slots = (max_batch if prefix_cache else 0) if prefix_slots is None else prefix_slots

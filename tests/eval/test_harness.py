@@ -99,7 +99,7 @@ def test_reports(tmp_path):
 
 
 def test_long_prompts_prefill_in_chunks_of_a_sixteenth():
-    from k3.eval.harness import long_prefill_chunk
+    from k3.infer.engine import long_prefill_chunk
 
     assert long_prefill_chunk(8192) is None and long_prefill_chunk(32768) is None  # the engine's default
     assert long_prefill_chunk(65536) == 4096

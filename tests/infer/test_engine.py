@@ -312,3 +312,11 @@ def test_score_in_head_chunks_equals_one_chunk(model):
     for a, b in zip(whole, results):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
         assert [[t for t, _ in row] for row in a.top_logprobs] == [[t for t, _ in row] for row in b.top_logprobs]
+
+
+def test_default_prefill_chunk_grows_with_a_long_context(model):
+    """Beyond 32K of context the default chunk is a sixteenth of it (k3.infer.engine.long_prefill_chunk), so a
+    long prompt is not prefilled in hundreds of short chunks that each re-read the whole MLA cache."""
+    assert Engine(model, max_context=4096, max_batch=1).scheduler.prefill_chunk == 512  # CPU's short default
+    assert Engine(model, max_context=65536, max_batch=1, prefix_cache=False).scheduler.prefill_chunk == 4096
+    assert Engine(model, max_context=65536, max_batch=1, prefill_chunk=256).scheduler.prefill_chunk == 256
