@@ -6,13 +6,12 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.distributed.launching import run_launch, torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "bench" / "ep_layer.py"
@@ -48,12 +47,7 @@ def test_solved_exponent_hits_the_target_and_bad_targets_are_refused(ep_layer):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("ep_layer") / "ep_layer.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-               str(BENCH), "--cpu", "--tiny", "--json", str(out)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    if done.returncode != 0:
-        raise AssertionError(f"ep_layer.py failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}")
+    done = run_launch(torchrun(RANKS) + [str(BENCH), "--cpu", "--tiny", "--json", str(out)], "ep_layer.py", 600)
     return json.loads(out.read_text()), done.stdout
 
 

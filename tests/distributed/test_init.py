@@ -4,9 +4,6 @@ from the same seed."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,9 +12,9 @@ import torch
 from k3.config import ModelConfig
 from k3.distributed.init import init_weights_seeded
 from k3.model import K3ForCausalLM
+from tests.distributed.launching import run_launch, torchrun
 
 WORKER = Path(__file__).with_name("init_worker.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 def meta_built_debug_model(init) -> K3ForCausalLM:
@@ -59,10 +56,7 @@ def test_seeded_init_writes_everything_and_depends_on_the_seed_only():
 @pytest.mark.parametrize("ep", [2, 1])
 def test_sharded_build_equals_the_single_process_init(tmp_path, ep):
     out = tmp_path / "state.pt"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           str(WORKER), str(ep), "3", str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-6000:]
+    run_launch(torchrun(2) + [str(WORKER), str(ep), "3", str(out)], f"sharded init, ep {ep}", 600)
     saved = torch.load(out, weights_only=True)
     reference = seeded_debug_model(3).state_dict()
     assert sorted(saved["state"]) == sorted(reference)
