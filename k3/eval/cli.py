@@ -57,8 +57,8 @@ def _mqar_layout(args: argparse.Namespace, vocab_size: int):
 def eval_command(args: argparse.Namespace) -> int:
     from k3.eval.harness import evaluate_tasks
     from k3.eval.perplexity import perplexity_by_position
-    from k3.eval.report import (accuracy_table, cost_table, parse_lengths, perplexity_table, plot_accuracy, plot_perplexity,
-                                write_json)
+    from k3.eval.report import (accuracy_table, cost_table, parse_lengths, perplexity_table, plot_accuracy,
+                                plot_perplexity, write_json)
     from k3.eval.tasks import TASKS, Filler, TaskContext
     from k3.infer.cli import load_for_inference
 

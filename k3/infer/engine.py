@@ -70,9 +70,9 @@ class ScoreOutput:
 
 def long_prefill_chunk(length: int) -> int | None:
     """Prefill chunk for contexts of `length` tokens: None (the engine's short default) up to 32K, then
-    length/16 in multiples of 2,048, at most 65,536. Each chunk after the first up-projects MLA's keys and values over the
-    whole context so far, so a 1M prompt in the default 2,048-token chunks would do that 512 times; 16 chunks
-    keep it cheap while one chunk's MoE intermediate stays far below one whole-prompt forward's."""
+    length/16 in multiples of 2,048, at most 65,536. Each chunk after the first up-projects MLA's keys and
+    values over the whole context so far, so a 1M prompt in the default 2,048-token chunks would do that 512
+    times; 16 chunks keep it cheap while one chunk's MoE intermediate stays far below one whole-prompt forward's."""
     chunk = (length // 16) // 2048 * 2048
     return min(65536, chunk) if chunk > 2048 else None
 

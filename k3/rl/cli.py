@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from k3.infer.cli import DTYPE_CHOICES
 from k3.rl.losses import ALGORITHMS
 
 RL_FIELDS = ("run", "suite", "out", "algo", "group", "tasks_per_step", "steps", "lr", "minibatches", "temperature",
@@ -114,7 +115,7 @@ def register(subparsers) -> None:
     rl.add_argument("--no-routing-replay", action="store_true", dest="no_routing_replay")
     rl.add_argument("--routing-source", choices=("rollout", "trainer"), dest="routing_source",
                     help="routing replay of the engine's recorded experts (default) or of the trainer's old pass")
-    rl.add_argument("--rollout-dtype", choices=("auto", "fp32", "bf16"), dest="rollout_dtype",
+    rl.add_argument("--rollout-dtype", choices=DTYPE_CHOICES, dest="rollout_dtype",
                     help="the in-process engine's weights: auto = a bf16 copy of the policy on CUDA, refreshed after "
                          "each update (fp32: the policy itself, the default on CPU)")
     rl.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",

@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from k3.checkpoint.native import atomic_write_bytes
+from k3.infer.cli import DTYPE_CHOICES
 from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages, loss_config_for
 from k3.rl.policy import PolicyConfig, PolicyUpdater, Sequence
 from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner
@@ -95,8 +96,8 @@ class RLConfig:
                              "only): use routing_source='trainer' with CUDA graphs, or leave cuda_graphs unset")
         if self.heldout_tasks < 0:
             raise ValueError(f"heldout_tasks must be >= 0, got {self.heldout_tasks}")
-        if self.rollout_dtype not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"rollout_dtype must be auto, fp32 or bf16, got {self.rollout_dtype!r}")
+        if self.rollout_dtype not in DTYPE_CHOICES:
+            raise ValueError(f"rollout_dtype must be one of {DTYPE_CHOICES}, got {self.rollout_dtype!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
