@@ -273,7 +273,7 @@ class RLTrainer:
         max_batch = min(256, config.group * config.tasks_per_step)
         rollout = RolloutConfig(temperature=config.temperature, max_context=config.max_context,
                                 tool_budget=config.tool_budget, iteration_token_budget=config.iteration_token_budget,
-                                threads=config.threads)
+                                threads=config.threads, max_live_episodes=max_batch)
         self._started_ray = False
         self.rollout_model = self.model
         if config.ray:

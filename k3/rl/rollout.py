@@ -86,6 +86,12 @@ class RolloutConfig:
     iteration_token_budget: int | None = None  # partial rollouts: park episodes past this many tokens a step
     threads: int = 8
     keep_transcripts: bool = False
+    # Held-out scoring (run_aside) starts at most this many episodes at once, wave after wave (None: all at
+    # once). Each turn is one batched engine call over every live episode, so with thousands live a turn takes
+    # minutes on a CPU and every episode runs out of its wall-time limit while it waits for the others: 200
+    # tasks x 8 samples at once scored 0.14 where waves of 64 scored 0.74. A wave's episodes start their clocks
+    # (and their sandboxes) when the wave starts.
+    max_live_episodes: int | None = None
 
 
 def _seed(*parts) -> int:
@@ -179,14 +185,24 @@ class RolloutRunner:
     def run_aside(self, tasks: list[Task], group_size: int, step: int, temperature: float,
                   indices: list[int] | None = None) -> list[list[Episode]]:
         """``run`` at another temperature and without the token budget, leaving the parked groups where they
-        are (held-out scoring between training steps)."""
+        are (held-out scoring between training steps); in waves of at most ``max_live_episodes`` episodes."""
         config = self.config
+        indices = list(indices) if indices is not None else list(range(len(tasks)))
+        per_wave = len(tasks) if config.max_live_episodes is None else max(1, config.max_live_episodes // group_size)
         saved = config.temperature, config.iteration_token_budget, self.parked
         config.temperature, config.iteration_token_budget, self.parked = temperature, None, []
+        groups, totals = [], {}
         try:
-            return self.run(tasks, group_size, step, indices)
+            for start in range(0, max(len(tasks), 1), max(per_wave, 1)):
+                groups += self.run(tasks[start:start + per_wave], group_size, step, indices[start:start + per_wave])
+                for key, value in self.stats.items():
+                    totals[key] = totals.get(key, 0) + value
         finally:
             config.temperature, config.iteration_token_budget, self.parked = saved
+        if totals.get("generation_s"):
+            totals["rollout_tokens_per_s"] = totals["generated_tokens"] / totals["generation_s"]
+        self.stats = totals
+        return groups
 
     def run(self, tasks: list[Task], group_size: int, step: int = 0,
             indices: list[int] | None = None) -> list[list[Episode]]:

@@ -1,6 +1,7 @@
 """Rollouts in real sandboxes: forked groups, failures that end only their episode, partial rollouts, and the
 real engine driving a tiny model."""
 
+import dataclasses
 import os
 import re
 import signal
@@ -115,6 +116,39 @@ def test_partial_rollouts_park_and_continue(sandbox_home, tokenizer):
     assert all(e.finish == "submitted" and e.reward == 1.0 and e.turns == 3 for e in group)
     # the restored sandbox kept the first iteration's writes
     assert not runner.parked
+
+
+class BatchRecordingEngine(ScriptedEngine):
+    """Also records how many episodes each batched engine call carried."""
+
+    def __init__(self, tokenizer, script):
+        super().__init__(tokenizer, script)
+        self.batch_sizes = []
+
+    def complete(self, prompts, params):
+        self.batch_sizes.append(sum(p.n for p in params))
+        return super().complete(prompts, params)
+
+
+def test_heldout_scoring_runs_in_waves_of_at_most_max_live_episodes(sandbox_home, tokenizer):
+    def script(text, sample):
+        if "<|tool|>" in text:
+            return format_tool_call("submit", {"answer": text.rsplit("<|tool|>", 1)[1].split("\n")[0]})
+        return format_tool_call("bash", {"command": f"echo {text.count('Task')}-{sample}"})
+
+    tasks = [dataclasses.replace(make_task(f"t{i}"), prompt="Task " * (i + 1)) for i in range(5)]
+    everything = BatchRecordingEngine(tokenizer, script)
+    at_once = RolloutRunner(everything, tokenizer).run_aside(tasks, 2, -1, 1.0)
+    waves = BatchRecordingEngine(tokenizer, script)
+    runner = RolloutRunner(waves, tokenizer, RolloutConfig(max_live_episodes=4))
+    in_waves = runner.run_aside(tasks, 2, -1, 1.0)
+    assert max(everything.batch_sizes) == 10 and max(waves.batch_sizes) == 4
+    assert len(waves.batch_sizes) == 6  # 3 waves (2 + 2 + 1 tasks) x 2 turns
+    assert [[e.answer for e in g] for g in in_waves] == [[e.answer for e in g] for g in at_once]
+    assert [g[0].task.id for g in in_waves] == [t.id for t in tasks]
+    assert in_waves[4][1].answer.startswith("5-1")
+    # the waves' statistics add up
+    assert runner.stats["generated_tokens"] == sum(e.model_tokens for g in in_waves for e in g)
 
 
 def test_the_engine_and_a_tiny_model_run_calc_episodes(sandbox_home, tokenizer, tiny_model):
