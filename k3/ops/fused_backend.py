@@ -3,6 +3,10 @@ RMSNorm (k3.ops.short_conv, k3.ops.norm). The recurrence itself has its own swit
 
 Backend: `set_fused_backend(name)` if called (None resets), else the env var K3_FUSED_BACKEND, else "auto"
 (fla for CUDA tensors in fp16/bf16/fp32 when fla imports, PyTorch otherwise); "torch" and "fla" force one.
+
+Under torch.compile without autograd (a compiled decode step), each fla call goes through a `k3::fla_*` custom
+op (`opaque_under_compile`): dynamo cannot trace fla's Python launchers, and an op keeps the kernel one opaque
+call inside one graph. The op's body is the eager call, fallback to the PyTorch twin included.
 """
 
 from __future__ import annotations
@@ -42,6 +46,14 @@ def fused_backend(x: torch.Tensor | None = None, available: bool = True) -> str:
                            f"(fla needs CUDA fp16/bf16/fp32 tensors and an importable fla); "
                            f"set {_ENV}=auto or torch")
     return "fla" if usable else "torch"
+
+
+def opaque_under_compile(*tensors: torch.Tensor | None) -> bool:
+    """Whether an fla call takes its k3:: custom op: only while torch.compile traces, and only when no autograd
+    graph is being built (the ops have no backward: training calls fla directly, compiled or not)."""
+    if not torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
 
 # Kernel variants (op, input flags) whose fla kernel Triton failed to compile; they run the PyTorch twin.

@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from k3.ops.fused_backend import fused_backend, with_torch_fallback
+from k3.ops.fused_backend import fused_backend, opaque_under_compile, with_torch_fallback
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,6 +29,12 @@ def _load_fla_norms():
     return rms_norm, rms_norm_gated
 
 
+@torch.compiler.assume_constant_result
+def _fla_norms_available() -> bool:
+    """A constant to torch.compile: traced, the import would break the graph wherever fla is missing."""
+    return not isinstance(_load_fla_norms(), str)
+
+
 # fla compiles and autotunes (9 configs) its norm kernels for rows of D <= 512 once per bucket of rows: 2,048
 # rows for rms_norm, 65,536 for the gated norm (the kernels' NB). Training and decode see a few fixed row
 # counts, but prefill sees every one (chunks, last chunks, batch sizes), so `k3 eval` spent minutes autotuning
@@ -39,7 +45,7 @@ GATED_NORM_BUCKET_ROWS = 65536
 
 
 def _use_fla(x: torch.Tensor, bucket_rows: int) -> bool:
-    if fused_backend(x, available=not isinstance(_load_fla_norms(), str)) != "fla":
+    if fused_backend(x, available=_fla_norms_available()) != "fla":
         return False
     return fla_row_count_ok(x, bucket_rows)
 
@@ -73,17 +79,51 @@ def rms_norm_gated_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension (x [..., D], weight [D])."""
     if _use_fla(x, RMS_NORM_BUCKET_ROWS):
-        return with_torch_fallback(("rms_norm", x.shape[-1], x.dtype),
-                                   lambda: _load_fla_norms()[0](x, weight, None, eps=eps),
-                                   lambda: rms_norm_torch(x, weight, eps))
+        if opaque_under_compile(x, weight):
+            return fla_rms_norm_op(x, weight, eps)
+        return _rms_norm_fla(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * sigmoid(gate) over the last dimension (x, gate [..., D], weight [D]); x's dtype out."""
     if _use_fla(x, GATED_NORM_BUCKET_ROWS):
-        return with_torch_fallback(("rms_norm_gated", x.shape[-1], x.dtype),
-                                   lambda: _load_fla_norms()[1](x, gate.to(x.dtype), weight, None,
-                                                                activation="sigmoid", eps=eps),
-                                   lambda: rms_norm_gated_torch(x, gate, weight, eps))
+        if opaque_under_compile(x, gate, weight):
+            return fla_rms_norm_gated_op(x, gate, weight, eps)
+        return _rms_norm_gated_fla(x, gate, weight, eps)
     return rms_norm_gated_torch(x, gate, weight, eps)
+
+
+def _rms_norm_fla(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return with_torch_fallback(("rms_norm", x.shape[-1], x.dtype),
+                               lambda: _load_fla_norms()[0](x, weight, None, eps=eps),
+                               lambda: rms_norm_torch(x, weight, eps))
+
+
+def _rms_norm_gated_fla(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return with_torch_fallback(("rms_norm_gated", x.shape[-1], x.dtype),
+                               lambda: _load_fla_norms()[1](x, gate.to(x.dtype), weight, None,
+                                                            activation="sigmoid", eps=eps),
+                               lambda: rms_norm_gated_torch(x, gate, weight, eps))
+
+
+# The no-autograd fla calls as custom ops, opaque to torch.compile (k3.ops.fused_backend.opaque_under_compile):
+# the result is x-shaped, contiguous, in x's dtype, from fla or from the twin after a Triton compile failure.
+@torch.library.custom_op("k3::fla_rms_norm", mutates_args=())
+def fla_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm_fla(x, weight, eps).contiguous()
+
+
+@fla_rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("k3::fla_rms_norm_gated", mutates_args=())
+def fla_rms_norm_gated_op(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms_norm_gated_fla(x, gate, weight, eps).contiguous()
+
+
+@fla_rms_norm_gated_op.register_fake
+def _(x, gate, weight, eps):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)

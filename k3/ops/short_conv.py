@@ -19,7 +19,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from k3.ops.fused_backend import fused_backend, with_torch_fallback
+from k3.ops.fused_backend import fused_backend, opaque_under_compile, with_torch_fallback
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,6 +29,12 @@ def _load_fla_conv():
     except Exception as exc:  # a broken triton install raises more than ImportError
         return f"{type(exc).__name__}: {exc}"
     return causal_conv1d
+
+
+@torch.compiler.assume_constant_result
+def _fla_conv_available() -> bool:
+    """A constant to torch.compile: traced, the import would break the graph wherever fla is missing."""
+    return not isinstance(_load_fla_conv(), str)
 
 
 def short_conv_torch(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None = None,
@@ -58,15 +64,42 @@ def short_conv_fla(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor 
                    cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same op through fla's causal_conv1d (CUDA). Packed documents come as cu_seqlens [N+1] (B = 1, no
     tail). Returns (y [B, T, C], new tail [N, W-1, C])."""
+    y, final = _fla_conv_call(x, weight_CW.to(x.dtype), _fla_window(tail, x.dtype), cu_seqlens)
+    return y, final[:, :, 1:].transpose(1, 2)
+
+
+def _fla_window(tail: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """k3's tail [B, W-1, C] -> fla's window [B, C, W] (column 0 unused)."""
+    return None if tail is None else F.pad(tail.to(dtype).transpose(1, 2), (1, 0)).contiguous()
+
+
+def _fla_conv_call(x: torch.Tensor, weight_CW: torch.Tensor, state: torch.Tensor | None,
+                   cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     conv = _load_fla_conv()
     if isinstance(conv, str):
         raise RuntimeError(f"fla's causal_conv1d is not importable ({conv})")
-    state = None
-    if tail is not None:
-        state = F.pad(tail.to(x.dtype).transpose(1, 2), (1, 0)).contiguous()  # [B, C, W]
-    y, final = conv(x, weight=weight_CW.to(x.dtype), initial_state=state, output_final_state=True,
-                    activation="silu", cu_seqlens=cu_seqlens)
-    return y, final[:, :, 1:].transpose(1, 2)
+    return conv(x, weight=weight_CW, initial_state=state, output_final_state=True, activation="silu",
+                cu_seqlens=cu_seqlens)
+
+
+@torch.library.custom_op("k3::fla_causal_conv1d", mutates_args=())
+def fla_causal_conv1d_op(x: torch.Tensor, weight_CW: torch.Tensor,
+                         state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fla's causal_conv1d + SiLU for one unpacked batch, opaque to torch.compile: x [B, T, C], weight [C, W]
+    (x's dtype), state: fla's window [B, C, W] or None -> (y [B, T, C], final window [B, C, W]), both
+    contiguous in x's dtype. The PyTorch twin stands in when Triton cannot compile the kernel."""
+    def torch_call():
+        tail = None if state is None else state[:, :, 1:].transpose(1, 2)
+        y, new_tail = short_conv_torch(x, weight_CW, tail)
+        return y.contiguous(), F.pad(new_tail.transpose(1, 2), (1, 0)).contiguous()
+
+    variant = ("short_conv", x.dtype, state is not None, False, x.shape[0] > 1)
+    return with_torch_fallback(variant, lambda: _fla_conv_call(x, weight_CW, state, None), torch_call)
+
+
+@fla_causal_conv1d_op.register_fake
+def _(x, weight_CW, state):
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[2], weight_CW.shape[1])
 
 
 def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None = None,
@@ -75,7 +108,7 @@ def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | No
     """Dispatch: fla for CUDA inputs when the fused backend resolves to fla (packed input must then come with
     cu_seqlens and without a tail), PyTorch otherwise (packed input by position_in_doc)."""
     packed = cu_seqlens is not None or position_in_doc is not None
-    fla_ok = (fused_backend(x, available=not isinstance(_load_fla_conv(), str)) == "fla"
+    fla_ok = (fused_backend(x, available=_fla_conv_available()) == "fla"
               and not (packed and (cu_seqlens is None or tail is not None)))
 
     def torch_call():
@@ -85,6 +118,9 @@ def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | No
             positions = torch.arange(x.shape[1], device=x.device) - starts
         return short_conv_torch(x, weight_CW, tail, positions)
 
+    if fla_ok and not packed and opaque_under_compile(x, weight_CW, tail):
+        y, final = fla_causal_conv1d_op(x, weight_CW.to(x.dtype), _fla_window(tail, x.dtype))
+        return y, final[:, :, 1:].transpose(1, 2)
     if fla_ok:
         variant = ("short_conv", x.dtype, tail is not None, packed, x.shape[0] > 1)
         fla_call = lambda: short_conv_fla(x, weight_CW, tail, cu_seqlens if packed else None)  # noqa: E731

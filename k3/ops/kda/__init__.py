@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from k3.ops.fused_backend import opaque_under_compile
 from k3.ops.kda.chunk import chunk_kda_torch
 from k3.ops.kda.naive import naive_recurrent_kda
 from k3.ops.kda.recurrent import fused_recurrent_kda_torch
@@ -40,6 +41,12 @@ def _load_fla() -> tuple[object, object] | str:
     except Exception as exc:  # a broken triton install raises more than ImportError
         return f"{type(exc).__name__}: {exc}"
     return fla_chunk, fla_recurrent
+
+
+@torch.compiler.assume_constant_result
+def _fla_available() -> bool:
+    """A constant to torch.compile: traced, the import would break the graph wherever fla is missing."""
+    return not isinstance(_load_fla(), str)
 
 
 def _check_name(name: str, source: str) -> str:
@@ -70,21 +77,41 @@ def kda_backend(x: torch.Tensor | None = None) -> str:
     name = _override if _override is not None else _check_name(os.environ.get(_ENV, "auto"), _ENV)
     if x is None or name != "auto":
         return name
-    return "fla" if x.is_cuda and not isinstance(_load_fla(), str) else "torch"
+    return "fla" if x.is_cuda and _fla_available() else "torch"
 
 
-def _fla_op(x: torch.Tensor, index: int):
-    """fla's op number `index` if the backend resolves to fla for x, else None."""
+def _use_fla(x: torch.Tensor) -> bool:
+    """Whether a call on x runs fla; raises when fla is forced but cannot run. (The kernels themselves are
+    looked up only where they are called: a function handed back into a torch.compile trace as a constant
+    cannot be guarded.)"""
     if kda_backend(x) != "fla":
-        return None
-    ops = _load_fla()
-    if isinstance(ops, str):
-        raise RuntimeError(f"KDA backend 'fla' forced but fla is not importable ({ops}); "
+        return False
+    if not _fla_available():
+        raise RuntimeError(f"KDA backend 'fla' forced but fla is not importable ({_load_fla()}); "
                            f"install flash-linear-attention>=0.6.0 or set {_ENV}=torch")
     if not x.is_cuda:
         raise RuntimeError(f"KDA backend 'fla' forced but the inputs are on {x.device}; fla's kernels need CUDA "
                            f"tensors (set {_ENV}=auto or torch for other devices)")
-    return ops[index]
+    return True
+
+
+# fla's keyword options that the custom ops below carry; a call with any other keyword takes fla directly.
+_OP_KWARGS = frozenset({"use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel", "lower_bound",
+                        "safe_gate"})
+
+
+def _opaque(q, k, v, g, beta, initial_state, kwargs) -> bool:
+    return set(kwargs) <= _OP_KWARGS and opaque_under_compile(q, k, v, g, beta, initial_state,
+                                                              kwargs.get("A_log"), kwargs.get("dt_bias"))
+
+
+def _call_op(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+             cu_seqlens, kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    o, final = op(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                  kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"), kwargs.get("dt_bias"),
+                  kwargs.get("use_beta_sigmoid_in_kernel", False), kwargs.get("lower_bound"),
+                  kwargs.get("safe_gate", False), cu_seqlens)
+    return o, final if output_final_state else None
 
 
 def chunk_kda(
@@ -110,8 +137,11 @@ def chunk_kda(
     fla's in-kernel gate/beta keywords (use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_beta_sigmoid_in_kernel) are honoured by both backends.
     """
-    op = _fla_op(q, 0)
-    impl = op if op is not None else chunk_kda_torch
+    fla = _use_fla(q)
+    if fla and _opaque(q, k, v, g, beta, initial_state, kwargs):
+        return _call_op(fla_chunk_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, cu_seqlens, kwargs)
+    impl = _load_fla()[0] if fla else chunk_kda_torch
     return impl(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 cu_seqlens=cu_seqlens, **kwargs)
@@ -135,8 +165,66 @@ def fused_recurrent_kda(
     Pass everything after beta by keyword when code may also run against fla directly: fla's own signature puts
     A_log and dt_bias right after beta.
     """
-    op = _fla_op(q, 1)
-    impl = op if op is not None else fused_recurrent_kda_torch
+    fla = _use_fla(q)
+    if fla and _opaque(q, k, v, g, beta, initial_state, kwargs):
+        return _call_op(fla_fused_recurrent_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, cu_seqlens, kwargs)
+    impl = _load_fla()[1] if fla else fused_recurrent_kda_torch
     return impl(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                 cu_seqlens=cu_seqlens, **kwargs)
+
+
+# fla's two KDA entry points as custom ops, for torch.compile without autograd (a compiled decode step): dynamo
+# cannot trace fla's launchers, and an op is one opaque call inside one graph. Same arguments as above (fla's
+# in-kernel options spelled out); returns (o [B, T, HV, V], final state fp32 [N, HV, K, V], or an empty
+# tensor when output_final_state is False: an op cannot return None).
+def _fla_op_body(index: int, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                 use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, lower_bound, safe_gate,
+                 cu_seqlens) -> tuple[torch.Tensor, torch.Tensor]:
+    o, final = _load_fla()[index](q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                  output_final_state=output_final_state,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+                                  use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound,
+                                  safe_gate=safe_gate)
+    return o, final if final is not None else q.new_empty(0, dtype=torch.float32)
+
+
+def _fla_op_fake(o_dtype, q, k, v, cu_seqlens, output_final_state) -> tuple[torch.Tensor, torch.Tensor]:
+    sequences = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    final_shape = (sequences, v.shape[2], k.shape[-1], v.shape[-1]) if output_final_state else (0,)
+    return v.new_empty(v.shape, dtype=o_dtype), q.new_empty(final_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("k3::fla_chunk_kda", mutates_args=())
+def fla_chunk_kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     scale: float | None, initial_state: torch.Tensor | None, output_final_state: bool,
+                     use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool, A_log: torch.Tensor | None,
+                     dt_bias: torch.Tensor | None, use_beta_sigmoid_in_kernel: bool, lower_bound: float | None,
+                     safe_gate: bool, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fla_op_body(0, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                        use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, lower_bound, safe_gate,
+                        cu_seqlens)
+
+
+@fla_chunk_kda_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, *rest):
+    return _fla_op_fake(q.dtype, q, k, v, rest[-1], output_final_state)  # fla's chunk_kda: o.type_as(q)
+
+
+@torch.library.custom_op("k3::fla_fused_recurrent_kda", mutates_args=())
+def fla_fused_recurrent_kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, scale: float | None, initial_state: torch.Tensor | None,
+                               output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
+                               A_log: torch.Tensor | None, dt_bias: torch.Tensor | None,
+                               use_beta_sigmoid_in_kernel: bool, lower_bound: float | None, safe_gate: bool,
+                               cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _fla_op_body(1, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                        use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel, lower_bound, safe_gate,
+                        cu_seqlens)
+
+
+@fla_fused_recurrent_kda_op.register_fake
+def _(q, k, v, g, beta, scale, initial_state, output_final_state, *rest):
+    return _fla_op_fake(v.dtype, q, k, v, rest[-1], output_final_state)  # fla: o = zeros_like(v)
