@@ -79,8 +79,9 @@ def attn_res_backend(x: torch.Tensor | None = None) -> str:
 
 def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    """Dispatching entry point; same arguments and result as attn_res_mix_eager."""
-    if attn_res_backend(sources[0]) == "compiled":
+    """Dispatching entry point; same arguments and result as attn_res_mix_eager. Inside a torch.compile'd
+    caller (a compiled decode step) the eager form is traced into the caller's graph and fused there."""
+    if attn_res_backend(sources[0]) == "compiled" and not torch.compiler.is_compiling():
         mixed_ND = _compiled()(_stack_tokens(sources), norm_weight_D, query_D, eps)
         return mixed_ND.view(sources[0].shape).to(sources[0].dtype)
     return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)

@@ -1,11 +1,15 @@
 """Routed-expert compute: tokens sorted by expert, one GLU per expert.
 
-Two interchangeable paths, held equal by tests/ops/test_moe_ops.py:
+Three interchangeable paths, held equal by tests/ops/test_moe_ops.py:
 - `experts_loop`: a Python loop over experts (CPU, and the oracle);
-- `experts_grouped_mm`: one grouped GEMM per projection (torch._grouped_mm on CUDA).
+- `experts_grouped_mm`: one grouped GEMM per projection (torch._grouped_mm on CUDA);
+- `experts_gathered`: each routed pair's expert weights gathered and applied as a batched matmul, for
+  torch.compile where the grouped GEMM cannot run (its meta function takes bf16 only): the loop reads its
+  counts back to the host, which breaks the graph. It copies N expert weights, so it suits decode-sized N.
 `K3_MOE_BACKEND=loop|grouped|auto` forces one; auto takes the grouped GEMM for bf16 CUDA tensors whose widths
-meet its 16-byte alignment rule. `count_per_expert` counts routed pairs without a host sync (torch.bincount
-on CUDA reads the input's min and max back to the host), so the grouped path can be captured in a CUDA graph.
+meet its 16-byte alignment rule, else the loop (eager) or the gathered path (under torch.compile).
+`count_per_expert` counts routed pairs without a host sync (torch.bincount on CUDA reads the input's min and max
+back to the host), so the grouped path can be captured in a CUDA graph.
 
 Shape suffixes: N routed pairs (tokens*top_k), E experts, F expert width, D expert input width.
 """
@@ -59,6 +63,20 @@ def experts_grouped_mm(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch
     return torch._grouped_mm(h_NF, w2_EDF.to(dtype).transpose(1, 2), offs=offsets_E)
 
 
+def experts_gathered(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
+                     w2_EDF: torch.Tensor, act: str, betas: tuple[float, float]) -> torch.Tensor:
+    """Same arguments and result as experts_grouped_mm, with no host sync and no data-dependent shape: row i
+    belongs to the expert whose range of the sorted rows holds i."""
+    ends_E = torch.cumsum(counts_E, 0)
+    expert_N = torch.searchsorted(ends_E, torch.arange(x_ND.shape[0], device=x_ND.device), right=True)
+    x_N1D = x_ND.unsqueeze(1)
+    dtype = x_ND.dtype
+    gate_N1F = torch.bmm(x_N1D, w1_EFD[expert_N].to(dtype).transpose(1, 2))
+    up_N1F = torch.bmm(x_N1D, w3_EFD[expert_N].to(dtype).transpose(1, 2))
+    h_N1F = glu_activation(gate_N1F, up_N1F, act, *betas).to(dtype)
+    return torch.bmm(h_N1F, w2_EDF[expert_N].to(dtype).transpose(1, 2)).squeeze(1)
+
+
 def _grouped_available(x: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
     """The CUDA grouped GEMM takes bf16 operands whose rows are a multiple of 16 bytes (8 bf16 values)."""
     width_f, width_d = w1_EFD.shape[1], w1_EFD.shape[2]
@@ -74,4 +92,6 @@ def run_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor
         raise ValueError(f"K3_MOE_BACKEND={backend!r}; use auto, loop or grouped")
     if backend == "grouped" or (backend == "auto" and _grouped_available(x_ND, w1_EFD)):
         return experts_grouped_mm(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
+    if backend == "auto" and torch.compiler.is_compiling():
+        return experts_gathered(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
     return experts_loop(x_ND, counts_E.tolist(), w1_EFD, w3_EFD, w2_EDF, act, betas)
