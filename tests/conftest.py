@@ -21,7 +21,8 @@ def _nan_filled_empty():
             kwargs["device"] = torch.get_default_device()
         tensor = original(*args, **kwargs)
         if tensor.is_floating_point() and tensor.device.type != "meta":
-            tensor.fill_(float("nan"))
+            with torch.no_grad():  # torch.empty(..., requires_grad=True) gives a leaf (Inductor's pattern setup)
+                tensor.fill_(float("nan"))
         return tensor
 
     torch.empty = nan_empty
