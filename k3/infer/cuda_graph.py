@@ -4,12 +4,22 @@
 cache's device-side position moves on by one. It skips K3ForCausalLM.forward's input checks, which read token
 ids back to the host and so cannot be captured.
 
-`CUDAGraphDecoder` warms the step up on a side stream (fla autotuning, torch.compile), puts the cache back as
-it was, captures one step, and then replays it: the whole model step is one graph launch. `greedy` also keeps
-sampling on the device (argmax written straight into the graph's input), so a run of steps has no host sync.
+`compiled_decode_step()` is the same step through torch.compile (inductor) as one graph: no graph breaks
+(fla's kernels enter as k3:: custom ops, see k3.ops.fused_backend) and static shapes. Inductor fuses the
+elementwise glue between the GEMMs and fla kernels (casts, norms, router and AttnRes arithmetic, cache writes),
+so a captured step holds far fewer kernels.
+
+`CUDAGraphDecoder` warms the step up on a side stream (fla autotuning, torch.compile: with compile=True the
+first warm-up step compiles), puts the cache back as it was, captures one step, and then replays it: the
+whole model step is one graph launch. `greedy` also keeps sampling on the device (argmax written straight into
+the graph's input), so a run of steps has no host sync.
 """
 
 from __future__ import annotations
+
+import functools
+import os
+import time
 
 import torch
 
@@ -25,21 +35,47 @@ def decode_step(model, cache: StaticCache, input_ids: torch.Tensor) -> torch.Ten
     return logits
 
 
+COMPILE_ENV = "K3_COMPILE_DECODE"
+
+
+def compile_decode_from_env() -> bool:
+    """K3_COMPILE_DECODE=1 turns the compiled decode step on where the engine captures its graphs (default 0)."""
+    value = os.environ.get(COMPILE_ENV, "0").strip().lower()
+    if value not in ("0", "1", "false", "true", ""):
+        raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {value!r}")
+    return value in ("1", "true")
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_decode_step():
+    """decode_step through torch.compile: fullgraph (a graph break raises instead of splitting the step) and
+    static shapes (each model, batch size and cache capacity compiles once, on its first call)."""
+    return torch.compile(decode_step, fullgraph=True, dynamic=False)
+
+
 class CUDAGraphDecoder:
     """A captured decode step over `cache`. `step(ids [B, 1]) -> logits [B, V]` (a view of the graph's static
-    output: copy it before the next step if you keep it); `greedy(first [B, 1], n) -> tokens [B, n]`."""
+    output: copy it before the next step if you keep it); `greedy(first [B, 1], n) -> tokens [B, n]`.
+    compile=True captures compiled_decode_step() instead of the eager step; `warmup_s` is the first warm-up
+    step's wall time (with compile, mostly the compile)."""
 
-    def __init__(self, model, cache: StaticCache, warmup_steps: int = 3) -> None:
+    def __init__(self, model, cache: StaticCache, warmup_steps: int = 3, compile: bool = False) -> None:
         if not cache.position.is_cuda:
             raise RuntimeError("CUDAGraphDecoder needs a StaticCache on a CUDA device; use decode_step elsewhere")
         self.model, self.cache = model, cache
+        self.step_fn = compiled_decode_step() if compile else decode_step
         self.input_ids = torch.zeros(cache.batch_size, 1, dtype=torch.long, device=cache.position.device)
         saved = cache.snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
+        self.warmup_s = float("nan")
         with torch.cuda.stream(side):
-            for _ in range(warmup_steps):
+            for i in range(warmup_steps):
+                start = time.perf_counter()
                 self._step()
+                if i == 0:
+                    side.synchronize()
+                    self.warmup_s = time.perf_counter() - start
         torch.cuda.current_stream().wait_stream(side)
         cache.restore(saved)
         self.graph = torch.cuda.CUDAGraph()
@@ -48,7 +84,7 @@ class CUDAGraphDecoder:
             self.next_ids = self.logits.argmax(-1, keepdim=True)
 
     def _step(self) -> torch.Tensor:
-        return decode_step(self.model, self.cache, self.input_ids)
+        return self.step_fn(self.model, self.cache, self.input_ids)
 
     def step(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.input_ids.copy_(input_ids)

@@ -131,7 +131,10 @@ class Engine:
             # The MoE layers capture only on the bf16 grouped-GEMM path; the expert loop (other dtypes) reads
             # its counts back to the host, which a graph cannot hold.
             use_cuda_graphs = self.device.type == "cuda" and (dtype == torch.bfloat16 or not model.routers())
-        self.runner = ModelRunner(self.model, self.pool, max_pages, use_cuda_graphs)
+        # K3_COMPILE_DECODE=1 compiles the decode step (k3.infer.runner); recording routes runs Python hooks in
+        # every forward, which a compiled graph would not run.
+        self.runner = ModelRunner(self.model, self.pool, max_pages, use_cuda_graphs,
+                                  compile_decode=False if record_routing else None)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.record_routing = record_routing

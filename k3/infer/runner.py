@@ -10,19 +10,40 @@ returns next-token logits. It decides nothing.
   padded to the next captured size; padded rows use the pool's scratch slot and page). Their page tables
   are padded to the pool's largest table, so one graph serves every context length. The eager path is the
   PyTorch twin; tests hold the two equal.
+- With compile_decode (K3_COMPILE_DECODE=1; default off) decode forwards, captured graphs included, run
+  through torch.compile as one graph (k3.infer.cuda_graph): inductor fuses the elementwise kernels between
+  the GEMMs and fla kernels. The first decode batch of each new shape compiles (the capture's warm-up).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from k3.infer.cache_pool import SCRATCH, BatchCache, CachePool
+from k3.infer.cuda_graph import compile_decode_from_env
 from k3.infer.scheduler import Sequence, pages_for
+
+
+@torch.no_grad()
+def decode_logits(model, ids: torch.Tensor, cache: BatchCache) -> torch.Tensor:
+    """A decode forward over the pool: ids [B, 1] -> next-token logits [B, V]."""
+    return model.lm_head(model.model(ids, cache)[:, -1])
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_decode_logits():
+    """decode_logits through torch.compile, one graph (fullgraph). Shapes are left to dynamo's automatic
+    dynamic: the first batch size compiles static, the second one compiles a graph over any batch size (and
+    page-table width), so capturing every graph batch size costs two compiles, not one per size."""
+    return torch.compile(decode_logits, fullgraph=True)
 
 
 class ModelRunner:
     def __init__(self, model, pool: CachePool, max_pages_per_seq: int, use_cuda_graphs: bool | None = None,
-                 graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)) -> None:
+                 graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128),
+                 compile_decode: bool | None = None) -> None:
         self.model, self.pool = model, pool
         self.device = pool.device
         self.max_pages_per_seq = max_pages_per_seq
@@ -34,6 +55,8 @@ class ModelRunner:
         self.graph_batch_sizes = tuple(sorted(graph_batch_sizes))
         self.graphs: dict[int, _DecodeGraph] = {}
         self._graph_pool = None
+        self.compile_decode = compile_decode_from_env() if compile_decode is None else compile_decode
+        self._decode_fn = compiled_decode_logits() if self.compile_decode else decode_logits
 
     # --- eager paths --------------------------------------------------------------------------------
     def _forward_last(self, ids: torch.Tensor, cache: BatchCache, embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +106,7 @@ class ModelRunner:
         ids, slots, positions, table = (t.to(self.device) for t in self._decode_inputs(seqs, len(seqs),
                                                                                         table_pages))
         cache = BatchCache(self.pool, slots, table, positions, mask_rows=True)
-        return self._forward_last(ids, cache)
+        return self._decode_fn(self.model, ids, cache)
 
     # --- CUDA graphs --------------------------------------------------------------------------------
     def _decode_graph(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -121,11 +144,11 @@ class _DecodeGraph:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(warmup):
-                runner._forward_last(self.ids, cache)
+                runner._decode_fn(runner.model, self.ids, cache)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool_handle), torch.no_grad():
-            self.logits = runner._forward_last(self.ids, cache)
+            self.logits = runner._decode_fn(runner.model, self.ids, cache)
 
     def run(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids, non_blocking=True)

@@ -1,0 +1,174 @@
+"""The one-token decode step through torch.compile, checked on CPU over the debug preset (KDA and MLA layers,
+dense and latent-MoE feed-forwards, block AttnRes) in fp32:
+
+- dynamo traces the whole step (16 layers would be the same) as one graph with no breaks, on the PyTorch twins
+  and with every fla dispatch taken (CPU stand-ins for fla: tests/ops/fla_standins.py), where each kernel is
+  one k3:: custom op in the graph;
+- the compiled step equals the eager one in the logits and in every cache buffer, step after step, and does
+  not recompile from step to step nor for a fresh cache of the same shapes;
+- the engine's decode forward over the cache pool (k3.infer.runner) is one graph too.
+
+An Inductor compile of this model takes ~30 s on 2 CPU cores without its on-disk cache (~4 s with it), so the
+tests that compile with Inductor (compiled_decode_step itself, the engine with K3_COMPILE_DECODE=1, bench/decode.py
+--compile's CPU path) are slow; the default run checks the same traced graph through aot_eager (dynamo, AOT
+autograd and the functionalised cache writes, without Inductor's code generation).
+"""
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3 import K3ForCausalLM, ModelConfig
+from k3.infer.cache_pool import BatchCache, CachePool
+from k3.infer.cuda_graph import compile_decode_from_env, compiled_decode_step, decode_step
+from k3.infer.runner import decode_logits
+from k3.infer.static_cache import StaticCache
+from k3.ops.attn_res import set_attn_res_backend
+from tests.ops import fla_standins
+
+STEPS = 3
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    model = K3ForCausalLM(ModelConfig.from_preset("debug")).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("res.proj.weight"):  # non-uniform AttnRes mixes
+                p.normal_(std=0.5)
+    kinds = model.config.layer_types
+    assert "kda" in kinds and "mla" in kinds and model.routers() and model.config.attn_res_block_size > 0
+    return model
+
+
+def prefilled(model, batch=2, prompt=6, capacity=16, seed=1):
+    """A StaticCache continuing a random prompt, and the ids of STEPS more tokens [B, STEPS]."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt + STEPS), generator=gen)
+    hybrid = model.new_cache(batch)
+    with torch.no_grad():
+        model(ids[:, :prompt], cache=hybrid)
+    return StaticCache.from_hybrid(model.config, hybrid, capacity, dtype=torch.float32), ids[:, prompt:]
+
+
+def buffers(cache: StaticCache) -> list[torch.Tensor]:
+    return [cache.position] + [t for slot in cache.layers for t in slot.buffers()]
+
+
+def check_compiled_equals_eager(model, step) -> None:
+    """STEPS compiled steps equal STEPS eager ones (logits, every cache buffer); only the first step compiles."""
+    eager_cache, ids = prefilled(model)
+    compiled_cache, _ = prefilled(model)
+    for t in range(STEPS):
+        expected = decode_step(model, eager_cache, ids[:, t:t + 1])
+        if t == 0:
+            got = step(model, compiled_cache, ids[:, t:t + 1])
+        else:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                got = step(model, compiled_cache, ids[:, t:t + 1])
+        torch.testing.assert_close(got, expected, **TOL)
+    for got, expected in zip(buffers(compiled_cache), buffers(eager_cache), strict=True):
+        torch.testing.assert_close(got, expected, **TOL)
+    assert int(compiled_cache.position) == 6 + STEPS
+    fresh, ids = prefilled(model, seed=2)  # a new cache of the same shapes reuses the graph
+    with torch.compiler.set_stance("fail_on_recompile"):
+        step(model, fresh, ids[:, :1])
+
+
+def test_decode_step_is_one_graph_without_breaks(model):
+    cache, ids = prefilled(model)
+    explained = torch._dynamo.explain(decode_step)(model, cache, ids[:, :1])
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_decode_step_with_every_fla_dispatch_is_one_graph_of_custom_ops(model, monkeypatch):
+    """The CUDA dispatch decisions (fla for the short convs, norms and the KDA recurrence; the compiled AttnRes
+    backend), taken on CPU with stand-ins: one graph (fullgraph), each fla call a k3:: op, results equal eager."""
+    with fla_standins.installed(monkeypatch):
+        check_fla_dispatch_graph(model)
+
+
+def check_fla_dispatch_graph(model) -> None:
+    eager_cache, ids = prefilled(model)
+    expected = decode_step(model, eager_cache, ids[:, :1])
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    set_attn_res_backend("compiled")
+    try:
+        cache, _ = prefilled(model)
+        got = torch.compile(decode_step, fullgraph=True, dynamic=False, backend=record)(model, cache, ids[:, :1])
+    finally:
+        set_attn_res_backend(None)
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    kda_layers = model.config.layer_types.count("kda")
+    assert targets.count("k3.fla_causal_conv1d.default") == 3 * kda_layers
+    assert targets.count("k3.fla_fused_recurrent_kda.default") == kda_layers
+    assert targets.count("k3.fla_rms_norm_gated.default") == kda_layers
+    assert targets.count("k3.fla_rms_norm.default") >= 2 * model.config.num_layers + 1
+    torch.testing.assert_close(got, expected, **TOL)
+    for a, b in zip(buffers(cache), buffers(eager_cache), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+def test_compiled_decode_equals_eager_without_recompiles(model):
+    check_compiled_equals_eager(model, torch.compile(decode_step, fullgraph=True, dynamic=False,
+                                                     backend="aot_eager"))
+
+
+@pytest.mark.slow
+def test_inductor_compiled_decode_equals_eager_without_recompiles(model):
+    check_compiled_equals_eager(model, compiled_decode_step())
+
+
+def test_engine_decode_forward_is_one_graph(model):
+    pool = CachePool(model.config, num_slots=4, num_pages=8, page_size=4, device="cpu", dtype=torch.float32)
+    cache = BatchCache(pool, torch.tensor([1, 2]), torch.tensor([[1, 2], [3, 4]]), torch.tensor([3, 6]),
+                       mask_rows=True)
+    explained = torch._dynamo.explain(decode_logits)(model, torch.tensor([[5], [7]]), cache)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_compile_switch_reads_the_environment(monkeypatch):
+    monkeypatch.delenv("K3_COMPILE_DECODE", raising=False)
+    assert compile_decode_from_env() is False
+    monkeypatch.setenv("K3_COMPILE_DECODE", "1")
+    assert compile_decode_from_env() is True
+    monkeypatch.setenv("K3_COMPILE_DECODE", "yes")
+    with pytest.raises(ValueError, match="K3_COMPILE_DECODE"):
+        compile_decode_from_env()
+
+
+@pytest.mark.slow
+def test_engine_with_compiled_decode_generates_the_same_tokens(model, monkeypatch):
+    from k3.infer.engine import Engine
+    from k3.infer.sampling import SamplingParams
+
+    prompts = [[3, 9, 4, 1, 7], [8, 2, 6]]
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    expected = Engine(model, max_context=32, max_batch=2, prefix_cache=False).generate_ids(prompts, params)
+    monkeypatch.setenv("K3_COMPILE_DECODE", "1")
+    engine = Engine(model, max_context=32, max_batch=2, prefix_cache=False)
+    assert engine.runner.compile_decode
+    got = engine.generate_ids(prompts, params)
+    assert got == expected and all(len(t) == 6 for t in got)
+
+
+@pytest.mark.slow
+def test_bench_decode_compile_runs_on_cpu(model, monkeypatch):
+    """bench/decode.py --compile's per-case measurement, on CPU (no graphs there: the same greedy loop)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    bench = importlib.import_module("decode")
+    result = bench.bench_k3(model, model.config, batch=2, prompt=8, new=3, max_real=1 << 20,
+                            device=torch.device("cpu"), compile=True)
+    assert result["graph_step_ms"] > 0 and result["compiled_graph_step_ms"] > 0
+    assert result["compiled_graph_vs_eager_max_abs_diff"] < 1e-4 and result["compiled_graph_vs_eager_rel_err"] < 1e-5
+    assert result["graph_vs_eager_max_abs_diff"] == 0.0 and result["compiled_graph_vs_eager_argmax_agree"] == 1.0
