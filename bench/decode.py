@@ -1,13 +1,18 @@
 """Decode speed on one GPU: k3 (static cache + CUDA graph) against transformers' `generate`, in one run.
 
-Usage: python bench/decode.py [--cases 1x8192 1x131072 64x8192 64x131072] [--new 32] [--out decode.json]
+Usage: python bench/decode.py [--cases 1x8192 1x131072 64x8192 64x131072] [--new 32] [--compile] [--out decode.json]
 
 For each case (batch x prompt length):
   k3     prefill into a HybridCache (flash SDPA for MLA, fla chunk_kda), copy into a StaticCache, capture one
          decode step as a CUDA graph, then time `--new` greedy steps (sampling stays on the device).
-         Also timed: the same step run eagerly (no graph). Prompts of more than --max-real-tokens tokens in
-         total (batch x prompt) are not prefilled: the static cache is filled with random contents at that
-         position instead, which costs the decode step the same (it reads the whole cache either way).
+         Also timed: the same step run eagerly (no graph). With --compile, also the step compiled by
+         torch.compile (inductor, one graph) and captured: its ms/step next to the uncompiled graph's, the
+         wall time of its first use (the compile), its first step's logits against the eager step's (max
+         |difference|, ||difference|| / ||eager||, argmax agreement; bf16 kernels fused in fp32 round
+         differently), and (CUDA) the kernels each captured graph launches. Prompts of more than
+         --max-real-tokens tokens in total (batch x prompt) are not prefilled: the static cache is filled with
+         random contents at that position instead, which costs the decode step the same (it reads the whole
+         cache either way).
   peer   transformers KimiLinearForCausalLM.generate (greedy, sdpa, grouped_mm experts) at the matched peer
          config: ms per step = (time for 1 + new tokens - time for 1 token) / new.
 Models: k3-small (the `small` preset) and k3-matched (k3 at the peer's config), random weights.
@@ -24,11 +29,12 @@ import traceback
 
 import torch
 
-from common import device_name, peak_memory_gib, print_table, reset_peak_memory, synchronize, time_ms, write_json
+from common import (device_name, peak_memory_gib, print_table, relative_error, reset_peak_memory, synchronize, time_ms,
+                    write_json)
 from train import k3_matched_config, peer_model
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.infer.cuda_graph import CUDAGraphDecoder, decode_step
+from k3.infer.cuda_graph import CUDAGraphDecoder, compiled_decode_step, decode_step
 from k3.infer.static_cache import StaticCache
 
 
@@ -87,7 +93,7 @@ def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
 
 
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,
-             bandwidth: float | None = None) -> dict:
+             bandwidth: float | None = None, compile: bool = False) -> dict:
     reset_peak_memory()
     ids = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
     synchronize()
@@ -111,26 +117,80 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
     saved = static.snapshot()
     eager_ms = time_ms(lambda: (static.restore(saved), decode_step(model, static, first)), warmup=2, repeats=5)
     static.restore(saved)
-    if device.type == "cuda":
-        decoder = CUDAGraphDecoder(model, static)
+    with torch.no_grad():
+        eager_logits = decode_step(model, static, first).float()
+    static.restore(saved)
+    result = dict(prefill_s=prefill_s, eager_step_ms=eager_ms)
+    variants = [("graph", False)] + ([("compiled_graph", True)] if compile else [])
+    for name, compiled in variants:
+        result.update(time_greedy(model, static, first, new, compiled, eager_logits, name))
+        static.restore(saved)
+    graph_ms = result["graph_step_ms"]
+    if floor:
+        floor["floor_ms"] = floor["total_bytes"] / bandwidth * 1e3
+        floor["graph_vs_floor"] = graph_ms / floor["floor_ms"]
+        if compile:
+            floor["compiled_graph_vs_floor"] = result["compiled_graph_step_ms"] / floor["floor_ms"]
+    return dict(result, memory_floor=floor, tokens_per_s=batch * 1e3 / graph_ms, synthetic_cache=synthetic,
+                cache_bytes_per_seq=per_seq, peak_gib=peak_memory_gib())
+
+
+def time_greedy(model, static: StaticCache, first: torch.Tensor, new: int, compiled: bool,
+                eager_logits: torch.Tensor, name: str) -> dict:
+    """ms per greedy step of the captured decode step (compiled or not; off CUDA the same loop without graphs),
+    the first use's wall time, the first step's max |logit difference| to the eager step, and the kernels one
+    replay launches (CUDA). `static` must hold the state `first` continues from; it is left advanced."""
+    saved = static.snapshot()
+    start = time.perf_counter()
+    if static.position.is_cuda:
+        decoder = CUDAGraphDecoder(model, static, compile=compiled)
+        first_use_s = time.perf_counter() - start
+        logits = decoder.step(first).float()
+        static.restore(saved)
+        kernels = graph_kernel_count(lambda: decoder.step(first))
         greedy = decoder.greedy
     else:  # no graphs off CUDA: the same greedy loop, eagerly
+        step = compiled_decode_step() if compiled else decode_step
+        logits = step(model, static, first).float()
+        first_use_s = time.perf_counter() - start
+        kernels = None
+
+        @torch.no_grad()
         def greedy(ids, n):
             for _ in range(n):
-                ids = decode_step(model, static, ids).argmax(-1, keepdim=True)
-    saved = static.snapshot()
+                ids = step(model, static, ids).argmax(-1, keepdim=True)
+    static.restore(saved)
 
     def run():
         static.restore(saved)
         greedy(first, new)
 
-    graph_ms = time_ms(run, warmup=1, repeats=3) / new
-    if floor:
-        floor["floor_ms"] = floor["total_bytes"] / bandwidth * 1e3
-        floor["graph_vs_floor"] = graph_ms / floor["floor_ms"]
-    return dict(prefill_s=prefill_s, eager_step_ms=eager_ms, graph_step_ms=graph_ms, memory_floor=floor,
-                tokens_per_s=batch * 1e3 / graph_ms, synthetic_cache=synthetic, cache_bytes_per_seq=per_seq,
-                peak_gib=peak_memory_gib())
+    step_ms = time_ms(run, warmup=1, repeats=3) / new
+    out = {f"{name}_step_ms": step_ms, f"{name}_first_use_s": first_use_s,
+           f"{name}_vs_eager_max_abs_diff": (logits - eager_logits).abs().max().item(),
+           f"{name}_vs_eager_rel_err": relative_error(logits, eager_logits),
+           f"{name}_vs_eager_argmax_agree": (logits.argmax(-1) == eager_logits.argmax(-1)).float().mean().item(),
+           f"{name}_kernels": kernels}
+    print(f"  {name}: {step_ms:.3f} ms/step, first use {first_use_s:.1f} s, max |logits - eager| "
+          f"{out[f'{name}_vs_eager_max_abs_diff']:.3g} (max |eager| {eager_logits.abs().max().item():.3g}, "
+          f"||d|| / ||eager|| {out[f'{name}_vs_eager_rel_err']:.3g}), kernels per replay {kernels}", flush=True)
+    return out
+
+
+def graph_kernel_count(replay) -> int | None:
+    """GPU kernels launched by one call of `replay` (a CUDA-graph replay), counted by the profiler; memcpy and
+    memset nodes are not kernels. None when the profiler records no device activity."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        replay()
+        synchronize()
+    device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    if not device:
+        return None
+    return sum(1 for e in device if not e.name.lower().startswith(("memcpy", "memset")))
 
 
 @torch.no_grad()
@@ -158,8 +218,14 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     parser.add_argument("--max-real-tokens", type=int, default=1 << 20)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the decode step compiled by torch.compile (one graph) and captured")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.compile:
+        # Every model x case (batch, cache capacity) compiles its own static-shape graph of decode_step; past
+        # dynamo's default limit of 8 per function it would quietly run the rest eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     device = torch.device(args.device)
     bandwidth = copy_bandwidth(device) if device.type == "cuda" else None
     if bandwidth:
@@ -183,7 +249,8 @@ def main() -> None:
                 if name == "peer":
                     r = bench_peer(model, batch, prompt, args.new, device)
                 else:
-                    r = bench_k3(model, config, batch, prompt, args.new, args.max_real_tokens, device, bandwidth)
+                    r = bench_k3(model, config, batch, prompt, args.new, args.max_real_tokens, device, bandwidth,
+                                 compile=args.compile)
             except Exception as exc:
                 traceback.print_exc()
                 r = dict(error=f"{type(exc).__name__}: {exc}"[:300])
@@ -209,6 +276,17 @@ def main() -> None:
     print_table(f"Decode, greedy, {args.new} new tokens, bf16, on {device_name()}",
                 ["model", "batch x prompt", "prefill s", "eager ms/step", "graph ms/step", "tokens/s",
                  "speed-up vs peer", "peak GiB"], rows)
+    if args.compile:
+        compile_rows = [[name, case, r["eager_step_ms"], r["graph_step_ms"], r["compiled_graph_step_ms"],
+                         f"{r['graph_step_ms'] / r['compiled_graph_step_ms']:.2f}x", r["compiled_graph_first_use_s"],
+                         r["graph_kernels"], r["compiled_graph_kernels"], r["graph_vs_eager_max_abs_diff"],
+                         r["compiled_graph_vs_eager_max_abs_diff"], r["compiled_graph_vs_eager_rel_err"]]
+                        for name, cases in results.items() if name != "peer"
+                        for case, r in cases.items() if "compiled_graph_step_ms" in r]
+        print_table("Decode step compiled by torch.compile (one graph) and captured, against the uncompiled graph",
+                    ["model", "batch x prompt", "eager ms", "graph ms", "compiled graph ms", "speed-up",
+                     "compile s (first use)", "kernels (graph)", "kernels (compiled)", "graph max|dlogit|",
+                     "compiled max|dlogit|", "compiled rel err"], compile_rows)
 
     floor_rows = []
     for name, cases in results.items():
