@@ -47,6 +47,19 @@ def standard_error(rate: float, n: int) -> float:
     return math.sqrt(max(rate * (1 - rate), 1e-12) / max(n, 1))
 
 
+def paired_change(before: dict[str, bool], after: dict[str, bool]) -> dict[str, float]:
+    """Before/after outcomes on the same tasks: tasks gained and lost, the change in pass rate and its standard
+    error as a paired difference (sqrt((g + l)/n - d^2) / sqrt(n)), smaller than the unpaired one because tasks
+    solved (or missed) both times add no noise to the difference."""
+    tasks = sorted(set(before) & set(after))
+    n = max(len(tasks), 1)
+    gained = sum(after[t] and not before[t] for t in tasks)
+    lost = sum(before[t] and not after[t] for t in tasks)
+    change = (gained - lost) / n
+    return {"tasks_gained": gained, "tasks_lost": lost, "paired_change": change,
+            "paired_standard_error": math.sqrt(max((gained + lost) / n - change ** 2, 0.0) / n)}
+
+
 def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 350, rl_steps: int = 16,
                 heldout: int = 200, group: int = 8, tasks_per_step: int = 8, algo: str = "gspo",
                 lr: float = 1e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
@@ -91,8 +104,9 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
                          heldout_tasks=heldout, save_every=rl_steps, seed=seed, max_context=1024, device="cpu",
                          dynamic_sampling=True)
     trainer = RLTrainer(rl_config, show_progress=False, log=lambda *_: None)
-    before = trainer.evaluate()
-    before_sampled = trainer.evaluate(temperature=1.0)
+    before = trainer.evaluate(outcomes=True)
+    before_sampled = trainer.evaluate(temperature=1.0, outcomes=True)
+    before_outcomes, before_sampled_outcomes = before.pop("heldout_outcomes"), before_sampled.pop("heldout_outcomes")
     log(f"[{time.perf_counter() - started:5.0f} s] held-out pass rate after SFT: {before['heldout_pass_rate']:.3f} "
         f"+- {standard_error(before['heldout_pass_rate'], before['heldout_tasks']):.3f} greedy, "
         f"{before_sampled['heldout_pass_rate']:.3f} sampled at temperature 1 ({before['heldout_tasks']} tasks)")
@@ -107,8 +121,10 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
             f"pass rate {record['pass_rate']:.3f}, tool calls/episode {record['tool_calls']:.2f}, "
             f"entropy {record.get('entropy', float('nan')):.3f}")
     trainer.config.heldout_tasks = config_heldout
-    after = trainer.evaluate()
-    after_sampled = trainer.evaluate(temperature=1.0)
+    after = trainer.evaluate(outcomes=True)
+    after_sampled = trainer.evaluate(temperature=1.0, outcomes=True)
+    paired = paired_change(before_outcomes, after.pop("heldout_outcomes"))
+    paired_sampled = paired_change(before_sampled_outcomes, after_sampled.pop("heldout_outcomes"))
     tool_calls += after["heldout_sandbox_calls"] + after_sampled["heldout_sandbox_calls"]
     trainer.metrics.write({"step": trainer.step, **after})
     trainer.save()
@@ -121,7 +137,8 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
         "sft_standard_error": standard_error(before["heldout_pass_rate"], before["heldout_tasks"]),
         "rl_standard_error": standard_error(after["heldout_pass_rate"], after["heldout_tasks"]),
         "tool_calls_executed": tool_calls + made["sandbox_calls"],
-        "sft_steps": sft_summary["steps"], "rl_steps": trainer.step, "algo": algo, "group": group,
+        **paired, **{f"{key}_sampled": value for key, value in paired_sampled.items()},
+        "demos": made["examples"], "sft_steps": sft_summary["steps"], "rl_steps": trainer.step, "algo": algo, "group": group,
         "tasks_per_step": tasks_per_step, "seconds": time.perf_counter() - started,
     }
     noise = math.hypot(summary["sft_standard_error"], summary["rl_standard_error"])
@@ -130,11 +147,16 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
                                standard_error(summary["rl_pass_rate_sampled"], summary["heldout_tasks"]))
     summary["improved_beyond_noise_sampled"] = (summary["rl_pass_rate_sampled"] - summary["sft_pass_rate_sampled"]
                                                 > 2 * noise_sampled)
+    summary["improved_beyond_paired_noise"] = paired["paired_change"] > 2 * paired["paired_standard_error"]
     log(f"[{summary['seconds']:5.0f} s] held-out pass rate, greedy: after SFT {summary['sft_pass_rate']:.3f}, after "
         f"RL {summary['rl_pass_rate']:.3f} (standard errors {summary['sft_standard_error']:.3f} / "
         f"{summary['rl_standard_error']:.3f}); sampled at temperature 1: {summary['sft_pass_rate_sampled']:.3f} -> "
         f"{summary['rl_pass_rate_sampled']:.3f}; {summary['heldout_tasks']} held-out tasks, "
         f"{summary['tool_calls_executed']} tool calls run in sandboxes; curves in {out_dir / 'rl'}/metrics.png")
+    log(f"same tasks before and after: greedy {paired['tasks_gained']} gained, {paired['tasks_lost']} lost "
+        f"(change {paired['paired_change']:+.3f} +- {paired['paired_standard_error']:.3f} paired); sampled "
+        f"{paired_sampled['tasks_gained']} gained, {paired_sampled['tasks_lost']} lost "
+        f"({paired_sampled['paired_change']:+.3f} +- {paired_sampled['paired_standard_error']:.3f})")
     if not summary["improved_beyond_noise"]:
         log(f"RL did not raise the greedy held-out pass rate beyond the noise of {summary['heldout_tasks']} tasks "
             f"(2 standard errors of the difference: {2 * noise:.3f}); see the training reward in the curves")

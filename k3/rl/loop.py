@@ -137,7 +137,7 @@ class TaskSource:
 
 def episode_summary(e: Episode) -> dict[str, Any]:
     """What the step's metrics need of an episode (small: gathered from every rank under torchrun)."""
-    return {"reward": e.reward, "model_tokens": e.model_tokens, "tokens": len(e.ids), "turns": e.turns,
+    return {"task": e.task.id, "reward": e.reward, "model_tokens": e.model_tokens, "tokens": len(e.ids), "turns": e.turns,
             "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "sandbox_calls": e.sandbox_calls,
             "failed": e.failed, "sandbox_seconds": e.sandbox_seconds, "finish": e.finish}
 
@@ -336,8 +336,10 @@ class RLTrainer:
             weights_changed(self.engine)
 
     # -- pieces ------------------------------------------------------------------------------------
-    def evaluate(self, count: int | None = None, temperature: float | None = None) -> dict[str, float]:
-        """Pass rate on the first ``count`` held-out tasks, one episode each (greedy unless told)."""
+    def evaluate(self, count: int | None = None, temperature: float | None = None,
+                 outcomes: bool = False) -> dict[str, Any]:
+        """Pass rate on the first ``count`` held-out tasks, one episode each (greedy unless told). outcomes: also
+        "heldout_outcomes", {task id: passed} (for a paired before/after comparison on the same tasks)."""
         tasks, indices = self.ranks.share(self.tasks.heldout(self.config.heldout_tasks if count is None else count))
         if not tasks and self.ranks.world == 1:
             return {}
@@ -347,8 +349,11 @@ class RLTrainer:
         if not episodes:
             return {}
         stats = _episode_metrics(episodes)
-        return {"heldout_pass_rate": stats["pass_rate"], "heldout_reward": stats["reward_mean"],
-                "heldout_tasks": len(episodes), "heldout_sandbox_calls": stats["sandbox_calls"]}
+        result = {"heldout_pass_rate": stats["pass_rate"], "heldout_reward": stats["reward_mean"],
+                  "heldout_tasks": len(episodes), "heldout_sandbox_calls": stats["sandbox_calls"]}
+        if outcomes:
+            result["heldout_outcomes"] = {e["task"]: e["reward"] >= 1.0 for e in episodes}
+        return result
 
     def sequences(self, groups: list[list[Episode]]) -> tuple[list[Sequence], int]:
         """Group advantages -> trainable sequences; (sequences, groups kept)."""

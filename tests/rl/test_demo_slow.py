@@ -26,4 +26,23 @@ def test_rl_demo_end_to_end(sandbox_home, tmp_path):
     sampled = [summary["sft_pass_rate_sampled"], summary["rl_pass_rate_sampled"]]
     noise_sampled = math.hypot(*(math.sqrt(max(r * (1 - r), 1e-12) / summary["heldout_tasks"]) for r in sampled))
     assert summary["improved_beyond_noise_sampled"] == (sampled[1] - sampled[0] > 2 * noise_sampled)
+    # the same held-out tasks before and after: gains minus losses is the change in the pass rate
+    n = summary["heldout_tasks"]
+    change = summary["rl_pass_rate"] - summary["sft_pass_rate"]
+    assert summary["tasks_gained"] - summary["tasks_lost"] == round(change * n)
+    assert summary["improved_beyond_paired_noise"] == (summary["paired_change"] > 2 * summary["paired_standard_error"])
     assert (tmp_path / "demo" / "rl" / "metrics.png").is_file()
+
+
+def test_paired_change_counts_gains_and_losses_on_the_same_tasks():
+    from k3.rl.demo import paired_change
+
+    before = {"a": True, "b": False, "c": False, "d": True, "e": False}
+    after = {"a": True, "b": True, "c": True, "d": False, "e": False, "extra": True}  # "extra" was not scored before
+    change = paired_change(before, after)
+    # 5 shared tasks: b and c gained, d lost -> +1/5; variance (3/5 - 0.04) / 5 = 0.112 -> se 0.33466
+    assert change["tasks_gained"] == 2 and change["tasks_lost"] == 1
+    assert change["paired_change"] == pytest.approx(0.2)
+    assert change["paired_standard_error"] == pytest.approx(math.sqrt((0.6 - 0.04) / 5))
+    unchanged = paired_change(before, before)
+    assert unchanged["paired_change"] == 0.0 and unchanged["paired_standard_error"] == 0.0
