@@ -2,13 +2,16 @@
 
 1. The calc suite's solver writes demonstrations (every tool call run in a real sandbox).
 2. A byte-level BPE is trained on them and a small K3-architecture model (KDA + MLA layers, AttnRes, a latent
-   MoE) is fine-tuned on them from scratch for a short while (`k3 sft` in Python): it learns the chat and
-   tool-call format and partly learns to copy the task into Python and the output into submit.
+   MoE) is fine-tuned on them from scratch (`k3 sft` in Python): it learns the chat and tool-call format and
+   to copy the task into Python and the output into submit. 3,000 demonstrations and 700 steps take it to
+   ~0.85 greedy on held-out tasks; the earlier 1,000 and 350 left it at 0.445, where RL found nothing to
+   reinforce (docs/rl.md, "Measured").
 3. Held-out pass rate after SFT: one episode per task, greedy and sampled at temperature 1 (the policy RL
    trains), every tool call executed in a sandbox.
 4. RL on calc's training split (`k3 rl` in Python), then the same held-out evaluations.
 
-It prints the pass rates with their binomial standard errors and writes the curves (DIR/rl/metrics.png).
+It prints the pass rates with their binomial standard errors, the paired comparison on the same held-out tasks
+(tasks gained and lost by RL), and writes the curves (DIR/rl/metrics.png).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def paired_change(before: dict[str, bool], after: dict[str, bool]) -> dict[str, 
             "paired_standard_error": math.sqrt(max((gained + lost) / n - change ** 2, 0.0) / n)}
 
 
-def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 350, rl_steps: int = 16,
+def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 700, rl_steps: int = 16,
                 heldout: int = 200, group: int = 8, tasks_per_step: int = 8, algo: str = "gspo",
                 lr: float = 1e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
                 seed: int = 0, log=None) -> dict:
@@ -138,7 +141,8 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
         "rl_standard_error": standard_error(after["heldout_pass_rate"], after["heldout_tasks"]),
         "tool_calls_executed": tool_calls + made["sandbox_calls"],
         **paired, **{f"{key}_sampled": value for key, value in paired_sampled.items()},
-        "demos": made["examples"], "sft_steps": sft_summary["steps"], "rl_steps": trainer.step, "algo": algo, "group": group,
+        "demos": made["examples"], "sft_steps": sft_summary["steps"], "rl_steps": trainer.step, "algo": algo,
+        "group": group,
         "tasks_per_step": tasks_per_step, "seconds": time.perf_counter() - started,
     }
     noise = math.hypot(summary["sft_standard_error"], summary["rl_standard_error"])
@@ -158,8 +162,10 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
         f"{paired_sampled['tasks_gained']} gained, {paired_sampled['tasks_lost']} lost "
         f"({paired_sampled['paired_change']:+.3f} +- {paired_sampled['paired_standard_error']:.3f})")
     if not summary["improved_beyond_noise"]:
-        log(f"RL did not raise the greedy held-out pass rate beyond the noise of {summary['heldout_tasks']} tasks "
-            f"(2 standard errors of the difference: {2 * noise:.3f}); see the training reward in the curves")
+        paired_verdict = ("beyond" if summary["improved_beyond_paired_noise"] else "not beyond")
+        log(f"RL did not raise the greedy held-out pass rate beyond the unpaired noise of {summary['heldout_tasks']} "
+            f"tasks (2 standard errors of the difference: {2 * noise:.3f}); on the same tasks the change is "
+            f"{paired_verdict} 2 paired standard errors ({2 * paired['paired_standard_error']:.3f})")
     atomic_write_bytes(out_dir / DEMO_MARKER, (json.dumps(summary, indent=2) + "\n").encode())
     if json_path:
         atomic_write_bytes(json_path, (json.dumps(summary, indent=2) + "\n").encode())
