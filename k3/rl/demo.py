@@ -4,8 +4,7 @@
 2. A byte-level BPE is trained on them and a small K3-architecture model (KDA + MLA layers, AttnRes, a latent
    MoE) is fine-tuned on them from scratch (`k3 sft` in Python): it learns the chat and tool-call format and
    to copy the task into Python and the output into submit. 3,000 demonstrations and 700 steps take it to
-   ~0.85 greedy on held-out tasks; the earlier 1,000 and 350 left it at 0.445, where RL found nothing to
-   reinforce (docs/rl.md, "Measured").
+   0.85-0.89 greedy on held-out tasks; the earlier 1,000 and 350 left it at 0.445 (docs/rl.md, "Measured").
 3. Held-out pass rate after SFT: one episode per task, greedy and sampled at temperature 1 (the policy RL
    trains), every tool call executed in a sandbox.
 4. RL on calc's training split (`k3 rl` in Python), then the same held-out evaluations.
