@@ -27,6 +27,21 @@ from tqdm import tqdm
 from k3.data.synthetic import RecallTask
 
 
+# On CUDA, packed RL and SFT batches are padded up to a multiple of this many tokens (a filler document). Every
+# new packed length otherwise meets fla kernels compiled and autotuned per length bucket: on one H200, 20 SFT
+# steps of `small` took 213 s, nearly all of it compiling, and an RL step's backward had not finished at 400 s.
+PACK_MULTIPLE_CUDA = 2048
+
+
+def filler_length(total: int, multiple: int) -> int:
+    """Tokens of filler that bring a packed length of ``total`` up to a multiple of ``multiple`` (0: no padding).
+    The filler is one more document in cu_seqlens, so attention, KDA state and short convs never cross into it,
+    and its labels are ignored."""
+    if multiple <= 0:
+        return 0
+    return -total % multiple
+
+
 def tokenize_documents(texts: list[str], tokenizer, eos_token_id: int, show_progress: bool = True) -> np.ndarray:
     """The flat token stream [sum(len_i + 1)] int32: each document's ids then EOS."""
     pieces: list[np.ndarray] = []

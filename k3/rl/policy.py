@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from k3.data.packing import PACK_MULTIPLE_CUDA, filler_length
 from k3.rl.losses import ALGORITHMS, LossConfig, kl_k3, tis_weights
 from k3.rl.routing import RoutingReplay
 
@@ -71,15 +72,20 @@ def micro_batches(lengths: list[int], micro_tokens: int) -> list[list[int]]:
     return batches
 
 
-def packed_logprobs(model, sequences: list[list[int]], device, with_entropy: bool = False, autocast=None):
-    """Forward sequences packed in one row -> (list of logprobs [n_i], list of entropies [n_i] or None)."""
+def packed_logprobs(model, sequences: list[list[int]], device, with_entropy: bool = False, autocast=None,
+                    filler: int = 0):
+    """Forward sequences packed in one row -> (list of logprobs [n_i], list of entropies [n_i] or None).
+    filler > 0 appends one more document of that many tokens (id 0) to the row, whose results are dropped:
+    the packed length then stays on a few values (k3.data.packing.filler_length)."""
+    if filler:
+        sequences = [*sequences, [0] * filler]
     ids = torch.tensor([t for s in sequences for t in s], device=device)[None]
     lengths = torch.tensor([len(s) for s in sequences])
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
     with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
         logits = model(ids, cu_seqlens=cu).logits[0]
     logps, entropies = [], []
-    for i in range(len(sequences)):
+    for i in range(len(sequences) - (1 if filler else 0)):
         start, end = int(cu[i]), int(cu[i + 1])
         logps.append(token_logprobs(logits[start:end], ids[0, start:end]))
         if with_entropy:
@@ -104,6 +110,9 @@ class PolicyConfig:
     micro_tokens: int = 8192
     routing_replay: bool = True
     update_balancer: bool = False
+    # Packed micro-batches padded to a multiple of this many tokens (k3.data.packing.filler_length); None:
+    # PACK_MULTIPLE_CUDA on CUDA, 0 (no padding) elsewhere.
+    pack_multiple: int | None = None
 
 
 class PolicyUpdater:
@@ -129,8 +138,16 @@ class PolicyUpdater:
             for _, router in self.model.routers():
                 router.eval()  # QB solves a new bias only in training mode: frozen during RL
 
-    def _rollout_routes(self, members: list[Sequence]):
-        """replay's routes from the members' rollout routing, or None when none of them has any."""
+    def _filler(self, members: list[Sequence]) -> int:
+        """Filler tokens that pad the members' packed row (see PolicyConfig.pack_multiple)."""
+        multiple = self.config.pack_multiple
+        if multiple is None:
+            multiple = PACK_MULTIPLE_CUDA if self.device.type == "cuda" else 0
+        return filler_length(sum(len(s.ids) for s in members), multiple)
+
+    def _rollout_routes(self, members: list[Sequence], filler: int = 0):
+        """replay's routes from the members' rollout routing, or None when none of them has any; a filler
+        document at the end of the row gets unknown (-1) routes, i.e. the router's own choice."""
         from k3.rl.routing import rollout_routes
 
         known = [s.routing for s in members if s.routing is not None]
@@ -139,8 +156,11 @@ class PolicyUpdater:
         layers, _, k = known[0].shape
         empty = torch.empty(layers, 0, k, dtype=torch.long)
         self.rollout_routed += sum(int((s.routing[0, :, 0] >= 0).sum()) for s in members if s.routing is not None)
-        return rollout_routes([s.routing if s.routing is not None else empty for s in members],
-                              [len(s.ids) for s in members])
+        routings = [s.routing if s.routing is not None else empty for s in members]
+        lengths = [len(s.ids) for s in members]
+        if filler:
+            routings, lengths = routings + [empty], lengths + [filler]
+        return rollout_routes(routings, lengths)
 
     def _all_reduce_grads(self, bucket: int = 1 << 24) -> None:
         """Sum every gradient over the ranks (data parallel: each rank backpropagated its own sequences, with
@@ -186,15 +206,17 @@ class PolicyUpdater:
             for mb in minibatches:
                 for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
                     members = [mb[i] for i in micro]
-                    rollout = self._rollout_routes([sequences[i] for i in members]) if config.routing_replay else None
+                    filler = self._filler([sequences[i] for i in members])
+                    rollout = (self._rollout_routes([sequences[i] for i in members], filler) if config.routing_replay
+                               else None)
                     from_rollout = self.replay.replay(rollout) if rollout is not None else contextlib.nullcontext()
                     with from_rollout, self.replay.record() as recorded:
                         logps, ents = packed_logprobs(self.model, [sequences[i].ids for i in members], self.device,
-                                                      with_entropy=True, autocast=self.autocast)
+                                                      with_entropy=True, autocast=self.autocast, filler=filler)
                     routes[tuple(members)] = recorded
                     if self.reference is not None and self.loss_config.kl_coef > 0:
                         refs, _ = packed_logprobs(self.reference, [sequences[i].ids for i in members], self.device,
-                                                  autocast=self.autocast)
+                                                  autocast=self.autocast, filler=filler)
                         ref_logp.update(zip(members, refs))
                     old_logp.update(zip(members, logps))
                     entropy.update(zip(members, ents))
@@ -223,9 +245,10 @@ class PolicyUpdater:
             for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
                 members = [mb[i] for i in micro]
                 context = self.replay.replay(routes[tuple(members)]) if config.routing_replay else contextlib.nullcontext()
+                filler = self._filler([sequences[i] for i in members])
                 with context:
                     logps, _ = packed_logprobs(self.model, [sequences[i].ids for i in members], self.device,
-                                               autocast=self.autocast)
+                                               autocast=self.autocast, filler=filler)
                 logp_BT = pad(logps)
                 old_BT = pad([old_logp[i] for i in members])
                 mask_BT = pad([masks[i] for i in members])

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
+from k3.data.packing import PACK_MULTIPLE_CUDA, filler_length
 from k3.rl.chat_format import render_ids
 from k3.rl.demos import read_demonstrations
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
@@ -42,6 +43,10 @@ class SFTConfig:
     seed: int = 0
     save_every: int = 100
     device: str = "auto"
+    # Packed batches padded to a multiple of this many tokens (a filler document with ignored labels), so the
+    # GPU kernels meet a few lengths instead of a new one every step. None: PACK_MULTIPLE_CUDA on CUDA, 0 else.
+    # The filler's tokens do pass the routers, so they count in the loads the MoE balancer sees.
+    pack_multiple: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -97,7 +102,16 @@ class SFTTrainer:
         chosen = [rng.randrange(len(self.examples)) for _ in range(self.config.batch_size)]
         ids = [t for i in chosen for t in self.examples[i][0]]
         labels = [t for i in chosen for t in self.examples[i][1]]
-        lengths = torch.tensor([len(self.examples[i][0]) for i in chosen])
+        lengths = [len(self.examples[i][0]) for i in chosen]
+        multiple = self.config.pack_multiple
+        if multiple is None:
+            multiple = PACK_MULTIPLE_CUDA if self.device.type == "cuda" else 0
+        filler = filler_length(len(ids), multiple)
+        if filler:
+            ids += [self.tokenizer.eos_token_id] * filler
+            labels += [-100] * filler
+            lengths.append(filler)
+        lengths = torch.tensor(lengths)
         cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(torch.int32)
         return (torch.tensor([ids], device=self.device), torch.tensor([labels], device=self.device),
                 cu.to(self.device))

@@ -133,3 +133,25 @@ def test_a_bf16_rollout_copy_follows_every_update(start_run, user_suite, tmp_pat
     assert moved > 0
     with pytest.raises(ValueError, match="rollout_dtype"):
         RLConfig(rollout_dtype="fp16")
+
+
+def test_sft_batches_padded_to_a_multiple_score_the_same_loss(start_run, tokenizer, tmp_path):
+    from k3.config import ModelConfig
+    from k3.model import K3ForCausalLM
+
+    demos = start_run.parent / "demos.jsonl"
+    torch.manual_seed(0)
+    model = K3ForCausalLM(ModelConfig.from_preset("debug", vocab_size=tokenizer.vocab_size,
+                                                  eos_token_id=tokenizer.eos_token_id))
+    losses, lengths = [], []
+    for multiple in (0, 128):
+        sft = SFTTrainer(SFTConfig(data=str(demos), out=str(tmp_path / f"sft{multiple}"), steps=1, batch_size=3,
+                                   device="cpu", pack_multiple=multiple), model=model, tokenizer=tokenizer,
+                         show_progress=False)
+        ids, labels, cu = sft.batch(1)
+        assert int(cu[-1]) == ids.shape[1]
+        lengths.append(ids.shape[1])
+        with torch.no_grad():
+            losses.append(float(model(ids, cu_seqlens=cu, labels=labels).loss))
+    assert lengths[0] % 128 != 0 and lengths[1] % 128 == 0 and lengths[1] > lengths[0]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)  # the filler's labels are ignored

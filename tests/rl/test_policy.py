@@ -106,3 +106,42 @@ def test_update_raises_the_logprob_of_rewarded_tokens_and_ignores_masked_ones(ti
     PolicyUpdater(tiny_model, PolicyConfig(algorithm="grpo", lr=3e-3), loss_config_for("grpo")).update(
         [Sequence(ids, [False] * len(ids), [0.0] * len(ids), advantage=1.0)])
     assert all(torch.equal(weights[n], p) for n, p in tiny_model.named_parameters())
+
+
+def test_a_filler_document_pads_the_packed_row_and_changes_nothing(tiny_model, tokenizer):
+    """GPU runs pad each packed micro-batch to a multiple of a few thousand tokens (so kernels compile for a
+    few lengths); the filler is its own document, so the real tokens' logprobs, the routing replay and the
+    update are those of the unpadded row."""
+    import copy
+
+    from k3.data.packing import filler_length
+
+    assert [filler_length(n, 64) for n in (1, 64, 65, 128)] == [63, 0, 63, 0]
+    assert filler_length(37, 0) == 0
+    a, mask_a = render_ids(MESSAGES, tokenizer)
+    b, mask_b = render_ids(MESSAGES[:2], tokenizer)
+    plain, _ = packed_logprobs(tiny_model, [a, b], torch.device("cpu"))
+    padded, _ = packed_logprobs(tiny_model, [a, b], torch.device("cpu"), filler=filler_length(len(a) + len(b), 64))
+    assert len(padded) == 2
+    for got, want in zip(padded, plain):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the whole update: the same sequences (rollout routing recorded for the first), with and without padding
+    replay = RoutingReplay(tiny_model)
+    with replay.record() as recorded:
+        tiny_model(torch.tensor([a]))
+    routing = torch.stack([calls[0] for calls in recorded])  # [MoE layers, len(a), K]
+    sequences = [Sequence(a, mask_a, [float("nan")] * len(a), advantage=1.0, routing=routing),
+                 Sequence(b, mask_b, [float("nan")] * len(b), advantage=-1.0)]
+    results = []
+    for multiple in (0, 64):
+        model = copy.deepcopy(tiny_model)
+        config = PolicyConfig(algorithm="grpo", lr=3e-3, pack_multiple=multiple)
+        metrics = PolicyUpdater(model, config, loss_config_for("grpo")).update(sequences)
+        results.append((metrics, {n: p.detach() for n, p in model.named_parameters()}))
+    (plain_metrics, plain_weights), (padded_metrics, padded_weights) = results
+    assert padded_metrics["rollout_routed_share"] == plain_metrics["rollout_routed_share"] > 0
+    for key in ("loss", "entropy", "grad_norm", "trained_tokens"):
+        assert abs(padded_metrics[key] - plain_metrics[key]) <= 1e-5 * max(1.0, abs(plain_metrics[key])), key
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(padded_weights[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+    assert any(not torch.equal(w, tiny_model.state_dict()[n]) for n, w in plain_weights.items())  # it did train
