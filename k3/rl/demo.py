@@ -62,8 +62,8 @@ def paired_change(before: dict[str, bool], after: dict[str, bool]) -> dict[str, 
             "paired_standard_error": math.sqrt(max((gained + lost) / n - change ** 2, 0.0) / n)}
 
 
-def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 700, rl_steps: int = 16,
-                heldout: int = 200, group: int = 8, tasks_per_step: int = 8, algo: str = "gspo",
+def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 700, rl_steps: int = 24,
+                heldout: int = 200, group: int = 8, tasks_per_step: int = 16, algo: str = "gspo",
                 lr: float = 1e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
                 seed: int = 0, log=None) -> dict:
     """Run the demo (see the module doc); returns the summary that --json writes."""
