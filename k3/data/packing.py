@@ -33,10 +33,12 @@ from k3.data.synthetic import RecallTask
 PACK_MULTIPLE_CUDA = 2048
 
 
-def filler_length(total: int, multiple: int) -> int:
-    """Tokens of filler that bring a packed length of ``total`` up to a multiple of ``multiple`` (0: no padding).
-    The filler is one more document in cu_seqlens, so attention, KDA state and short convs never cross into it,
-    and its labels are ignored."""
+def filler_length(total: int, multiple: int | None, device: torch.device | None = None) -> int:
+    """Tokens of filler that bring a packed length of ``total`` up to a multiple of ``multiple`` (0: no padding;
+    None: PACK_MULTIPLE_CUDA on a CUDA ``device``, else no padding). The filler is one more document in
+    cu_seqlens, so attention, KDA state and short convs never cross into it, and its labels are ignored."""
+    if multiple is None:
+        multiple = PACK_MULTIPLE_CUDA if device is not None and device.type == "cuda" else 0
     if multiple <= 0:
         return 0
     return -total % multiple

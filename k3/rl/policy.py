@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from k3.data.packing import PACK_MULTIPLE_CUDA, filler_length
+from k3.data.packing import filler_length
 from k3.rl.losses import ALGORITHMS, LossConfig, kl_k3, tis_weights
 from k3.rl.routing import RoutingReplay
 
@@ -140,10 +140,7 @@ class PolicyUpdater:
 
     def _filler(self, members: list[Sequence]) -> int:
         """Filler tokens that pad the members' packed row (see PolicyConfig.pack_multiple)."""
-        multiple = self.config.pack_multiple
-        if multiple is None:
-            multiple = PACK_MULTIPLE_CUDA if self.device.type == "cuda" else 0
-        return filler_length(sum(len(s.ids) for s in members), multiple)
+        return filler_length(sum(len(s.ids) for s in members), self.config.pack_multiple, self.device)
 
     def _rollout_routes(self, members: list[Sequence], filler: int = 0):
         """replay's routes from the members' rollout routing, or None when none of them has any; a filler

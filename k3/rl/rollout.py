@@ -188,12 +188,12 @@ class RolloutRunner:
         are (held-out scoring between training steps); in waves of at most ``max_live_episodes`` episodes."""
         config = self.config
         indices = list(indices) if indices is not None else list(range(len(tasks)))
-        per_wave = len(tasks) if config.max_live_episodes is None else max(1, config.max_live_episodes // group_size)
+        per_wave = max(1, len(tasks) if config.max_live_episodes is None else config.max_live_episodes // group_size)
         saved = config.temperature, config.iteration_token_budget, self.parked
         config.temperature, config.iteration_token_budget, self.parked = temperature, None, []
         groups, totals = [], {}
         try:
-            for start in range(0, max(len(tasks), 1), max(per_wave, 1)):
+            for start in range(0, max(len(tasks), 1), per_wave):
                 groups += self.run(tasks[start:start + per_wave], group_size, step, indices[start:start + per_wave])
                 for key, value in self.stats.items():
                     totals[key] = totals.get(key, 0) + value

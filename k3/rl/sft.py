@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from k3.data.packing import PACK_MULTIPLE_CUDA, filler_length
+from k3.data.packing import filler_length
 from k3.rl.chat_format import render_ids
 from k3.rl.demos import read_demonstrations
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
@@ -103,10 +103,7 @@ class SFTTrainer:
         ids = [t for i in chosen for t in self.examples[i][0]]
         labels = [t for i in chosen for t in self.examples[i][1]]
         lengths = [len(self.examples[i][0]) for i in chosen]
-        multiple = self.config.pack_multiple
-        if multiple is None:
-            multiple = PACK_MULTIPLE_CUDA if self.device.type == "cuda" else 0
-        filler = filler_length(len(ids), multiple)
+        filler = filler_length(len(ids), self.config.pack_multiple, self.device)
         if filler:
             ids += [self.tokenizer.eos_token_id] * filler
             labels += [-100] * filler
