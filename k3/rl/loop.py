@@ -137,8 +137,8 @@ class TaskSource:
 
 def episode_summary(e: Episode) -> dict[str, Any]:
     """What the step's metrics need of an episode (small: gathered from every rank under torchrun)."""
-    return {"task": e.task.id, "reward": e.reward, "model_tokens": e.model_tokens, "tokens": len(e.ids), "turns": e.turns,
-            "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "sandbox_calls": e.sandbox_calls,
+    return {"task": e.task.id, "reward": e.reward, "model_tokens": e.model_tokens, "tokens": len(e.ids),
+            "turns": e.turns, "tool_calls": e.tool_calls, "tool_errors": e.tool_errors, "sandbox_calls": e.sandbox_calls,
             "failed": e.failed, "sandbox_seconds": e.sandbox_seconds, "finish": e.finish}
 
 
