@@ -16,14 +16,31 @@ RL_FIELDS = ("run", "suite", "out", "algo", "group", "tasks_per_step", "steps", 
              "rollout_worker_cpus", "rollout_worker_gpus", "routing_source", "rollout_dtype")
 
 
+# `k3 rl demo` flag -> run_rl_demo argument. Any other RL flag given to the demo is refused by name rather than
+# silently ignored (a --heldout-tasks 400 that scored 200 tasks would mislead whoever reads the numbers).
+DEMO_OPTIONS = {"algo": "algo", "steps": "rl_steps", "heldout_tasks": "heldout", "group": "group",
+                "tasks_per_step": "tasks_per_step", "lr": "lr", "seed": "seed", "threads": "threads"}
+
+
+def demo_options(args: argparse.Namespace) -> dict:
+    """run_rl_demo's keyword arguments from the parsed flags; ValueError naming any flag the demo cannot honour."""
+    ignored = [name for name in RL_FIELDS if name not in DEMO_OPTIONS and name != "out"
+               and getattr(args, name, None) is not None]
+    ignored += [name for name in ("no_tis", "no_routing_replay", "resume") if getattr(args, name, False)]
+    if ignored:
+        flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
+        allowed = ", ".join("--" + name.replace("_", "-") for name in DEMO_OPTIONS)
+        raise ValueError(f"k3 rl demo does not take {flags}; it takes --out, --json, {allowed}")
+    return {target: getattr(args, name) for name, target in DEMO_OPTIONS.items() if getattr(args, name, None)}
+
+
 def rl_command(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.action == "demo":
         from k3.rl.demo import run_rl_demo
 
-        run_rl_demo(out=args.out or "runs/rl-demo", json_path=args.json, algo=args.algo or "gspo",
-                    **({"rl_steps": args.steps} if args.steps else {}))
+        run_rl_demo(out=args.out or "runs/rl-demo", json_path=args.json, **demo_options(args))
         return 0
     if args.action == "demos":
         from k3.rl.demos import write_demonstrations

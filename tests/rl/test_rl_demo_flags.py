@@ -1,0 +1,26 @@
+"""`k3 rl demo` honours the flags it takes and refuses, by name, the RL flags it would otherwise ignore."""
+
+import pytest
+
+from k3.cli import build_parser
+from k3.rl.cli import demo_options
+
+
+def parse(*argv):
+    return build_parser().parse_args(["rl", "demo", *argv])
+
+
+def test_demo_flags_reach_run_rl_demo_under_its_own_names():
+    args = parse("--steps", "40", "--heldout-tasks", "400", "--tasks-per-step", "32", "--group", "4",
+                 "--lr", "2e-4", "--seed", "3", "--threads", "1", "--algo", "grpo")
+    assert demo_options(args) == {"rl_steps": 40, "heldout": 400, "tasks_per_step": 32, "group": 4, "lr": 2e-4,
+                                  "seed": 3, "threads": 1, "algo": "grpo"}
+    assert demo_options(parse()) == {}  # run_rl_demo's own defaults
+
+
+@pytest.mark.parametrize("argv, flag", [(["--temperature", "0.7"], "--temperature"),
+                                        (["--suite", "fix"], "--suite"), (["--no-tis"], "--no-tis"),
+                                        (["--resume"], "--resume")])
+def test_a_flag_the_demo_cannot_honour_is_refused_by_name(argv, flag):
+    with pytest.raises(ValueError, match=f"does not take {flag}"):
+        demo_options(parse(*argv))
