@@ -17,6 +17,7 @@ import copy
 import torch
 
 from common import relative_error, write_json
+from decode import prefill
 from gpu_check import twins
 
 from k3 import K3ForCausalLM, ModelConfig
@@ -28,9 +29,7 @@ from k3.infer.static_cache import StaticCache
 def first_step(model, ids, first, compiled: bool, capacity: int) -> torch.Tensor:
     """Logits of the first decode step (token `first`) after prefilling `ids`; compiled: the compiled step,
     captured as a CUDA graph on CUDA (the engine's K3_COMPILE_DECODE path)."""
-    hybrid = model.new_cache(ids.shape[0])
-    model.model(ids, hybrid)
-    hybrid.seen_tokens += ids.shape[1]
+    hybrid, _ = prefill(model, ids)
     static = StaticCache.from_hybrid(model.config, hybrid, capacity=capacity)
     if not compiled:
         return decode_step(model, static, first).float()
