@@ -36,6 +36,7 @@ from train import k3_matched_config, peer_model
 from k3 import K3ForCausalLM, ModelConfig
 from k3.infer.cuda_graph import CUDAGraphDecoder, compiled_decode_step, decode_step
 from k3.infer.static_cache import StaticCache
+from k3.layers.fused_weights import fuse_model_weights, unfuse_model_weights
 
 
 @torch.no_grad()
@@ -93,7 +94,8 @@ def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
 
 
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,
-             bandwidth: float | None = None, compile: bool = False) -> dict:
+             bandwidth: float | None = None, compile: bool = False, profile_dir: str | None = None,
+             label: str = "k3", fuse: bool = False) -> dict:
     reset_peak_memory()
     ids = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
     synchronize()
@@ -121,22 +123,31 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
         eager_logits = decode_step(model, static, first).float()
     static.restore(saved)
     result = dict(prefill_s=prefill_s, eager_step_ms=eager_ms)
-    variants = [("graph", False)] + ([("compiled_graph", True)] if compile else [])
-    for name, compiled in variants:
-        result.update(time_greedy(model, static, first, new, compiled, eager_logits, name))
+    # Each variant with separate projection weights, then with them fused into one buffer per group (what the
+    # engine runs for frozen models: k3.layers.fused_weights); the model is left unfused for the next case.
+    variants = [("graph", False, False)] + ([("compiled_graph", True, False)] if compile else [])
+    if fuse:
+        variants += [("fused_graph", False, True)] + ([("fused_compiled_graph", True, True)] if compile else [])
+    for name, compiled, fused in variants:
+        if fused:
+            fuse_model_weights(model)
+        path = f"{profile_dir}/{label}_{batch}x{prompt}_{name}.txt" if profile_dir else None
+        result.update(time_greedy(model, static, first, new, compiled, eager_logits, name, path))
         static.restore(saved)
+    unfuse_model_weights(model)
     graph_ms = result["graph_step_ms"]
     if floor:
         floor["floor_ms"] = floor["total_bytes"] / bandwidth * 1e3
         floor["graph_vs_floor"] = graph_ms / floor["floor_ms"]
-        if compile:
-            floor["compiled_graph_vs_floor"] = result["compiled_graph_step_ms"] / floor["floor_ms"]
+        for variant in ("compiled_graph", "fused_graph", "fused_compiled_graph"):
+            if f"{variant}_step_ms" in result:
+                floor[f"{variant}_vs_floor"] = result[f"{variant}_step_ms"] / floor["floor_ms"]
     return dict(result, memory_floor=floor, tokens_per_s=batch * 1e3 / graph_ms, synthetic_cache=synthetic,
                 cache_bytes_per_seq=per_seq, peak_gib=peak_memory_gib())
 
 
 def time_greedy(model, static: StaticCache, first: torch.Tensor, new: int, compiled: bool,
-                eager_logits: torch.Tensor, name: str) -> dict:
+                eager_logits: torch.Tensor, name: str, profile_path: str | None = None) -> dict:
     """ms per greedy step of the captured decode step (compiled or not; off CUDA the same loop without graphs),
     the first use's wall time, the first step's max |logit difference| to the eager step, and the kernels one
     replay launches (CUDA). `static` must hold the state `first` continues from; it is left advanced."""
@@ -147,7 +158,7 @@ def time_greedy(model, static: StaticCache, first: torch.Tensor, new: int, compi
         first_use_s = time.perf_counter() - start
         logits = decoder.step(first).float()
         static.restore(saved)
-        kernels = graph_kernel_count(lambda: decoder.step(first))
+        kernels = graph_kernel_count(lambda: decoder.step(first), profile_path)
         greedy = decoder.greedy
     else:  # no graphs off CUDA: the same greedy loop, eagerly
         step = compiled_decode_step() if compiled else decode_step
@@ -177,9 +188,10 @@ def time_greedy(model, static: StaticCache, first: torch.Tensor, new: int, compi
     return out
 
 
-def graph_kernel_count(replay) -> int | None:
+def graph_kernel_count(replay, profile_path: str | None = None) -> int | None:
     """GPU kernels launched by one call of `replay` (a CUDA-graph replay), counted by the profiler; memcpy and
-    memset nodes are not kernels. None when the profiler records no device activity."""
+    memset nodes are not kernels. None when the profiler records no device activity. With `profile_path`, also
+    writes the replay's kernel table there (by total CUDA time, with call counts)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -190,7 +202,26 @@ def graph_kernel_count(replay) -> int | None:
     device = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
     if not device:
         return None
+    if profile_path:
+        write_kernel_table(device, profile_path)
     return sum(1 for e in device if not e.name.lower().startswith(("memcpy", "memset")))
+
+
+def write_kernel_table(events, path: str) -> None:
+    """Kernels of one replay grouped by name: launches, total and mean microseconds, share of the replay."""
+    from pathlib import Path
+
+    groups: dict[str, list[float]] = {}
+    for e in events:
+        groups.setdefault(e.name, []).append(e.device_time if hasattr(e, "device_time") else e.cuda_time)
+    total = sum(sum(v) for v in groups.values())
+    lines = [f"{len(events)} device events, {total:.1f} us of kernel time in one replay",
+             f"{'launches':>8} {'total us':>10} {'mean us':>8} {'share':>6}  kernel"]
+    for name, times in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        lines.append(f"{len(times):8d} {sum(times):10.1f} {sum(times) / len(times):8.2f} "
+                     f"{sum(times) / max(total, 1e-9):6.1%}  {name[:140]}")
+    Path(path).write_text("\n".join(lines) + "\n")
+    print(f"  kernel table of one replay: {path}", flush=True)
 
 
 @torch.no_grad()
@@ -220,8 +251,15 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--compile", action="store_true",
                         help="also time the decode step compiled by torch.compile (one graph) and captured")
+    parser.add_argument("--fuse", action="store_true",
+                        help="also time each graph with the projection weights fused (k3.layers.fused_weights)")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="write each captured graph's kernel table (one replay) into DIR")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.profile:
+        import os
+        os.makedirs(args.profile, exist_ok=True)
     if args.compile:
         # Every model x case (batch, cache capacity) compiles its own static-shape graph of decode_step; past
         # dynamo's default limit of 8 per function it would quietly run the rest eagerly.
@@ -250,7 +288,8 @@ def main() -> None:
                     r = bench_peer(model, batch, prompt, args.new, device)
                 else:
                     r = bench_k3(model, config, batch, prompt, args.new, args.max_real_tokens, device, bandwidth,
-                                 compile=args.compile)
+                                 compile=args.compile, profile_dir=args.profile, label=name,
+                                 fuse=args.fuse)
             except Exception as exc:
                 traceback.print_exc()
                 r = dict(error=f"{type(exc).__name__}: {exc}"[:300])
@@ -287,6 +326,21 @@ def main() -> None:
                     ["model", "batch x prompt", "eager ms", "graph ms", "compiled graph ms", "speed-up",
                      "compile s (first use)", "kernels (graph)", "kernels (compiled)", "graph max|dlogit|",
                      "compiled max|dlogit|", "compiled rel err"], compile_rows)
+
+    variant_rows = []
+    for name, cases in results.items():
+        for case, r in cases.items():
+            floor_ms = (r.get("memory_floor") or {}).get("floor_ms")
+            for variant in ("graph", "compiled_graph", "fused_graph", "fused_compiled_graph"):
+                if f"{variant}_step_ms" in r:
+                    ms = r[f"{variant}_step_ms"]
+                    variant_rows.append([name, case, variant, ms, f"{r['graph_step_ms'] / ms:.2f}x",
+                                         r[f"{variant}_kernels"], f"{ms / floor_ms:.2f}x" if floor_ms else "",
+                                         r[f"{variant}_vs_eager_rel_err"], r[f"{variant}_first_use_s"]])
+    if args.fuse or args.compile:
+        print_table("Every captured variant of the decode step",
+                    ["model", "batch x prompt", "variant", "ms/step", "vs graph", "kernels", "vs floor",
+                     "rel err vs eager", "first use s"], variant_rows)
 
     floor_rows = []
     for name, cases in results.items():

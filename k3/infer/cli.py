@@ -27,8 +27,8 @@ def inference_dtype(name: str, device) -> torch.dtype:
 
 def load_for_inference(run: str | None, model_path: str | None, device: str = "auto", dtype: str | None = None):
     """(model, tokenizer) from a training run directory / checkpoint file, or from a Hugging Face-format
-    directory. dtype (auto | fp32 | bf16): cast the weights for inference; None keeps the checkpoint's (fp32
-    master weights, for trainers that start from a run)."""
+    directory. dtype (auto | fp32 | bf16): cast the weights for inference and freeze them; None keeps the
+    checkpoint's and leaves them trainable (fp32 master weights, for trainers that start from a run)."""
     if (run is None) == (model_path is None):
         raise ValueError("give exactly one of --run DIR (a k3 training run) or --model PATH (a Hugging Face-format "
                          "directory)")
@@ -60,6 +60,9 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
     target = resolve_device(device)
     # One move that also casts: moving the fp32 weights first would hold them on the device before the cast.
     model = model.to(target, inference_dtype(dtype, target) if dtype is not None else None)
+    if dtype is not None:
+        # An inference copy: frozen, so the engine may fuse its projection weights (k3.layers.fused_weights).
+        model.requires_grad_(False)
     return model.eval(), tokenizer
 
 

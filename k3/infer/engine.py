@@ -84,12 +84,15 @@ class Engine:
     slots for requests). page_size: tokens per MLA page. prefill_chunk: longest prefill forward (a multiple of
     page_size). max_step_tokens: token budget of a step (decodes count one each). prefix_slots: KDA slots
     kept for prefix-cache states (0 turns prefix caching off). num_pages: MLA pages in the pool (default:
-    enough for max_batch full contexts)."""
+    enough for max_batch full contexts). fuse_weights: run projections that read one input as one GEMM over
+    one weight buffer (k3.layers.fused_weights; names and state_dict unchanged); default: with CUDA graphs,
+    for a model whose parameters are all frozen."""
 
     def __init__(self, model, tokenizer=None, max_context: int = 4096, max_batch: int = 32, page_size: int = 32,
                  prefill_chunk: int | None = None, max_step_tokens: int | None = None, prefix_cache: bool = True,
                  prefix_slots: int | None = None, num_pages: int | None = None, dtype: torch.dtype | None = None,
-                 use_cuda_graphs: bool | None = None, record_routing: bool = False) -> None:
+                 use_cuda_graphs: bool | None = None, record_routing: bool = False,
+                 fuse_weights: bool | None = None) -> None:
         if max_context < 2:
             raise ValueError(f"max_context must be >= 2 (a prompt token and a new one), got {max_context}")
         if max_batch < 1:
@@ -131,6 +134,15 @@ class Engine:
             # The MoE layers capture only on the bf16 grouped-GEMM path; the expert loop (other dtypes) reads
             # its counts back to the host, which a graph cannot hold.
             use_cuda_graphs = self.device.type == "cuda" and (dtype == torch.bfloat16 or not model.routers())
+        if fuse_weights is None:
+            # Projections that read one input become one GEMM over one weight buffer (k3.layers.fused_weights):
+            # worth it where launches set the step (graphs); only for frozen copies, whose weights the engine
+            # alone reads (a model being trained keeps its separate projections either way).
+            fuse_weights = use_cuda_graphs and not any(p.requires_grad for p in model.parameters())
+        if fuse_weights:
+            from k3.layers.fused_weights import fuse_model_weights
+
+            fuse_model_weights(model)
         # K3_COMPILE_DECODE=1 compiles the decode step (k3.infer.runner); recording routes runs Python hooks in
         # every forward, which a compiled graph would not run.
         self.runner = ModelRunner(self.model, self.pool, max_pages, use_cuda_graphs,

@@ -15,6 +15,7 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.layers.conv import ShortConv
 from k3.layers.norm import GatedRMSNorm
+from k3.layers.fused_weights import fused, linear_group
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
 
 # Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.
@@ -22,7 +23,8 @@ RECURRENT_MAX_TOKENS = 16
 # Longer inputs run the six input projections as one GEMM over weights concatenated on the fly (names and
 # checkpoint layout unchanged). The concatenation copies the weights once per forward, which is noise next to
 # a GEMM over many tokens; the backward then runs one dgrad GEMM instead of six and five adds. Decode steps
-# keep the separate GEMMs (a per-step weight copy would triple the bytes a memory-bound step reads).
+# keep the separate GEMMs (a per-step weight copy would triple the bytes a memory-bound step reads) unless the
+# weights were fused into one buffer at load (k3.layers.fused_weights; the engine does so for its frozen copy).
 FUSED_PROJECTION_MIN_TOKENS = RECURRENT_MAX_TOKENS + 1
 
 
@@ -114,6 +116,9 @@ class KimiDeltaAttention(nn.Module):
     def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
         """q, k, v (before the convs), f_a(x), the output gate's first projection, beta logits."""
         projections = self._input_projections()
+        group = fused(self, "input")  # weights fused at load (k3.layers.fused_weights): one GEMM at any length
+        if group is not None:
+            return linear_group(x, group)
         if x.shape[1] < FUSED_PROJECTION_MIN_TOKENS:
             return [p(x) for p in projections]
         weight = torch.cat([p.weight for p in projections], dim=0)

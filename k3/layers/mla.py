@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
 from k3.config import ModelConfig
+from k3.layers.fused_weights import fused, linear_group
 from k3.layers.norm import RMSNorm, compute_dtype
 
 # With a cache, up to this many new tokens attend in latent space (absorbed); longer inputs use expanded SDPA.
@@ -49,12 +50,21 @@ class GatedMLA(nn.Module):
         # Decode against the latent cache (absorbed) unless told otherwise; tests flip this to compare.
         self.absorb_in_decode = True
 
-    def _query(self, x: torch.Tensor) -> torch.Tensor:
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(*x.shape[:2], self.num_heads, self.nope + self.rope)  # [B, T, H, nope+rope]
+    def _input_projections(self) -> list[nn.Linear]:
+        """The projections that read x: the query's first (q_a, or q without q_lora), kv_a, the output gate."""
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        return [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
 
-    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = self.kv_a_proj_with_mqa(x)
+    def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The outputs of _input_projections (one GEMM when their weights were fused at load)."""
+        group = fused(self, "input")
+        return linear_group(x, group) if group is not None else [p(x) for p in self._input_projections()]
+
+    def _query(self, q_first: torch.Tensor) -> torch.Tensor:
+        q = q_first if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_first))
+        return q.view(*q_first.shape[:2], self.num_heads, self.nope + self.rope)  # [B, T, H, nope+rope]
+
+    def _latent(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_layernorm(latent), k_rope  # [B, T, R], [B, T, rope]
 
@@ -62,8 +72,9 @@ class GatedMLA(nn.Module):
         """x [B, T, D] -> [B, T, D]. `cache` is this layer's MLACacheSlot (or None); packed documents are given by
         cu_seqlens [N+1] (no cache), and attention never crosses a document boundary."""
         batch, length, _ = x.shape
-        q = self._query(x)
-        latent, k_rope = self._latent(x)
+        q_first, kv, *gate = self._project(x)
+        q = self._query(q_first)
+        latent, k_rope = self._latent(kv)
         past = 0
         visible = None
         if cache is not None:
@@ -79,8 +90,8 @@ class GatedMLA(nn.Module):
         else:
             out = self._attend_expanded(q, latent, k_rope, past, cu_seqlens)
         out = out.reshape(batch, length, self.num_heads * self.v_dim)
-        if self.g_proj is not None:
-            out = out * torch.sigmoid(self.g_proj(x))
+        if gate:
+            out = out * torch.sigmoid(gate[0])
         return self.o_proj(out)
 
     def _mask(self, length: int, total: int, past: int, device) -> torch.Tensor | None:

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import ModelConfig
+from k3.layers.fused_weights import fused, linear_group
 
 
 def glu_activation(gate: torch.Tensor, up: torch.Tensor, kind: str, beta_gate: float = 4.0,
@@ -35,4 +36,6 @@ class GLUMLP(nn.Module):
         self.betas = (config.situ_beta_gate, config.situ_beta_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(glu_activation(self.gate_proj(x), self.up_proj(x), self.act, *self.betas))
+        group = fused(self, "gate_up")  # one GEMM when fused at load (k3.layers.fused_weights)
+        gate, up = linear_group(x, group) if group is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(glu_activation(gate, up, self.act, *self.betas))

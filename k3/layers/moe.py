@@ -23,6 +23,7 @@ from k3.config import ModelConfig
 from k3.layers.balancing import QB_MAX_ITERS, QB_TOLERANCE, loss_free_bias, maxvio, solve_batch_bias
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
+from k3.layers.fused_weights import fused
 from k3.ops.moe import count_per_expert, inverse_permutation, run_experts
 
 
@@ -156,7 +157,9 @@ class LatentMoE(nn.Module):
         order_N = ids_N.argsort(stable=True)
         token_N = order_N // self.top_k
         counts_E = count_per_expert(ids_N, self.w1.shape[0])
-        y_NL = run_experts(h_TL[token_N], counts_E, self.w1, self.w3, self.w2, self.act, self.betas)
+        w13 = fused(self, "w13")  # w1 and w3 in one buffer when fused at load (k3.layers.fused_weights)
+        y_NL = run_experts(h_TL[token_N], counts_E, self.w1, self.w3, self.w2, self.act, self.betas,
+                           w13.buffer if w13 is not None else None)
         out_TL = weighted_sum_over_k(unpermute(y_NL, order_N).view(num_tokens, self.top_k, -1),
                                      routing.topk_weights_TK)
         if self.latent:

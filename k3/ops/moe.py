@@ -51,12 +51,18 @@ def count_per_expert(ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 
 def experts_grouped_mm(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
-                       w2_EDF: torch.Tensor, act: str, betas: tuple[float, float]) -> torch.Tensor:
+                       w2_EDF: torch.Tensor, act: str, betas: tuple[float, float],
+                       w13_E2FD: torch.Tensor | None = None) -> torch.Tensor:
     """x_ND sorted by expert, counts_E [E] (int, on x's device) -> [N, D]; one grouped GEMM per projection.
     Group ends are int32 offsets (what torch._grouped_mm takes); the weights enter as transposed views, which
-    the kernel reads as column-major operands without a copy."""
+    the kernel reads as column-major operands without a copy. w13_E2FD: w1 and w3 in one buffer [E, 2F, D]
+    (k3.layers.fused_weights), then gate and up come from one grouped GEMM."""
     offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     dtype = x_ND.dtype
+    if w13_E2FD is not None:
+        gate_NF, up_NF = torch._grouped_mm(x_ND, w13_E2FD.to(dtype).transpose(1, 2), offs=offsets_E).chunk(2, -1)
+        h_NF = glu_activation(gate_NF, up_NF, act, *betas).to(dtype)
+        return torch._grouped_mm(h_NF, w2_EDF.to(dtype).transpose(1, 2), offs=offsets_E)
     gate_NF = torch._grouped_mm(x_ND, w1_EFD.to(dtype).transpose(1, 2), offs=offsets_E)
     up_NF = torch._grouped_mm(x_ND, w3_EFD.to(dtype).transpose(1, 2), offs=offsets_E)
     h_NF = glu_activation(gate_NF, up_NF, act, *betas).to(dtype)
@@ -85,13 +91,15 @@ def _grouped_available(x: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
 
 
 def run_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
-                w2_EDF: torch.Tensor, act: str, betas: tuple[float, float]) -> torch.Tensor:
-    """x_ND sorted by expert, counts_E [E] int tokens per expert -> [N, D]."""
+                w2_EDF: torch.Tensor, act: str, betas: tuple[float, float],
+                w13_E2FD: torch.Tensor | None = None) -> torch.Tensor:
+    """x_ND sorted by expert, counts_E [E] int tokens per expert -> [N, D]. w13_E2FD (optional): w1 and w3
+    fused in one buffer, which the grouped GEMM path uses (the others read the w1 / w3 views of it)."""
     backend = os.environ.get("K3_MOE_BACKEND", "auto")
     if backend not in ("auto", "loop", "grouped"):
         raise ValueError(f"K3_MOE_BACKEND={backend!r}; use auto, loop or grouped")
     if backend == "grouped" or (backend == "auto" and _grouped_available(x_ND, w1_EFD)):
-        return experts_grouped_mm(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
+        return experts_grouped_mm(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD)
     if backend == "auto" and torch.compiler.is_compiling():
         return experts_gathered(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
     return experts_loop(x_ND, counts_E.tolist(), w1_EFD, w3_EFD, w2_EDF, act, betas)

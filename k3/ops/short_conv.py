@@ -60,6 +60,17 @@ def short_conv_torch(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tenso
     return F.silu(y), new_tail
 
 
+def short_conv_step(x: torch.Tensor, weight_CW: torch.Tensor,
+                    tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode token: x [B, 1, C], tail [B, W-1, C] -> (silu(conv) [B, 1, C], new tail [B, W-1, C]) as plain
+    elementwise math with an fp32 sum over the W taps. Compiled decode steps take it: inductor fuses it into one
+    or two kernels, where fla's causal_conv1d adds a window pad, a state kernel and a transpose copy around a
+    kernel made for long inputs (15 us a call at batch 64 on one H200)."""
+    full = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W, C]
+    y = F.silu((full.float() * weight_CW.t().float()).sum(1, keepdim=True)).to(x.dtype)
+    return y, full[:, 1:]
+
+
 def short_conv_fla(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None = None,
                    cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same op through fla's causal_conv1d (CUDA). Packed documents come as cu_seqlens [N+1] (B = 1, no
@@ -118,6 +129,8 @@ def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | No
             positions = torch.arange(x.shape[1], device=x.device) - starts
         return short_conv_torch(x, weight_CW, tail, positions)
 
+    if tail is not None and x.shape[1] == 1 and not packed and torch.compiler.is_compiling():
+        return short_conv_step(x, weight_CW, tail)
     if fla_ok and not packed and opaque_under_compile(x, weight_CW, tail):
         y, final = fla_causal_conv1d_op(x, weight_CW.to(x.dtype), _fla_window(tail, x.dtype))
         return y, final[:, :, 1:].transpose(1, 2)

@@ -110,7 +110,8 @@ def check_fla_dispatch_graph(model) -> None:
     assert len(graphs) == 1
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     kda_layers = model.config.layer_types.count("kda")
-    assert targets.count("k3.fla_causal_conv1d.default") == 3 * kda_layers
+    # A one-token step's short convs are plain elementwise math under compile (short_conv_step), not fla calls.
+    assert targets.count("k3.fla_causal_conv1d.default") == 0
     assert targets.count("k3.fla_fused_recurrent_kda.default") == kda_layers
     assert targets.count("k3.fla_rms_norm_gated.default") == kda_layers
     assert targets.count("k3.fla_rms_norm.default") >= 2 * model.config.num_layers + 1

@@ -52,8 +52,9 @@ def test_conv_and_norm_ops_fakes_match_the_kernels(standins):
 def test_compiled_calls_take_the_ops_and_equal_eager(standins):
     """Under torch.compile (no grad) each dispatch lowers to its op, in one graph; results equal the eager calls."""
     q, k, v, g, beta, state, gate = kda_inputs(length=1)
-    x, w, tail = torch.randn(2, 1, 16), torch.randn(16, 4), torch.randn(2, 3, 16)
-    norm_w, norm_g = torch.randn(16), torch.randn(2, 1, 16)
+    # Two conv tokens: a one-token step with a tail is plain math under compile (short_conv_step), not the op.
+    x, w, tail = torch.randn(2, 2, 16), torch.randn(16, 4), torch.randn(2, 3, 16)
+    norm_w, norm_g = torch.randn(16), torch.randn(2, 2, 16)
 
     def step(q, k, v, g, beta, state, x, w, tail):
         o, ht = fused_recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True,

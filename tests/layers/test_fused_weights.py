@@ -1,0 +1,181 @@
+"""Fused projection weights (k3.layers.fused_weights): one buffer per group of projections of one input, the
+weights views of it. Held equal to the separate projections; updates in place reach the buffer; anything that
+replaces a weight, or a forward that wants gradients, falls back to the separate projections."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from k3 import K3ForCausalLM, ModelConfig
+from k3.infer.cuda_graph import decode_step
+from k3.infer.static_cache import StaticCache
+from k3.layers.fused_weights import FUSED_ATTR, fuse_model_weights, fused, unfuse_model_weights
+from k3.layers.kda import KimiDeltaAttention
+from k3.layers.moe import LatentMoE
+from k3.ops.short_conv import short_conv_step, short_conv_torch
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def make_model(seed: int = 0) -> K3ForCausalLM:
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(ModelConfig.from_preset("debug")).eval()
+    with torch.no_grad():  # weights far from init so that every projection matters
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return model.requires_grad_(False)
+
+
+def all_groups(model) -> list:
+    return [g for m in model.modules() for g in m.__dict__.get(FUSED_ATTR, {}).values()]
+
+
+def logits_and_decode(model, ids: torch.Tensor, steps: int = 3) -> list[torch.Tensor]:
+    """Full-forward logits, then `steps` decode steps through a StaticCache (the decode shapes)."""
+    with torch.no_grad():
+        out = [model(ids).logits]
+        hybrid = model.new_cache(ids.shape[0])
+        model(ids[:, :-steps], cache=hybrid)
+        static = StaticCache.from_hybrid(model.config, hybrid, ids.shape[1] + 4, dtype=torch.float32)
+        for t in range(steps):
+            out.append(decode_step(model, static, ids[:, -steps + t:][:, :1]))
+    return out
+
+
+def test_fused_model_equals_the_unfused_one_in_forward_and_decode():
+    model = make_model()
+    reference = copy.deepcopy(model)
+    counts = fuse_model_weights(model)
+    types = model.config.layer_types
+    assert counts["kda"] == types.count("kda") and counts["mla"] == types.count("mla")
+    assert counts["experts"] == sum(isinstance(m, LatentMoE) for m in model.modules()) > 0 and counts["mlp"] > 0
+    assert all(g.usable() for g in all_groups(model))
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    for got, expected in zip(logits_and_decode(model, ids), logits_and_decode(reference, ids), strict=True):
+        torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_fusing_keeps_names_shapes_and_values_and_is_idempotent():
+    model = make_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fuse_model_weights(model)
+    groups = all_groups(model)
+    fuse_model_weights(model)
+    assert all_groups(model) == groups  # the same groups, not new buffers
+    after = model.state_dict()
+    assert list(after) == list(before)
+    for name, value in before.items():
+        assert after[name].shape == value.shape and torch.equal(after[name], value), name
+    kda = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    group = fused(kda, "input")
+    assert group.buffer.data_ptr() == kda.q_proj.weight.data_ptr()  # the weights live in the buffer
+    assert unfuse_model_weights(model) == len(groups) and not all_groups(model)
+    assert kda.q_proj.weight.data_ptr() != kda.k_proj.weight.data_ptr() - kda.q_proj.weight.nbytes
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]) and value.is_contiguous(), name
+
+
+def test_in_place_updates_reach_the_fused_buffer():
+    """An optimizer step or load_state_dict (both in place) changes what the fused GEMMs compute."""
+    model, reference = make_model(), make_model()
+    fuse_model_weights(model)
+    new_state = make_model(seed=5).state_dict()
+    model.load_state_dict(new_state)
+    reference.load_state_dict(new_state)
+    with torch.no_grad():
+        for m in (model, reference):
+            kda = next(x for x in m.modules() if isinstance(x, KimiDeltaAttention))
+            kda.v_proj.weight.mul_(1.5)
+            moe = next(x for x in m.modules() if isinstance(x, LatentMoE))
+            moe.w3.add_(0.05)
+    assert all(g.usable() for g in all_groups(model))
+    ids = torch.randint(0, model.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    for got, expected in zip(logits_and_decode(model, ids), logits_and_decode(reference, ids), strict=True):
+        torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_replaced_weights_fall_back_to_the_separate_projections():
+    model = make_model()
+    fuse_model_weights(model)
+    kda = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    kda.k_proj.weight = torch.nn.Parameter(kda.k_proj.weight.detach().clone() * 2, requires_grad=False)
+    assert fused(kda, "input") is None  # k_proj no longer lives in the buffer: its new values must be used
+    reference = make_model()
+    with torch.no_grad():
+        next(m for m in reference.modules() if isinstance(m, KimiDeltaAttention)).k_proj.weight.mul_(2)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, **TOL)
+    model.double()  # a dtype change replaces every weight
+    assert not any(g.usable() for g in all_groups(model))
+
+
+def test_a_forward_that_wants_gradients_uses_the_parameters():
+    model = make_model().requires_grad_(True)
+    fuse_model_weights(model)
+    ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(4))
+    model(ids).logits.square().mean().backward()
+    kda = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    moe = next(m for m in model.modules() if isinstance(m, LatentMoE))
+    for p in (kda.q_proj.weight, kda.b_proj.weight, moe.w1, moe.w3):
+        assert p.grad is not None and p.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert fused(kda, "input") is not None
+
+
+def test_a_fused_model_saves_in_hugging_face_format(tmp_path):
+    pytest.importorskip("safetensors")
+    from k3.checkpoint.hf import from_pretrained
+    from k3.checkpoint.hf_save import save_pretrained
+
+    model = make_model()
+    fuse_model_weights(model)
+    save_pretrained(model, None, tmp_path / "hf")
+    loaded = from_pretrained(tmp_path / "hf")
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b.to(a.dtype), rtol=0, atol=0, msg=name)
+
+
+def test_engine_fuses_frozen_models_only_when_asked_or_with_graphs():
+    from k3.infer.engine import Engine
+    from k3.infer.sampling import SamplingParams
+
+    prompts = [[3, 9, 4, 1, 7], [8, 2, 6]]
+    params = SamplingParams(max_new_tokens=6, temperature=0)
+    plain = make_model()
+    expected = Engine(plain, max_context=32, max_batch=2, prefix_cache=False).generate_ids(prompts, params)
+    assert not all_groups(plain)  # no graphs on the CPU: the default leaves the model alone
+    model = make_model()
+    got = Engine(model, max_context=32, max_batch=2, prefix_cache=False, fuse_weights=True).generate_ids(prompts,
+                                                                                                          params)
+    assert all_groups(model) and got == expected
+
+
+@pytest.mark.parametrize("batch,width", [(1, 4), (3, 2), (2, 3)])
+def test_decode_conv_step_equals_the_convolution(batch, width):
+    gen = torch.Generator().manual_seed(batch * 10 + width)
+    x = torch.randn(batch, 1, 16, generator=gen)
+    weight = torch.randn(16, width, generator=gen)
+    tail = torch.randn(batch, width - 1, 16, generator=gen)
+    y, new_tail = short_conv_step(x, weight, tail)
+    y_ref, tail_ref = short_conv_torch(x, weight, tail)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(new_tail, tail_ref, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the grouped GEMM runs on CUDA")
+def test_fused_experts_grouped_gemm_equals_the_separate_ones():
+    from k3.ops.moe import experts_grouped_mm
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, f, d, n = 8, 64, 32, 40
+    w13 = torch.randn(e, 2 * f, d, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.1
+    w2 = torch.randn(e, d, f, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.1
+    x = torch.randn(n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    counts = torch.tensor([5, 0, 7, 3, 9, 1, 15, 0], device="cuda")
+    separate = experts_grouped_mm(x, counts, w13[:, :f], w13[:, f:], w2, "situ", (4.0, 25.0))
+    one = experts_grouped_mm(x, counts, w13[:, :f], w13[:, f:], w2, "situ", (4.0, 25.0), w13)
+    torch.testing.assert_close(one, separate, rtol=2e-2, atol=2e-2)
