@@ -195,7 +195,11 @@ def test_compile_switch_reads_the_environment(monkeypatch):
 
 
 @pytest.mark.slow
-def test_engine_with_compiled_decode_generates_the_same_tokens(model, monkeypatch):
+@pytest.mark.parametrize("fuse_weights", [False, True])
+def test_engine_with_compiled_decode_generates_the_same_tokens(model, monkeypatch, fuse_weights):
+    """Also with the projection weights fused (what the engine runs on CUDA for frozen models)."""
+    import copy
+
     from k3.infer.engine import Engine
     from k3.infer.sampling import SamplingParams
 
@@ -203,7 +207,7 @@ def test_engine_with_compiled_decode_generates_the_same_tokens(model, monkeypatc
     params = SamplingParams(max_new_tokens=6, temperature=0)
     expected = Engine(model, max_context=32, max_batch=2, prefix_cache=False).generate_ids(prompts, params)
     monkeypatch.setenv("K3_COMPILE_DECODE", "1")
-    engine = Engine(model, max_context=32, max_batch=2, prefix_cache=False)
+    engine = Engine(copy.deepcopy(model), max_context=32, max_batch=2, prefix_cache=False, fuse_weights=fuse_weights)
     assert engine.runner.compile_decode
     got = engine.generate_ids(prompts, params)
     assert got == expected and all(len(t) == 6 for t in got)
