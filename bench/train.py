@@ -13,7 +13,8 @@ Models, all built in the same process on the same GPU:
   k3-small    the `small` preset (16 layers, block AttnRes, latent MoE, SiTU, QB balancing)
 Variants of k3-small / k3-matched: `-unfused` (PyTorch short conv and norms instead of fla's fused kernels,
 K3_FUSED_BACKEND=torch: the state before those kernels), `-eager-attnres` (eager AttnRes mix instead of the
-compiled one), `-compiled` (torch.compile on the dense/shared MLPs and norms).
+compiled one), `-compiled` (torch.compile on the dense/shared MLPs and norms), `-chunked-ce` / `-fla-ce` (the LM
+head and loss as one op, K3_LINEAR_CE=chunked / fla: no [tokens, vocab] logits held; k3.ops.linear_ce).
 Also reported: the wall time of the first step (kernel compile/autotune included). --profile PATH writes
 torch.profiler's kernel table of one k3-small step by self CUDA time to PATH.
 """
@@ -85,7 +86,7 @@ def step_fn(model, ids, is_k3: bool):
 
     def step():
         if is_k3:
-            loss = model(ids, labels=ids).loss
+            loss = model(ids, labels=ids, return_logits=False).loss  # the loss path K3_LINEAR_CE picks
         else:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -131,6 +132,8 @@ def main() -> None:
         reset_peak_memory()
         set_attn_res_backend("eager" if name.endswith("-eager-attnres") else None)
         set_fused_backend("torch" if name.endswith("-unfused") else None)
+        ce = next((b for b in ("chunked", "fla") if name.endswith(f"-{b}-ce")), "plain")
+        os.environ["K3_LINEAR_CE"] = ce
         try:
             if name == "peer":
                 model = peer_model(device)
@@ -166,6 +169,7 @@ def main() -> None:
         finally:
             set_attn_res_backend(None)
             set_fused_backend(None)
+            os.environ.pop("K3_LINEAR_CE", None)
             model = None
             torch.cuda.empty_cache()
     base = results.get("peer", {}).get("tokens_per_s")

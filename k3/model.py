@@ -22,11 +22,12 @@ from k3.layers.mla import GatedMLA
 from k3.layers.mlp import GLUMLP
 from k3.layers.moe import LatentMoE, Router
 from k3.layers.norm import RMSNorm
+from k3.ops.linear_ce import linear_cross_entropy
 
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, V]
+    logits: torch.Tensor | None  # [B, T, V]; None when only the loss was asked for (return_logits=False)
     loss: torch.Tensor | None = None
 
 
@@ -145,7 +146,8 @@ def zero_attn_res_queries(model: nn.Module) -> None:
 
 class K3ForCausalLM(nn.Module):
     """model(input_ids [B, T], cache=None, cu_seqlens=None, labels=None) -> CausalLMOutput(logits [B, T, V]).
-    inputs_embeds [B, T, d] may stand in for input_ids (the multimodal wrapper's image embeddings enter so)."""
+    inputs_embeds [B, T, d] may stand in for input_ids (the multimodal wrapper's image embeddings enter so).
+    With labels and return_logits=False only the loss is formed (k3.ops.linear_ce; logits is None)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -171,7 +173,7 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, cache: HybridCache | None = None,
                 cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None) -> CausalLMOutput:
+                inputs_embeds: torch.Tensor | None = None, return_logits: bool = True) -> CausalLMOutput:
         if inputs_embeds is not None:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
                 raise ValueError(f"inputs_embeds must be [batch, length, {self.config.hidden_size}], got shape "
@@ -197,6 +199,10 @@ class K3ForCausalLM(nn.Module):
         hidden = self.model(input_ids, cache, packed, inputs_embeds)
         if cache is not None:
             cache.seen_tokens += tokens.shape[1]
+        if labels is not None and not return_logits:
+            # The loss alone: the LM head and cross-entropy as one op (k3.ops.linear_ce, K3_LINEAR_CE picks the
+            # path), which need not hold [tokens, vocab] logits.
+            return CausalLMOutput(logits=None, loss=linear_cross_entropy(hidden, self.lm_head, labels))
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:

@@ -62,7 +62,7 @@ def train_steps(model: nn.Module, batches: Iterable[torch.Tensor], optimizer: to
     model.train()
     for global_ids in batches:
         ids = (global_ids if local else shard_batch(global_ids)).to(device)
-        loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
+        loss = model(ids[:, :-1], labels=ids[:, 1:], return_logits=False).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -454,7 +454,7 @@ class Trainer:
         with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
                             enabled=self.autocast is not None):
             if batch.weights is None:
-                loss = self.model(ids, cu_seqlens=cu, labels=labels).loss
+                loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False).loss
             else:
                 loss = weighted_loss(self.model(ids, cu_seqlens=cu).logits, labels, batch.weights.to(self.device))
         if self.config.moe_aux_loss > 0 and self.model.training:

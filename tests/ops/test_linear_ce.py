@@ -1,0 +1,92 @@
+"""The fused LM head + cross-entropy paths (k3.ops.linear_ce) against the plain one: loss and both gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3 import K3ForCausalLM, ModelConfig
+from k3.ops.linear_ce import linear_cross_entropy_chunked, linear_cross_entropy_plain
+
+
+def inputs(n=37, d=24, v=50, dtype=torch.float32, ignored=(3, 4, 20), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=gen, dtype=dtype, requires_grad=True)
+    weight = (torch.randn(v, d, generator=gen) * 0.3).to(dtype).requires_grad_(True)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[list(ignored)] = -100
+    return hidden, weight, labels
+
+
+def loss_and_grads(fn, hidden, weight, labels, **kwargs):
+    h, w = hidden.detach().clone().requires_grad_(True), weight.detach().clone().requires_grad_(True)
+    loss = fn(h, w, labels, **kwargs)
+    (loss * 1.7).backward()  # a non-unit upstream gradient
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 8, 37, 4096])
+def test_chunked_equals_plain_in_fp32(chunk_rows):
+    hidden, weight, labels = inputs()
+    expected = loss_and_grads(linear_cross_entropy_plain, hidden, weight, labels)
+    got = loss_and_grads(linear_cross_entropy_chunked, hidden, weight, labels, chunk_rows=chunk_rows)
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_chunked_is_as_close_to_fp32_as_plain_in_bf16():
+    hidden, weight, labels = inputs(n=64, d=32, v=300)
+    exact = loss_and_grads(linear_cross_entropy_plain, hidden, weight, labels)
+    plain = loss_and_grads(linear_cross_entropy_plain, hidden.bfloat16(), weight.bfloat16(), labels)
+    chunked = loss_and_grads(linear_cross_entropy_chunked, hidden.bfloat16(), weight.bfloat16(), labels,
+                             chunk_rows=16)
+    assert plain[1].dtype == chunked[1].dtype == chunked[2].dtype == torch.bfloat16
+    for p, c, e in zip(plain, chunked, exact, strict=True):
+        err_plain = ((p.float() - e).norm() / e.norm()).item()
+        err_chunked = ((c.float() - e).norm() / e.norm()).item()
+        assert err_chunked <= 2 * err_plain + 1e-3, (err_chunked, err_plain)
+
+
+def test_hand_computed_loss():
+    """Two rows, vocab 2, W = I: row [0, ln 3] with label 1 -> ln(1+3) - ln 3; row [0, 0] label 0 -> ln 2."""
+    hidden = torch.tensor([[0.0, torch.log(torch.tensor(3.0))], [0.0, 0.0]])
+    loss = linear_cross_entropy_chunked(hidden, torch.eye(2), torch.tensor([1, 0]), chunk_rows=1)
+    expected = (torch.log(torch.tensor(4.0)) - torch.log(torch.tensor(3.0)) + torch.log(torch.tensor(2.0))) / 2
+    torch.testing.assert_close(loss, expected)
+
+
+def test_no_gradient_wanted_computes_the_loss_only():
+    hidden, weight, labels = inputs()
+    with torch.no_grad():
+        got = linear_cross_entropy_chunked(hidden, weight, labels, chunk_rows=5)
+        torch.testing.assert_close(got, linear_cross_entropy_plain(hidden, weight, labels))
+
+
+@pytest.mark.parametrize("backend", ["chunked", "fla"])
+def test_model_loss_by_backend_equals_the_plain_loss(backend, monkeypatch):
+    """K3ForCausalLM(..., return_logits=False) takes the K3_LINEAR_CE path (fla falls back to chunked on CPU)."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(ModelConfig.from_preset("debug"))
+    ids = torch.randint(0, model.config.vocab_size, (2, 9))
+    labels = ids.roll(-1, 1)
+    labels[:, -1] = -100
+    out = model(ids, labels=labels)
+    out.loss.backward()
+    expected_grad = model.lm_head.weight.grad.clone()
+    model.zero_grad()
+    monkeypatch.setenv("K3_LINEAR_CE", backend)
+    lean = model(ids, labels=labels, return_logits=False)
+    assert lean.logits is None
+    lean.loss.backward()
+    torch.testing.assert_close(lean.loss, out.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.lm_head.weight.grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_backend_is_refused(monkeypatch):
+    from k3.ops.linear_ce import linear_cross_entropy
+
+    monkeypatch.setenv("K3_LINEAR_CE", "fast")
+    with pytest.raises(ValueError, match="K3_LINEAR_CE='fast'; use one of plain, chunked, fla"):
+        hidden, weight, labels = inputs()
+        head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        linear_cross_entropy(hidden, head, labels)
