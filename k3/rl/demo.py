@@ -4,9 +4,10 @@
 2. A byte-level BPE is trained on them and a small K3-architecture model (KDA + MLA layers, AttnRes, a latent
    MoE) is fine-tuned on them from scratch (`k3 sft` in Python): it learns the chat and tool-call format and
    to copy the task into Python and the output into submit. 3,000 demonstrations and 700 steps take it to
-   0.85-0.89 greedy on held-out tasks; the earlier 1,000 and 350 left it at 0.445 (docs/rl.md, "Measured").
-3. Held-out pass rate after SFT: one episode per task, greedy and sampled at temperature 1 (the policy RL
-   trains), every tool call executed in a sandbox.
+   0.85-0.91 greedy on held-out tasks; the earlier 1,000 and 350 left it at 0.445 (docs/rl.md, "Measured").
+3. Held-out pass rate after SFT: greedy (one episode per task) and sampled at temperature 1 (the policy RL
+   trains; the mean over 4 episodes per task, seeded alike before and after RL, so the paired comparison has
+   less noise than one sample gives), every tool call executed in a sandbox.
 4. RL on calc's training split (`k3 rl` in Python), then the same held-out evaluations.
 
 It prints the pass rates with their binomial standard errors, the paired comparison on the same held-out tasks
@@ -49,24 +50,29 @@ def standard_error(rate: float, n: int) -> float:
     return math.sqrt(max(rate * (1 - rate), 1e-12) / max(n, 1))
 
 
-def paired_change(before: dict[str, bool], after: dict[str, bool]) -> dict[str, float]:
-    """Before/after outcomes on the same tasks: tasks gained and lost, the change in pass rate and its standard
-    error as a paired difference (sqrt((g + l)/n - d^2) / sqrt(n)), smaller than the unpaired one because tasks
-    solved (or missed) both times add no noise to the difference."""
+def paired_change(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Before/after outcomes on the same tasks (passed: True/False, or a task's share of passed samples): tasks
+    gained and lost (the outcome rose / fell), the change in pass rate (the mean of the per-task differences d)
+    and its standard error as a paired difference, sqrt((mean(d^2) - mean(d)^2) / n); for pass/fail outcomes
+    mean(d^2) = (gained + lost) / n. Smaller than the unpaired error because tasks solved (or missed) both times
+    add no noise to the difference."""
     tasks = sorted(set(before) & set(after))
     n = max(len(tasks), 1)
-    gained = sum(after[t] and not before[t] for t in tasks)
-    lost = sum(before[t] and not after[t] for t in tasks)
-    change = (gained - lost) / n
+    differences = [float(after[t]) - float(before[t]) for t in tasks]
+    gained = sum(d > 0 for d in differences)
+    lost = sum(d < 0 for d in differences)
+    change = sum(differences) / n
+    spread = sum(d * d for d in differences) / n - change ** 2
     return {"tasks_gained": gained, "tasks_lost": lost, "paired_change": change,
-            "paired_standard_error": math.sqrt(max((gained + lost) / n - change ** 2, 0.0) / n)}
+            "paired_standard_error": math.sqrt(max(spread, 0.0) / n)}
 
 
 def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 700, rl_steps: int = 24,
                 heldout: int = 200, group: int = 8, tasks_per_step: int = 16, algo: str = "gspo",
                 lr: float = 1e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
-                seed: int = 0, log=None) -> dict:
-    """Run the demo (see the module doc); returns the summary that --json writes."""
+                seed: int = 0, samples: int = 4, log=None) -> dict:
+    """Run the demo (see the module doc); returns the summary that --json writes. samples: episodes per held-out
+    task in the sampled (temperature 1) evaluation; its pass rate is their mean."""
     started = time.perf_counter()
     log = log or (lambda message: print(message, flush=True))
     out_dir = Path(out)
@@ -107,11 +113,12 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 7
                          dynamic_sampling=True)
     trainer = RLTrainer(rl_config, show_progress=False, log=lambda *_: None)
     before = trainer.evaluate(outcomes=True)
-    before_sampled = trainer.evaluate(temperature=1.0, outcomes=True)
+    before_sampled = trainer.evaluate(temperature=1.0, outcomes=True, samples=samples)
     before_outcomes, before_sampled_outcomes = before.pop("heldout_outcomes"), before_sampled.pop("heldout_outcomes")
     log(f"[{time.perf_counter() - started:5.0f} s] held-out pass rate after SFT: {before['heldout_pass_rate']:.3f} "
         f"+- {standard_error(before['heldout_pass_rate'], before['heldout_tasks']):.3f} greedy, "
-        f"{before_sampled['heldout_pass_rate']:.3f} sampled at temperature 1 ({before['heldout_tasks']} tasks)")
+        f"{before_sampled['heldout_pass_rate']:.3f} sampled at temperature 1 (mean of {samples} samples a task; "
+        f"{before['heldout_tasks']} tasks)")
     trainer.metrics.write({"step": 0, **before})
     config_heldout, trainer.config.heldout_tasks = trainer.config.heldout_tasks, 0  # scored once, at the end
     tool_calls = before["heldout_sandbox_calls"] + before_sampled["heldout_sandbox_calls"]
@@ -124,7 +131,7 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 7
             f"entropy {record.get('entropy', float('nan')):.3f}")
     trainer.config.heldout_tasks = config_heldout
     after = trainer.evaluate(outcomes=True)
-    after_sampled = trainer.evaluate(temperature=1.0, outcomes=True)
+    after_sampled = trainer.evaluate(temperature=1.0, outcomes=True, samples=samples)
     paired = paired_change(before_outcomes, after.pop("heldout_outcomes"))
     paired_sampled = paired_change(before_sampled_outcomes, after_sampled.pop("heldout_outcomes"))
     tool_calls += after["heldout_sandbox_calls"] + after_sampled["heldout_sandbox_calls"]
@@ -141,7 +148,7 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 7
         "tool_calls_executed": tool_calls + made["sandbox_calls"],
         **paired, **{f"{key}_sampled": value for key, value in paired_sampled.items()},
         "demos": made["examples"], "sft_steps": sft_summary["steps"], "rl_steps": trainer.step, "algo": algo,
-        "group": group,
+        "group": group, "samples_per_task_sampled": samples,
         "tasks_per_step": tasks_per_step, "seconds": time.perf_counter() - started,
     }
     noise = math.hypot(summary["sft_standard_error"], summary["rl_standard_error"])
@@ -151,14 +158,17 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 7
     summary["improved_beyond_noise_sampled"] = (summary["rl_pass_rate_sampled"] - summary["sft_pass_rate_sampled"]
                                                 > 2 * noise_sampled)
     summary["improved_beyond_paired_noise"] = paired["paired_change"] > 2 * paired["paired_standard_error"]
+    summary["improved_beyond_paired_noise_sampled"] = (paired_sampled["paired_change"]
+                                                       > 2 * paired_sampled["paired_standard_error"])
     log(f"[{summary['seconds']:5.0f} s] held-out pass rate, greedy: after SFT {summary['sft_pass_rate']:.3f}, after "
         f"RL {summary['rl_pass_rate']:.3f} (standard errors {summary['sft_standard_error']:.3f} / "
-        f"{summary['rl_standard_error']:.3f}); sampled at temperature 1: {summary['sft_pass_rate_sampled']:.3f} -> "
+        f"{summary['rl_standard_error']:.3f}); sampled at temperature 1 ({samples} a task): "
+        f"{summary['sft_pass_rate_sampled']:.3f} -> "
         f"{summary['rl_pass_rate_sampled']:.3f}; {summary['heldout_tasks']} held-out tasks, "
         f"{summary['tool_calls_executed']} tool calls run in sandboxes; curves in {out_dir / 'rl'}/metrics.png")
     log(f"same tasks before and after: greedy {paired['tasks_gained']} gained, {paired['tasks_lost']} lost "
-        f"(change {paired['paired_change']:+.3f} +- {paired['paired_standard_error']:.3f} paired); sampled "
-        f"{paired_sampled['tasks_gained']} gained, {paired_sampled['tasks_lost']} lost "
+        f"(change {paired['paired_change']:+.3f} +- {paired['paired_standard_error']:.3f} paired); sampled: the share "
+        f"of passed samples rose on {paired_sampled['tasks_gained']} tasks, fell on {paired_sampled['tasks_lost']} "
         f"({paired_sampled['paired_change']:+.3f} +- {paired_sampled['paired_standard_error']:.3f})")
     if not summary["improved_beyond_noise"]:
         paired_verdict = ("beyond" if summary["improved_beyond_paired_noise"] else "not beyond")

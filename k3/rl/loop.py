@@ -337,22 +337,31 @@ class RLTrainer:
 
     # -- pieces ------------------------------------------------------------------------------------
     def evaluate(self, count: int | None = None, temperature: float | None = None,
-                 outcomes: bool = False) -> dict[str, Any]:
-        """Pass rate on the first ``count`` held-out tasks, one episode each (greedy unless told). outcomes: also
-        "heldout_outcomes", {task id: passed} (for a paired before/after comparison on the same tasks)."""
+                 outcomes: bool = False, samples: int = 1) -> dict[str, Any]:
+        """Pass rate on the first ``count`` held-out tasks, ``samples`` episodes each (greedy unless told; with
+        several samples at a temperature the rate is the mean over all episodes, a lower-variance estimate of the
+        one-sample rate). outcomes: also "heldout_outcomes", {task id: passed} for one sample, {task id: share of
+        its samples that passed} for several (for a paired before/after comparison on the same tasks)."""
+        if samples < 1:
+            raise ValueError(f"samples must be at least 1, got {samples}")
         tasks, indices = self.ranks.share(self.tasks.heldout(self.config.heldout_tasks if count is None else count))
         if not tasks and self.ranks.world == 1:
             return {}
-        groups = self.runner.run_aside(tasks, 1, -1, self.config.eval_temperature if temperature is None
+        groups = self.runner.run_aside(tasks, samples, -1, self.config.eval_temperature if temperature is None
                                        else temperature, indices)
         episodes = [s for rank in self.ranks.gather([episode_summary(e) for g in groups for e in g]) for s in rank]
         if not episodes:
             return {}
         stats = _episode_metrics(episodes)
+        passed: dict[str, list[bool]] = {}
+        for e in episodes:
+            passed.setdefault(e["task"], []).append(e["reward"] >= 1.0)
         result = {"heldout_pass_rate": stats["pass_rate"], "heldout_reward": stats["reward_mean"],
-                  "heldout_tasks": len(episodes), "heldout_sandbox_calls": stats["sandbox_calls"]}
+                  "heldout_tasks": len(passed), "heldout_episodes": len(episodes),
+                  "heldout_sandbox_calls": stats["sandbox_calls"]}
         if outcomes:
-            result["heldout_outcomes"] = {e["task"]: e["reward"] >= 1.0 for e in episodes}
+            result["heldout_outcomes"] = {task: (runs[0] if samples == 1 else sum(runs) / len(runs))
+                                          for task, runs in passed.items()}
         return result
 
     def sequences(self, groups: list[list[Episode]]) -> tuple[list[Sequence], int]:

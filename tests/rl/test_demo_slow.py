@@ -46,3 +46,15 @@ def test_paired_change_counts_gains_and_losses_on_the_same_tasks():
     assert change["paired_standard_error"] == pytest.approx(math.sqrt((0.6 - 0.04) / 5))
     unchanged = paired_change(before, before)
     assert unchanged["paired_change"] == 0.0 and unchanged["paired_standard_error"] == 0.0
+
+
+def test_paired_change_of_sampled_shares_is_the_mean_difference():
+    from k3.rl.demo import paired_change
+
+    before = {"a": 0.25, "b": 1.0, "c": 0.5}  # shares of 4 samples that passed
+    after = {"a": 0.75, "b": 0.75, "c": 0.5}
+    change = paired_change(before, after)
+    # d = (0.5, -0.25, 0): mean 1/12; mean(d^2) = 0.3125 / 3; se = sqrt((0.3125/3 - 1/144) / 3) = 0.180021
+    assert change["tasks_gained"] == 1 and change["tasks_lost"] == 1
+    assert change["paired_change"] == pytest.approx(1 / 12)
+    assert change["paired_standard_error"] == pytest.approx(0.180021, abs=1e-6)

@@ -155,3 +155,16 @@ def test_sft_batches_padded_to_a_multiple_score_the_same_loss(start_run, tokeniz
             losses.append(float(model(ids, cu_seqlens=cu, labels=labels).loss))
     assert lengths[0] % 128 != 0 and lengths[1] % 128 == 0 and lengths[1] > lengths[0]
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)  # the filler's labels are ignored
+
+
+def test_sampled_evaluation_scores_several_episodes_per_task(start_run, user_suite, tmp_path):
+    trainer = RLTrainer(rl_config(start_run, user_suite, tmp_path / "eval"), show_progress=False, log=lambda *_: None)
+    result = trainer.evaluate(temperature=1.0, outcomes=True, samples=4)
+    # one held-out task ("say-2"), four episodes: its outcome is the share of them that passed, the rate their mean
+    assert result["heldout_tasks"] == 1 and result["heldout_episodes"] == 4
+    share = result["heldout_outcomes"]["say-2"]
+    assert share * 4 == round(share * 4) and share == pytest.approx(result["heldout_pass_rate"])
+    greedy = trainer.evaluate(outcomes=True)
+    assert greedy["heldout_episodes"] == 1 and isinstance(greedy["heldout_outcomes"]["say-2"], bool)
+    with pytest.raises(ValueError, match="samples must be at least 1"):
+        trainer.evaluate(samples=0)
