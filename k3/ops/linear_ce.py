@@ -70,10 +70,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def linear_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                 ignore_index: int = -100, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
+                                 ignore_index: int = -100, chunk_rows: int | None = None) -> torch.Tensor:
     """The same loss and gradients as linear_cross_entropy_plain, never holding more than `chunk_rows` rows of
-    logits."""
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_rows)
+    logits (default CHUNK_ROWS)."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, ignore_index, chunk_rows or CHUNK_ROWS)
 
 
 def linear_cross_entropy_fla(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
