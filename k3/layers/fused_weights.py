@@ -80,6 +80,13 @@ def _has_intact(owner: nn.Module, group: str) -> bool:
     return found is not None and found._expected_pointers() == found._pointers
 
 
+def _fusable(members: list[tuple[nn.Module, str]]) -> bool:
+    """Plain tensors only: a sharded (DTensor) weight has no local buffer to view into."""
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(getattr(m, n), DTensor) for m, n in members)
+
+
 def linear_group(x: torch.Tensor, group: FusedGroup) -> list[torch.Tensor]:
     """x @ each fused [out_i, in] weight, as one GEMM: the outputs in the group's order."""
     return list(torch.nn.functional.linear(x, group.buffer.to(x.dtype)).split(group.sizes, dim=-1))
@@ -94,22 +101,20 @@ def fuse_model_weights(model: nn.Module) -> dict[str, int]:
 
     counts = {"kda": 0, "mla": 0, "mlp": 0, "experts": 0}
     for module in model.modules():
-        if isinstance(module, KimiDeltaAttention):
-            if not _has_intact(module, "input"):
-                fuse(module, "input", [(p, "weight") for p in module._input_projections()])
-            counts["kda"] += 1
-        elif isinstance(module, GatedMLA):
-            if not _has_intact(module, "input"):
-                fuse(module, "input", [(p, "weight") for p in module._input_projections()])
-            counts["mla"] += 1
+        if isinstance(module, (KimiDeltaAttention, GatedMLA)):
+            kind, name, members = ("kda" if isinstance(module, KimiDeltaAttention) else "mla", "input",
+                                   [(p, "weight") for p in module._input_projections()])
         elif isinstance(module, GLUMLP):
-            if not _has_intact(module, "gate_up"):
-                fuse(module, "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")])
-            counts["mlp"] += 1
+            kind, name, members = "mlp", "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")]
         elif isinstance(module, LatentMoE):
-            if not _has_intact(module, "w13"):
-                fuse(module, "w13", [(module, "w1"), (module, "w3")], dim=1)
-            counts["experts"] += 1
+            kind, name, members = "experts", "w13", [(module, "w1"), (module, "w3")]
+        else:
+            continue
+        if not _fusable(members):
+            continue
+        if not _has_intact(module, name):
+            fuse(module, name, members, dim=1 if kind == "experts" else 0)
+        counts[kind] += 1
     return counts
 
 
