@@ -131,7 +131,7 @@ class SFTTrainer:
             ids, labels, cu = self.batch(self.step + 1)
             with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
                                 enabled=self.autocast is not None):
-                loss = self.model(ids, cu_seqlens=cu, labels=labels).loss
+                loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False).loss
             if not torch.isfinite(loss):
                 raise RuntimeError(f"SFT loss became {float(loss)} at step {self.step + 1}; lower --lr")
             loss.backward()
