@@ -48,6 +48,10 @@ def prefill(model, ids: torch.Tensor, chunk_rows: int = 8):
     return cache, model.lm_head(hidden[:, -1])
 
 
+# The captured decode steps bench_k3 can time, as named in its results: the graph always, the rest by flags.
+VARIANTS = ("graph", "compiled_graph", "fused_graph", "fused_compiled_graph")
+
+
 def synthetic_static(config: ModelConfig, batch: int, filled: int, capacity: int, device) -> StaticCache:
     """A static cache whose first `filled` positions hold random contents (for timing only)."""
     cache = StaticCache(config, batch, capacity, device)
@@ -139,7 +143,7 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
     if floor:
         floor["floor_ms"] = floor["total_bytes"] / bandwidth * 1e3
         floor["graph_vs_floor"] = graph_ms / floor["floor_ms"]
-        for variant in ("compiled_graph", "fused_graph", "fused_compiled_graph"):
+        for variant in VARIANTS[1:]:
             if f"{variant}_step_ms" in result:
                 floor[f"{variant}_vs_floor"] = result[f"{variant}_step_ms"] / floor["floor_ms"]
     return dict(result, memory_floor=floor, tokens_per_s=batch * 1e3 / graph_ms, synthetic_cache=synthetic,
@@ -209,7 +213,7 @@ def graph_kernel_count(replay, profile_path: str | None = None) -> int | None:
 
 def write_kernel_table(events, path: str) -> None:
     """Kernels of one replay grouped by name: launches, total and mean microseconds, share of the replay."""
-    from pathlib import Path
+    from k3.checkpoint.native import atomic_write_bytes
 
     groups: dict[str, list[float]] = {}
     for e in events:
@@ -220,7 +224,7 @@ def write_kernel_table(events, path: str) -> None:
     for name, times in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
         lines.append(f"{len(times):8d} {sum(times):10.1f} {sum(times) / len(times):8.2f} "
                      f"{sum(times) / max(total, 1e-9):6.1%}  {name[:140]}")
-    Path(path).write_text("\n".join(lines) + "\n")
+    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
     print(f"  kernel table of one replay: {path}", flush=True)
 
 
@@ -331,7 +335,7 @@ def main() -> None:
     for name, cases in results.items():
         for case, r in cases.items():
             floor_ms = (r.get("memory_floor") or {}).get("floor_ms")
-            for variant in ("graph", "compiled_graph", "fused_graph", "fused_compiled_graph"):
+            for variant in VARIANTS:
                 if f"{variant}_step_ms" in r:
                     ms = r[f"{variant}_step_ms"]
                     variant_rows.append([name, case, variant, ms, f"{r['graph_step_ms'] / ms:.2f}x",

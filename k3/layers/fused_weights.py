@@ -37,7 +37,6 @@ class FusedGroup:
                 raise ValueError(f"cannot fuse weights of shapes {[tuple(v.shape) for v in weights]} along dim {dim}")
         with torch.no_grad():
             self.buffer = torch.cat([w.detach() for w in weights], dim=dim).contiguous()
-        self.dim = dim
         self.sizes = [w.shape[dim] for w in weights]
         self.members = members
         start = 0
@@ -50,15 +49,21 @@ class FusedGroup:
     def _expected_pointers(self) -> list[tuple[int, tuple[int, ...]]]:
         return [(getattr(m, n).data_ptr(), tuple(getattr(m, n).shape)) for m, n in self.members]
 
-    def usable(self) -> bool:
-        """The buffer may stand for the weights: no gradient is wanted for them (the buffer carries none back to
-        the parameters) and every weight is still a view of it (compiled code cannot ask: it trusts the group)."""
-        if torch.is_grad_enabled() and any(getattr(m, n).requires_grad for m, n in self.members):
-            return False
-        if torch.compiler.is_compiling():
-            return True
+    def intact(self) -> bool:
+        """Every weight still a view of the buffer (not replaced by `.to(...)` or a new Parameter)."""
         dtype_ok = all(getattr(m, n).dtype == self.buffer.dtype for m, n in self.members)
         return dtype_ok and self._expected_pointers() == self._pointers
+
+    def usable(self) -> bool:
+        """The buffer may stand for the weights: no gradient is wanted for them (the buffer carries none back to
+        the parameters) and the group is intact (compiled code cannot ask: it trusts the group)."""
+        if torch.is_grad_enabled() and any(getattr(m, n).requires_grad for m, n in self.members):
+            return False
+        return torch.compiler.is_compiling() or self.intact()
+
+
+def _group(owner: nn.Module, name: str) -> FusedGroup | None:
+    return owner.__dict__.get(FUSED_ATTR, {}).get(name)
 
 
 def fuse(owner: nn.Module, group: str, members: list[tuple[nn.Module, str]], dim: int = 0) -> FusedGroup:
@@ -71,13 +76,8 @@ def fuse(owner: nn.Module, group: str, members: list[tuple[nn.Module, str]], dim
 def fused(owner: nn.Module, group: str) -> FusedGroup | None:
     """The fused group `group` of `owner` when usable, else None (never fused, its views were replaced, or a
     gradient is wanted for its weights: training keeps the separate projections)."""
-    found = owner.__dict__.get(FUSED_ATTR, {}).get(group)
+    found = _group(owner, group)
     return found if found is not None and found.usable() else None
-
-
-def _has_intact(owner: nn.Module, group: str) -> bool:
-    found = owner.__dict__.get(FUSED_ATTR, {}).get(group)
-    return found is not None and found._expected_pointers() == found._pointers
 
 
 def _fusable(members: list[tuple[nn.Module, str]]) -> bool:
@@ -112,7 +112,8 @@ def fuse_model_weights(model: nn.Module) -> dict[str, int]:
             continue
         if not _fusable(members):
             continue
-        if not _has_intact(module, name):
+        existing = _group(module, name)
+        if existing is None or not existing.intact():
             fuse(module, name, members, dim=1 if kind == "experts" else 0)
         counts[kind] += 1
     return counts

@@ -61,10 +61,9 @@ def experts_grouped_mm(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch
     dtype = x_ND.dtype
     if w13_E2FD is not None:
         gate_NF, up_NF = torch._grouped_mm(x_ND, w13_E2FD.to(dtype).transpose(1, 2), offs=offsets_E).chunk(2, -1)
-        h_NF = glu_activation(gate_NF, up_NF, act, *betas).to(dtype)
-        return torch._grouped_mm(h_NF, w2_EDF.to(dtype).transpose(1, 2), offs=offsets_E)
-    gate_NF = torch._grouped_mm(x_ND, w1_EFD.to(dtype).transpose(1, 2), offs=offsets_E)
-    up_NF = torch._grouped_mm(x_ND, w3_EFD.to(dtype).transpose(1, 2), offs=offsets_E)
+    else:
+        gate_NF = torch._grouped_mm(x_ND, w1_EFD.to(dtype).transpose(1, 2), offs=offsets_E)
+        up_NF = torch._grouped_mm(x_ND, w3_EFD.to(dtype).transpose(1, 2), offs=offsets_E)
     h_NF = glu_activation(gate_NF, up_NF, act, *betas).to(dtype)
     return torch._grouped_mm(h_NF, w2_EDF.to(dtype).transpose(1, 2), offs=offsets_E)
 
