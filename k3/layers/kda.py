@@ -17,6 +17,7 @@ from k3.layers.conv import ShortConv
 from k3.layers.norm import GatedRMSNorm
 from k3.layers.fused_weights import fused, linear_group
 from k3.ops.kda import chunk_kda, fused_recurrent_kda
+from k3.ops.short_conv import short_conv
 
 # Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.
 RECURRENT_MAX_TOKENS = 16
@@ -90,10 +91,8 @@ class KimiDeltaAttention(nn.Module):
         batch, length, _ = x.shape
         shape = (batch, length, self.num_heads, self.head_dim)
         tails = cache.conv_tails if cache is not None else (None, None, None)
-        q, k, v, f_a, g_in, beta_logits = self._project(x)
-        q, tail_q = self.q_conv1d(q, tails[0], position_in_doc, cu_seqlens)
-        k, tail_k = self.k_conv1d(k, tails[1], position_in_doc, cu_seqlens)
-        v, tail_v = self.v_conv1d(v, tails[2], position_in_doc, cu_seqlens)
+        qkv, f_a, g_in, beta_logits = self._project(x)
+        (q, k, v), new_tails = self._convolve(qkv, tails, position_in_doc, cu_seqlens)
         # The decay gate, beta's sigmoid and the q/k L2 norm run inside the KDA op (fused into fla's kernels on
         # CUDA; the PyTorch twin applies the same formulas), so only the raw projections are formed here.
         raw_gate = self.f_b_proj(f_a).view(shape)
@@ -103,7 +102,7 @@ class KimiDeltaAttention(nn.Module):
                               initial_state=state, output_final_state=cache is not None,
                               use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **self.gate_kwargs())
         if cache is not None:
-            cache.update(new_state, (tail_q, tail_k, tail_v))
+            cache.update(new_state, new_tails)
         gate = g_in if hasattr(self, "g_proj") else self.g_b_proj(g_in)
         o = self.o_norm(o.to(x.dtype), gate.view(shape))
         return self.o_proj(o.reshape(batch, length, -1))
@@ -114,12 +113,32 @@ class KimiDeltaAttention(nn.Module):
         return [self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate, self.b_proj]
 
     def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """q, k, v (before the convs), f_a(x), the output gate's first projection, beta logits."""
+        """[q, k, v] (before the convs; one [B, T, 3 * width] tensor when the GEMM was one), f_a(x), the
+        output gate's first projection, beta logits."""
         projections = self._input_projections()
         group = fused(self, "input")  # weights fused at load (k3.layers.fused_weights): one GEMM at any length
         if group is not None:
-            return linear_group(x, group)
-        if x.shape[1] < FUSED_PROJECTION_MIN_TOKENS:
-            return [p(x) for p in projections]
-        weight = torch.cat([p.weight for p in projections], dim=0)
-        return list(torch.nn.functional.linear(x, weight).split([p.out_features for p in projections], dim=-1))
+            outputs = linear_group(x, group)
+        elif x.shape[1] < FUSED_PROJECTION_MIN_TOKENS:
+            outputs = [p(x) for p in projections]
+        else:
+            weight = torch.cat([p.weight for p in projections], dim=0)
+            width = self.q_proj.out_features
+            sizes = [3 * width] + [p.out_features for p in projections[3:]]
+            return list(torch.nn.functional.linear(x, weight).split(sizes, dim=-1))
+        return [outputs[:3], *outputs[3:]]
+
+    def _convolve(self, qkv, tails, position_in_doc, cu_seqlens):
+        """The short convs of q, k and v -> ([q, k, v], their new tails). A depthwise conv treats channels
+        independently, so when q, k, v arrive as one [B, T, 3 * width] block (long inputs) the three convs run
+        as one call over their channels side by side (weights and tails concatenated on the fly, a few KB):
+        one kernel launch and one autograd node instead of three, which the host-bound training step feels."""
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        if isinstance(qkv, (list, tuple)):
+            pairs = [conv(t, tail, position_in_doc, cu_seqlens) for conv, t, tail in zip(convs, qkv, tails)]
+            return [y for y, _ in pairs], tuple(tail for _, tail in pairs)
+        width = qkv.shape[-1] // 3
+        weight_CW = torch.cat([conv.weight.squeeze(1) for conv in convs], dim=0)
+        tail = None if tails[0] is None else torch.cat(tails, dim=-1)
+        y, new_tail = short_conv(qkv, weight_CW, tail, cu_seqlens=cu_seqlens, position_in_doc=position_in_doc)
+        return list(y.split(width, dim=-1)), tuple(new_tail.split(width, dim=-1))

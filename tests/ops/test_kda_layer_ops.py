@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import k3.layers.kda as kda_layer
 from k3 import ModelConfig
+from k3.cache import KDACacheSlot
 from k3.layers.kda import KimiDeltaAttention
 from k3.ops.kda import set_kda_backend
 from k3.ops.fused_backend import set_fused_backend
@@ -101,6 +102,32 @@ def test_fused_input_projection_equals_separate(monkeypatch, gate):
     monkeypatch.setattr(kda_layer, "FUSED_PROJECTION_MIN_TOKENS", 10**9)
     separate = run()
     for a, b in zip(fused, separate):
+        assert rel(a, b) < 1e-12
+
+
+def test_one_conv_over_qkv_equals_three_with_cache_and_packed_documents(monkeypatch):
+    """Long inputs run q, k, v's convs as one call over their channels side by side; chunked prefill (cached
+    tails and state carried into a second chunk) and packed documents must give what three convs give."""
+    torch.manual_seed(4)
+    layer = KimiDeltaAttention(small_kda_config(), 0).double()
+    layer.reset_gate_parameters()
+    first, second = torch.randn(2, 40, 64, dtype=torch.float64), torch.randn(2, 30, 64, dtype=torch.float64)
+    packed = torch.randn(1, 50, 64, dtype=torch.float64)
+    cu_seqlens = torch.tensor([0, 13, 50])
+    position_in_doc = torch.arange(50) - torch.where(torch.arange(50) < 13, 0, 13)
+
+    def run():
+        slot = KDACacheSlot()
+        outputs = [layer(first, slot), layer(second, slot)]
+        outputs += [*slot.conv_tails, slot.state]
+        outputs.append(layer(packed, cu_seqlens=cu_seqlens, position_in_doc=position_in_doc))
+        return outputs
+
+    merged = run()
+    monkeypatch.setattr(kda_layer, "FUSED_PROJECTION_MIN_TOKENS", 10**9)
+    separate = run()
+    assert [t.shape for t in merged] == [t.shape for t in separate]
+    for a, b in zip(merged, separate):
         assert rel(a, b) < 1e-12
 
 
