@@ -17,6 +17,7 @@ Also printed: the pool's bytes per request against context length (KDA constant,
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -173,10 +174,13 @@ def main() -> None:
     config = ModelConfig.from_preset(args.preset)
     with torch.device(device):
         model = K3ForCausalLM(config)
-    model = model.to(dtype).eval()
+    # Frozen, as the inference CLIs load it: the engine then fuses the projection weights for its CUDA graphs
+    # (k3.layers.fused_weights), which it does only for a model nothing trains.
+    model = model.to(dtype).eval().requires_grad_(False)
     max_context = args.prompt + args.new + 64
     results: dict = {"bench": "engine", "device": device_name(), "preset": args.preset, "prompt": args.prompt,
-                     "new": args.new, "dtype": str(dtype)}
+                     "new": args.new, "dtype": str(dtype),
+                     "compile_decode": os.environ.get("K3_COMPILE_DECODE", "0")}
 
     check_prompts = prompts_for(args.check_requests, 96, config.vocab_size, seed=1)
     check_prompts = [p[: 17 + 11 * i] for i, p in enumerate(check_prompts)]  # mixed lengths
@@ -193,10 +197,13 @@ def main() -> None:
     loads = {}
     for concurrency in args.concurrency:
         engine = Engine(model, None, max_context=max_context, max_batch=max(concurrency, 1), prefix_cache=False)
+        t0 = time.perf_counter()
         run_load(engine, prompts_for(min(concurrency, 2), args.prompt, config.vocab_size, seed=99),
-                 SamplingParams(max_new_tokens=8, temperature=0))  # warm-up: graphs, kernels
+                 SamplingParams(max_new_tokens=8, temperature=0))  # warm-up: graphs, kernels (and compiles)
+        warmup_s = time.perf_counter() - t0
         loads[concurrency] = run_load(engine, prompts_for(concurrency, args.prompt, config.vocab_size, seed=2),
                                       params)
+        loads[concurrency]["warmup_s"] = warmup_s
         loads[concurrency]["peak_gib"] = peak_memory_gib()
         print(f"concurrency {concurrency}: {loads[concurrency]}", flush=True)
         write_json(args.out, {**results, "partial": True, "loads": loads})

@@ -14,9 +14,14 @@ Models, all built in the same process on the same GPU:
 Variants of k3-small / k3-matched: `-unfused` (PyTorch short conv and norms instead of fla's fused kernels,
 K3_FUSED_BACKEND=torch: the state before those kernels), `-eager-attnres` (eager AttnRes mix instead of the
 compiled one), `-compiled` (torch.compile on the dense/shared MLPs and norms), `-chunked-ce` / `-fla-ce` (the LM
-head and loss as one op, K3_LINEAR_CE=chunked / fla: no [tokens, vocab] logits held; k3.ops.linear_ce).
-Also reported: the wall time of the first step (kernel compile/autotune included). --profile PATH writes
-torch.profiler's kernel table of one k3-small step by self CUDA time to PATH.
+head and loss as one op, K3_LINEAR_CE=chunked / fla: no [tokens, vocab] logits held; k3.ops.linear_ce),
+`-graphed-kda` (each KDA attention sublayer replayed as CUDA graphs, forward and backward, through
+torch.cuda.make_graphed_callables: an experiment on how much of the step is host time in fla's launchers),
+`-eager-glu` (the GLU activation as eager PyTorch ops instead of the compiled elementwise kernel that training on
+CUDA takes, k3.layers.mlp). Also reported: the wall time of the first step (kernel compile/autotune included) and
+the number of frames torch.compile compiled during the timed steps (0 means no recompilation per step).
+--profile DIR writes torch.profiler's kernel table of one step by self CUDA time to DIR/train_profile_<variant>.txt
+for each variant named in --profile-variants (default k3-small).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from common import (H200_BF16_PEAK_FLOPS, device_name, hf_train_flops_per_token,
                     peak_memory_gib, print_table, reset_peak_memory, time_ms, write_json)
 
 from k3 import K3ForCausalLM, ModelConfig
+from k3.layers import mlp
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.attn_res import set_attn_res_backend
@@ -81,6 +87,40 @@ def k3_model(config: ModelConfig, device, compile_blocks: bool):
     return model
 
 
+class GraphedSublayer(torch.nn.Module):
+    """A KDA attention sublayer captured as CUDA graphs for unpacked batches of one shape (no cache)."""
+
+    def __init__(self, inner: torch.nn.Module, sample: torch.Tensor) -> None:
+        super().__init__()
+        self.inner = torch.cuda.make_graphed_callables(inner, (sample,))
+
+    def forward(self, x, cache=None, **packed):
+        if cache is not None or packed:
+            raise ValueError("a graphed sublayer takes one unpacked batch without a cache")
+        return self.inner(x)
+
+
+def graph_kda_sublayers(model, batch: int, seq: int) -> int:
+    from k3.layers.kda import KimiDeltaAttention
+
+    count = 0
+    for layer in model.model.layers:
+        if isinstance(layer.self_attn, KimiDeltaAttention):
+            device = layer.self_attn.q_proj.weight.device
+            generator = torch.Generator(device).manual_seed(count)  # leaves the global RNG (the batch) alone
+            sample = torch.randn(batch, seq, model.config.hidden_size, device=device, dtype=torch.bfloat16,
+                                 generator=generator).requires_grad_(True)
+            layer.self_attn = GraphedSublayer(layer.self_attn, sample)
+            count += 1
+    return count
+
+
+def compiled_frames() -> int:
+    """Frames torch.compile has compiled so far in this process (dynamo's counter)."""
+    from torch._dynamo.utils import counters
+    return int(counters["frames"]["ok"])
+
+
 def step_fn(model, ids, is_k3: bool):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
@@ -94,6 +134,7 @@ def step_fn(model, ids, is_k3: bool):
         optimizer.zero_grad(set_to_none=True)
         if is_k3:
             model.update_balancers()
+        return loss.detach()
     return step
 
 
@@ -121,7 +162,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+",
                         default=["peer", "k3-matched", "k3-small"])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--profile", default=None, help="write a kernel table of one k3-small step here")
+    parser.add_argument("--profile", default=None, help="folder for kernel tables of one step per profiled variant")
+    parser.add_argument("--profile-variants", nargs="+", default=["k3-small"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -134,6 +176,9 @@ def main() -> None:
         set_fused_backend("torch" if name.endswith("-unfused") else None)
         ce = next((b for b in ("chunked", "fla") if name.endswith(f"-{b}-ce")), "plain")
         os.environ["K3_LINEAR_CE"] = ce
+        compiled_pays = mlp._compiled_pays
+        if name.endswith("-eager-glu"):
+            mlp._compiled_pays = lambda gate, up: False
         try:
             if name == "peer":
                 model = peer_model(device)
@@ -143,23 +188,31 @@ def main() -> None:
             else:
                 config = k3_matched_config() if name.startswith("k3-matched") else ModelConfig.from_preset("small")
                 model = k3_model(config, device, compile_blocks=name.endswith("compiled"))
+                if name.endswith("-graphed-kda"):
+                    graph_kda_sublayers(model, args.batch, args.seq)
                 flops = k3_train_flops_per_token(config, args.seq)
             vocab = model.config.vocab_size
             ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
             step = step_fn(model, ids, name != "peer")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            step()
+            first_loss = float(step())  # same seed, same init: variants of one model start from the same loss
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
-            ms = time_ms(step, warmup=2, repeats=args.steps)
-            if args.profile and name == "k3-small":
-                profile_step(step, args.profile, f"k3-small training step, B={args.batch} x T={args.seq}, "
-                             f"bf16, on {device_name()}")
+            for _ in range(2):
+                step()
+            frames_before = compiled_frames()
+            ms = time_ms(step, warmup=0, repeats=args.steps)
+            recompiles = compiled_frames() - frames_before
+            if args.profile and name in args.profile_variants:
+                os.makedirs(args.profile, exist_ok=True)
+                profile_step(step, os.path.join(args.profile, f"train_profile_{name}.txt"),
+                             f"{name} training step, B={args.batch} x T={args.seq}, bf16, on {device_name()}")
             tps = tokens / (ms / 1e3)
             params = sum(p.numel() for p in model.parameters())
             results[name] = dict(step_ms=ms, first_step_s=first_s, tokens_per_s=tps, mfu=flops * tps / H200_BF16_PEAK_FLOPS,
-                                 flops_per_token=flops, params=params, peak_gib=peak_memory_gib())
+                                 flops_per_token=flops, params=params, peak_gib=peak_memory_gib(),
+                                 compiles_during_timing=recompiles, first_loss=first_loss)
             print(name, results[name], flush=True)
             write_json(args.out, {"bench": "train", "batch": args.batch, "seq": args.seq, "partial": True,
                                   "results": results})
@@ -170,19 +223,21 @@ def main() -> None:
             set_attn_res_backend(None)
             set_fused_backend(None)
             os.environ.pop("K3_LINEAR_CE", None)
+            mlp._compiled_pays = compiled_pays
             model = None
             torch.cuda.empty_cache()
     base = results.get("peer", {}).get("tokens_per_s")
     rows = []
     for name, r in results.items():
         if "error" in r:
-            rows.append([name, "error", r["error"][:60], "", "", "", ""])
+            rows.append([name, "error", r["error"][:60], "", "", "", "", "", ""])
             continue
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"
         rows.append([name, f"{r['params'] / 1e9:.2f}B", r["step_ms"], r["tokens_per_s"], f"{100 * r['mfu']:.1f}%",
-                     ratio, r["peak_gib"], r["first_step_s"]])
+                     ratio, r["peak_gib"], r["first_step_s"], r["compiles_during_timing"]])
     print_table(f"Training step, B={args.batch} x T={args.seq}, bf16 + fused AdamW, on {device_name()}",
-                ["model", "params", "step ms", "tokens/s", "MFU", "vs peer", "peak GiB", "first step s"], rows)
+                ["model", "params", "step ms", "tokens/s", "MFU", "vs peer", "peak GiB", "first step s",
+                 "compiles while timed"], rows)
     write_json(args.out, {"bench": "train", "batch": args.batch, "seq": args.seq,
                           "env": {k: v for k, v in os.environ.items() if k.startswith("K3_")}, "results": results})
 
