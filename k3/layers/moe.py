@@ -24,7 +24,7 @@ from k3.layers.balancing import QB_MAX_ITERS, QB_TOLERANCE, loss_free_bias, maxv
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import fused
-from k3.ops.moe import count_per_expert, inverse_permutation, run_experts
+from k3.ops.moe import count_per_expert, gather_pairs, inverse_permutation, run_experts, unpermute_rows
 
 
 @dataclass
@@ -117,7 +117,7 @@ class Router(nn.Module):
 
 def unpermute(y_ND: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
     """Rows computed in `order_N` order (y_ND[i] belongs to pair order_N[i]) back in pair order."""
-    return y_ND.index_select(0, inverse_permutation(order_N))
+    return unpermute_rows(y_ND, order_N, inverse_permutation(order_N))
 
 
 def weighted_sum_over_k(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
@@ -155,12 +155,13 @@ class LatentMoE(nn.Module):
         h_TL = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
         ids_N = routing.topk_ids_TK.reshape(-1)
         order_N = ids_N.argsort(stable=True)
-        token_N = order_N // self.top_k
+        # One inverse serves both permutations' forwards and backwards (gathers, no scatter-adds).
+        inverse_N = inverse_permutation(order_N)
         counts_E = count_per_expert(ids_N, self.w1.shape[0])
         w13 = fused(self, "w13")  # w1 and w3 in one buffer when fused at load (k3.layers.fused_weights)
-        y_NL = run_experts(h_TL[token_N], counts_E, self.w1, self.w3, self.w2, self.act, self.betas,
-                           w13.buffer if w13 is not None else None)
-        out_TL = weighted_sum_over_k(unpermute(y_NL, order_N).view(num_tokens, self.top_k, -1),
+        y_NL = run_experts(gather_pairs(h_TL, order_N, self.top_k, inverse_N), counts_E, self.w1, self.w3, self.w2,
+                           self.act, self.betas, w13.buffer if w13 is not None else None)
+        out_TL = weighted_sum_over_k(unpermute_rows(y_NL, order_N, inverse_N).view(num_tokens, self.top_k, -1),
                                      routing.topk_weights_TK)
         if self.latent:
             if self.routed_expert_norm is not None:

@@ -2,7 +2,8 @@
 
 Three interchangeable paths, held equal by tests/ops/test_moe_ops.py:
 - `experts_loop`: a Python loop over experts (CPU, and the oracle);
-- `experts_grouped_mm`: one grouped GEMM per projection (torch._grouped_mm on CUDA);
+- `experts_grouped_mm`: one grouped GEMM per projection (torch._grouped_mm on CUDA), gate and up as one over
+  many rows;
 - `experts_gathered`: each routed pair's expert weights gathered and applied as a batched matmul, for
   torch.compile where the grouped GEMM cannot run (its meta function takes bf16 only): the loop reads its
   counts back to the host, which breaks the graph. It copies N expert weights, so it suits decode-sized N.
@@ -10,6 +11,9 @@ Three interchangeable paths, held equal by tests/ops/test_moe_ops.py:
 meet its 16-byte alignment rule, else the loop (eager) or the gathered path (under torch.compile).
 `count_per_expert` counts routed pairs without a host sync (torch.bincount on CUDA reads the input's min and max
 back to the host), so the grouped path can be captured in a CUDA graph.
+`gather_pairs` and `unpermute_rows` move rows between token order and expert order. Both are permutations (each
+pair row is read exactly once), so their backwards are gathers by the inverse permutation too, deterministic and
+free of the scatter-adds (index_put_ with accumulate, index_add_) that autograd would run for plain indexing.
 
 Shape suffixes: N routed pairs (tokens*top_k), E experts, F expert width, D expert input width.
 """
@@ -44,10 +48,72 @@ def inverse_permutation(index_N: torch.Tensor) -> torch.Tensor:
     return inverse_N
 
 
+class _GatherPairs(torch.autograd.Function):
+    @staticmethod
+    def forward(h_TL: torch.Tensor, order_N: torch.Tensor, top_k: int, inverse_N: torch.Tensor) -> torch.Tensor:
+        return h_TL.index_select(0, order_N // top_k)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        h_TL, _, top_k, inverse_N = inputs
+        ctx.save_for_backward(inverse_N)
+        ctx.top_k, ctx.num_tokens = top_k, h_TL.shape[0]
+
+    @staticmethod
+    def backward(ctx, grad_NL: torch.Tensor):
+        (inverse_N,) = ctx.saved_tensors
+        # Pair t*K + k of token t sits at row inverse_N[t*K + k]: gathering rows back into pair order puts a
+        # token's K copies next to each other, and a sum over K (fp32 accumulation inside torch's reduction
+        # for bf16) replaces the scatter-add over tokens.
+        grad_TKL = grad_NL.index_select(0, inverse_N).view(ctx.num_tokens, ctx.top_k, grad_NL.shape[-1])
+        return grad_TKL.sum(1), None, None, None
+
+
+class _UnpermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(y_NL: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Tensor) -> torch.Tensor:
+        return y_NL.index_select(0, inverse_N)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(inputs[1])
+
+    @staticmethod
+    def backward(ctx, grad_NL: torch.Tensor):
+        (order_N,) = ctx.saved_tensors
+        return grad_NL.index_select(0, order_N), None, None  # inverse_N[order_N[i]] == i
+
+
+def gather_pairs(h_TL: torch.Tensor, order_N: torch.Tensor, top_k: int, inverse_N: torch.Tensor) -> torch.Tensor:
+    """Token rows h_TL [T, L] copied into expert order: row i of the result [N, L] (N = T*top_k) is token
+    order_N[i] // top_k, for order_N a permutation of the pairs (t*top_k + k) and inverse_N its inverse
+    (inverse_permutation(order_N)). Equals h_TL[order_N // top_k]; the backward is a gather and a sum over k."""
+    return _GatherPairs.apply(h_TL, order_N, top_k, inverse_N)
+
+
+def unpermute_rows(y_NL: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.Tensor) -> torch.Tensor:
+    """Rows computed in `order_N` order (y_NL[i] belongs to pair order_N[i]) back in pair order [N, L]:
+    equals y_NL[inverse_N]; the backward is the gather grad[order_N]."""
+    return _UnpermuteRows.apply(y_NL, order_N, inverse_N)
+
+
 def count_per_expert(ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Routed pairs per expert [E] (int64) from expert ids [N], computed on the device with no host sync."""
     return torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(
         0, ids_N.reshape(-1), torch.ones_like(ids_N.reshape(-1), dtype=torch.int64))
+
+
+# From this many routed rows the grouped path runs gate and up as one grouped GEMM over w1 and w3 concatenated
+# on the fly [E, 2F, D]: the copy is noise next to a GEMM over many rows, and the backward runs one dgrad GEMM
+# instead of two and an add. Decode-sized batches keep the two GEMMs (a per-step weight copy would triple the
+# bytes a memory-bound step reads) unless the weights were fused into one buffer at load (w13_E2FD). The same
+# rule as FUSED_PROJECTION_MIN_TOKENS in k3.layers.kda.
+GATE_UP_CONCAT_MIN_ROWS = 64
+
+
+def concatenates_gate_and_up(num_rows: int) -> bool:
+    """Whether the grouped path, given separate w1 and w3, concatenates them for one gate-and-up GEMM."""
+    return num_rows >= GATE_UP_CONCAT_MIN_ROWS
 
 
 def experts_grouped_mm(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
@@ -56,9 +122,13 @@ def experts_grouped_mm(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch
     """x_ND sorted by expert, counts_E [E] (int, on x's device) -> [N, D]; one grouped GEMM per projection.
     Group ends are int32 offsets (what torch._grouped_mm takes); the weights enter as transposed views, which
     the kernel reads as column-major operands without a copy. w13_E2FD: w1 and w3 in one buffer [E, 2F, D]
-    (k3.layers.fused_weights), then gate and up come from one grouped GEMM."""
+    (k3.layers.fused_weights), then gate and up come from one grouped GEMM; without it, so do they from
+    GATE_UP_CONCAT_MIN_ROWS rows on, over w1 and w3 concatenated per call."""
     offsets_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
     dtype = x_ND.dtype
+    if w13_E2FD is None and concatenates_gate_and_up(x_ND.shape[0]):
+        # Cast before concatenating: a bf16 step over fp32 weights copies bf16 bytes once.
+        w13_E2FD = torch.cat([w1_EFD.to(dtype), w3_EFD.to(dtype)], dim=1)
     if w13_E2FD is not None:
         gate_NF, up_NF = torch._grouped_mm(x_ND, w13_E2FD.to(dtype).transpose(1, 2), offs=offsets_E).chunk(2, -1)
     else:
