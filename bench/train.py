@@ -27,6 +27,7 @@ for each variant named in --profile-variants (default k3-small).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 import traceback
@@ -154,6 +155,42 @@ def profile_step(step, path: str, title: str) -> None:
     print(f"profile written to {path}", flush=True)
 
 
+@contextlib.contextmanager
+def variant_settings(name: str):
+    """The process-wide switches a variant's suffix asks for, reset on exit."""
+    set_attn_res_backend("eager" if name.endswith("-eager-attnres") else None)
+    set_fused_backend("torch" if name.endswith("-unfused") else None)
+    os.environ["K3_LINEAR_CE"] = next((b for b in ("chunked", "fla") if name.endswith(f"-{b}-ce")), "plain")
+    compiled_pays = mlp._compiled_pays
+    if name.endswith("-eager-glu"):
+        mlp._compiled_pays = lambda gate, up: False
+    try:
+        yield
+    finally:
+        set_attn_res_backend(None)
+        set_fused_backend(None)
+        os.environ.pop("K3_LINEAR_CE", None)
+        mlp._compiled_pays = compiled_pays
+
+
+def build_variant(name: str, batch: int, seq: int, device):
+    """(model, its training step, model FLOPs per token), seeded so every variant of a model starts equal."""
+    torch.manual_seed(0)
+    if name == "peer":
+        model = peer_model(device)
+        c = model.config
+        flops = hf_train_flops_per_token(model, seq, 2, 8, 128, 128, 10, 8, 128,
+                                         c.num_local_experts, c.num_experts_per_tok)
+    else:
+        config = k3_matched_config() if name.startswith("k3-matched") else ModelConfig.from_preset("small")
+        model = k3_model(config, device, compile_blocks=name.endswith("compiled"))
+        if name.endswith("-graphed-kda"):
+            graph_kda_sublayers(model, batch, seq)
+        flops = k3_train_flops_per_token(config, seq)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
+    return model, step_fn(model, ids, name != "peer"), flops
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=4)
@@ -170,44 +207,21 @@ def main() -> None:
     tokens = args.batch * args.seq
     results = {}
     for name in args.variants:
-        torch.manual_seed(0)
         reset_peak_memory()
-        set_attn_res_backend("eager" if name.endswith("-eager-attnres") else None)
-        set_fused_backend("torch" if name.endswith("-unfused") else None)
-        ce = next((b for b in ("chunked", "fla") if name.endswith(f"-{b}-ce")), "plain")
-        os.environ["K3_LINEAR_CE"] = ce
-        compiled_pays = mlp._compiled_pays
-        if name.endswith("-eager-glu"):
-            mlp._compiled_pays = lambda gate, up: False
+        model = None
         try:
-            if name == "peer":
-                model = peer_model(device)
-                c = model.config
-                flops = hf_train_flops_per_token(model, args.seq, 2, 8, 128, 128, 10, 8, 128,
-                                                 c.num_local_experts, c.num_experts_per_tok)
-            else:
-                config = k3_matched_config() if name.startswith("k3-matched") else ModelConfig.from_preset("small")
-                model = k3_model(config, device, compile_blocks=name.endswith("compiled"))
-                if name.endswith("-graphed-kda"):
-                    graph_kda_sublayers(model, args.batch, args.seq)
-                flops = k3_train_flops_per_token(config, args.seq)
-            vocab = model.config.vocab_size
-            ids = torch.randint(0, vocab, (args.batch, args.seq), device=device)
-            step = step_fn(model, ids, name != "peer")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            first_loss = float(step())  # same seed, same init: variants of one model start from the same loss
-            torch.cuda.synchronize()
-            first_s = time.perf_counter() - t0
-            for _ in range(2):
-                step()
-            frames_before = compiled_frames()
-            ms = time_ms(step, warmup=0, repeats=args.steps)
-            recompiles = compiled_frames() - frames_before
-            if args.profile and name in args.profile_variants:
-                os.makedirs(args.profile, exist_ok=True)
-                profile_step(step, os.path.join(args.profile, f"train_profile_{name}.txt"),
-                             f"{name} training step, B={args.batch} x T={args.seq}, bf16, on {device_name()}")
+            with variant_settings(name):
+                model, step, flops = build_variant(name, args.batch, args.seq, device)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                first_loss = float(step())  # same seed, same init: variants of one model start from the same loss
+                torch.cuda.synchronize()
+                first_s = time.perf_counter() - t0
+                for _ in range(2):
+                    step()
+                frames_before = compiled_frames()
+                ms = time_ms(step, warmup=0, repeats=args.steps)
+                recompiles = compiled_frames() - frames_before
             tps = tokens / (ms / 1e3)
             params = sum(p.numel() for p in model.parameters())
             results[name] = dict(step_ms=ms, first_step_s=first_s, tokens_per_s=tps, mfu=flops * tps / H200_BF16_PEAK_FLOPS,
@@ -220,12 +234,23 @@ def main() -> None:
             traceback.print_exc()
             results[name] = dict(error=f"{type(exc).__name__}: {exc}"[:300])
         finally:
-            set_attn_res_backend(None)
-            set_fused_backend(None)
-            os.environ.pop("K3_LINEAR_CE", None)
-            mlp._compiled_pays = compiled_pays
-            model = None
+            model = step = None
             torch.cuda.empty_cache()
+    # Profiles come after every timing. On one H200, k3-small timed after another variant's profile took 420 ms
+    # a step; the same code timed with no profile before it took 279-293 ms (each variant timed after a profile
+    # was slower, by far more than other runs differ by).
+    for name in args.variants if args.profile else []:
+        if name not in args.profile_variants or "error" in results.get(name, {}):
+            continue
+        with variant_settings(name):
+            model, step, _ = build_variant(name, args.batch, args.seq, device)
+            for _ in range(3):
+                step()
+            os.makedirs(args.profile, exist_ok=True)
+            profile_step(step, os.path.join(args.profile, f"train_profile_{name}.txt"),
+                         f"{name} training step, B={args.batch} x T={args.seq}, bf16, on {device_name()}")
+        model = step = None
+        torch.cuda.empty_cache()
     base = results.get("peer", {}).get("tokens_per_s")
     rows = []
     for name, r in results.items():
