@@ -237,8 +237,8 @@ def main() -> None:
             model = step = None
             torch.cuda.empty_cache()
     # Profiles come after every timing. On one H200, k3-small timed after another variant's profile took 420 ms
-    # a step; the same code timed with no profile before it took 279-293 ms (each variant timed after a profile
-    # was slower, by far more than other runs differ by).
+    # a step; the same code timed with no profile before it took 279-293 ms. The GPU-bound k3-matched was not
+    # slowed, so the profiler seems to leave host overhead behind, which a host-bound step feels.
     for name in args.variants if args.profile else []:
         if name not in args.profile_variants or "error" in results.get(name, {}):
             continue
