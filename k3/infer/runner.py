@@ -12,7 +12,8 @@ returns next-token logits. It decides nothing.
   PyTorch twin; tests hold the two equal.
 - With compile_decode (K3_COMPILE_DECODE=1; default off) decode forwards, captured graphs included, run
   through torch.compile as one graph (k3.infer.cuda_graph): inductor fuses the elementwise kernels between
-  the GEMMs and fla kernels. The first decode batch of each new shape compiles (the capture's warm-up).
+  the GEMMs and fla kernels. Batch rows, page-table width and pool sizes are marked dynamic, so an engine
+  compiles twice (a batch of one row, and any larger batch) during its first decodes or graph captures.
 """
 
 from __future__ import annotations
@@ -32,12 +33,28 @@ def decode_logits(model, ids: torch.Tensor, cache: BatchCache) -> torch.Tensor:
     return model.lm_head(model.model(ids, cache)[:, -1])
 
 
+# Batch size and page-table width marked dynamic before the first compile. Left to dynamo's automatic dynamic,
+# each new batch size or table width compiled once more until it went symbolic: four compiles of `small` (batch
+# 1 and 2+, width 1 and 2+; about a minute each on one H200) before an engine served its first batches, more
+# for a second engine of another context length. Sizes 0 and 1 always get their own graph, so tables are at
+# least MIN_TABLE_PAGES wide: a batch of one row and a batch of several are the only two compiles.
+MIN_TABLE_PAGES = 2
+
+
 @functools.lru_cache(maxsize=1)
 def compiled_decode_logits():
-    """decode_logits through torch.compile, one graph (fullgraph). Shapes are left to dynamo's automatic
-    dynamic: the first batch size compiles static, the second one compiles a graph over any batch size (and
-    page-table width), so capturing every graph batch size costs two compiles, not one per size."""
+    """decode_logits through torch.compile, one graph (fullgraph); see mark_decode_shapes_dynamic."""
     return torch.compile(decode_logits, fullgraph=True)
+
+
+def mark_decode_shapes_dynamic(pool: CachePool, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                               table: torch.Tensor) -> None:
+    """Tell dynamo what varies between decode batches (the rows, the page table's width) and between engines
+    (the pool's slot and page counts). A hint: a size it must specialise stays static."""
+    for tensor, dim in ((ids, 0), (slots, 0), (positions, 0), (table, 0), (table, 1), (pool.kda_state, 1),
+                        (pool.kda_tails, 2), (pool.latent, 1), (pool.k_rope, 1)):
+        if tensor.shape[dim] > 1:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
 class ModelRunner:
@@ -102,9 +119,11 @@ class ModelRunner:
             return self._decode_graph(seqs)
         # Page tables rounded up to a power of two pages: fewer distinct shapes, same result (masked slots).
         longest = max(pages_for(s.num_cached + 1, self.pool.page_size) for s in seqs)
-        table_pages = min(1 << (longest - 1).bit_length(), self.max_pages_per_seq)
+        table_pages = min(max(1 << (longest - 1).bit_length(), MIN_TABLE_PAGES), self.max_pages_per_seq)
         ids, slots, positions, table = (t.to(self.device) for t in self._decode_inputs(seqs, len(seqs),
                                                                                         table_pages))
+        if self.compile_decode:
+            mark_decode_shapes_dynamic(self.pool, ids, slots, positions, table)
         cache = BatchCache(self.pool, slots, table, positions, mask_rows=True)
         return self._decode_fn(self.model, ids, cache)
 
@@ -139,6 +158,8 @@ class _DecodeGraph:
         self.slots = torch.full((rows,), SCRATCH, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.table = torch.full((rows, runner.max_pages_per_seq), SCRATCH, dtype=torch.long, device=device)
+        if runner.compile_decode:
+            mark_decode_shapes_dynamic(runner.pool, self.ids, self.slots, self.positions, self.table)
         cache = BatchCache(runner.pool, self.slots, self.table, self.positions, mask_rows=True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

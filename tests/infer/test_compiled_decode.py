@@ -223,3 +223,28 @@ def test_bench_decode_compile_runs_on_cpu(model, monkeypatch):
     assert result["graph_step_ms"] > 0 and result["compiled_graph_step_ms"] > 0
     assert result["compiled_graph_vs_eager_max_abs_diff"] < 1e-4 and result["compiled_graph_vs_eager_rel_err"] < 1e-5
     assert result["graph_vs_eager_max_abs_diff"] == 0.0 and result["compiled_graph_vs_eager_argmax_agree"] == 1.0
+
+
+def test_engine_compiles_its_decode_forward_twice_for_every_batch_size_and_context(model, monkeypatch):
+    """The engine's compiled decode forward with the runner's compile options: one graph for a batch of one, one
+    for every larger batch, over growing contexts (page tables of 1, 2, 4 and 8 pages) and a second engine of
+    another context length, where dynamo's automatic dynamic compiled four times or more."""
+    import torch._dynamo.testing
+
+    from k3.infer import runner as runner_module
+    from k3.infer.engine import Engine
+    from k3.infer.sampling import SamplingParams
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounter()  # dynamo's tracing and guards alone, no code generation
+    counted = torch.compile(runner_module.decode_logits, backend=counter, fullgraph=True)
+    monkeypatch.setattr(runner_module, "compiled_decode_logits", lambda: counted)
+    monkeypatch.setenv("K3_COMPILE_DECODE", "1")
+    params = SamplingParams(max_new_tokens=5, temperature=0)
+    for max_context in (64, 48):
+        engine = Engine(model, max_context=max_context, max_batch=8, prefix_cache=False, page_size=4)
+        assert engine.runner.compile_decode
+        for rows, prompt in [(1, 2), (2, 3), (3, 9), (1, 20), (5, 30), (8, 4)]:
+            prompts = [[(5 * r + j) % 50 + 3 for j in range(prompt + r)] for r in range(rows)]
+            assert all(len(t) == 5 for t in engine.generate_ids(prompts, params))
+    assert counter.frame_count == 2
