@@ -37,12 +37,14 @@ def test_count_per_expert_equals_bincount():
     assert torch.equal(count_per_expert(ids, 12), torch.bincount(ids.reshape(-1), minlength=12))
 
 
-def test_gate_and_up_concatenate_only_for_many_rows():
-    assert concatenates_gate_and_up(GATE_UP_CONCAT_MIN_ROWS)
-    assert concatenates_gate_and_up(16384 * 6)
-    # Decode-sized batches read the weights once instead of copying them.
-    assert not concatenates_gate_and_up(GATE_UP_CONCAT_MIN_ROWS - 1)
-    assert not concatenates_gate_and_up(8 * 6)
+def test_gate_and_up_concatenate_only_in_training_over_many_rows():
+    assert concatenates_gate_and_up(GATE_UP_CONCAT_MIN_ROWS, training=True)
+    assert concatenates_gate_and_up(16384 * 6, training=True)
+    assert not concatenates_gate_and_up(GATE_UP_CONCAT_MIN_ROWS - 1, training=True)
+    # Inference reads each expert's weights once instead of copying them, at any batch (decode at batch 64:
+    # 384 routed rows).
+    assert not concatenates_gate_and_up(64 * 6, training=False)
+    assert not concatenates_gate_and_up(16384 * 6, training=False)
 
 
 @pytest.mark.parametrize("device,dtype,tol", [
@@ -57,7 +59,7 @@ def test_concatenated_gate_up_equals_two_grouped_gemms(monkeypatch, device, dtyp
     e, f, d = 8, 64, 32
     counts = torch.tensor([20, 0, 17, 3, 29, 1, 30, 0], device=device)
     n = int(counts.sum())
-    assert concatenates_gate_and_up(n)
+    assert concatenates_gate_and_up(n, training=True)
     x = torch.randn(n, d, device=device, generator=gen, dtype=dtype)
     w1, w3 = (torch.randn(e, f, d, device=device, generator=gen, dtype=dtype) * 0.1 for _ in range(2))
     w2 = torch.randn(e, d, f, device=device, generator=gen, dtype=dtype) * 0.1
