@@ -43,18 +43,23 @@ MIN_TABLE_PAGES = 2
 
 @functools.lru_cache(maxsize=1)
 def compiled_decode_logits():
-    """decode_logits through torch.compile, one graph (fullgraph); see mark_decode_shapes_dynamic."""
+    """decode_logits through torch.compile, one graph (fullgraph); the runner marks batch shapes and pool sizes
+    dynamic (mark_dims_dynamic)."""
     return torch.compile(decode_logits, fullgraph=True)
 
 
-def mark_decode_shapes_dynamic(pool: CachePool, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                               table: torch.Tensor) -> None:
-    """Tell dynamo what varies between decode batches (the rows, the page table's width) and between engines
-    (the pool's slot and page counts). A hint: a size it must specialise stays static."""
-    for tensor, dim in ((ids, 0), (slots, 0), (positions, 0), (table, 0), (table, 1), (pool.kda_state, 1),
-                        (pool.kda_tails, 2), (pool.latent, 1), (pool.k_rope, 1)):
+def mark_dims_dynamic(*tensor_dims: tuple[torch.Tensor, int]) -> None:
+    """Tell dynamo that these (tensor, dim) sizes vary between calls. A hint: a size of 0 or 1, or one it must
+    specialise, stays static."""
+    for tensor, dim in tensor_dims:
         if tensor.shape[dim] > 1:
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
+def mark_decode_shapes_dynamic(ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                               table: torch.Tensor) -> None:
+    """What varies between decode batches: the rows and the page table's width."""
+    mark_dims_dynamic((ids, 0), (slots, 0), (positions, 0), (table, 0), (table, 1))
 
 
 class ModelRunner:
@@ -73,6 +78,9 @@ class ModelRunner:
         self.graphs: dict[int, _DecodeGraph] = {}
         self._graph_pool = None
         self.compile_decode = compile_decode_from_env() if compile_decode is None else compile_decode
+        if self.compile_decode:
+            # What varies between engines: the pool's slot and page counts (marked once, the pool lives on).
+            mark_dims_dynamic((pool.kda_state, 1), (pool.kda_tails, 2), (pool.latent, 1), (pool.k_rope, 1))
         self._decode_fn = compiled_decode_logits() if self.compile_decode else decode_logits
 
     # --- eager paths --------------------------------------------------------------------------------
@@ -123,7 +131,7 @@ class ModelRunner:
         ids, slots, positions, table = (t.to(self.device) for t in self._decode_inputs(seqs, len(seqs),
                                                                                         table_pages))
         if self.compile_decode:
-            mark_decode_shapes_dynamic(self.pool, ids, slots, positions, table)
+            mark_decode_shapes_dynamic(ids, slots, positions, table)
         cache = BatchCache(self.pool, slots, table, positions, mask_rows=True)
         return self._decode_fn(self.model, ids, cache)
 
@@ -159,7 +167,7 @@ class _DecodeGraph:
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.table = torch.full((rows, runner.max_pages_per_seq), SCRATCH, dtype=torch.long, device=device)
         if runner.compile_decode:
-            mark_decode_shapes_dynamic(runner.pool, self.ids, self.slots, self.positions, self.table)
+            mark_decode_shapes_dynamic(self.ids, self.slots, self.positions, self.table)
         cache = BatchCache(runner.pool, self.slots, self.table, self.positions, mask_rows=True)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
