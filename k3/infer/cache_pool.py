@@ -12,8 +12,9 @@ Slot 0 and page 0 are scratch: padded rows of a CUDA-graph batch read and write 
 pages never see them.
 
 `BatchCache` is the view a forward takes: `cache[i]` is layer i's adapter with the interface the layers
-already use with HybridCache (KDA: `state`, `conv_tails`, `update`; MLA: `length`, `append`,
-`visible_mask`). It gathers the rows' slots and pages, and scatters what the layer writes back into the pool.
+already use with HybridCache (KDA: `state`, `conv_tails`, `update`, and `state_in_place` / `update_conv_tails`
+for decode; MLA: `length`, `append`, `visible_mask`). It gathers the rows' slots and pages, and scatters what
+the layer writes back into the pool (a decode step's KDA states are advanced in the pool itself).
 """
 
 from __future__ import annotations
@@ -129,7 +130,9 @@ class CachePool:
 
 
 class KDAView:
-    """Layer adapter: the rows' slots gathered on read, scattered back on update."""
+    """Layer adapter: the rows' slots gathered on read, scattered back on update. Decode advances the states
+    where they lie instead (`state_in_place`), which reads and writes each state once where a gather, a new
+    state and a scatter move it six times."""
 
     def __init__(self, pool: CachePool, layer: int, slots: torch.Tensor) -> None:
         self.pool, self.n, self.slots = pool, pool.kda_index[layer], slots
@@ -142,8 +145,16 @@ class KDAView:
     def conv_tails(self) -> tuple[torch.Tensor, ...]:  # 3 x [B, W-1, C]
         return tuple(self.pool.kda_tails[self.n, j].index_select(0, self.slots) for j in range(3))
 
+    def state_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's state pool [num_slots + 1, H, dk, dv] fp32, the rows' slots [B]) for
+        k3.ops.kda.fused_recurrent_kda_inplace; padded rows name the scratch slot."""
+        return self.pool.kda_state[self.n], self.slots
+
     def update(self, state: torch.Tensor, tails: tuple[torch.Tensor, ...]) -> None:
         self.pool.kda_state[self.n].index_copy_(0, self.slots, state.to(torch.float32))
+        self.update_conv_tails(tails)
+
+    def update_conv_tails(self, tails: tuple[torch.Tensor, ...]) -> None:
         for j, tail in enumerate(tails):
             self.pool.kda_tails[self.n, j].index_copy_(0, self.slots, tail.to(self.pool.dtype))
 

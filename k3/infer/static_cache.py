@@ -1,9 +1,11 @@
 """A preallocated (static) decode cache for K3 models, for one-token steps captured as CUDA graphs.
 
 It keeps the interface the layers already use with HybridCache (per-layer slots; KDA: `state`, `conv_tails`,
-`update`; MLA: `length`, `append`), but every tensor lives at a fixed address for the cache's lifetime:
+`update`, and `state_in_place` / `update_conv_tails` for decode; MLA: `length`, `append`), but every tensor
+lives at a fixed address for the cache's lifetime:
 
-- KDA slot: the fp32 recurrent state [B, H, dk, dv] and three conv tails [B, W-1, H*dk], overwritten in place;
+- KDA slot: the fp32 recurrent state [B, H, dk, dv] (advanced in place by the decode kernel) and three conv tails
+  [B, W-1, H*dk], overwritten in place;
 - MLA slot: latent [B, capacity, kv_lora_rank] and k_rope [B, capacity, qk_rope_head_dim] buffers, written at the
   device-side position, plus `visible_mask` [T, capacity] telling attention which slots are filled.
 
@@ -24,7 +26,8 @@ from k3.config import ModelConfig
 
 
 class StaticKDASlot:
-    """KDA state and conv tails at fixed addresses; `update` copies into them."""
+    """KDA state and conv tails at fixed addresses; `update` copies into them, and decode advances the state
+    in its own buffer (`state_in_place`: row i is slot i) without the copy."""
 
     def __init__(self, config: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
         heads, dim = config.kda_num_heads, config.kda_head_dim
@@ -32,9 +35,19 @@ class StaticKDASlot:
         self.state = torch.zeros(batch_size, heads, dim, dim, dtype=torch.float32, device=device)
         self.conv_tails = tuple(torch.zeros(batch_size, config.kda_conv_kernel - 1, width, dtype=dtype,
                                             device=device) for _ in range(3))
+        # Made once: a CUDA graph captures its address, and a step allocates nothing.
+        self.rows = torch.arange(batch_size, device=device)
+
+    def state_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the state buffer [B, H, dk, dv] fp32 as the pool, rows [B] = 0..B-1) for
+        k3.ops.kda.fused_recurrent_kda_inplace."""
+        return self.state, self.rows
 
     def update(self, state: torch.Tensor, tails: tuple[torch.Tensor, ...]) -> None:
         self.state.copy_(state)
+        self.update_conv_tails(tails)
+
+    def update_conv_tails(self, tails: tuple[torch.Tensor, ...]) -> None:
         for buffer, tail in zip(self.conv_tails, tails):
             buffer.copy_(tail)
 

@@ -16,7 +16,7 @@ from k3.config import ModelConfig
 from k3.layers.conv import ShortConv
 from k3.layers.norm import GatedRMSNorm
 from k3.layers.fused_weights import fused, linear_group
-from k3.ops.kda import chunk_kda, fused_recurrent_kda
+from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
 from k3.ops.short_conv import short_conv
 
 # Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.
@@ -96,13 +96,23 @@ class KimiDeltaAttention(nn.Module):
         # The decay gate, beta's sigmoid and the q/k L2 norm run inside the KDA op (fused into fla's kernels on
         # CUDA; the PyTorch twin applies the same formulas), so only the raw projections are formed here.
         raw_gate = self.f_b_proj(f_a).view(shape)
-        state = cache.state if cache is not None else None
-        kernel = fused_recurrent_kda if (cache is not None and length <= RECURRENT_MAX_TOKENS) else chunk_kda
-        o, new_state = kernel(q.view(shape), k.view(shape), v.view(shape), raw_gate, beta_logits,
-                              initial_state=state, output_final_state=cache is not None,
-                              use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **self.gate_kwargs())
-        if cache is not None:
-            cache.update(new_state, new_tails)
+        recurrent = cache is not None and length <= RECURRENT_MAX_TOKENS
+        if recurrent and hasattr(cache, "state_in_place"):
+            # The engine's pool and the static cache hold the states at fixed places: the kernel advances them
+            # there, with no gathered copy going in and no new state to copy back.
+            state_pool, state_indices = cache.state_in_place()
+            o = fused_recurrent_kda_inplace(q.view(shape), k.view(shape), v.view(shape), raw_gate, beta_logits,
+                                            state_pool, state_indices, use_qk_l2norm_in_kernel=True,
+                                            **self.gate_kwargs())
+            cache.update_conv_tails(new_tails)
+        else:
+            state = cache.state if cache is not None else None
+            kernel = fused_recurrent_kda if recurrent else chunk_kda
+            o, new_state = kernel(q.view(shape), k.view(shape), v.view(shape), raw_gate, beta_logits,
+                                  initial_state=state, output_final_state=cache is not None,
+                                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **self.gate_kwargs())
+            if cache is not None:
+                cache.update(new_state, new_tails)
         gate = g_in if hasattr(self, "g_proj") else self.g_b_proj(g_in)
         o = self.o_norm(o.to(x.dtype), gate.view(shape))
         return self.o_proj(o.reshape(batch, length, -1))

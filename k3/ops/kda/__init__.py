@@ -1,5 +1,8 @@
 """Kimi Delta Attention (KDA) ops with fla's calling convention, dispatched to fla on CUDA or to PyTorch.
 
+Decode over a pool of state slots: `fused_recurrent_kda_inplace` advances pool[indices[i]] where it lies
+(k3/ops/kda/inplace.py).
+
 Backend choice: `set_kda_backend(name)` if called (None resets), else the env var K3_KDA_BACKEND, else "auto".
   auto  - fla's Triton kernels for CUDA tensors when `fla.ops.kda` imports, the PyTorch paths otherwise;
   torch - always the PyTorch paths (k3/ops/kda/chunk.py, recurrent.py);
@@ -9,19 +12,23 @@ Backend choice: `set_kda_backend(name)` if called (None resets), else the env va
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
 
 from k3.ops.fused_backend import opaque_under_compile
 from k3.ops.kda.chunk import chunk_kda_torch
+from k3.ops.kda.inplace import (check_state_pool, find_fla_inplace_fwd, fused_recurrent_kda_inplace_fla,
+                                fused_recurrent_kda_inplace_torch)
 from k3.ops.kda.naive import naive_recurrent_kda
 from k3.ops.kda.recurrent import fused_recurrent_kda_torch
-from k3.ops.kda.utils import kda_gate
+from k3.ops.kda.utils import check_inputs, kda_gate
 
 __all__ = [
     "chunk_kda",
     "fused_recurrent_kda",
+    "fused_recurrent_kda_inplace",
     "naive_recurrent_kda",
     "kda_gate",
     "set_kda_backend",
@@ -34,19 +41,28 @@ _override: str | None = None
 
 
 @functools.lru_cache(maxsize=1)
-def _load_fla() -> tuple[object, object] | str:
-    """fla's (chunk_kda, fused_recurrent_kda), or the import error as text. Imported once, lazily (pulls triton)."""
+def _load_fla() -> tuple[object, object, object | None] | str:
+    """fla's (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd or None where it has no in-place mode), or
+    the import error as text. Imported once, lazily (pulls triton); one cache, so that whatever replaces fla
+    (tests' CPU stand-ins) replaces all three together."""
     try:
-        from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_recurrent
+        fla_kda = importlib.import_module("fla.ops.kda")
+        fla_chunk, fla_recurrent = fla_kda.chunk_kda, fla_kda.fused_recurrent_kda
     except Exception as exc:  # a broken triton install raises more than ImportError
         return f"{type(exc).__name__}: {exc}"
-    return fla_chunk, fla_recurrent
+    inplace = find_fla_inplace_fwd(fla_kda)
+    return fla_chunk, fla_recurrent, None if isinstance(inplace, str) else inplace
 
 
 @torch.compiler.assume_constant_result
 def _fla_available() -> bool:
     """A constant to torch.compile: traced, the import would break the graph wherever fla is missing."""
     return not isinstance(_load_fla(), str)
+
+
+@torch.compiler.assume_constant_result
+def _fla_inplace_available() -> bool:
+    return _fla_available() and _load_fla()[2] is not None
 
 
 def _check_name(name: str, source: str) -> str:
@@ -228,3 +244,76 @@ def fla_fused_recurrent_kda_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 @fla_fused_recurrent_kda_op.register_fake
 def _(q, k, v, g, beta, scale, initial_state, output_final_state, *rest):
     return _fla_op_fake(v.dtype, q, k, v, rest[-1], output_final_state)  # fla: o = zeros_like(v)
+
+
+def fused_recurrent_kda_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_indices: torch.Tensor,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
+    lower_bound: float | None = None,
+    safe_gate: bool = False,
+) -> torch.Tensor:
+    """Decode KDA whose states stay in a pool: row i starts from state_pool[state_indices[i]] and its final
+    state is written back there, in place; slots no row names are untouched. Inference only (no autograd).
+
+    q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]; state_pool: fp32 [S, H, K, V], each slot a
+    contiguous [H, K, V] block; state_indices: int32/int64 [B], distinct, each in [0, S) (fla does not check:
+    an index outside the pool makes its kernel read and write outside it; the PyTorch twin raises).
+    Options as in fused_recurrent_kda (safe_gate only steers fla's chunked kernel and is accepted for drop-in
+    use). Returns o [B, T, H, V] in v's dtype. On CUDA with fla: one kernel reading and writing each state once
+    (for T > 1 fla stores the state after every token, into the same slot).
+    """
+    check_inputs(q, k, v, g, beta, None, None)
+    check_state_pool(q, v, state_pool, state_indices)
+    options = dict(use_gate_in_kernel=use_gate_in_kernel, A_log=A_log, dt_bias=dt_bias,
+                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound)
+    if not _use_fla(q):
+        return fused_recurrent_kda_inplace_torch(q, k, v, g, beta, state_pool, state_indices, scale,
+                                                 use_qk_l2norm_in_kernel, **options)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias)):
+        raise RuntimeError("fused_recurrent_kda_inplace has no backward on fla's kernel; train through "
+                           "fused_recurrent_kda / chunk_kda (HybridCache), or run decode under torch.no_grad()")
+    if not _fla_inplace_available():
+        # An fla without the in-place launcher: its out-of-place kernel between a gather and a scatter.
+        rows = state_indices.long()  # index_copy_ takes int64 only
+        o, final = fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state_pool.index_select(0, rows),
+                                       output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                       safe_gate=safe_gate, **options)
+        state_pool.index_copy_(0, rows, final)
+        return o
+    if opaque_under_compile(q, k, v, g, beta, state_pool, A_log, dt_bias):
+        return fla_fused_recurrent_kda_inplace_op(q, k, v, g, beta, state_pool, state_indices, scale,
+                                                  use_qk_l2norm_in_kernel, **options)
+    return fused_recurrent_kda_inplace_fla(_load_fla()[2], q, k, v, g, beta, state_pool, state_indices, scale,
+                                           use_qk_l2norm_in_kernel, **options)
+
+
+# The in-place kernel as a custom op for torch.compile: opaque to dynamo like the ops above, and declared to
+# write state_pool so that functionalisation orders the pool's readers after it (Inductor then hands the pool
+# itself to the op, a view of the cache's buffer included, instead of a copy).
+@torch.library.custom_op("k3::fla_fused_recurrent_kda_inplace", mutates_args=("state_pool",))
+def fla_fused_recurrent_kda_inplace_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                       beta: torch.Tensor, state_pool: torch.Tensor, state_indices: torch.Tensor,
+                                       scale: float | None, use_qk_l2norm_in_kernel: bool,
+                                       use_gate_in_kernel: bool, A_log: torch.Tensor | None,
+                                       dt_bias: torch.Tensor | None, use_beta_sigmoid_in_kernel: bool,
+                                       lower_bound: float | None) -> torch.Tensor:
+    return fused_recurrent_kda_inplace_fla(_load_fla()[2], q, k, v, g, beta, state_pool, state_indices, scale,
+                                           use_qk_l2norm_in_kernel, use_gate_in_kernel, A_log, dt_bias,
+                                           use_beta_sigmoid_in_kernel, lower_bound)
+
+
+@fla_fused_recurrent_kda_inplace_op.register_fake
+def _(q, k, v, *rest):
+    return v.new_empty(v.shape)  # fla: o = zeros_like(v) of a contiguous v
