@@ -24,6 +24,7 @@ same run) and the graph step's ratio to it; cache bytes per sequence against con
 from __future__ import annotations
 
 import argparse
+import os
 import time
 import traceback
 
@@ -46,10 +47,6 @@ def prefill(model, ids: torch.Tensor, chunk_rows: int = 8):
     hidden = model.model(ids, cache)
     cache.seen_tokens += ids.shape[1]
     return cache, model.lm_head(hidden[:, -1])
-
-
-# The captured decode steps bench_k3 can time, as named in its results: the graph always, the rest by flags.
-VARIANTS = ("graph", "compiled_graph", "fused_graph", "fused_compiled_graph")
 
 
 def synthetic_static(config: ModelConfig, batch: int, filled: int, capacity: int, device) -> StaticCache:
@@ -99,7 +96,7 @@ def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
 
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,
              bandwidth: float | None = None, compile: bool = False, profile_dir: str | None = None,
-             label: str = "k3", fuse: bool = False) -> dict:
+             label: str = "k3", fuse: bool = False, moe_backends: list[str] | None = None) -> dict:
     reset_peak_memory()
     ids = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
     synchronize()
@@ -129,23 +126,37 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
     result = dict(prefill_s=prefill_s, eager_step_ms=eager_ms)
     # Each variant with separate projection weights, then with them fused into one buffer per group (what the
     # engine runs for frozen models: k3.layers.fused_weights); the model is left unfused for the next case.
-    variants = [("graph", False, False)] + ([("compiled_graph", True, False)] if compile else [])
+    # With --moe-backends (an A/B of the fused step) the unfused step is not compiled: each compile is a minute.
+    compile_unfused = compile and not moe_backends
+    variants = [("graph", False, False, None)] + ([("compiled_graph", True, False, None)] if compile_unfused else [])
     if fuse:
-        variants += [("fused_graph", False, True)] + ([("fused_compiled_graph", True, True)] if compile else [])
-    for name, compiled, fused in variants:
+        # With --moe-backends, the fused variants once per routed-expert path (K3_MOE_BACKEND), named
+        # fused_graph_<backend>: an A/B of the expert kernels inside the same decode step and process.
+        for backend in moe_backends or [None]:
+            suffix = f"_{backend}" if backend else ""
+            variants += [(f"fused_graph{suffix}", False, True, backend)]
+            variants += [(f"fused_compiled_graph{suffix}", True, True, backend)] if compile else []
+    default_backend = os.environ.get("K3_MOE_BACKEND")
+    for name, compiled, fused, backend in variants:
         if fused:
             fuse_model_weights(model)
+        if backend:
+            os.environ["K3_MOE_BACKEND"] = backend
+            torch._dynamo.reset()  # the backend is read while tracing: a graph compiled for another must go
         path = f"{profile_dir}/{label}_{batch}x{prompt}_{name}.txt" if profile_dir else None
         result.update(time_greedy(model, static, first, new, compiled, eager_logits, name, path))
         static.restore(saved)
+    if default_backend is None:
+        os.environ.pop("K3_MOE_BACKEND", None)
+    else:
+        os.environ["K3_MOE_BACKEND"] = default_backend
     unfuse_model_weights(model)
     graph_ms = result["graph_step_ms"]
     if floor:
         floor["floor_ms"] = floor["total_bytes"] / bandwidth * 1e3
         floor["graph_vs_floor"] = graph_ms / floor["floor_ms"]
-        for variant in VARIANTS[1:]:
-            if f"{variant}_step_ms" in result:
-                floor[f"{variant}_vs_floor"] = result[f"{variant}_step_ms"] / floor["floor_ms"]
+        for key in [k for k in result if k.endswith("_step_ms") and k not in ("graph_step_ms", "eager_step_ms")]:
+            floor[f"{key[:-len('_step_ms')]}_vs_floor"] = result[key] / floor["floor_ms"]
     return dict(result, memory_floor=floor, tokens_per_s=batch * 1e3 / graph_ms, synthetic_cache=synthetic,
                 cache_bytes_per_seq=per_seq, peak_gib=peak_memory_gib())
 
@@ -259,10 +270,12 @@ def main() -> None:
                         help="also time each graph with the projection weights fused (k3.layers.fused_weights)")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="write each captured graph's kernel table (one replay) into DIR")
+    parser.add_argument("--moe-backends", nargs="+", default=None, choices=["grouped", "triton"],
+                        help="with --fuse: time the fused variants once per routed-expert path (K3_MOE_BACKEND); "
+                             "the unfused step is then not compiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.profile:
-        import os
         os.makedirs(args.profile, exist_ok=True)
     if args.compile:
         # Every model x case (batch, cache capacity) compiles its own static-shape graph of decode_step; past
@@ -293,7 +306,7 @@ def main() -> None:
                 else:
                     r = bench_k3(model, config, batch, prompt, args.new, args.max_real_tokens, device, bandwidth,
                                  compile=args.compile, profile_dir=args.profile, label=name,
-                                 fuse=args.fuse)
+                                 fuse=args.fuse, moe_backends=args.moe_backends)
             except Exception as exc:
                 traceback.print_exc()
                 r = dict(error=f"{type(exc).__name__}: {exc}"[:300])
@@ -335,12 +348,11 @@ def main() -> None:
     for name, cases in results.items():
         for case, r in cases.items():
             floor_ms = (r.get("memory_floor") or {}).get("floor_ms")
-            for variant in VARIANTS:
-                if f"{variant}_step_ms" in r:
-                    ms = r[f"{variant}_step_ms"]
-                    variant_rows.append([name, case, variant, ms, f"{r['graph_step_ms'] / ms:.2f}x",
-                                         r[f"{variant}_kernels"], f"{ms / floor_ms:.2f}x" if floor_ms else "",
-                                         r[f"{variant}_vs_eager_rel_err"], r[f"{variant}_first_use_s"]])
+            for variant in [k[:-len("_step_ms")] for k in r if k.endswith("_step_ms") and k != "eager_step_ms"]:
+                ms = r[f"{variant}_step_ms"]
+                variant_rows.append([name, case, variant, ms, f"{r['graph_step_ms'] / ms:.2f}x",
+                                     r.get(f"{variant}_kernels"), f"{ms / floor_ms:.2f}x" if floor_ms else "",
+                                     r.get(f"{variant}_vs_eager_rel_err"), r.get(f"{variant}_first_use_s")])
     if args.fuse or args.compile:
         print_table("Every captured variant of the decode step",
                     ["model", "batch x prompt", "variant", "ms/step", "vs graph", "kernels", "vs floor",

@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # k3's own Triton kernels (k3.ops.moe_triton) run on CPU tensors in Triton's interpreter. It is chosen when
+    # triton is imported, which importing k3 does, so it is set here, before any test module imports k3.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 @pytest.fixture(autouse=True)
 def _deterministic_seed():

@@ -7,8 +7,11 @@ Three interchangeable paths, held equal by tests/ops/test_moe_ops.py:
 - `experts_gathered`: each routed pair's expert weights gathered and applied as a batched matmul, for
   torch.compile where the grouped GEMM cannot run (its meta function takes bf16 only): the loop reads its
   counts back to the host, which breaks the graph. It copies N expert weights, so it suits decode-sized N.
-`K3_MOE_BACKEND=loop|grouped|auto` forces one; auto takes the grouped GEMM for bf16 CUDA tensors whose widths
-meet its 16-byte alignment rule, else the loop (eager) or the gathered path (under torch.compile).
+- `experts_triton` (k3.ops.moe_triton): two Triton kernels that read only the touched experts' weights, for
+  decode-sized N in inference.
+`K3_MOE_BACKEND=loop|grouped|triton|auto` forces one; auto takes the Triton kernels for inference on CUDA up to
+TRITON_MAX_ROWS rows, else the grouped GEMM for bf16 CUDA tensors whose widths meet its 16-byte alignment rule,
+else the loop (eager) or the gathered path (under torch.compile).
 `count_per_expert` counts routed pairs without a host sync (torch.bincount on CUDA reads the input's min and max
 back to the host), so the grouped path can be captured in a CUDA graph.
 `gather_pairs` and `unpermute_rows` move rows between token order and expert order. Both are permutations (each
@@ -25,6 +28,7 @@ import os
 import torch
 
 from k3.layers.mlp import glu_activation
+from k3.ops.moe_triton import experts_triton, triton_pays
 
 
 def experts_loop(x_ND: torch.Tensor, counts_E: list[int], w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
@@ -167,8 +171,10 @@ def run_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor
     """x_ND sorted by expert, counts_E [E] int tokens per expert -> [N, D]. w13_E2FD (optional): w1 and w3
     fused in one buffer, which the grouped GEMM path uses (the others read the w1 / w3 views of it)."""
     backend = os.environ.get("K3_MOE_BACKEND", "auto")
-    if backend not in ("auto", "loop", "grouped"):
-        raise ValueError(f"K3_MOE_BACKEND={backend!r}; use auto, loop or grouped")
+    if backend not in ("auto", "loop", "grouped", "triton"):
+        raise ValueError(f"K3_MOE_BACKEND={backend!r}; use auto, loop, grouped or triton")
+    if backend == "triton" or (backend == "auto" and triton_pays(x_ND, w1_EFD, w3_EFD, w2_EDF)):
+        return experts_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
     if backend == "grouped" or (backend == "auto" and _grouped_available(x_ND, w1_EFD)):
         return experts_grouped_mm(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD)
     if backend == "auto" and torch.compiler.is_compiling():

@@ -1,0 +1,209 @@
+"""Routed experts of a decode step on one GPU: k3's Triton kernels against torch._grouped_mm, in one run.
+
+Usage: python bench/moe_decode.py [--models small matched] [--tokens 1 8 64 256] [--layers 15] [--out FILE]
+
+For each model's expert shapes (`small`: 64 experts, top-6, latent 512, width 1024, SiTU; `matched`: 64 experts,
+top-6, hidden 1024, width 512, SiLU) and each token count: routing is top-k of random scores, and `--layers`
+distinct layers of expert weights exist, so that no layer finds its weights in L2 from the layer before (a decode
+step runs every MoE layer once). Each path runs all layers inside one captured CUDA graph, as decode does; the
+result is microseconds per layer. Paths:
+  grouped   what decode ran before: gate and up as one torch._grouped_mm over the fused [E, 2F, D] buffer, the
+            GLU, the down grouped GEMM (k3.ops.moe.experts_grouped_mm with w13)
+  triton    k3.ops.moe_triton with its default block sizes; also every block size of a small sweep, best printed
+With --dense, also `small`'s dense decode projections (one weight [out, in] per layer, `--layers` of them):
+  linear    torch.nn.functional.linear (cuBLAS)
+  triton    the same kernel with one expert that owns every row (a skinny GEMM), default and swept blocks
+The floor is the bytes of the touched experts' weights (plus the rows in and out) over the copy bandwidth
+measured in the same run. Before timing, each path is compared with the fp32 loop over experts (relative error);
+the script exits 1 when the Triton path is further from it than both 1e-2 and twice the grouped GEMM's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from common import device_name, print_table, relative_error, time_ms, write_json
+
+from k3.ops.moe import experts_grouped_mm, experts_loop
+from k3.ops.moe_triton import block_sizes, experts_triton_eager
+
+SHAPES = {  # experts, top-k, expert width F, input width D, activation
+    "small": (64, 6, 1024, 512, "situ"),
+    "matched": (64, 6, 512, 1024, "silu"),
+}
+SWEEP_N = (16, 32, 64, 128)
+SWEEP_K = (64, 128, 256)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup=3, repeats=10)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def graph_us_per_layer(run_layer, layers: int) -> float:
+    """Median microseconds per layer of one CUDA-graph replay that runs `run_layer(i)` for every layer."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(layers):  # warm-up outside the graph (Triton compiles here)
+            run_layer(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(layers):
+            run_layer(i)
+    return time_ms(graph.replay, warmup=3, repeats=20) * 1e3 / layers
+
+
+def bench_case(model: str, tokens: int, layers: int, bandwidth: float) -> dict:
+    experts, top_k, width_f, width_d, act = SHAPES[model]
+    betas = (4.0, 25.0)
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    w13 = [torch.randn(experts, 2 * width_f, width_d, device="cuda", generator=gen).div_(width_d ** 0.5).bfloat16()
+           for _ in range(layers)]
+    w2 = [torch.randn(experts, width_d, width_f, device="cuda", generator=gen).div_(width_f ** 0.5).bfloat16()
+          for _ in range(layers)]
+    scores = torch.rand(tokens, experts, device="cuda", generator=gen)
+    ids = scores.topk(top_k, dim=-1).indices.reshape(-1)
+    order = ids.argsort(stable=True)
+    counts = torch.zeros(experts, dtype=torch.int64, device="cuda").scatter_add_(0, ids, torch.ones_like(ids))
+    x = torch.randn(tokens, width_d, device="cuda", generator=gen).bfloat16()[order // top_k].contiguous()
+
+    def views(i):
+        return w13[i][:, :width_f], w13[i][:, width_f:], w2[i]
+
+    w1_0, w3_0, w2_0 = views(0)
+    want = experts_loop(x.float(), counts.tolist(), w1_0.float(), w3_0.float(), w2_0.float(), act, betas)
+    grouped_out = experts_grouped_mm(x, counts, w1_0, w3_0, w2_0, act, betas, w13[0])
+    triton_out = experts_triton_eager(x, counts, w1_0, w3_0, w2_0, act, betas)
+    errors = dict(grouped_rel_err=relative_error(grouped_out.float(), want),
+                  triton_rel_err=relative_error(triton_out.float(), want))
+
+    def grouped(i):
+        w1, w3, w2_i = views(i)
+        experts_grouped_mm(x, counts, w1, w3, w2_i, act, betas, w13[i])
+
+    def triton_with(blocks):
+        def run(i):
+            w1, w3, w2_i = views(i)
+            experts_triton_eager(x, counts, w1, w3, w2_i, act, betas, blocks)
+        return run
+
+    rows = x.shape[0]
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = (block_sizes(rows, experts, width_f, width_d, num_sms), block_sizes(rows, experts, width_d, width_f,
+                                                                                   num_sms))
+    result = dict(model=model, tokens=tokens, rows=rows, experts_touched=int((counts > 0).sum()), **errors,
+                  default_blocks=default)
+    result["grouped_us"] = graph_us_per_layer(grouped, layers)
+    result["triton_us"] = graph_us_per_layer(triton_with(default), layers)
+    sweep = {}
+    for block_n in SWEEP_N:
+        for block_k in SWEEP_K:
+            blocks = ((16, block_n, block_k), (16, block_n, block_k))
+            try:
+                sweep[f"{block_n}x{block_k}"] = graph_us_per_layer(triton_with(blocks), layers)
+            except Exception as exc:  # a block size the compiler rejects (shared memory) is skipped, said
+                print(f"  blocks {blocks}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    best = min(sweep, key=sweep.get)
+    touched = result["experts_touched"]
+    weight_bytes = touched * 3 * width_f * width_d * 2
+    io_bytes = rows * (width_d * 2 + width_f * 2) * 2
+    floor_us = (weight_bytes + io_bytes) / bandwidth * 1e6
+    result.update(sweep_us=sweep, best_blocks=best, best_us=sweep[best], floor_us=floor_us,
+                  grouped_vs_floor=result["grouped_us"] / floor_us, triton_vs_floor=result["triton_us"] / floor_us,
+                  speedup=result["grouped_us"] / result["triton_us"])
+    print(f"{model} x{tokens}: grouped {result['grouped_us']:.1f} us, triton {result['triton_us']:.1f} us "
+          f"(best {best}: {sweep[best]:.1f}), floor {floor_us:.1f} us; rel err grouped "
+          f"{errors['grouped_rel_err']:.2e} triton {errors['triton_rel_err']:.2e}", flush=True)
+    return result
+
+
+DENSE = {  # `small`'s projections that read one token's hidden state in decode (fused groups as one weight)
+    "kda_in (q k v f_a g b)": (4232, 1024), "shared gate+up": (2048, 1024), "o_proj": (1024, 1024),
+    "latent down": (512, 1024), "latent up": (1024, 512), "f_b": (1024, 128), "lm_head": (32768, 1024),
+}
+
+
+def bench_dense(name: str, tokens: int, layers: int, bandwidth: float) -> dict:
+    out_width, in_width = DENSE[name]
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    count = 1 if name == "lm_head" else layers
+    weights = [torch.randn(1, out_width, in_width, device="cuda", generator=gen).div_(in_width ** 0.5).bfloat16()
+               for _ in range(count)]
+    x = torch.randn(tokens, in_width, device="cuda", generator=gen).bfloat16()
+    counts = torch.tensor([tokens], device="cuda")
+    want = x.float() @ weights[0][0].float().t()
+    errors = dict(linear_rel_err=relative_error(torch.nn.functional.linear(x, weights[0][0]).float(), want),
+                  triton_rel_err=relative_error(skinny(x, counts, weights[0], None).float(), want))
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    default = block_sizes(tokens, 1, out_width, in_width, num_sms)
+    result = dict(name=name, tokens=tokens, out_width=out_width, in_width=in_width, default_blocks=default, **errors)
+    result["linear_us"] = graph_us_per_layer(lambda i: torch.nn.functional.linear(x, weights[i][0]), count)
+    result["triton_us"] = graph_us_per_layer(lambda i: skinny(x, counts, weights[i], default), count)
+    sweep = {}
+    for block_n in SWEEP_N:
+        for block_k in SWEEP_K:
+            blocks = (16, block_n, block_k)
+            try:
+                sweep[f"{block_n}x{block_k}"] = graph_us_per_layer(lambda i: skinny(x, counts, weights[i], blocks),
+                                                                   count)
+            except Exception as exc:
+                print(f"  blocks {blocks}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    best = min(sweep, key=sweep.get)
+    floor_us = (out_width * in_width + tokens * (in_width + out_width)) * 2 / bandwidth * 1e6
+    result.update(sweep_us=sweep, best_blocks=best, best_us=sweep[best], floor_us=floor_us,
+                  speedup=result["linear_us"] / result["triton_us"])
+    print(f"{name} x{tokens}: linear {result['linear_us']:.1f} us, triton {result['triton_us']:.1f} us "
+          f"(best {best}: {sweep[best]:.1f}), floor {floor_us:.1f} us", flush=True)
+    return result
+
+
+def skinny(x, counts, weight_1OI, blocks):
+    from k3.ops.moe_triton import _launch
+
+    return _launch(x, counts, weight_1OI, None, "silu", (1.0, 1.0), blocks)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 256])
+    parser.add_argument("--layers", type=int, default=15)
+    parser.add_argument("--dense", action="store_true", help="also the dense decode projections (skinny GEMMs)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/moe_decode.py needs a CUDA device")
+    bandwidth = copy_bandwidth()
+    print(f"{device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    results = [bench_case(m, t, args.layers, bandwidth) for m in args.models for t in args.tokens]
+    print_table("routed experts per MoE layer, one CUDA graph over all layers", ["model", "tokens", "experts", "grouped us", "triton us", "speed-up", "best sweep", "floor us",
+                 "triton / floor", "rel err"],
+                [[r["model"], r["tokens"], r["experts_touched"], f"{r['grouped_us']:.1f}", f"{r['triton_us']:.1f}",
+                  f"{r['speedup']:.2f}x", f"{r['best_blocks']} {r['best_us']:.1f}", f"{r['floor_us']:.1f}",
+                  f"{r['triton_vs_floor']:.2f}x", f"{r['triton_rel_err']:.1e}"] for r in results])
+    dense = []
+    if args.dense:
+        dense = [bench_dense(n, t, args.layers, bandwidth) for n in DENSE for t in args.tokens if t <= 64]
+        print_table("dense decode projections per layer, one CUDA graph over all layers",
+                    ["projection", "tokens", "linear us", "triton us", "speed-up", "best sweep", "floor us",
+                     "rel err"],
+                    [[r["name"], r["tokens"], f"{r['linear_us']:.1f}", f"{r['triton_us']:.1f}", f"{r['speedup']:.2f}x",
+                      f"{r['best_blocks']} {r['best_us']:.1f}", f"{r['floor_us']:.1f}", f"{r['triton_rel_err']:.1e}"]
+                     for r in dense])
+    if args.out:
+        write_json(args.out, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, results=results,
+                                  dense=dense))
+    bad = [r for r in results if r["triton_rel_err"] > max(1e-2, 2 * r["grouped_rel_err"])]
+    if bad:
+        sys.exit(f"Triton path too far from the fp32 loop: {[(r['model'], r['tokens']) for r in bad]}")
+
+
+if __name__ == "__main__":
+    main()

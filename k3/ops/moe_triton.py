@@ -1,0 +1,138 @@
+"""Routed experts for decode-sized batches as two Triton kernels that read each touched expert's weights once.
+
+    h = act(x W1[e]^T, x W3[e]^T)   (gate, up and the GLU activation in one kernel, fp32 accumulation)
+    y = h W2[e]^T
+
+x is sorted by expert (as for the grouped GEMM); expert e owns counts[e] rows after those of experts 0..e-1. The grid is
+one program per (expert, block of output columns): a program whose expert received no row returns at once, so the
+weights of untouched experts are never read, and a touched expert's weight tile is loaded once for all its rows
+(decode has a few rows per expert). torch._grouped_mm, the prefill path, launches tiles sized for large GEMMs and
+an extra setup kernel; at one token per step it spent 11.7 us per projection where the 6 experts' bytes take about
+2 us at copy bandwidth (`small`, one H200).
+
+The PyTorch twins are k3.ops.moe's experts_loop / experts_grouped_mm, held equal by tests/ops/test_moe_triton.py
+(through Triton's CPU interpreter, TRITON_INTERPRET=1). Under torch.compile the launcher is the custom op
+`k3::moe_experts_triton`, opaque to dynamo; its body is the same launch.
+
+Shape suffixes: N routed rows (sorted by expert), E experts, F expert width, D expert input width.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+# Above this many routed rows the grouped GEMM's large tiles win (prefill); at or below it, these kernels.
+TRITON_MAX_ROWS = 1024
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=2)
+def _kernel(interpret: bool):
+    """The jitted kernel, imported on first use (k3 imports without triton). Triton decides between compiling
+    and its CPU interpreter when the module's function is decorated, so a change of TRITON_INTERPRET reloads it."""
+    import importlib
+
+    from k3.ops import moe_triton_kernels as kernels
+
+    if kernels.INTERPRETED != interpret:
+        kernels = importlib.reload(kernels)
+    return kernels.expert_matmul
+
+
+def triton_available() -> bool:
+    import importlib
+
+    try:
+        importlib.import_module("triton")
+    except Exception:  # a broken install raises more than ImportError
+        return False
+    return True
+
+
+def block_sizes(num_rows: int, num_experts: int, out_width: int, in_width: int,
+                num_sms: int = 132) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K). Rows per expert are few in decode, so BLOCK_M is tl.dot's minimum; output
+    columns are split finer (down to 32) while the touched experts (at most min(N, E)) would give the GPU fewer
+    than two programs per multiprocessor, since each program streams its weight tile alone. Measured on one H200
+    (bench/moe_decode.py, `small` and the matched config): of BLOCK_N 16-128 x BLOCK_K 64-256, 32 x 128 was
+    fastest at one token and 64 x 128 within 2% of the best at 64 tokens; 16 was slower than 32 everywhere."""
+    block_n = 64
+    touched = max(1, min(num_rows, num_experts))
+    while block_n > 32 and touched * -(-out_width // block_n) < 2 * num_sms:
+        block_n //= 2
+    block_k = min(128, max(16, 1 << (max(in_width, 1) - 1).bit_length()))
+    return 16, block_n, block_k
+
+
+def _launch(x_ND: torch.Tensor, counts_E: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None, act: str,
+            betas: tuple[float, float], blocks: tuple[int, int, int] | None) -> torch.Tensor:
+    import triton
+
+    num_rows, num_experts, out_width, in_width = x_ND.shape[0], w.shape[0], w.shape[1], w.shape[2]
+    out = x_ND.new_empty(num_rows, out_width)
+    if num_rows == 0:
+        return out
+    if blocks is None:
+        num_sms = (torch.cuda.get_device_properties(x_ND.device).multi_processor_count if x_ND.is_cuda else 132)
+        blocks = block_sizes(num_rows, num_experts, out_width, in_width, num_sms)
+    block_m, block_n, block_k = blocks
+    glu = w3 is not None
+    w3 = w if w3 is None else w3
+    grid = (num_experts, triton.cdiv(out_width, block_n))
+    _kernel(_interpreting())[grid](
+        x_ND, w, w3, out, counts_E, x_ND.stride(0), x_ND.stride(1), *w.stride(), *w3.stride(),
+        out.stride(0), out.stride(1), float(betas[0]), float(betas[1]), out_width, in_width,
+        NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), GLU=glu, SITU=act == "situ", UPCAST=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def experts_triton_eager(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
+                         w2_EDF: torch.Tensor, act: str, betas: tuple[float, float],
+                         blocks: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """x_ND sorted by expert, counts_E [E] rows per expert -> [N, D] in x's dtype: the two launches.
+    `blocks`: (gate-up, down) block sizes, chosen by block_sizes when None (the benchmark sweeps them)."""
+    if act not in ("silu", "situ"):
+        raise ValueError(f"unknown GLU activation {act!r}; use 'silu' or 'situ'")
+    dtype = x_ND.dtype
+    h_NF = _launch(x_ND, counts_E, w1_EFD.to(dtype), w3_EFD.to(dtype), act, betas, blocks and blocks[0])
+    return _launch(h_NF, counts_E, w2_EDF.to(dtype), None, act, betas, blocks and blocks[1])
+
+
+@torch.library.custom_op("k3::moe_experts_triton", mutates_args=())
+def moe_experts_triton_op(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
+                          w2_EDF: torch.Tensor, act: str, beta_gate: float, beta_up: float) -> torch.Tensor:
+    return experts_triton_eager(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, (beta_gate, beta_up))
+
+
+@moe_experts_triton_op.register_fake
+def _(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, beta_gate, beta_up):
+    return x_ND.new_empty(x_ND.shape[0], w2_EDF.shape[1])
+
+
+def experts_triton(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
+                   w2_EDF: torch.Tensor, act: str, betas: tuple[float, float]) -> torch.Tensor:
+    """Same arguments and result as k3.ops.moe.experts_grouped_mm, inference only (no backward)."""
+    if torch.compiler.is_compiling():  # dynamo cannot trace the launcher; the op is one opaque call in the graph
+        return moe_experts_triton_op(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, *betas)
+    return experts_triton_eager(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
+
+
+def triton_pays(x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> bool:
+    """Auto-selection: CUDA, half-precision rows, decode-sized N, no autograd graph (no backward here)."""
+    if not (x_ND.is_cuda and x_ND.dtype in (torch.bfloat16, torch.float16) and x_ND.shape[0] <= TRITON_MAX_ROWS):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (x_ND, w1_EFD, w3_EFD, w2_EDF)):
+        return False
+    return _triton_importable()
+
+
+@torch.compiler.assume_constant_result
+@functools.lru_cache(maxsize=1)
+def _triton_importable() -> bool:
+    return triton_available()
