@@ -13,6 +13,10 @@ result is microseconds per layer. Paths:
 With --dense, also `small`'s dense decode projections (one weight [out, in] per layer, `--layers` of them):
   linear    torch.nn.functional.linear (cuBLAS)
   triton    the same kernel with one expert that owns every row (a skinny GEMM), default and swept blocks
+With --routing, also the routing steps as a compiled decode step runs them (torch.compile, Inductor), old form
+against new in one CUDA graph over all layers: top-k of the biased scores (torch.topk against
+k rounds of argmax-and-mask, which k3 tried and does not use: it was slower) and the sort of the pairs by expert (argsort + inverse + counts against
+k3.ops.moe.sort_pairs_by_expert, a counting sort); both outputs checked equal to the old form's.
 The floor is the bytes of the touched experts' weights (plus the rows in and out) over the copy bandwidth
 measured in the same run. Before timing, each path is compared with the fp32 loop over experts (relative error);
 the script exits 1 when the Triton path is further from it than both 1e-2 and twice the grouped GEMM's error.
@@ -164,6 +168,43 @@ def bench_dense(name: str, tokens: int, layers: int, bandwidth: float) -> dict:
     return result
 
 
+def topk_by_argmax_rounds(values, k):
+    picked = []
+    for _ in range(k):
+        index = values.argmax(-1, keepdim=True)
+        picked.append(index)
+        values = values.scatter(-1, index, float("-inf"))
+    return torch.cat(picked, -1)
+
+
+def old_sort(ids, num_experts):
+    from k3.ops.moe import count_per_expert, inverse_permutation
+
+    order = ids.argsort(stable=True)
+    return order, inverse_permutation(order), count_per_expert(ids, num_experts)
+
+
+def bench_routing(tokens: int, layers: int, experts: int = 64, top_k: int = 6) -> dict:
+    from k3.ops.moe import sort_pairs_by_expert
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    scores = [torch.rand(tokens, experts, device="cuda", generator=gen) for _ in range(layers)]
+    ids = [s.topk(top_k, dim=-1).indices.reshape(-1) for s in scores]
+    paths = dict(topk_old=torch.compile(lambda v: v.topk(top_k, dim=-1).indices, dynamic=False),
+                 topk_new=torch.compile(lambda v: topk_by_argmax_rounds(v, top_k), dynamic=False),
+                 sort_old=torch.compile(lambda i: old_sort(i, experts), dynamic=False),
+                 sort_new=torch.compile(lambda i: sort_pairs_by_expert(i, experts), dynamic=False))
+    same_topk = torch.equal(paths["topk_old"](scores[0]), paths["topk_new"](scores[0]))
+    same_sort = all(torch.equal(a, b) for a, b in zip(paths["sort_old"](ids[0]), paths["sort_new"](ids[0])))
+    result = dict(tokens=tokens, same_topk=same_topk, same_sort=same_sort)
+    for name, fn in paths.items():
+        inputs = scores if name.startswith("topk") else ids
+        result[f"{name}_us"] = graph_us_per_layer(lambda i: fn(inputs[i]), layers)
+    print(f"routing x{tokens}: topk {result['topk_old_us']:.1f} -> {result['topk_new_us']:.1f} us, sort "
+          f"{result['sort_old_us']:.1f} -> {result['sort_new_us']:.1f} us, equal {same_topk} {same_sort}", flush=True)
+    return result
+
+
 def skinny(x, counts, weight_1OI, blocks):
     from k3.ops.moe_triton import _launch
 
@@ -175,6 +216,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--tokens", nargs="+", type=int, default=[1, 8, 64, 256])
     parser.add_argument("--layers", type=int, default=15)
+    parser.add_argument("--routing", action="store_true", help="also the compiled routing steps, old against new")
+    parser.add_argument("--skip-experts", action="store_true", help="leave out the routed-expert cases")
     parser.add_argument("--dense", action="store_true", help="also the dense decode projections (skinny GEMMs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -182,12 +225,21 @@ def main() -> None:
         sys.exit("bench/moe_decode.py needs a CUDA device")
     bandwidth = copy_bandwidth()
     print(f"{device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    results = [bench_case(m, t, args.layers, bandwidth) for m in args.models for t in args.tokens]
-    print_table("routed experts per MoE layer, one CUDA graph over all layers", ["model", "tokens", "experts", "grouped us", "triton us", "speed-up", "best sweep", "floor us",
-                 "triton / floor", "rel err"],
-                [[r["model"], r["tokens"], r["experts_touched"], f"{r['grouped_us']:.1f}", f"{r['triton_us']:.1f}",
-                  f"{r['speedup']:.2f}x", f"{r['best_blocks']} {r['best_us']:.1f}", f"{r['floor_us']:.1f}",
-                  f"{r['triton_vs_floor']:.2f}x", f"{r['triton_rel_err']:.1e}"] for r in results])
+    routing = [bench_routing(t, args.layers) for t in args.tokens] if args.routing else []
+    if routing:
+        print_table("compiled routing per MoE layer (64 experts, top-6), one CUDA graph over all layers",
+                    ["tokens", "topk us", "argmax rounds us", "argsort us", "counting sort us", "equal"],
+                    [[r["tokens"], f"{r['topk_old_us']:.1f}", f"{r['topk_new_us']:.1f}", f"{r['sort_old_us']:.1f}",
+                      f"{r['sort_new_us']:.1f}", r["same_topk"] and r["same_sort"]] for r in routing])
+    results = [] if args.skip_experts else [bench_case(m, t, args.layers, bandwidth) for m in args.models
+                                            for t in args.tokens]
+    if results:
+        print_table("routed experts per MoE layer, one CUDA graph over all layers",
+                    ["model", "tokens", "experts", "grouped us", "triton us", "speed-up", "best sweep", "floor us",
+                     "triton / floor", "rel err"],
+                    [[r["model"], r["tokens"], r["experts_touched"], f"{r['grouped_us']:.1f}", f"{r['triton_us']:.1f}",
+                      f"{r['speedup']:.2f}x", f"{r['best_blocks']} {r['best_us']:.1f}", f"{r['floor_us']:.1f}",
+                      f"{r['triton_vs_floor']:.2f}x", f"{r['triton_rel_err']:.1e}"] for r in results])
     dense = []
     if args.dense:
         dense = [bench_dense(n, t, args.layers, bandwidth) for n in DENSE for t in args.tokens if t <= 64]
@@ -199,7 +251,7 @@ def main() -> None:
                      for r in dense])
     if args.out:
         write_json(args.out, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, results=results,
-                                  dense=dense))
+                                  dense=dense, routing=routing))
     bad = [r for r in results if r["triton_rel_err"] > max(1e-2, 2 * r["grouped_rel_err"])]
     if bad:
         sys.exit(f"Triton path too far from the fp32 loop: {[(r['model'], r['tokens']) for r in bad]}")

@@ -24,7 +24,8 @@ from k3.layers.balancing import QB_MAX_ITERS, QB_TOLERANCE, loss_free_bias, maxv
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import fused
-from k3.ops.moe import count_per_expert, gather_pairs, inverse_permutation, run_experts, unpermute_rows
+from k3.ops.moe import (count_per_expert, gather_pairs, inverse_permutation, run_experts, sort_pairs_by_expert,
+                        unpermute_rows)
 
 
 @dataclass
@@ -154,10 +155,8 @@ class LatentMoE(nn.Module):
         num_tokens = x_TD.shape[0]
         h_TL = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
         ids_N = routing.topk_ids_TK.reshape(-1)
-        order_N = ids_N.argsort(stable=True)
         # One inverse serves both permutations' forwards and backwards (gathers, no scatter-adds).
-        inverse_N = inverse_permutation(order_N)
-        counts_E = count_per_expert(ids_N, self.w1.shape[0])
+        order_N, inverse_N, counts_E = sort_pairs_by_expert(ids_N, self.w1.shape[0])
         w13 = fused(self, "w13")  # w1 and w3 in one buffer when fused at load (k3.layers.fused_weights)
         y_NL = run_experts(gather_pairs(h_TL, order_N, self.top_k, inverse_N), counts_E, self.w1, self.w3, self.w2,
                            self.act, self.betas, w13.buffer if w13 is not None else None)

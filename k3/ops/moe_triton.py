@@ -45,6 +45,7 @@ def _kernel(interpret: bool):
     return kernels.expert_matmul
 
 
+@functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     import importlib
 
@@ -88,7 +89,8 @@ def _launch(x_ND: torch.Tensor, counts_E: torch.Tensor, w: torch.Tensor, w3: tor
     _kernel(_interpreting())[grid](
         x_ND, w, w3, out, counts_E, x_ND.stride(0), x_ND.stride(1), *w.stride(), *w3.stride(),
         out.stride(0), out.stride(1), float(betas[0]), float(betas[1]), out_width, in_width,
-        NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), GLU=glu, SITU=act == "situ", UPCAST=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+        NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), GLU=glu, SITU=act == "situ",
+        UPCAST=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return out
 
 
@@ -133,6 +135,6 @@ def triton_pays(x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, 
 
 
 @torch.compiler.assume_constant_result
-@functools.lru_cache(maxsize=1)
 def _triton_importable() -> bool:
+    """A constant to torch.compile (the import inside triton_available cannot be traced)."""
     return triton_available()

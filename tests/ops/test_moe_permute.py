@@ -164,3 +164,22 @@ def test_latent_moe_equals_the_plain_indexing_version(monkeypatch, backend, toke
         else:
             torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-6, atol=1e-6, msg=name)
     assert torch.equal(moe.gate.e_score_correction_bias, reference.gate.e_score_correction_bias)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_counting_sort_under_compile_equals_stable_argsort(backend):
+    """Compiled, sort_pairs_by_expert counts instead of sorting; it must give argsort(stable=True)'s order exactly
+    (ties in pair order), its inverse, and the per-expert counts, also with empty experts."""
+    from k3.ops.moe import count_per_expert, inverse_permutation, sort_pairs_by_expert
+
+    torch._dynamo.reset()
+    compiled = torch.compile(sort_pairs_by_expert, backend=backend, fullgraph=True, dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    for num_pairs, num_experts in [(384, 64), (64, 64), (70, 3), (200, 8)]:
+        ids = torch.randint(0, max(1, num_experts - 2), (num_pairs,), generator=g)  # the last experts get none
+        order, inverse, counts = compiled(ids, num_experts)
+        want = ids.argsort(stable=True)
+        assert torch.equal(order, want)
+        assert torch.equal(inverse, inverse_permutation(want))
+        assert torch.equal(counts, count_per_expert(ids, num_experts)) and counts.dtype == torch.int64
+

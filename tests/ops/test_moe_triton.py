@@ -119,3 +119,12 @@ def test_kernels_equal_the_loop_cuda_bf16(act):
     want = experts_loop(x.float(), counts, w1.float(), w3.float(), w2.float(), act, (4.0, 25.0))
     got = moe_triton.experts_triton_eager(x, torch.tensor(counts, device="cuda"), w1, w3, w2, act, (4.0, 25.0))
     assert (got.float() - want).norm() / want.norm() < 1e-2
+
+
+def test_auto_selection_traces_under_compile():
+    """The engine's compiled decode step asks triton_pays while tracing: the availability check must be a constant
+    to dynamo (tracing the import inside it failed the compile)."""
+    torch._dynamo.reset()
+    step = torch.compile(lambda x: x + 1 if moe_triton._triton_importable() else x - 1, backend="eager",
+                         fullgraph=True)
+    assert torch.equal(step(torch.zeros(2)), torch.ones(2))
