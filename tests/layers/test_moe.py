@@ -41,6 +41,16 @@ def test_routed_path_equals_the_token_by_token_oracle(latent):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("latent", [32, None])
+def test_no_tokens_give_an_empty_output(latent):
+    """A forward over zero tokens (an empty batch, a rank with no tokens) returns [B, 0, D], it does not raise."""
+    moe = LatentMoE(ModelConfig.from_preset("debug", moe_latent_size=latent))
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    with torch.no_grad():
+        assert moe.eval()(torch.zeros(1, 0, 64)).shape == (1, 0, 64)
+
+
 def test_combine_helpers():
     torch.manual_seed(1)
     order = torch.randperm(12)
