@@ -14,9 +14,9 @@ With --dense, also `small`'s dense decode projections (one weight [out, in] per 
   linear    torch.nn.functional.linear (cuBLAS)
   triton    the same kernel with one expert that owns every row (a skinny GEMM), default and swept blocks
 With --routing, also the routing steps as a compiled decode step runs them (torch.compile, Inductor), old form
-against new in one CUDA graph over all layers: top-k of the biased scores (torch.topk against
-k rounds of argmax-and-mask, which k3 tried and does not use: it was slower) and the sort of the pairs by expert (argsort + inverse + counts against
-k3.ops.moe.sort_pairs_by_expert, a counting sort); both outputs checked equal to the old form's.
+against new in one CUDA graph over all layers: top-k of the biased scores (torch.topk against k rounds of
+argmax-and-mask, which k3 tried and does not use: it was slower) and the sort of the pairs by expert (argsort +
+inverse + counts against k3.ops.moe.sort_pairs_by_expert, a counting sort); both outputs checked equal.
 The floor is the bytes of the touched experts' weights (plus the rows in and out) over the copy bandwidth
 measured in the same run. Before timing, each path is compared with the fp32 loop over experts (relative error);
 the script exits 1 when the Triton path is further from it than both 1e-2 and twice the grouped GEMM's error.

@@ -160,8 +160,9 @@ class LatentMoE(nn.Module):
         w13 = fused(self, "w13")  # w1 and w3 in one buffer when fused at load (k3.layers.fused_weights)
         y_NL = run_experts(gather_pairs(h_TL, order_N, self.top_k, inverse_N), counts_E, self.w1, self.w3, self.w2,
                            self.act, self.betas, w13.buffer if w13 is not None else None)
-        out_TL = weighted_sum_over_k(unpermute_rows(y_NL, order_N, inverse_N).view(num_tokens, self.top_k, y_NL.shape[-1]),
-                                     routing.topk_weights_TK)
+        # The width spelled out (not -1): with no tokens, a view of 0 elements cannot infer it.
+        y_TKL = unpermute_rows(y_NL, order_N, inverse_N).view(num_tokens, self.top_k, y_NL.shape[-1])
+        out_TL = weighted_sum_over_k(y_TKL, routing.topk_weights_TK)
         if self.latent:
             if self.routed_expert_norm is not None:
                 out_TL = self.routed_expert_norm(out_TL)

@@ -28,6 +28,7 @@ import os
 import torch
 
 from k3.layers.mlp import glu_activation
+from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.moe_triton import experts_triton, triton_pays
 
 
@@ -207,10 +208,23 @@ def run_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor
     backend = os.environ.get("K3_MOE_BACKEND", "auto")
     if backend not in ("auto", "loop", "grouped", "triton"):
         raise ValueError(f"K3_MOE_BACKEND={backend!r}; use auto, loop, grouped or triton")
-    if backend == "triton" or (backend == "auto" and triton_pays(x_ND, w1_EFD, w3_EFD, w2_EDF)):
+    if backend == "triton":
         return experts_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
+    if backend == "auto" and triton_pays(x_ND, w1_EFD, w3_EFD, w2_EDF):
+        # Chosen, not forced: a kernel variant Triton cannot compile here falls back to the grouped GEMM below.
+        variant = ("moe_experts_triton", act, tuple(w1_EFD.shape[1:]), x_ND.dtype)
+        return with_torch_fallback(variant, lambda: experts_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas),
+                                   lambda: _without_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas,
+                                                           w13_E2FD))
     if backend == "grouped" or (backend == "auto" and _grouped_available(x_ND, w1_EFD)):
         return experts_grouped_mm(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD)
     if backend == "auto" and torch.compiler.is_compiling():
         return experts_gathered(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
+    return experts_loop(x_ND, counts_E.tolist(), w1_EFD, w3_EFD, w2_EDF, act, betas)
+
+
+def _without_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD):
+    """What auto runs when the Triton kernels cannot: the grouped GEMM where it applies, else the loop."""
+    if _grouped_available(x_ND, w1_EFD):
+        return experts_grouped_mm(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD)
     return experts_loop(x_ND, counts_E.tolist(), w1_EFD, w3_EFD, w2_EDF, act, betas)

@@ -128,3 +128,38 @@ def test_auto_selection_traces_under_compile():
     step = torch.compile(lambda x: x + 1 if moe_triton._triton_importable() else x - 1, backend="eager",
                          fullgraph=True)
     assert torch.equal(step(torch.zeros(2)), torch.ones(2))
+
+
+def test_a_kernel_triton_cannot_compile_falls_back_once(monkeypatch):
+    """Auto-selected (not forced), a Triton compile failure warns once and the experts run without Triton."""
+    import k3.ops.moe as moe_ops
+
+    class CompilationError(Exception):  # the name Triton's compiler errors carry
+        pass
+
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise CompilationError("shared memory out of resource")
+
+    monkeypatch.setattr(moe_ops, "triton_pays", lambda *args: True)
+    monkeypatch.setattr(moe_ops, "experts_triton", failing)
+    monkeypatch.setenv("K3_MOE_BACKEND", "auto")
+    monkeypatch.setattr("k3.ops.fused_backend._failed", {})
+    counts = [2, 0, 3]
+    w1, w3, w2 = _experts(len(counts), 16, 16)
+    x = torch.randn(sum(counts), 16)
+    want = experts_loop(x, counts, w1, w3, w2, "silu", (4.0, 25.0))
+    with pytest.warns(RuntimeWarning, match="failed to compile"):
+        got = moe_ops.run_experts(x, torch.tensor(counts), w1, w3, w2, "silu", (4.0, 25.0))
+    torch.testing.assert_close(got, want)
+    moe_ops.run_experts(x, torch.tensor(counts), w1, w3, w2, "silu", (4.0, 25.0))
+    assert len(calls) == 1  # the variant stays off Triton
+
+    def other_error(*args):
+        raise ValueError("a bug, not a compile failure")
+
+    monkeypatch.setattr(moe_ops, "experts_triton", other_error)
+    with pytest.raises(ValueError):
+        moe_ops.run_experts(x, torch.tensor(counts), w1, w3, torch.randn(3, 16, 16), "situ", (4.0, 25.0))
