@@ -83,6 +83,6 @@ def with_torch_fallback(variant: Hashable, fla_call: Callable[[], T], torch_call
         if not is_triton_compile_failure(exc):
             raise
         _failed[variant] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
-        warnings.warn(f"the Triton kernel for {variant} failed to compile in Triton ({_failed[variant]}); k3 runs its "
+        warnings.warn(f"the Triton kernel for {variant} failed to compile ({_failed[variant]}); k3 runs its "
                       "PyTorch twin for it from now on", RuntimeWarning, stacklevel=2)
         return torch_call()
