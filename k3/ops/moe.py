@@ -122,10 +122,10 @@ def sort_pairs_by_expert(ids_N: torch.Tensor, num_experts: int) -> tuple[torch.T
     [E] int64 pairs per expert.
 
     Inside a compiled graph and at batched decode sizes (COUNTING_SORT_MIN_PAIRS <= N, N * E <=
-    COUNTING_SORT_MAX_CELLS) it is a counting sort: a pair's
-    place is the rows of the experts before its own plus the pairs of its expert before it, a cumulative sum over
-    the one-hot [N, E] table. Inductor fuses that into a few scans; the argsort it replaces became a single-program
-    sort kernel of 19 us per MoE layer at batch 64 (`small`, one H200), the largest routing kernel of the step.
+    COUNTING_SORT_MAX_CELLS) it is a counting sort: a pair's place is the rows of the experts before its own plus
+    the pairs of its expert before it, a cumulative sum over the one-hot [N, E] table. Inductor fuses that into a
+    few scans; the argsort it replaces became a single-program sort kernel of 19 us per MoE layer at batch 64
+    (`small`, one H200), the largest routing kernel of the step.
     Eager, and for a few pairs, argsort stays: the counting form is more kernels there."""
     num_pairs = ids_N.numel()
     counting = COUNTING_SORT_MIN_PAIRS <= num_pairs and num_pairs * num_experts <= COUNTING_SORT_MAX_CELLS
@@ -211,20 +211,18 @@ def run_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor
     if backend == "triton":
         return experts_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
     if backend == "auto" and triton_pays(x_ND, w1_EFD, w3_EFD, w2_EDF):
-        # Chosen, not forced: a kernel variant Triton cannot compile here falls back to the grouped GEMM below.
+        # Chosen, not forced: a kernel variant Triton cannot compile here runs the other paths from then on.
         variant = ("moe_experts_triton", act, tuple(w1_EFD.shape[1:]), x_ND.dtype)
         return with_torch_fallback(variant, lambda: experts_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas),
-                                   lambda: _without_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas,
-                                                           w13_E2FD))
+                                   lambda: _without_triton(backend, x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act,
+                                                           betas, w13_E2FD))
+    return _without_triton(backend, x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD)
+
+
+def _without_triton(backend, x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD):
+    """The paths after the Triton kernels: the grouped GEMM, the gathered path under compile, the loop."""
     if backend == "grouped" or (backend == "auto" and _grouped_available(x_ND, w1_EFD)):
         return experts_grouped_mm(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD)
     if backend == "auto" and torch.compiler.is_compiling():
         return experts_gathered(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
-    return experts_loop(x_ND, counts_E.tolist(), w1_EFD, w3_EFD, w2_EDF, act, betas)
-
-
-def _without_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD):
-    """What auto runs when the Triton kernels cannot: the grouped GEMM where it applies, else the loop."""
-    if _grouped_available(x_ND, w1_EFD):
-        return experts_grouped_mm(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas, w13_E2FD)
     return experts_loop(x_ND, counts_E.tolist(), w1_EFD, w3_EFD, w2_EDF, act, betas)

@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from k3.layers.mlp import GLU_KINDS
+
 # Above this many routed rows the grouped GEMM's large tiles win (prefill); at or below it, these kernels.
 TRITON_MAX_ROWS = 1024
 
@@ -71,6 +73,12 @@ def block_sizes(num_rows: int, num_experts: int, out_width: int, in_width: int,
     return 16, block_n, block_k
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int | None) -> int:
+    """Looked up once per device: the launcher runs in every eager decode step and prefill chunk."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _launch(x_ND: torch.Tensor, counts_E: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None, act: str,
             betas: tuple[float, float], blocks: tuple[int, int, int] | None) -> torch.Tensor:
     import triton
@@ -80,7 +88,7 @@ def _launch(x_ND: torch.Tensor, counts_E: torch.Tensor, w: torch.Tensor, w3: tor
     if num_rows == 0:
         return out
     if blocks is None:
-        num_sms = (torch.cuda.get_device_properties(x_ND.device).multi_processor_count if x_ND.is_cuda else 132)
+        num_sms = _multiprocessors(x_ND.device.index) if x_ND.is_cuda else 132
         blocks = block_sizes(num_rows, num_experts, out_width, in_width, num_sms)
     block_m, block_n, block_k = blocks
     glu = w3 is not None
@@ -99,8 +107,8 @@ def experts_triton_eager(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: tor
                          blocks: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None) -> torch.Tensor:
     """x_ND sorted by expert, counts_E [E] rows per expert -> [N, D] in x's dtype: the two launches.
     `blocks`: (gate-up, down) block sizes, chosen by block_sizes when None (the benchmark sweeps them)."""
-    if act not in ("silu", "situ"):
-        raise ValueError(f"unknown GLU activation {act!r}; use 'silu' or 'situ'")
+    if act not in GLU_KINDS:
+        raise ValueError(f"unknown GLU activation {act!r}; use one of {GLU_KINDS}")
     dtype = x_ND.dtype
     h_NF = _launch(x_ND, counts_E, w1_EFD.to(dtype), w3_EFD.to(dtype), act, betas, blocks and blocks[0])
     return _launch(h_NF, counts_E, w2_EDF.to(dtype), None, act, betas, blocks and blocks[1])
