@@ -94,6 +94,14 @@ def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
                 kda_state_bytes=2 * kda, mla_cache_bytes=mla, total_bytes=dense + expert_bytes + 2 * kda + mla)
 
 
+# --moe-backends names: the routed experts' path (K3_MOE_BACKEND) and the router's (K3_ROUTER_BACKEND).
+MOE_VARIANTS = {
+    "grouped": {"K3_MOE_BACKEND": "grouped", "K3_ROUTER_BACKEND": "torch"},  # torch._grouped_mm, sorted pairs
+    "triton": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "torch"},  # Triton experts in pair order
+    "routed": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton"},  # and the fused router kernel
+}
+
+
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,
              bandwidth: float | None = None, compile: bool = False, profile_dir: str | None = None,
              label: str = "k3", fuse: bool = False, moe_backends: list[str] | None = None) -> dict:
@@ -136,20 +144,21 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
             suffix = f"_{backend}" if backend else ""
             variants += [(f"fused_graph{suffix}", False, True, backend)]
             variants += [(f"fused_compiled_graph{suffix}", True, True, backend)] if compile else []
-    default_backend = os.environ.get("K3_MOE_BACKEND")
+    defaults = {key: os.environ.get(key) for key in ("K3_MOE_BACKEND", "K3_ROUTER_BACKEND")}
     for name, compiled, fused, backend in variants:
         if fused:
             fuse_model_weights(model)
         if backend:
-            os.environ["K3_MOE_BACKEND"] = backend
+            os.environ.update(MOE_VARIANTS[backend])
             torch._dynamo.reset()  # the backend is read while tracing: a graph compiled for another must go
         path = f"{profile_dir}/{label}_{batch}x{prompt}_{name}.txt" if profile_dir else None
         result.update(time_greedy(model, static, first, new, compiled, eager_logits, name, path))
         static.restore(saved)
-    if default_backend is None:
-        os.environ.pop("K3_MOE_BACKEND", None)
-    else:
-        os.environ["K3_MOE_BACKEND"] = default_backend
+    for key, value in defaults.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     unfuse_model_weights(model)
     graph_ms = result["graph_step_ms"]
     if floor:
@@ -270,9 +279,9 @@ def main() -> None:
                         help="also time each graph with the projection weights fused (k3.layers.fused_weights)")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="write each captured graph's kernel table (one replay) into DIR")
-    parser.add_argument("--moe-backends", nargs="+", default=None, choices=["grouped", "triton"],
-                        help="with --fuse: time the fused variants once per routed-expert path (K3_MOE_BACKEND); "
-                             "the unfused step is then not compiled")
+    parser.add_argument("--moe-backends", nargs="+", default=None, choices=list(MOE_VARIANTS),
+                        help="with --fuse: time the fused variants once per MoE path (MOE_VARIANTS: grouped, "
+                             "triton experts, triton experts + fused router); the unfused step is then not compiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.profile:

@@ -10,9 +10,11 @@ result is microseconds per layer. Paths:
   grouped   what decode ran before: gate and up as one torch._grouped_mm over the fused [E, 2F, D] buffer, the
             GLU, the down grouped GEMM (k3.ops.moe.experts_grouped_mm with w13)
   triton    k3.ops.moe_triton with its default block sizes; also every block size of a small sweep, best printed
-With --dense, also `small`'s dense decode projections (one weight [out, in] per layer, `--layers` of them):
+With --dense, also `small`'s dense decode projections (one weight [out, in] per layer, `--layers` of them), up to
+16 tokens:
   linear    torch.nn.functional.linear (cuBLAS)
-  triton    the same kernel with one expert that owns every row (a skinny GEMM), default and swept blocks
+  triton    k3.ops.linear_triton's skinny kernel, default and swept blocks, warps and stages; and an empty Triton
+            kernel, the fixed cost of one launch inside a graph
 With --routing, also the routing steps as a compiled decode step runs them (torch.compile, Inductor), old form
 against new in one CUDA graph over all layers: top-k of the biased scores (torch.topk against k rounds of
 argmax-and-mask, which k3 tried and does not use: it was slower) and the sort of the pairs by expert (argsort +
@@ -25,14 +27,15 @@ the script exits 1 when the Triton path is further from it than both 1e-2 and tw
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
 
 from common import device_name, print_table, relative_error, time_ms, write_json
 
-from k3.ops.moe import experts_grouped_mm, experts_loop
-from k3.ops.moe_triton import block_sizes, experts_triton_eager
+from k3.ops.moe import experts_grouped_mm, experts_in_pair_order, experts_loop
+from k3.ops.moe_triton import block_sizes, experts_by_ids_eager, experts_triton_eager
 
 SHAPES = {  # experts, top-k, expert width F, input width D, activation
     "small": (64, 6, 1024, 512, "situ"),
@@ -98,12 +101,36 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float) -> dict:
             experts_triton_eager(x, counts, w1, w3, w2_i, act, betas, blocks)
         return run
 
+    # From the routed ids to rows in pair order: sort, gather, the sorted kernels and unpermute (what decode ran
+    # before) against the pair-order kernels, which find each expert's pairs themselves.
+    h = torch.randn(tokens, width_d, device="cuda", generator=gen).bfloat16()
+
+    def sorted_from_ids(i):
+        w1, w3, w2_i = views(i)
+        return experts_in_pair_order(h, ids, top_k, w1, w3, w2_i, act, betas)
+
+    def pair_order(i):
+        w1, w3, w2_i = views(i)
+        return experts_by_ids_eager(h, ids, w1, w3, w2_i, act, betas)
+
+    saved_backend = os.environ.get("K3_MOE_BACKEND")
+    os.environ["K3_MOE_BACKEND"] = "grouped"
+    want_pairs = experts_loop(h.float()[ids.argsort(stable=True) // top_k], counts.tolist(), w1_0.float(),
+                              w3_0.float(), w2_0.float(), act, betas)[torch.argsort(ids.argsort(stable=True))]
+    errors["pair_order_rel_err"] = relative_error(pair_order(0).float(), want_pairs)
+    grouped_from_ids_us = graph_us_per_layer(sorted_from_ids, layers)
+    if saved_backend is None:
+        del os.environ["K3_MOE_BACKEND"]
+    else:
+        os.environ["K3_MOE_BACKEND"] = saved_backend
+    pair_order_us = graph_us_per_layer(pair_order, layers)
+
     rows = x.shape[0]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     default = (block_sizes(rows, experts, width_f, width_d, num_sms), block_sizes(rows, experts, width_d, width_f,
                                                                                    num_sms))
     result = dict(model=model, tokens=tokens, rows=rows, experts_touched=int((counts > 0).sum()), **errors,
-                  default_blocks=default)
+                  default_blocks=default, grouped_from_ids_us=grouped_from_ids_us, pair_order_us=pair_order_us)
     result["grouped_us"] = graph_us_per_layer(grouped, layers)
     result["triton_us"] = graph_us_per_layer(triton_with(default), layers)
     sweep = {}
@@ -122,6 +149,8 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float) -> dict:
     result.update(sweep_us=sweep, best_blocks=best, best_us=sweep[best], floor_us=floor_us,
                   grouped_vs_floor=result["grouped_us"] / floor_us, triton_vs_floor=result["triton_us"] / floor_us,
                   speedup=result["grouped_us"] / result["triton_us"])
+    print(f"{model} x{tokens}: from ids, sorted + grouped {grouped_from_ids_us:.1f} us, pair-order kernels "
+          f"{pair_order_us:.1f} us (rel err {errors['pair_order_rel_err']:.1e})", flush=True)
     print(f"{model} x{tokens}: grouped {result['grouped_us']:.1f} us, triton {result['triton_us']:.1f} us "
           f"(best {best}: {sweep[best]:.1f}), floor {floor_us:.1f} us; rel err grouped "
           f"{errors['grouped_rel_err']:.2e} triton {errors['triton_rel_err']:.2e}", flush=True)
@@ -134,38 +163,57 @@ DENSE = {  # `small`'s projections that read one token's hidden state in decode 
 }
 
 
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of k3.ops.linear_triton's skinny kernel; BLOCK_K 0 = the whole row.
+DENSE_SWEEP = ((16, 256, 4, 3), (32, 256, 4, 3), (16, 128, 2, 4), (16, 512, 4, 2), (32, 0, 4, 1), (16, 0, 4, 1),
+               (64, 128, 4, 4), (8 * 4, 64, 1, 4))
+
+
 def bench_dense(name: str, tokens: int, layers: int, bandwidth: float) -> dict:
+    """One dense projection per layer: cuBLAS (F.linear) against k3.ops.linear_triton's skinny kernel swept over
+    DENSE_SWEEP, and an empty Triton kernel per layer for the fixed cost of a launch inside a graph."""
+    from k3.ops.linear_triton import skinny_linear_eager
+
     out_width, in_width = DENSE[name]
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     count = 1 if name == "lm_head" else layers
-    weights = [torch.randn(1, out_width, in_width, device="cuda", generator=gen).div_(in_width ** 0.5).bfloat16()
+    weights = [torch.randn(out_width, in_width, device="cuda", generator=gen).div_(in_width ** 0.5).bfloat16()
                for _ in range(count)]
     x = torch.randn(tokens, in_width, device="cuda", generator=gen).bfloat16()
-    counts = torch.tensor([tokens], device="cuda")
-    want = x.float() @ weights[0][0].float().t()
-    errors = dict(linear_rel_err=relative_error(torch.nn.functional.linear(x, weights[0][0]).float(), want),
-                  triton_rel_err=relative_error(skinny(x, counts, weights[0], None).float(), want))
-    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    default = block_sizes(tokens, 1, out_width, in_width, num_sms)
-    result = dict(name=name, tokens=tokens, out_width=out_width, in_width=in_width, default_blocks=default, **errors)
-    result["linear_us"] = graph_us_per_layer(lambda i: torch.nn.functional.linear(x, weights[i][0]), count)
-    result["triton_us"] = graph_us_per_layer(lambda i: skinny(x, counts, weights[i], default), count)
+    want = x.float() @ weights[0].float().t()
+    result = dict(name=name, tokens=tokens, out_width=out_width, in_width=in_width,
+                  linear_rel_err=relative_error(torch.nn.functional.linear(x, weights[0]).float(), want),
+                  triton_rel_err=relative_error(skinny_linear_eager(x, weights[0]).float(), want))
+    result["linear_us"] = graph_us_per_layer(lambda i: torch.nn.functional.linear(x, weights[i]), count)
+    result["triton_us"] = graph_us_per_layer(lambda i: skinny_linear_eager(x, weights[i]), count)
     sweep = {}
-    for block_n in SWEEP_N:
-        for block_k in SWEEP_K:
-            blocks = (16, block_n, block_k)
-            try:
-                sweep[f"{block_n}x{block_k}"] = graph_us_per_layer(lambda i: skinny(x, counts, weights[i], blocks),
-                                                                   count)
-            except Exception as exc:
-                print(f"  blocks {blocks}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    for block_n, block_k, warps, stages in DENSE_SWEEP:
+        block_k = block_k or 1 << (in_width - 1).bit_length()
+        key = f"{block_n}x{block_k}w{warps}s{stages}"
+        try:
+            sweep[key] = graph_us_per_layer(lambda i: skinny_linear_eager(x, weights[i], block_n, block_k, warps,
+                                                                          stages), count)
+        except Exception as exc:
+            print(f"  {key}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     best = min(sweep, key=sweep.get)
     floor_us = (out_width * in_width + tokens * (in_width + out_width)) * 2 / bandwidth * 1e6
     result.update(sweep_us=sweep, best_blocks=best, best_us=sweep[best], floor_us=floor_us,
-                  speedup=result["linear_us"] / result["triton_us"])
+                  speedup=result["linear_us"] / result["triton_us"], best_speedup=result["linear_us"] / sweep[best])
     print(f"{name} x{tokens}: linear {result['linear_us']:.1f} us, triton {result['triton_us']:.1f} us "
           f"(best {best}: {sweep[best]:.1f}), floor {floor_us:.1f} us", flush=True)
     return result
+
+
+def empty_launch_us(layers: int) -> float:
+    """A Triton kernel that stores one number, once per layer in one graph: the fixed cost of a launch."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def store_one(out_ptr):
+        tl.store(out_ptr + tl.program_id(0), 1.0)
+
+    out = torch.empty(132, device="cuda")
+    return graph_us_per_layer(lambda i: store_one[(132,)](out), layers)
 
 
 def topk_by_argmax_rounds(values, k):
@@ -205,12 +253,6 @@ def bench_routing(tokens: int, layers: int, experts: int = 64, top_k: int = 6) -
     return result
 
 
-def skinny(x, counts, weight_1OI, blocks):
-    from k3.ops.moe_triton import _launch
-
-    return _launch(x, counts, weight_1OI, None, "silu", (1.0, 1.0), blocks)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -236,23 +278,28 @@ def main() -> None:
     if results:
         print_table("routed experts per MoE layer, one CUDA graph over all layers",
                     ["model", "tokens", "experts", "grouped us", "triton us", "speed-up", "best sweep", "floor us",
-                     "triton / floor", "rel err"],
+                     "triton / floor", "rel err", "ids->rows: sort+grouped us", "pair-order us"],
                     [[r["model"], r["tokens"], r["experts_touched"], f"{r['grouped_us']:.1f}", f"{r['triton_us']:.1f}",
                       f"{r['speedup']:.2f}x", f"{r['best_blocks']} {r['best_us']:.1f}", f"{r['floor_us']:.1f}",
-                      f"{r['triton_vs_floor']:.2f}x", f"{r['triton_rel_err']:.1e}"] for r in results])
+                      f"{r['triton_vs_floor']:.2f}x", f"{r['triton_rel_err']:.1e}", f"{r['grouped_from_ids_us']:.1f}",
+                      f"{r['pair_order_us']:.1f}"] for r in results])
     dense = []
     if args.dense:
-        dense = [bench_dense(n, t, args.layers, bandwidth) for n in DENSE for t in args.tokens if t <= 64]
-        print_table("dense decode projections per layer, one CUDA graph over all layers",
-                    ["projection", "tokens", "linear us", "triton us", "speed-up", "best sweep", "floor us",
+        empty_us = empty_launch_us(args.layers)
+        print(f"empty Triton kernel in a graph: {empty_us:.2f} us per launch", flush=True)
+        dense = [bench_dense(n, t, args.layers, bandwidth) for n in DENSE for t in args.tokens if t <= 16]
+        print_table(f"dense decode projections per layer, one CUDA graph over all layers (empty launch "
+                    f"{empty_us:.2f} us)",
+                    ["projection", "tokens", "linear us", "triton us", "best sweep", "best speed-up", "floor us",
                      "rel err"],
-                    [[r["name"], r["tokens"], f"{r['linear_us']:.1f}", f"{r['triton_us']:.1f}", f"{r['speedup']:.2f}x",
-                      f"{r['best_blocks']} {r['best_us']:.1f}", f"{r['floor_us']:.1f}", f"{r['triton_rel_err']:.1e}"]
-                     for r in dense])
+                    [[r["name"], r["tokens"], f"{r['linear_us']:.1f}", f"{r['triton_us']:.1f}",
+                      f"{r['best_blocks']} {r['best_us']:.1f}", f"{r['best_speedup']:.2f}x", f"{r['floor_us']:.1f}",
+                      f"{r['triton_rel_err']:.1e}"] for r in dense])
     if args.out:
         write_json(args.out, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, results=results,
                                   dense=dense, routing=routing))
-    bad = [r for r in results if r["triton_rel_err"] > max(1e-2, 2 * r["grouped_rel_err"])]
+    bad = [r for r in results
+           if max(r["triton_rel_err"], r["pair_order_rel_err"]) > max(1e-2, 2 * r["grouped_rel_err"])]
     if bad:
         sys.exit(f"Triton path too far from the fp32 loop: {[(r['model'], r['tokens']) for r in bad]}")
 

@@ -24,8 +24,9 @@ from k3.layers.balancing import QB_MAX_ITERS, QB_TOLERANCE, loss_free_bias, maxv
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import fused
-from k3.ops.moe import (count_per_expert, gather_pairs, inverse_permutation, run_experts, sort_pairs_by_expert,
-                        unpermute_rows)
+from k3.ops.fused_backend import with_torch_fallback
+from k3.ops.moe import count_per_expert, experts_in_pair_order, inverse_permutation, unpermute_rows
+from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
 
 
 @dataclass
@@ -66,9 +67,34 @@ class Router(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         # Loads of the training forwards since the last loss-free update.
         self._pending_load: torch.Tensor | None = None
-        self.last_load_E: torch.Tensor | None = None
+        # The last forward's load, or (after the fused kernel, which does not count) its ids, counted when asked.
+        self._last_load_E: torch.Tensor | None = None
+        self._last_ids_TK: torch.Tensor | None = None
+
+    @property
+    def last_load_E(self) -> torch.Tensor | None:
+        """Routed pairs per expert [E] (fp32) of the last forward."""
+        if self._last_load_E is None and self._last_ids_TK is not None:
+            self._last_load_E = count_per_expert(self._last_ids_TK, self.num_experts).float()
+        return self._last_load_E
 
     def forward(self, x_TD: torch.Tensor) -> Routing:
+        # Inference on CUDA: the whole router as one kernel (k3.ops.route_triton). Forward hooks (routing record
+        # and replay, the engine's record_routing) see the same Routing either way.
+        if not self.training and not self.force_balanced and route_triton_pays(x_TD, self.weight):
+            if router_backend() == "triton":
+                return self._route_fused(x_TD)
+            variant = ("moe_route_triton", tuple(self.weight.shape), self.top_k, x_TD.dtype)
+            return with_torch_fallback(variant, lambda: self._route_fused(x_TD), lambda: self._route(x_TD))
+        return self._route(x_TD)
+
+    def _route_fused(self, x_TD: torch.Tensor) -> Routing:
+        ids_TK, weights_TK, scores_TE = route_triton(x_TD, self.weight, self.e_score_correction_bias, self.top_k,
+                                                     self.renormalize, self.scale)
+        self._last_ids_TK, self._last_load_E, self.aux_loss = ids_TK, None, None
+        return Routing(ids_TK, weights_TK, scores_TE)
+
+    def _route(self, x_TD: torch.Tensor) -> Routing:
         scores_TE = torch.sigmoid(x_TD.float() @ self.weight.float().t())
         if self.force_balanced:
             t = torch.arange(x_TD.shape[0], device=x_TD.device)
@@ -90,7 +116,7 @@ class Router(nn.Module):
         weights_TK = weights_TK * self.scale
         # Counted on the device without a host sync (torch.bincount syncs on CUDA), as expert_load would.
         load_E = count_per_expert(topk_ids_TK.detach(), self.num_experts).float()
-        self.last_load_E = load_E
+        self._last_load_E, self._last_ids_TK = load_E, None
         self.aux_loss = None
         if self.training and self.aux_loss_coef > 0:
             share_E = load_E / load_E.sum().clamp_min(1.0)
@@ -155,13 +181,11 @@ class LatentMoE(nn.Module):
         num_tokens = x_TD.shape[0]
         h_TL = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
         ids_N = routing.topk_ids_TK.reshape(-1)
-        # One inverse serves both permutations' forwards and backwards (gathers, no scatter-adds).
-        order_N, inverse_N, counts_E = sort_pairs_by_expert(ids_N, self.w1.shape[0])
         w13 = fused(self, "w13")  # w1 and w3 in one buffer when fused at load (k3.layers.fused_weights)
-        y_NL = run_experts(gather_pairs(h_TL, order_N, self.top_k, inverse_N), counts_E, self.w1, self.w3, self.w2,
-                           self.act, self.betas, w13.buffer if w13 is not None else None)
+        y_NL = experts_in_pair_order(h_TL, ids_N, self.top_k, self.w1, self.w3, self.w2, self.act, self.betas,
+                                     w13.buffer if w13 is not None else None)
         # The width spelled out (not -1): with no tokens, a view of 0 elements cannot infer it.
-        y_TKL = unpermute_rows(y_NL, order_N, inverse_N).view(num_tokens, self.top_k, y_NL.shape[-1])
+        y_TKL = y_NL.view(num_tokens, self.top_k, y_NL.shape[-1])
         out_TL = weighted_sum_over_k(y_TKL, routing.topk_weights_TK)
         if self.latent:
             if self.routed_expert_norm is not None:

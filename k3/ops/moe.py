@@ -9,6 +9,9 @@ Three interchangeable paths, held equal by tests/ops/test_moe_ops.py:
   counts back to the host, which breaks the graph. It copies N expert weights, so it suits decode-sized N.
 - `experts_triton` (k3.ops.moe_triton): two Triton kernels that read only the touched experts' weights, for
   decode-sized N in inference.
+`experts_in_pair_order` is what LatentMoE calls: with the Triton kernels it skips the sort altogether (they
+take the pairs in pair order and each expert's program finds its own), else it sorts, runs one of the paths above
+and puts the rows back in pair order.
 `K3_MOE_BACKEND=loop|grouped|triton|auto` forces one; auto takes the Triton kernels for inference on CUDA up to
 TRITON_MAX_ROWS rows, else the grouped GEMM for bf16 CUDA tensors whose widths meet its 16-byte alignment rule,
 else the loop (eager) or the gathered path (under torch.compile).
@@ -29,7 +32,7 @@ import torch
 
 from k3.layers.mlp import glu_activation
 from k3.ops.fused_backend import with_torch_fallback
-from k3.ops.moe_triton import experts_triton, triton_pays
+from k3.ops.moe_triton import experts_by_ids, experts_triton, triton_pays
 
 
 def experts_loop(x_ND: torch.Tensor, counts_E: list[int], w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
@@ -200,14 +203,48 @@ def _grouped_available(x: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
             and width_f % 8 == 0 and width_d % 8 == 0)
 
 
+def moe_backend() -> str:
+    backend = os.environ.get("K3_MOE_BACKEND", "auto")
+    if backend not in ("auto", "loop", "grouped", "triton"):
+        raise ValueError(f"K3_MOE_BACKEND={backend!r}; use auto, loop, grouped or triton")
+    return backend
+
+
+def experts_in_pair_order(h_TL: torch.Tensor, ids_N: torch.Tensor, top_k: int, w1_EFL: torch.Tensor,
+                          w3_EFL: torch.Tensor, w2_ELF: torch.Tensor, act: str, betas: tuple[float, float],
+                          w13_E2FL: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts of token rows h_TL [T, L] for the pairs p = t * top_k + k routed to ids_N [N] -> [N, L]
+    in pair order (row p: expert ids_N[p] applied to token p // top_k).
+
+    Where the Triton kernels run (K3_MOE_BACKEND, run_experts' rule over N rows) they take the pairs as they are
+    (k3.ops.moe_triton.experts_by_ids: each expert's program finds its own pairs). Otherwise the pairs are sorted
+    by expert, gathered, run by run_experts' other paths and put back in pair order."""
+    backend = moe_backend()
+    num_pairs = ids_N.numel()
+    if backend == "triton":
+        return experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas)
+    if backend == "auto" and triton_pays(h_TL, w1_EFL, w3_EFL, w2_ELF, num_rows=num_pairs):
+        variant = ("moe_experts_by_ids_triton", act, tuple(w1_EFL.shape[1:]), h_TL.dtype)
+        return with_torch_fallback(variant, lambda: experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas),
+                                   lambda: _sorted_by_expert(backend, h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF,
+                                                             act, betas, w13_E2FL))
+    return _sorted_by_expert(backend, h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL)
+
+
+def _sorted_by_expert(backend, h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL):
+    # One inverse serves both permutations' forwards and backwards (gathers, no scatter-adds).
+    order_N, inverse_N, counts_E = sort_pairs_by_expert(ids_N, w1_EFL.shape[0])
+    x_NL = gather_pairs(h_TL, order_N, top_k, inverse_N)
+    y_NL = _without_triton(backend, x_NL, counts_E, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL)
+    return unpermute_rows(y_NL, order_N, inverse_N)
+
+
 def run_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
                 w2_EDF: torch.Tensor, act: str, betas: tuple[float, float],
                 w13_E2FD: torch.Tensor | None = None) -> torch.Tensor:
     """x_ND sorted by expert, counts_E [E] int tokens per expert -> [N, D]. w13_E2FD (optional): w1 and w3
     fused in one buffer, which the grouped GEMM path uses (the others read the w1 / w3 views of it)."""
-    backend = os.environ.get("K3_MOE_BACKEND", "auto")
-    if backend not in ("auto", "loop", "grouped", "triton"):
-        raise ValueError(f"K3_MOE_BACKEND={backend!r}; use auto, loop, grouped or triton")
+    backend = moe_backend()
     if backend == "triton":
         return experts_triton(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
     if backend == "auto" and triton_pays(x_ND, w1_EFD, w3_EFD, w2_EDF):

@@ -28,6 +28,8 @@ from k3.layers.mlp import GLU_KINDS
 
 # Above this many routed rows the grouped GEMM's large tiles win (prefill); at or below it, these kernels.
 TRITON_MAX_ROWS = 1024
+# expert_matmul_by_ids scans the routed expert ids in chunks of this many pairs.
+PAIR_BLOCK = 256
 
 
 def _interpreting() -> bool:
@@ -35,16 +37,16 @@ def _interpreting() -> bool:
 
 
 @functools.lru_cache(maxsize=2)
-def _kernel(interpret: bool):
-    """The jitted kernel, imported on first use (k3 imports without triton). Triton decides between compiling
-    and its CPU interpreter when the module's function is decorated, so a change of TRITON_INTERPRET reloads it."""
+def kernels(interpret: bool):
+    """The module of jitted kernels, imported on first use (k3 imports without triton). Triton decides between
+    compiling and its CPU interpreter when a function is decorated, so a change of TRITON_INTERPRET reloads it."""
     import importlib
 
-    from k3.ops import moe_triton_kernels as kernels
+    from k3.ops import moe_triton_kernels as module
 
-    if kernels.INTERPRETED != interpret:
-        kernels = importlib.reload(kernels)
-    return kernels.expert_matmul
+    if module.INTERPRETED != interpret:
+        module = importlib.reload(module)
+    return module
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,26 +81,36 @@ def _multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _launch(x_ND: torch.Tensor, counts_E: torch.Tensor, w: torch.Tensor, w3: torch.Tensor | None, act: str,
-            betas: tuple[float, float], blocks: tuple[int, int, int] | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, num_rows: int, counts_E: torch.Tensor | None, ids_N: torch.Tensor | None,
+            pairs_per_row: int, w: torch.Tensor, w3: torch.Tensor | None, act: str, betas: tuple[float, float],
+            blocks: tuple[int, int, int] | None) -> torch.Tensor:
+    """One projection over num_rows output rows: rows sorted by expert with counts_E (expert_matmul), or in
+    pair order with ids_N (expert_matmul_by_ids, x row = pair // pairs_per_row)."""
     import triton
 
-    num_rows, num_experts, out_width, in_width = x_ND.shape[0], w.shape[0], w.shape[1], w.shape[2]
-    out = x_ND.new_empty(num_rows, out_width)
+    num_experts, out_width, in_width = w.shape[0], w.shape[1], w.shape[2]
+    out = x.new_empty(num_rows, out_width)
     if num_rows == 0:
         return out
     if blocks is None:
-        num_sms = _multiprocessors(x_ND.device.index) if x_ND.is_cuda else 132
+        num_sms = _multiprocessors(x.device.index) if x.is_cuda else 132
         blocks = block_sizes(num_rows, num_experts, out_width, in_width, num_sms)
     block_m, block_n, block_k = blocks
     glu = w3 is not None
     w3 = w if w3 is None else w3
     grid = (num_experts, triton.cdiv(out_width, block_n))
-    _kernel(_interpreting())[grid](
-        x_ND, w, w3, out, counts_E, x_ND.stride(0), x_ND.stride(1), *w.stride(), *w3.stride(),
-        out.stride(0), out.stride(1), float(betas[0]), float(betas[1]), out_width, in_width,
-        NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), GLU=glu, SITU=act == "situ",
-        UPCAST=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    common = (x.stride(0), x.stride(1), *w.stride(), *w3.stride(), out.stride(0), out.stride(1), float(betas[0]),
+              float(betas[1]), out_width, in_width)
+    flags = dict(GLU=glu, SITU=act == "situ", UPCAST=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_K=block_k)
+    module = kernels(_interpreting())
+    if ids_N is None:
+        module.expert_matmul[grid](x, w, w3, out, counts_E, *common, NUM_EXPERTS=num_experts,
+                                   EXPERTS_POW2=triton.next_power_of_2(num_experts), **flags)
+    else:
+        block_p = min(PAIR_BLOCK, max(16, triton.next_power_of_2(num_rows)))
+        module.expert_matmul_by_ids[grid](x, w, w3, out, ids_N, num_rows, *common, PAIRS_PER_ROW=pairs_per_row,
+                                          BLOCK_P=block_p, **flags)
     return out
 
 
@@ -110,8 +122,28 @@ def experts_triton_eager(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: tor
     if act not in GLU_KINDS:
         raise ValueError(f"unknown GLU activation {act!r}; use one of {GLU_KINDS}")
     dtype = x_ND.dtype
-    h_NF = _launch(x_ND, counts_E, w1_EFD.to(dtype), w3_EFD.to(dtype), act, betas, blocks and blocks[0])
-    return _launch(h_NF, counts_E, w2_EDF.to(dtype), None, act, betas, blocks and blocks[1])
+    rows = x_ND.shape[0]
+    h_NF = _launch(x_ND, rows, counts_E, None, 1, w1_EFD.to(dtype), w3_EFD.to(dtype), act, betas, blocks and blocks[0])
+    return _launch(h_NF, rows, counts_E, None, 1, w2_EDF.to(dtype), None, act, betas, blocks and blocks[1])
+
+
+def experts_by_ids_eager(h_TD: torch.Tensor, ids_N: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
+                         w2_EDF: torch.Tensor, act: str, betas: tuple[float, float],
+                         blocks: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None) -> torch.Tensor:
+    """Token rows h_TD [T, D] and the routed experts ids_N [N] of pairs p = t * top_k + k -> [N, D] in pair order,
+    with no sort: row p is expert ids_N[p]'s GLU of token p // top_k. Equals the sorted path's result after its
+    unpermute (tests/ops/test_moe_triton.py)."""
+    if act not in GLU_KINDS:
+        raise ValueError(f"unknown GLU activation {act!r}; use one of {GLU_KINDS}")
+    num_pairs, num_tokens = ids_N.numel(), h_TD.shape[0]
+    if num_tokens and num_pairs % num_tokens:
+        raise ValueError(f"{num_pairs} routed pairs for {num_tokens} tokens: expected top_k pairs per token")
+    top_k = num_pairs // num_tokens if num_tokens else 1
+    dtype = h_TD.dtype
+    ids_N = ids_N.reshape(-1)
+    h_NF = _launch(h_TD, num_pairs, None, ids_N, top_k, w1_EFD.to(dtype), w3_EFD.to(dtype), act, betas,
+                   blocks and blocks[0])
+    return _launch(h_NF, num_pairs, None, ids_N, 1, w2_EDF.to(dtype), None, act, betas, blocks and blocks[1])
 
 
 @torch.library.custom_op("k3::moe_experts_triton", mutates_args=())
@@ -125,6 +157,25 @@ def _(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, beta_gate, beta_up):
     return x_ND.new_empty(x_ND.shape[0], w2_EDF.shape[1])
 
 
+@torch.library.custom_op("k3::moe_experts_by_ids_triton", mutates_args=())
+def moe_experts_by_ids_op(h_TD: torch.Tensor, ids_N: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
+                          w2_EDF: torch.Tensor, act: str, beta_gate: float, beta_up: float) -> torch.Tensor:
+    return experts_by_ids_eager(h_TD, ids_N, w1_EFD, w3_EFD, w2_EDF, act, (beta_gate, beta_up))
+
+
+@moe_experts_by_ids_op.register_fake
+def _(h_TD, ids_N, w1_EFD, w3_EFD, w2_EDF, act, beta_gate, beta_up):
+    return h_TD.new_empty(ids_N.numel(), w2_EDF.shape[1])
+
+
+def experts_by_ids(h_TD: torch.Tensor, ids_N: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
+                   w2_EDF: torch.Tensor, act: str, betas: tuple[float, float]) -> torch.Tensor:
+    """experts_by_ids_eager, as one opaque op under torch.compile. Inference only (no backward)."""
+    if torch.compiler.is_compiling():
+        return moe_experts_by_ids_op(h_TD, ids_N, w1_EFD, w3_EFD, w2_EDF, act, *betas)
+    return experts_by_ids_eager(h_TD, ids_N, w1_EFD, w3_EFD, w2_EDF, act, betas)
+
+
 def experts_triton(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
                    w2_EDF: torch.Tensor, act: str, betas: tuple[float, float]) -> torch.Tensor:
     """Same arguments and result as k3.ops.moe.experts_grouped_mm, inference only (no backward)."""
@@ -133,9 +184,12 @@ def experts_triton(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Ten
     return experts_triton_eager(x_ND, counts_E, w1_EFD, w3_EFD, w2_EDF, act, betas)
 
 
-def triton_pays(x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor) -> bool:
-    """Auto-selection: CUDA, half-precision rows, decode-sized N, no autograd graph (no backward here)."""
-    if not (x_ND.is_cuda and x_ND.dtype in (torch.bfloat16, torch.float16) and x_ND.shape[0] <= TRITON_MAX_ROWS):
+def triton_pays(x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, w2_EDF: torch.Tensor,
+                num_rows: int | None = None) -> bool:
+    """Auto-selection: CUDA, half-precision rows, decode-sized N (num_rows, x_ND's rows unless given), no autograd
+    graph (no backward here)."""
+    num_rows = x_ND.shape[0] if num_rows is None else num_rows
+    if not (x_ND.is_cuda and x_ND.dtype in (torch.bfloat16, torch.float16) and num_rows <= TRITON_MAX_ROWS):
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_ND, w1_EFD, w3_EFD, w2_EDF)):
         return False

@@ -1,12 +1,46 @@
-"""The Triton kernel behind k3.ops.moe_triton (see there); a module of its own because it imports triton."""
+"""The Triton kernels behind k3.ops.moe_triton and k3.ops.route_triton (see there); a module of its own because
+it imports triton."""
 
 import os
 
 import triton
 import triton.language as tl
 
-# Whether this import decorated the kernel for Triton's CPU interpreter (moe_triton reloads on a change).
+# Whether this import decorated the kernels for Triton's CPU interpreter (the launchers reload on a change).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _glu_rows(x_ptr, x_rows, row_ok, stride_xn, stride_xd, w_rows, w3_rows, stride_wd, stride_3d, col_ok,
+              beta_gate, beta_up, in_width: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr,
+              UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] fp32: rows x_rows of x times one expert's weight tile (w_rows: pointers to its output
+    columns), and with GLU the activation of (x W^T, x W3^T)."""
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, in_width, BLOCK_K):
+        k_ok = (k0 + ks) < in_width
+        x = tl.load(x_ptr + x_rows[:, None].to(tl.int64) * stride_xn + (k0 + ks)[None, :] * stride_xd,
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + (k0 + ks)[None, :] * stride_wd, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:  # the CPU interpreter multiplies fp32 only
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc += tl.dot(x, tl.trans(w))
+        if GLU:
+            w3 = tl.load(w3_rows + (k0 + ks)[None, :] * stride_3d, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                w3 = w3.to(tl.float32)
+            acc3 += tl.dot(x, tl.trans(w3))
+    if GLU:
+        if SITU:  # beta_g tanh(g / beta_g) sigmoid(g) * beta_u tanh(u / beta_u); tanh(z) = 2 sigmoid(2z) - 1
+            tanh_g = 2.0 * tl.sigmoid(2.0 * acc / beta_gate) - 1.0
+            tanh_u = 2.0 * tl.sigmoid(2.0 * acc3 / beta_up) - 1.0
+            acc = (beta_gate * tanh_g * tl.sigmoid(acc)) * (beta_up * tanh_u)
+        else:  # silu(g) * u
+            acc = acc * tl.sigmoid(acc) * acc3
+    return acc
 
 
 @triton.jit
@@ -16,6 +50,7 @@ def expert_matmul(x_ptr, w_ptr, w3_ptr, out_ptr, counts_ptr,
                   NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr,
                   GLU: tl.constexpr, SITU: tl.constexpr, UPCAST: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows sorted by expert: expert e owns counts[e] rows after those of experts 0..e-1."""
     expert = tl.program_id(0)
     # The expert's rows start after every earlier expert's: a prefix sum over the counts, here rather than in a
     # cumsum kernel of its own (two fewer launches per MoE layer in a decode step that is launch-bound).
@@ -25,7 +60,6 @@ def expert_matmul(x_ptr, w_ptr, w3_ptr, out_ptr, counts_ptr,
     end = start + tl.load(counts_ptr + expert).to(tl.int32)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < out_width
-    ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wo
     w3_rows = w3_ptr + expert.to(tl.int64) * stride_3e + cols[:, None] * stride_3o
     # A while loop, not range(start, end): Triton's CPU interpreter cannot take loaded loop bounds.
@@ -33,30 +67,101 @@ def expert_matmul(x_ptr, w_ptr, w3_ptr, out_ptr, counts_ptr,
     while row0 < end:  # no iteration for an expert with no rows: nothing is read
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < end
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, in_width, BLOCK_K):
-            k_ok = (k0 + ks) < in_width
-            x = tl.load(x_ptr + rows[:, None] * stride_xn + (k0 + ks)[None, :] * stride_xd,
-                        mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + (k0 + ks)[None, :] * stride_wd, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:  # the CPU interpreter multiplies fp32 only
-                x = x.to(tl.float32)
-                w = w.to(tl.float32)
-            acc += tl.dot(x, tl.trans(w))
-            if GLU:
-                w3 = tl.load(w3_rows + (k0 + ks)[None, :] * stride_3d, mask=col_ok[:, None] & k_ok[None, :],
-                             other=0.0)
-                if UPCAST:
-                    w3 = w3.to(tl.float32)
-                acc3 += tl.dot(x, tl.trans(w3))
-        if GLU:
-            if SITU:  # beta_g tanh(g / beta_g) sigmoid(g) * beta_u tanh(u / beta_u); tanh(z) = 2 sigmoid(2z) - 1
-                tanh_g = 2.0 * tl.sigmoid(2.0 * acc / beta_gate) - 1.0
-                tanh_u = 2.0 * tl.sigmoid(2.0 * acc3 / beta_up) - 1.0
-                acc = (beta_gate * tanh_g * tl.sigmoid(acc)) * (beta_up * tanh_u)
-            else:  # silu(g) * u
-                acc = acc * tl.sigmoid(acc) * acc3
+        acc = _glu_rows(x_ptr, rows, row_ok, stride_xn, stride_xd, w_rows, w3_rows, stride_wd, stride_3d, col_ok,
+                        beta_gate, beta_up, in_width, GLU, SITU, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(out_ptr + rows[:, None] * stride_on + cols[None, :] * stride_oo,
                  acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
         row0 += BLOCK_M
+
+
+@triton.jit
+def expert_matmul_by_ids(x_ptr, w_ptr, w3_ptr, out_ptr, ids_ptr, num_pairs,
+                         stride_xn, stride_xd, stride_we, stride_wo, stride_wd, stride_3e, stride_3o, stride_3d,
+                         stride_on, stride_oo, beta_gate, beta_up, out_width: tl.constexpr, in_width: tl.constexpr,
+                         PAIRS_PER_ROW: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, UPCAST: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_P: tl.constexpr):
+    """Rows in pair order, no sort: pair p = t * top_k + k was routed to expert ids[p]; it reads x row
+    p // PAIRS_PER_ROW (top_k for the token rows of the first projection, 1 for rows already in pair order) and
+    writes out row p. Each program finds its expert's pairs itself: a pass over ids counts them, and for each
+    block of BLOCK_M of them a second pass ranks the pairs (a running cumulative sum) and picks those whose rank
+    falls in the block, in pair order. That replaces the sort, its inverse, the count and two row permutations
+    (six launches per MoE layer) with a scan of N small integers per program."""
+    expert = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < out_width
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wo
+    w3_rows = w3_ptr + expert.to(tl.int64) * stride_3e + cols[:, None] * stride_3o
+    ps = tl.arange(0, BLOCK_P)
+    count = 0
+    for p0 in range(0, num_pairs, BLOCK_P):
+        ids = tl.load(ids_ptr + p0 + ps, mask=p0 + ps < num_pairs, other=-1)
+        count += tl.sum((ids == expert).to(tl.int32), axis=0)
+    row0 = 0
+    while row0 < count:  # no iteration for an expert with no pairs: none of its weights is read
+        ranks = row0 + tl.arange(0, BLOCK_M)
+        pairs = tl.zeros((BLOCK_M,), dtype=tl.int32)
+        before = 0  # this expert's pairs in earlier chunks
+        for p0 in range(0, num_pairs, BLOCK_P):
+            ids = tl.load(ids_ptr + p0 + ps, mask=p0 + ps < num_pairs, other=-1)
+            mine = (ids == expert).to(tl.int32)
+            rank = before + tl.cumsum(mine, axis=0) - 1
+            picked = (mine[None, :] == 1) & (rank[None, :] == ranks[:, None])  # [BLOCK_M, BLOCK_P]
+            pairs += tl.sum(tl.where(picked, p0 + ps[None, :], 0), axis=1)
+            before += tl.sum(mine, axis=0)
+        row_ok = ranks < count
+        acc = _glu_rows(x_ptr, pairs // PAIRS_PER_ROW, row_ok, stride_xn, stride_xd, w_rows, w3_rows, stride_wd,
+                        stride_3d, col_ok, beta_gate, beta_up, in_width, GLU, SITU, UPCAST, BLOCK_M, BLOCK_N,
+                        BLOCK_K)
+        tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_on + cols[None, :] * stride_oo,
+                 acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        row0 += BLOCK_M
+
+
+@triton.jit
+def route_topk(x_ptr, w_ptr, bias_ptr, ids_ptr, weights_ptr, scores_ptr, num_tokens,
+               stride_xt, stride_xd, stride_we, stride_wd, scale, hidden: tl.constexpr,
+               NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
+               RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The sigmoid router of a block of tokens in one program: fp32 logits x W^T, scores = sigmoid, top-k of
+    scores + bias by k rounds of argmax (lowest expert id on a tie), gate weights = the chosen unbiased scores,
+    renormalised and scaled. Writes ids [T, K] (int64, in descending biased score as torch.topk orders them),
+    weights [T, K] fp32 and scores [T, E] fp32."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tokens < num_tokens
+    experts = tl.arange(0, EXPERTS_POW2)
+    e_ok = experts < NUM_EXPERTS
+    ds = tl.arange(0, BLOCK_D)
+    logits = tl.zeros((BLOCK_T, EXPERTS_POW2), dtype=tl.float32)
+    for d0 in range(0, hidden, BLOCK_D):
+        d_ok = (d0 + ds) < hidden
+        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xt + (d0 + ds)[None, :] * stride_xd,
+                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + experts[:, None] * stride_we + (d0 + ds)[None, :] * stride_wd,
+                    mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        logits += tl.dot(x, tl.trans(w), input_precision="ieee")  # fp32 products, as the eager router's matmul
+    scores = tl.sigmoid(logits)
+    bias = tl.load(bias_ptr + experts, mask=e_ok, other=0.0).to(tl.float32)
+    biased = tl.where(e_ok[None, :], scores + bias[None, :], float("-inf"))
+    slots = tl.arange(0, K_POW2)
+    ids = tl.zeros((BLOCK_T, K_POW2), dtype=tl.int32)
+    weights = tl.zeros((BLOCK_T, K_POW2), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(biased, axis=1)
+        pick = tl.min(tl.where(biased == best[:, None], experts[None, :], EXPERTS_POW2), axis=1)
+        # A NaN score matches nothing: name expert 0 (its weight, the NaN, still poisons the output) rather than
+        # an id past the experts, which the expert kernels would skip and leave the row unwritten.
+        pick = tl.where(pick < NUM_EXPERTS, pick, 0)
+        hit = experts[None, :] == pick[:, None]
+        ids = tl.where(slots[None, :] == j, pick[:, None], ids)
+        weights = tl.where(slots[None, :] == j, tl.sum(tl.where(hit, scores, 0.0), axis=1)[:, None], weights)
+        biased = tl.where(hit, float("-inf"), biased)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, axis=1)[:, None] + 1e-20)
+    weights = weights * scale
+    k_ok = t_ok[:, None] & (slots[None, :] < TOP_K)
+    pair = tokens[:, None].to(tl.int64) * TOP_K + slots[None, :]
+    tl.store(ids_ptr + pair, ids.to(tl.int64), mask=k_ok)
+    tl.store(weights_ptr + pair, weights, mask=k_ok)
+    tl.store(scores_ptr + tokens[:, None].to(tl.int64) * NUM_EXPERTS + experts[None, :], scores,
+             mask=t_ok[:, None] & e_ok[None, :])

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-import k3.layers.moe as moe_layer
+import k3.ops.moe as moe_ops
 from k3.config import ModelConfig
 from k3.layers.moe import LatentMoE
 from k3.ops.moe import gather_pairs, inverse_permutation, unpermute_rows
@@ -152,8 +152,8 @@ def test_latent_moe_equals_the_plain_indexing_version(monkeypatch, backend, toke
     x = torch.randn(1, tokens, moe.w1.shape[2] if not moe.latent else moe.routed_expert_down_proj.in_features)
     got = run_moe(moe, x)
     with monkeypatch.context() as patch:
-        patch.setattr(moe_layer, "gather_pairs", lambda h, order, k, _: plain_gather(h, order, k))
-        patch.setattr(moe_layer, "unpermute_rows", lambda y, order, _: plain_unpermute(y, order))
+        patch.setattr(moe_ops, "gather_pairs", lambda h, order, k, _: plain_gather(h, order, k))
+        patch.setattr(moe_ops, "unpermute_rows", lambda y, order, _: plain_unpermute(y, order))
         want = run_moe(reference, x)
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=1e-6)

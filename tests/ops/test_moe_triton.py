@@ -97,14 +97,17 @@ def test_latent_moe_layer_takes_the_kernels_when_asked(monkeypatch, act):
 
 @interpreted
 def test_custom_op_under_compile(monkeypatch):
-    """Dynamo keeps the launcher opaque (k3::moe_experts_triton) and its fake gives the right shape."""
+    """Dynamo keeps the launchers opaque (k3::moe_experts_by_ids_triton, k3::moe_route_triton) and their fakes
+    give the right shapes."""
     moe = _moe()
     x = torch.randn(2, 3, moe.routed_expert_down_proj.in_features)
     monkeypatch.setenv("K3_MOE_BACKEND", "triton")
+    monkeypatch.setenv("K3_ROUTER_BACKEND", "triton")
     torch._dynamo.reset()
     with torch.no_grad():
         got = torch.compile(moe, backend="aot_eager", fullgraph=True)(x)
         monkeypatch.setenv("K3_MOE_BACKEND", "loop")
+        monkeypatch.setenv("K3_ROUTER_BACKEND", "torch")
         want = moe(x)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -181,9 +184,103 @@ def test_engine_generates_the_same_tokens_with_the_kernels(monkeypatch):
     import k3.ops.moe as moe_ops
 
     calls = []
-    kernels = moe_ops.experts_triton
-    monkeypatch.setattr(moe_ops, "experts_triton", lambda *args: calls.append(args[0].shape[0]) or kernels(*args))
+    kernels = moe_ops.experts_by_ids
+    monkeypatch.setattr(moe_ops, "experts_by_ids", lambda *args: calls.append(args[1].numel()) or kernels(*args))
     monkeypatch.setenv("K3_MOE_BACKEND", "triton")
+    monkeypatch.setenv("K3_ROUTER_BACKEND", "triton")
     engine = Engine(model, None, max_context=128, max_batch=4, page_size=16, prefill_chunk=16)
     assert engine.generate_ids(prompts, SamplingParams(max_new_tokens=12, temperature=0.0)) == want
     assert calls and min(calls) <= 2 * 2  # decode steps (one or two rows of top-2 pairs) went through the kernels
+
+
+def _pairs(num_tokens, top_k, num_experts, seed):
+    """Expert ids of distinct experts per token, with expert 2 crowded (more pairs than BLOCK_M) and some
+    experts never chosen."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_tokens, num_experts, generator=g)
+    logits[:, 2] += 3.0  # chosen by nearly every token
+    logits[:, -2:] -= 100.0  # never chosen
+    return logits.topk(top_k, dim=-1).indices
+
+
+def _sorted_reference(h_TD, ids_TK, w1, w3, w2, act):
+    """The sorted path by hand: sort pairs, the expert loop, back in pair order."""
+    ids_N = ids_TK.reshape(-1)
+    order = ids_N.argsort(stable=True)
+    y = experts_loop(h_TD[order // ids_TK.shape[1]], torch.bincount(ids_N, minlength=w1.shape[0]).tolist(),
+                     w1, w3, w2, act, (4.0, 25.0))
+    return y[torch.argsort(order)]
+
+
+@interpreted
+@pytest.mark.parametrize("act", ["silu", "situ"])
+@pytest.mark.parametrize("num_tokens, top_k, blocks", [
+    (1, 3, None), (7, 2, ((16, 16, 16), (16, 32, 16))),
+    (90, 3, ((16, 32, 32), (16, 32, 32))),  # 270 pairs: two chunks of the pair scan, expert 2 over 5 row blocks
+])
+def test_pair_order_kernels_equal_the_sorted_loop(act, num_tokens, top_k, blocks):
+    w1, w3, w2 = _experts(10, 48, 40, seed=4)
+    h = torch.randn(num_tokens, 40, generator=torch.Generator().manual_seed(5))
+    ids = _pairs(num_tokens, top_k, 10, seed=6)
+    got = moe_triton.experts_by_ids_eager(h, ids.reshape(-1), w1, w3, w2, act, (4.0, 25.0), blocks)
+    torch.testing.assert_close(got, _sorted_reference(h, ids, w1, w3, w2, act), rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_pair_order_kernels_never_read_untouched_experts():
+    w1, w3, w2 = _experts(8, 32, 32, seed=7)
+    ids = _pairs(6, 2, 8, seed=8)
+    clean = [w.clone() for w in (w1, w3, w2)]
+    untouched = torch.ones(8, dtype=torch.bool)
+    untouched[ids.unique()] = False
+    assert untouched.any()
+    for w in (w1, w3, w2):
+        w[untouched] = float("nan")
+    h = torch.randn(6, 32, generator=torch.Generator().manual_seed(9))
+    got = moe_triton.experts_by_ids_eager(h, ids.reshape(-1), w1, w3, w2, "situ", (4.0, 25.0))
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, _sorted_reference(h, ids, *clean, "situ"), rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_pair_order_kernels_over_no_tokens_and_bad_pairs():
+    w1, w3, w2 = _experts(4, 16, 16)
+    empty = moe_triton.experts_by_ids_eager(torch.zeros(0, 16), torch.zeros(0, dtype=torch.long), w1, w3, w2,
+                                            "silu", (4.0, 25.0))
+    assert empty.shape == (0, 16)
+    with pytest.raises(ValueError, match="top_k pairs per token"):
+        moe_triton.experts_by_ids_eager(torch.zeros(3, 16), torch.zeros(7, dtype=torch.long), w1, w3, w2,
+                                        "silu", (4.0, 25.0))
+
+
+def test_pair_order_falls_back_to_the_sorted_path_when_triton_cannot_compile(monkeypatch):
+    import k3.ops.moe as moe_ops
+
+    class CompilationError(Exception):
+        pass
+
+    def failing(*args):
+        raise CompilationError("out of resource")
+
+    monkeypatch.setattr(moe_ops, "triton_pays", lambda *args, **kwargs: True)
+    monkeypatch.setattr(moe_ops, "experts_by_ids", failing)
+    monkeypatch.setenv("K3_MOE_BACKEND", "auto")
+    monkeypatch.setattr("k3.ops.fused_backend._failed", {})
+    w1, w3, w2 = _experts(6, 16, 16)
+    h = torch.randn(5, 16)
+    ids = _pairs(5, 2, 6, seed=10)
+    with pytest.warns(RuntimeWarning, match="failed to compile"):
+        got = moe_ops.experts_in_pair_order(h, ids.reshape(-1), 2, w1, w3, w2, "silu", (4.0, 25.0))
+    torch.testing.assert_close(got, _sorted_reference(h, ids, w1, w3, w2, "silu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_pair_order_kernels_cuda_bf16(num_tokens):
+    w1, w3, w2 = (w.cuda().bfloat16() for w in _experts(64, 1024, 512))
+    h = torch.randn(num_tokens, 512, generator=torch.Generator().manual_seed(1)).cuda().bfloat16()
+    ids = _pairs(num_tokens, 6, 64, seed=11).cuda()
+    want = _sorted_reference(h.float(), ids, w1.float(), w3.float(), w2.float(), "situ")
+    got = moe_triton.experts_by_ids_eager(h, ids.reshape(-1), w1, w3, w2, "situ", (4.0, 25.0))
+    assert (got.float() - want).norm() / want.norm() < 1e-2

@@ -1,0 +1,96 @@
+"""The sigmoid router of a decode step as one Triton kernel (k3.ops.moe_triton_kernels.route_topk).
+
+    logits = x W^T            (fp32 products and sums, as the eager router's x.float() @ W.float().t())
+    scores = sigmoid(logits)
+    ids    = topk(scores + b, k)       by k rounds of argmax, lowest expert id on a tie
+    w      = scores[ids] / sum * scale (renormalised when the config says so)
+
+Why: the eager router of one MoE layer is a cast, an fp32 GEMV (cuBLAS runs a dot and a reduction kernel at one
+token), the sigmoid and bias, torch.topk, a gather and the renormalisation: seven to nine launches that took
+about 13 us of kernel time per layer at batch 1 in `small`'s compiled decode step on one H200 (torch.topk alone
+4.8 us), in a step that is launch-bound. One program handles BLOCK_T tokens: the [E, D] router weight is read
+once per program, 128-256 KB that stay in L2 across programs.
+
+The PyTorch twin is k3.layers.moe.Router's own forward, held equal by tests/ops/test_route_triton.py (through
+Triton's CPU interpreter without a GPU). Under torch.compile the launcher is the custom op `k3::moe_route_triton`.
+`K3_ROUTER_BACKEND=auto|torch|triton`: auto takes the kernel for inference on CUDA up to TRITON_MAX_ROWS tokens.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from k3.ops.moe_triton import TRITON_MAX_ROWS, _interpreting, _triton_importable, kernels
+
+_ENV = "K3_ROUTER_BACKEND"
+BLOCK_T = 16  # tokens per program: tl.dot's smallest M
+BLOCK_D = 64
+
+
+def router_backend() -> str:
+    backend = os.environ.get(_ENV, "auto")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{_ENV}={backend!r}; use auto, torch or triton")
+    return backend
+
+
+def route_triton_eager(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int,
+                       renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, D], router weight [E, D], bias [E] -> (ids [T, K] int64, weights [T, K] fp32, scores [T, E] fp32)."""
+    import triton
+
+    num_tokens, hidden = x_TD.shape
+    num_experts = weight_ED.shape[0]
+    if weight_ED.shape[1] != hidden or bias_E.shape != (num_experts,):
+        raise ValueError(f"router weight {tuple(weight_ED.shape)} and bias {tuple(bias_E.shape)} do not fit "
+                         f"tokens of width {hidden}: expected [E, {hidden}] and [E]")
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must lie in 1..{num_experts} (the number of experts)")
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x_TD.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x_TD.device)
+    scores = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x_TD.device)
+    if num_tokens == 0:
+        return ids, weights, scores
+    grid = (triton.cdiv(num_tokens, BLOCK_T),)
+    kernels(_interpreting()).route_topk[grid](
+        x_TD, weight_ED, bias_E, ids, weights, scores, num_tokens, x_TD.stride(0), x_TD.stride(1),
+        weight_ED.stride(0), weight_ED.stride(1), float(scale), hidden, NUM_EXPERTS=num_experts,
+        EXPERTS_POW2=max(16, triton.next_power_of_2(num_experts)), TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
+        num_warps=4)
+    return ids, weights, scores
+
+
+@torch.library.custom_op("k3::moe_route_triton", mutates_args=())
+def moe_route_op(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return route_triton_eager(x_TD, weight_ED, bias_E, top_k, renormalize, scale)
+
+
+@moe_route_op.register_fake
+def _(x_TD, weight_ED, bias_E, top_k, renormalize, scale):
+    num_tokens, num_experts = x_TD.shape[0], weight_ED.shape[0]
+    return (x_TD.new_empty(num_tokens, top_k, dtype=torch.int64),
+            x_TD.new_empty(num_tokens, top_k, dtype=torch.float32),
+            x_TD.new_empty(num_tokens, num_experts, dtype=torch.float32))
+
+
+def route_triton(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """route_triton_eager, as one opaque op under torch.compile. Inference only (no backward)."""
+    if torch.compiler.is_compiling():
+        return moe_route_op(x_TD, weight_ED, bias_E, top_k, renormalize, scale)
+    return route_triton_eager(x_TD, weight_ED, bias_E, top_k, renormalize, scale)
+
+
+def route_triton_pays(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> bool:
+    """Whether the router runs the kernel: never under autograd (it has no backward); else when forced by
+    K3_ROUTER_BACKEND=triton, or with auto on CUDA up to TRITON_MAX_ROWS tokens."""
+    backend = router_backend()
+    if torch.is_grad_enabled() and (x_TD.requires_grad or weight_ED.requires_grad):
+        return False  # forced or not: the router's gradient needs the PyTorch forward
+    if backend != "auto":
+        return backend == "triton"
+    return x_TD.is_cuda and x_TD.shape[0] <= TRITON_MAX_ROWS and _triton_importable()

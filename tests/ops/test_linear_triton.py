@@ -1,0 +1,50 @@
+"""The skinny-GEMM Triton kernel (k3.ops.linear_triton) against torch.nn.functional.linear."""
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tensors need Triton's interpreter")
+
+from k3.ops.linear_triton import SKINNY_MAX_ROWS, skinny_linear_eager  # noqa: E402
+
+
+@interpreted
+@pytest.mark.parametrize("rows, out_width, in_width, block_n, block_k", [
+    (1, 40, 24, 16, 16),   # widths that are no multiple of the blocks
+    (5, 64, 100, 32, 32),  # several K blocks with a ragged tail
+    (16, 17, 16, 16, 256),  # BLOCK_K clipped to the row
+])
+def test_skinny_equals_linear(rows, out_width, in_width, block_n, block_k):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_width, generator=g)
+    w = torch.randn(out_width, in_width, generator=g)
+    got = skinny_linear_eager(x, w, block_n, block_k)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+@interpreted
+def test_skinny_keeps_leading_dims_and_says_what_it_takes():
+    x = torch.randn(2, 1, 24)
+    w = torch.randn(8, 24)
+    assert skinny_linear_eager(x, w).shape == (2, 1, 8)
+    with pytest.raises(ValueError, match="at most"):
+        skinny_linear_eager(torch.randn(SKINNY_MAX_ROWS + 1, 24), w)
+    with pytest.raises(ValueError, match="width 23"):
+        skinny_linear_eager(torch.randn(1, 23), w)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 16])
+def test_skinny_cuda_bf16(rows):
+    x = torch.randn(rows, 1024, device="cuda").bfloat16()
+    w = torch.randn(4232, 1024, device="cuda").div_(32).bfloat16()
+    want = x.float() @ w.float().t()
+    got = skinny_linear_eager(x, w).float()
+    assert (got - want).norm() / want.norm() < 1e-2
