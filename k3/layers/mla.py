@@ -18,7 +18,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 from k3.config import ModelConfig
 from k3.layers.fused_weights import fused, linear_group
-from k3.layers.norm import RMSNorm, compute_dtype
+from k3.layers.norm import RMSNorm
+from k3.ops.linear_triton import project
+from k3.ops.mla_decode import latent_attention
 
 # With a cache, up to this many new tokens attend in latent space (absorbed); longer inputs use expanded SDPA.
 ABSORB_MAX_TOKENS = 16
@@ -61,7 +63,7 @@ class GatedMLA(nn.Module):
         return linear_group(x, group) if group is not None else [p(x) for p in self._input_projections()]
 
     def _query(self, q_first: torch.Tensor) -> torch.Tensor:
-        q = q_first if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_first))
+        q = q_first if self.q_lora_rank is None else project(self.q_b_proj, self.q_a_layernorm(q_first))
         return q.view(*q_first.shape[:2], self.num_heads, self.nope + self.rope)  # [B, T, H, nope+rope]
 
     def _latent(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,14 +94,7 @@ class GatedMLA(nn.Module):
         out = out.reshape(batch, length, self.num_heads * self.v_dim)
         if gate:
             out = out * torch.sigmoid(gate[0])
-        return self.o_proj(out)
-
-    def _mask(self, length: int, total: int, past: int, device) -> torch.Tensor | None:
-        """Causal mask for `length` queries after `past` cached tokens; None when plain is_causal does."""
-        if past == 0:
-            return None
-        query_pos = torch.arange(past, past + length, device=device)
-        return query_pos[:, None] >= torch.arange(total, device=device)[None, :]
+        return project(self.o_proj, out)
 
     def _attend_expanded(self, q, latent, k_rope, past, cu_seqlens=None):
         batch, length = q.shape[:2]
@@ -126,20 +121,10 @@ class GatedMLA(nn.Module):
 
     def _attend_absorbed(self, q, latent, k_rope, past, mask=None):
         """Attention in latent space: score = (q_nope W_uk) . c + q_rope . k_rope; out = (p . c) W_uv."""
-        length, total = q.shape[1], latent.shape[1]
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]  # [H, nope, R], [H, v, R]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk.to(q.dtype))
-        scores = torch.einsum("bhtr,bsr->bhts", q_latent, latent.to(q.dtype))
-        scores = scores + torch.einsum("bthe,bse->bhts", q_rope, k_rope.to(q.dtype))
-        scores = scores.to(compute_dtype(scores)) * self.scaling
-        if mask is None:
-            mask = self._mask(length, total, past, q.device)
-        if mask is None and length > 1:
-            mask = torch.ones(length, total, dtype=torch.bool, device=q.device).tril()
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        probs = scores.softmax(-1).to(q.dtype)
-        out_latent = torch.einsum("bhts,bsr->bhtr", probs, latent.to(q.dtype))
+        # K3_MLA_DECODE: a Triton flash-decode kernel for CUDA inference, else the einsum twin (k3.ops.mla_decode).
+        out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, past, self.scaling)
         return torch.einsum("bhtr,hvr->bthv", out_latent, w_uv.to(q.dtype))

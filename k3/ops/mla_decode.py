@@ -1,0 +1,266 @@
+"""MLA's absorbed (latent-space) attention for decode: a split-KV flash-decode Triton kernel and its einsum twin.
+
+    scores[b, h, t, s] = (q_latent[b, h, t] . latent[b, s] + q_rope[b, t, h] . k_rope[b, s]) * scale
+    out_latent[b, h, t] = softmax_s(scores masked)[b, h, t] @ latent[b]
+
+q_latent = q_nope W_uk is a small GEMM the caller runs (k3.layers.mla); W_uv is applied to out_latent after.
+
+Why a kernel: the einsum twin reads the latent cache twice (once for the scores, once for the values) and writes
+and reads the [B, H, T, S] scores and probabilities in between. At `small`'s shapes (8 heads, kv_lora_rank 256,
+rope 64) on one H200, batch 64 with an 8K-token cache, the einsum path was measured at ~690 us over the 4 MLA
+layers against ~300 us to read the latent bytes once. The kernel (FlashDecoding style) reads each cached latent /
+k_rope row once, for all heads of its batch row together: the grid is (query rows B*T, KV splits, head blocks),
+each program streams blocks of slots keeping an fp32 online softmax (running max and sum) and an fp32 [H, R]
+accumulator, and a second small kernel joins the splits by log-sum-exp (with one split the first kernel writes
+the output itself: one launch). The split count grows until the GPU has about two programs per multiprocessor.
+The kernel's own timing at these shapes is not yet measured (bench/mla_decode.py measures it).
+
+Masks, as the callers give them: None with `past` (causal: query t sees slots < past + t + 1; with past 0 and one
+query, every slot), a [T, S] boolean (StaticCache: the filled slots, computed on the device, same for every row),
+or a [B, 1, T, S] boolean (the engine's cache pool: each row at its own position). The boolean masks are read by
+the kernel through strides (stride 0 broadcasts), so nothing is synchronised with the host and a decode step
+stays capturable as a CUDA graph. Hidden slots are not loaded at all (masked loads), so a static cache's unfilled
+capacity costs only its mask bytes, and garbage (even NaN) there cannot reach the output, unlike the einsum twin,
+whose zero probabilities still multiply it. A query row with no visible slot gives NaN, as the twin's softmax
+over all -inf does (0 / 0 in the kernel); decode never produces such a row.
+
+Precision: the kernel keeps scores and probabilities in fp32 and casts the probabilities to the cache's dtype
+for the value product, as flash attention does; the twin rounds the scores to q's dtype first (bf16 einsum).
+
+Switch: K3_MLA_DECODE=auto|triton|einsum. auto takes the kernel for CUDA tensors in bf16/fp16, at most
+DECODE_MAX_TOKENS queries per row and no autograd graph (inference), with a mask form above, when triton
+imports; einsum otherwise (training and CPU do not change). An auto-chosen kernel that Triton cannot compile
+warns once and that variant runs the twin from then on (k3.ops.fused_backend.with_torch_fallback); a forced
+`triton` raises. Under torch.compile the launcher is the custom op `k3::mla_decode_triton`, opaque to dynamo.
+The tests (tests/ops/test_mla_decode_triton.py) run the kernels in Triton's CPU interpreter.
+
+Shape suffixes: B batch rows, H heads, T query tokens per row, S cached slots, R kv_lora_rank, E rope width.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from k3.ops.fused_backend import with_torch_fallback
+from k3.ops.norm import compute_dtype
+
+DECODE_MAX_TOKENS = 4  # auto takes the kernel for up to this many queries per row (decode, speculative steps)
+_ENV = "K3_MLA_DECODE"
+_BACKENDS = ("auto", "triton", "einsum")
+ALL_VISIBLE = 1 << 30  # `visible_before` of an unmasked call: no slot index reaches it
+
+
+def decode_backend() -> str:
+    name = os.environ.get(_ENV, "auto").strip().lower()
+    if name not in _BACKENDS:
+        raise ValueError(f"{_ENV} must be one of {_BACKENDS}, got {name!r}")
+    return name
+
+
+def causal_mask(length: int, total: int, past: int, device) -> torch.Tensor | None:
+    """[T, S] causal mask for `length` queries after `past` cached tokens; None when every slot is visible
+    (past 0, one query) or plain lower-triangular causality does (past 0, several queries)."""
+    if past == 0:
+        return None
+    query_pos = torch.arange(past, past + length, device=device)
+    return query_pos[:, None] >= torch.arange(total, device=device)[None, :]
+
+
+def visible_before(past: int, length: int) -> int:
+    """Without a mask, query t sees slots < visible_before + t: the einsum twin's causal rule."""
+    return past + 1 if past > 0 or length > 1 else ALL_VISIBLE
+
+
+def latent_attention_einsum(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
+                            k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, past: int,
+                            scale: float) -> torch.Tensor:
+    """The PyTorch twin (training, CPU): out_latent [B, H, T, R] in q's dtype."""
+    length, total = q_latent_BHTR.shape[2], latent_BSR.shape[1]
+    dtype = q_latent_BHTR.dtype
+    scores = torch.einsum("bhtr,bsr->bhts", q_latent_BHTR, latent_BSR.to(dtype))
+    scores = scores + torch.einsum("bthe,bse->bhts", q_rope_BTHE, k_rope_BSE.to(dtype))
+    scores = scores.to(compute_dtype(scores)) * scale
+    if mask is None:
+        mask = causal_mask(length, total, past, q_latent_BHTR.device)
+    if mask is None and length > 1:
+        mask = torch.ones(length, total, dtype=torch.bool, device=q_latent_BHTR.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(dtype)
+    return torch.einsum("bhts,bsr->bhtr", probs, latent_BSR.to(dtype))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    """(split, merge), imported on first use (k3 imports without triton). Triton decides between compiling and
+    its CPU interpreter when a function is decorated, so a change of TRITON_INTERPRET reloads the module."""
+    import importlib
+
+    from k3.ops import mla_decode_kernels as kernels
+
+    if kernels.INTERPRETED != interpret:
+        kernels = importlib.reload(kernels)
+    return kernels.mla_decode_split, kernels.mla_decode_merge
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_splits(programs_per_split: int, total: int, block_s: int, num_sms: int = 132) -> tuple[int, int]:
+    """(splits, blocks of slots per split): split S until the grid has about two programs per multiprocessor,
+    keeping at least two blocks per split (each split adds an fp32 [H, R] partial to write and merge)."""
+    blocks = max(1, -(-total // block_s))
+    splits = max(1, min(-(-2 * num_sms // max(1, programs_per_split)), blocks // 2))
+    per_split = -(-blocks // splits)
+    return -(-blocks // per_split), per_split
+
+
+def mask_BTS(mask: torch.Tensor, batch: int, length: int, total: int) -> torch.Tensor:
+    """A caller's mask, [T, S] or [B, 1, T, S] (as the twin broadcasts it over [B, H, T, S]), as a [B, T, S]
+    view; size-1 rows broadcast (stride 0)."""
+    if mask.dtype != torch.bool:
+        raise ValueError(f"the attention mask must be boolean (True = visible), got {mask.dtype}")
+    if mask.dim() == 4 and mask.shape[1] == 1:
+        mask = mask[:, 0]
+    elif mask.dim() == 4:
+        raise ValueError(f"a 4-d mask must be [B, 1, T, S] (one for all heads), got {tuple(mask.shape)}")
+    elif mask.dim() == 2:
+        mask = mask[None]
+    else:  # a 3-d mask would broadcast over [B, H, T, S] as [H, T, S] in the twin: say which form is meant
+        raise ValueError(f"the mask must be [T, S] or [B, 1, T, S], got {tuple(mask.shape)}")
+    try:
+        return mask.broadcast_to(batch, length, total)
+    except RuntimeError:
+        raise ValueError(f"mask {tuple(mask.shape)} does not broadcast to [B, T, S] = "
+                         f"{(batch, length, total)}") from None
+
+
+def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
+                                  k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, visible_before: int,
+                                  scale: float, block_s: int | None = None, splits: int | None = None,
+                                  num_warps: int | None = None) -> torch.Tensor:
+    """out_latent [B, H, T, R] in q_latent's dtype. Without `mask`, query t sees slots < visible_before + t.
+    block_s / splits / num_warps default to the heuristics (tests and the benchmark set them)."""
+    import triton
+
+    batch, heads, length, rank = q_latent_BHTR.shape
+    total, rope = latent_BSR.shape[1], k_rope_BSE.shape[2]
+    if q_rope_BTHE.shape != (batch, length, heads, rope) or latent_BSR.shape != (batch, total, rank) \
+            or k_rope_BSE.shape != (batch, total, rope):
+        raise ValueError(f"shapes: q_latent [B, H, T, R] {tuple(q_latent_BHTR.shape)}, q_rope [B, T, H, E] "
+                         f"{tuple(q_rope_BTHE.shape)}, latent [B, S, R] {tuple(latent_BSR.shape)}, k_rope "
+                         f"[B, S, E] {tuple(k_rope_BSE.shape)} do not agree")
+    dtype = q_latent_BHTR.dtype
+    latent_BSR, k_rope_BSE, q_rope_BTHE = latent_BSR.to(dtype), k_rope_BSE.to(dtype), q_rope_BTHE.to(dtype)
+    out = q_latent_BHTR.new_empty(batch, heads, length, rank)
+    if out.numel() == 0:
+        return out
+    if total == 0:  # no slot at all: the twin's product over an empty axis is 0 (cannot happen with a cache)
+        return out.zero_()
+    if mask is not None:
+        mask_u8 = mask_BTS(mask, batch, length, total).view(torch.uint8)
+        mask_strides = mask_u8.stride()
+    else:
+        mask_u8, mask_strides = q_latent_BHTR, (0, 0, 0)  # never read (HAS_MASK False)
+    block_h = min(64, max(16, triton.next_power_of_2(heads)))
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_e = max(16, triton.next_power_of_2(rope))
+    block_s = block_s or (64 if rank <= 256 else 32)
+    head_blocks = -(-heads // block_h)
+    rows = batch * length
+    num_sms = _multiprocessors(q_latent_BHTR.device.index) if q_latent_BHTR.is_cuda else 132
+    if splits is None:
+        splits, per_split = num_splits(rows * head_blocks, total, block_s, num_sms)
+    else:  # as asked, less where the last splits would be empty
+        blocks = -(-total // block_s)
+        per_split = -(-blocks // splits)
+        splits = -(-blocks // per_split)
+    single = splits == 1
+    # Partials [rows, splits, H, R] and (max, sum) [rows, splits, 2, H]; one split needs none (one element, never
+    # read, keeps the pointer valid).
+    part = out.new_empty((1,) if single else (rows, splits, heads, rank), dtype=torch.float32)
+    ml = out.new_empty((1,) if single else (rows, splits, 2, heads), dtype=torch.float32)
+    interpret = _interpreting()
+    split_kernel, merge_kernel = _kernels(interpret)
+    num_warps = num_warps or (4 if block_h * block_r <= 16 * 256 else 8)
+    split_kernel[(rows, splits, head_blocks)](
+        q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask_u8, out, part, ml,
+        *q_latent_BHTR.stride(), *q_rope_BTHE.stride(), *latent_BSR.stride(), *k_rope_BSE.stride(), *mask_strides,
+        *out.stride(), length, total, min(int(visible_before), ALL_VISIBLE), per_split, splits,
+        float(scale) * 1.4426950408889634,  # log2(e): the kernel's softmax runs in base 2
+        HEADS=heads, RANK=rank, ROPE=rope, HAS_MASK=mask is not None, SINGLE=single, UPCAST=interpret,
+        IEEE=dtype == torch.float32 and not interpret, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=block_e,
+        BLOCK_S=block_s, num_warps=num_warps)
+    if not single:
+        merge_kernel[(rows, head_blocks)](part, ml, out, *out.stride(), length, splits, HEADS=heads, RANK=rank,
+                                          BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("k3::mla_decode_triton", mutates_args=())
+def mla_decode_triton_op(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
+                         k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, visible_before: int,
+                         scale: float) -> torch.Tensor:
+    return latent_attention_triton_eager(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, visible_before,
+                                         scale)
+
+
+@mla_decode_triton_op.register_fake
+def _(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, visible_before, scale):
+    return q_latent_BHTR.new_empty(q_latent_BHTR.shape)
+
+
+def latent_attention_triton(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
+                            k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, past: int,
+                            scale: float) -> torch.Tensor:
+    """Same arguments and result as latent_attention_einsum, inference only (no backward)."""
+    before = visible_before(past, q_latent_BHTR.shape[2])
+    if torch.compiler.is_compiling():  # dynamo cannot trace the launcher; the op is one opaque call in the graph
+        return mla_decode_triton_op(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, before, scale)
+    return latent_attention_triton_eager(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, before, scale)
+
+
+def triton_pays(q_latent_BHTR: torch.Tensor, latent_BSR: torch.Tensor, mask: torch.Tensor | None,
+                *weights: torch.Tensor) -> bool:
+    """Auto-selection: CUDA, half precision, decode-sized T, a mask form the kernel reads, no autograd graph."""
+    if not (q_latent_BHTR.is_cuda and q_latent_BHTR.dtype in (torch.bfloat16, torch.float16)
+            and q_latent_BHTR.shape[2] <= DECODE_MAX_TOKENS):
+        return False
+    if mask is not None and not (mask.dtype == torch.bool and (mask.dim() == 2 or
+                                                               (mask.dim() == 4 and mask.shape[1] == 1))):
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q_latent_BHTR, latent_BSR, *weights)):
+        return False
+    return _triton_importable()
+
+
+@torch.compiler.assume_constant_result
+def _triton_importable() -> bool:
+    """A constant to torch.compile (the import inside triton_available cannot be traced)."""
+    from k3.ops.moe_triton import triton_available
+
+    return triton_available()
+
+
+def latent_attention(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
+                     k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, past: int, scale: float) -> torch.Tensor:
+    """out_latent [B, H, T, R] through the backend K3_MLA_DECODE picks (see the module docstring)."""
+    args = (q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, past, scale)
+    backend = decode_backend()
+    if backend == "triton":
+        return latent_attention_triton(*args)
+    if backend == "auto" and triton_pays(q_latent_BHTR, latent_BSR, mask, q_rope_BTHE, k_rope_BSE):
+        variant = ("mla_decode_triton", q_latent_BHTR.shape[1], q_latent_BHTR.shape[3], k_rope_BSE.shape[2],
+                   q_latent_BHTR.dtype)
+        return with_torch_fallback(variant, lambda: latent_attention_triton(*args),
+                                   lambda: latent_attention_einsum(*args))
+    return latent_attention_einsum(*args)

@@ -1,0 +1,123 @@
+"""The Triton kernels behind k3.ops.mla_decode (see there); a module of their own because they import triton."""
+
+import os
+
+import triton
+import triton.language as tl
+
+# Whether this import decorated the kernels for Triton's CPU interpreter (mla_decode reloads on a change).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def mla_decode_split(q_ptr, qr_ptr, lat_ptr, kr_ptr, mask_ptr, out_ptr, part_ptr, ml_ptr,
+                     stride_qb, stride_qh, stride_qt, stride_qr,
+                     stride_pb, stride_pt, stride_ph, stride_pe,
+                     stride_lb, stride_ls, stride_lr,
+                     stride_kb, stride_ks, stride_ke,
+                     stride_mb, stride_mt, stride_ms,
+                     stride_ob, stride_oh, stride_ot, stride_or,
+                     length, total, visible_before, blocks_per_split, num_splits, scale_log2,
+                     HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
+                     HAS_MASK: tl.constexpr, SINGLE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One (query row, KV split, head block): online softmax over the split's slots, each latent / k_rope row
+    read once for all heads. SINGLE (one split) writes the normalised output; otherwise the unnormalised
+    accumulator and (running max, sum) go to the partial buffers for mla_decode_merge."""
+    row = tl.program_id(0)  # b * length + t
+    split = tl.program_id(1)
+    b = (row // length).to(tl.int64)
+    t = row % length
+    heads = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ranks = tl.arange(0, BLOCK_R)
+    ropes = tl.arange(0, BLOCK_E)
+    h_ok = heads < HEADS
+    r_ok = ranks < RANK
+    e_ok = ropes < ROPE
+    q = tl.load(q_ptr + b * stride_qb + t * stride_qt + heads[:, None] * stride_qh + ranks[None, :] * stride_qr,
+                mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    qr = tl.load(qr_ptr + b * stride_pb + t * stride_pt + heads[:, None] * stride_ph + ropes[None, :] * stride_pe,
+                 mask=h_ok[:, None] & e_ok[None, :], other=0.0)
+    if UPCAST:  # the CPU interpreter multiplies fp32 only
+        q = q.to(tl.float32)
+        qr = qr.to(tl.float32)
+    m_i = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    first = split * blocks_per_split * BLOCK_S
+    for i in range(0, blocks_per_split):
+        slots = first + i * BLOCK_S + tl.arange(0, BLOCK_S)
+        visible = slots < total
+        if HAS_MASK:
+            seen = tl.load(mask_ptr + b * stride_mb + t * stride_mt + slots * stride_ms, mask=visible, other=0)
+            visible = visible & (seen != 0)
+        else:
+            visible = visible & (slots < visible_before + t)
+        # Masked lanes are not read: hidden slots (a static cache's unfilled capacity) cost no latent bytes.
+        lat = tl.load(lat_ptr + b * stride_lb + slots[:, None] * stride_ls + ranks[None, :] * stride_lr,
+                      mask=visible[:, None] & r_ok[None, :], other=0.0)
+        kr = tl.load(kr_ptr + b * stride_kb + slots[:, None] * stride_ks + ropes[None, :] * stride_ke,
+                     mask=visible[:, None] & e_ok[None, :], other=0.0)
+        if UPCAST:
+            lat = lat.to(tl.float32)
+            kr = kr.to(tl.float32)
+        if IEEE:  # fp32 inputs: no TF32 rounding, so a forced fp32 run matches the einsum twin
+            scores = tl.dot(q, tl.trans(lat), input_precision="ieee")
+            scores += tl.dot(qr, tl.trans(kr), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(lat)) + tl.dot(qr, tl.trans(kr))
+        scores = tl.where(visible[None, :], scores * scale_log2, float("-inf"))  # base 2: exp2 below
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # While every slot so far is hidden the max is -inf; subtracting 0 instead keeps exp2 from -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, lat, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(lat.dtype), lat)
+        m_i = m_new
+    hr_ok = h_ok[:, None] & r_ok[None, :]
+    if SINGLE:
+        # A row with no visible slot has l = 0 and acc = 0: 0 / 0 = NaN, as the einsum's softmax over all -inf.
+        out = acc / tl.where(h_ok, l_i, 1.0)[:, None]  # padding heads divide by 1
+        tl.store(out_ptr + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + ranks[None, :] * stride_or,
+                 out.to(out_ptr.dtype.element_ty), mask=hr_ok)
+    else:
+        cell = row.to(tl.int64) * num_splits + split  # partials: [rows, splits, HEADS, RANK], [rows, splits, 2, HEADS]
+        tl.store(part_ptr + cell * HEADS * RANK + heads[:, None] * RANK + ranks[None, :], acc, mask=hr_ok)
+        tl.store(ml_ptr + cell * 2 * HEADS + heads, m_i, mask=h_ok)
+        tl.store(ml_ptr + cell * 2 * HEADS + HEADS + heads, l_i, mask=h_ok)
+
+
+@triton.jit
+def mla_decode_merge(part_ptr, ml_ptr, out_ptr, stride_ob, stride_oh, stride_ot, stride_or, length, num_splits,
+                     HEADS: tl.constexpr, RANK: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr):
+    """One (query row, head block): the splits' partial results joined by log-sum-exp (base 2)."""
+    row = tl.program_id(0)
+    b = (row // length).to(tl.int64)
+    t = row % length
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ranks = tl.arange(0, BLOCK_R)
+    h_ok = heads < HEADS
+    hr_ok = h_ok[:, None] & (ranks < RANK)[None, :]
+    cells = row.to(tl.int64) * num_splits
+    m_all = tl.full((BLOCK_H,), float("-inf"), dtype=tl.float32)
+    for s in range(0, num_splits):
+        m_all = tl.maximum(m_all, tl.load(ml_ptr + (cells + s) * 2 * HEADS + heads, mask=h_ok, other=0.0))
+    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)  # a split with no visible slot has m = -inf, l = 0
+    l_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
+    for s in range(0, num_splits):
+        m_s = tl.load(ml_ptr + (cells + s) * 2 * HEADS + heads, mask=h_ok, other=float("-inf"))
+        l_s = tl.load(ml_ptr + (cells + s) * 2 * HEADS + HEADS + heads, mask=h_ok, other=0.0)
+        weight = tl.exp2(m_s - m_safe)
+        l_all += l_s * weight
+        part = tl.load(part_ptr + (cells + s) * HEADS * RANK + heads[:, None] * RANK + ranks[None, :],
+                       mask=hr_ok, other=0.0)
+        acc += part * weight[:, None]
+    # No visible slot in any split: 0 / 0 = NaN, as in the einsum path. Padding heads divide by 1.
+    out = acc / tl.where(h_ok, l_all, 1.0)[:, None]
+    tl.store(out_ptr + b * stride_ob + t * stride_ot + heads[:, None] * stride_oh + ranks[None, :] * stride_or,
+             out.to(out_ptr.dtype.element_ty), mask=hr_ok)
