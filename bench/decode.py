@@ -94,11 +94,19 @@ def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
                 kda_state_bytes=2 * kda, mla_cache_bytes=mla, total_bytes=dense + expert_bytes + 2 * kda + mla)
 
 
-# --moe-backends names: the routed experts' path (K3_MOE_BACKEND) and the router's (K3_ROUTER_BACKEND).
+# --moe-backends names: the routed experts' path (K3_MOE_BACKEND), the router's (K3_ROUTER_BACKEND), the dense
+# projections' (K3_LINEAR_BACKEND) and MLA's absorbed attention (K3_MLA_DECODE), each variant adding one kernel.
 MOE_VARIANTS = {
-    "grouped": {"K3_MOE_BACKEND": "grouped", "K3_ROUTER_BACKEND": "torch"},  # torch._grouped_mm, sorted pairs
-    "triton": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "torch"},  # Triton experts in pair order
-    "routed": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton"},  # and the fused router kernel
+    "grouped": {"K3_MOE_BACKEND": "grouped", "K3_ROUTER_BACKEND": "torch", "K3_LINEAR_BACKEND": "torch",
+                "K3_MLA_DECODE": "einsum"},
+    "triton": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "torch", "K3_LINEAR_BACKEND": "torch",
+               "K3_MLA_DECODE": "einsum"},
+    "routed": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "torch",
+               "K3_MLA_DECODE": "einsum"},
+    "skinny": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "auto",
+               "K3_MLA_DECODE": "einsum"},
+    "mla": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "auto",
+            "K3_MLA_DECODE": "auto"},
 }
 
 
@@ -144,7 +152,7 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
             suffix = f"_{backend}" if backend else ""
             variants += [(f"fused_graph{suffix}", False, True, backend)]
             variants += [(f"fused_compiled_graph{suffix}", True, True, backend)] if compile else []
-    defaults = {key: os.environ.get(key) for key in ("K3_MOE_BACKEND", "K3_ROUTER_BACKEND")}
+    defaults = {key: os.environ.get(key) for key in MOE_VARIANTS["grouped"]}
     for name, compiled, fused, backend in variants:
         if fused:
             fuse_model_weights(model)
@@ -280,8 +288,9 @@ def main() -> None:
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="write each captured graph's kernel table (one replay) into DIR")
     parser.add_argument("--moe-backends", nargs="+", default=None, choices=list(MOE_VARIANTS),
-                        help="with --fuse: time the fused variants once per MoE path (MOE_VARIANTS: grouped, "
-                             "triton experts, triton experts + fused router); the unfused step is then not compiled")
+                        help="with --fuse: time the fused variants once per path (MOE_VARIANTS: grouped, triton "
+                             "experts, + fused router, + skinny projections, + MLA kernel); the unfused step is "
+                             "then not compiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.profile:

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.ops.linear_triton import linear
+
 FUSED_ATTR = "_k3_fused"
 
 
@@ -89,7 +91,7 @@ def _fusable(members: list[tuple[nn.Module, str]]) -> bool:
 
 def linear_group(x: torch.Tensor, group: FusedGroup) -> list[torch.Tensor]:
     """x @ each fused [out_i, in] weight, as one GEMM: the outputs in the group's order."""
-    return list(torch.nn.functional.linear(x, group.buffer.to(x.dtype)).split(group.sizes, dim=-1))
+    return list(linear(x, group.buffer.to(x.dtype)).split(group.sizes, dim=-1))
 
 
 def fuse_model_weights(model: nn.Module) -> dict[str, int]:

@@ -16,6 +16,7 @@ from k3.config import ModelConfig
 from k3.layers.conv import ShortConv
 from k3.layers.norm import GatedRMSNorm
 from k3.layers.fused_weights import fused, linear_group
+from k3.ops.linear_triton import project
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
 from k3.ops.short_conv import short_conv
 
@@ -95,7 +96,7 @@ class KimiDeltaAttention(nn.Module):
         (q, k, v), new_tails = self._convolve(qkv, tails, position_in_doc, cu_seqlens)
         # The decay gate, beta's sigmoid and the q/k L2 norm run inside the KDA op (fused into fla's kernels on
         # CUDA; the PyTorch twin applies the same formulas), so only the raw projections are formed here.
-        raw_gate = self.f_b_proj(f_a).view(shape)
+        raw_gate = project(self.f_b_proj, f_a).view(shape)
         recurrent = cache is not None and length <= RECURRENT_MAX_TOKENS
         if recurrent and hasattr(cache, "state_in_place"):
             # The engine's pool and the static cache hold the states at fixed places: the kernel advances them
@@ -113,9 +114,9 @@ class KimiDeltaAttention(nn.Module):
                                   use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **self.gate_kwargs())
             if cache is not None:
                 cache.update(new_state, new_tails)
-        gate = g_in if hasattr(self, "g_proj") else self.g_b_proj(g_in)
+        gate = g_in if hasattr(self, "g_proj") else project(self.g_b_proj, g_in)
         o = self.o_norm(o.to(x.dtype), gate.view(shape))
-        return self.o_proj(o.reshape(batch, length, -1))
+        return project(self.o_proj, o.reshape(batch, length, -1))
 
     def _input_projections(self) -> list[nn.Linear]:
         """Every projection that reads the layer input x, in the order _project returns them."""

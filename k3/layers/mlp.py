@@ -16,6 +16,7 @@ from torch import nn
 
 from k3.config import ModelConfig
 from k3.layers.fused_weights import fused, linear_group
+from k3.ops.linear_triton import project
 from k3.ops.fused_backend import fused_backend
 
 GLU_KINDS = ("silu", "situ")
@@ -78,4 +79,4 @@ class GLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = fused(self, "gate_up")  # one GEMM when fused at load (k3.layers.fused_weights)
         gate, up = linear_group(x, group) if group is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(glu_activation(gate, up, self.act, *self.betas))
+        return project(self.down_proj, glu_activation(gate, up, self.act, *self.betas))

@@ -25,6 +25,7 @@ from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import fused
 from k3.ops.fused_backend import with_torch_fallback
+from k3.ops.linear_triton import project
 from k3.ops.moe import count_per_expert, experts_in_pair_order, inverse_permutation, unpermute_rows
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
 
@@ -179,7 +180,7 @@ class LatentMoE(nn.Module):
     def routed(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The routed path alone: [T, D] -> [T, D]."""
         num_tokens = x_TD.shape[0]
-        h_TL = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
+        h_TL = project(self.routed_expert_down_proj, x_TD) if self.latent else x_TD
         ids_N = routing.topk_ids_TK.reshape(-1)
         w13 = fused(self, "w13")  # w1 and w3 in one buffer when fused at load (k3.layers.fused_weights)
         y_NL = experts_in_pair_order(h_TL, ids_N, self.top_k, self.w1, self.w3, self.w2, self.act, self.betas,
@@ -190,7 +191,7 @@ class LatentMoE(nn.Module):
         if self.latent:
             if self.routed_expert_norm is not None:
                 out_TL = self.routed_expert_norm(out_TL)
-            return self.routed_expert_up_proj(out_TL)
+            return project(self.routed_expert_up_proj, out_TL)
         return out_TL
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

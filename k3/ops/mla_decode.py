@@ -27,7 +27,7 @@ over all -inf does (0 / 0 in the kernel); decode never produces such a row.
 Precision: the kernel keeps scores and probabilities in fp32 and casts the probabilities to the cache's dtype
 for the value product, as flash attention does; the twin rounds the scores to q's dtype first (bf16 einsum).
 
-Switch: K3_MLA_DECODE=auto|triton|einsum. auto takes the kernel for CUDA tensors in bf16/fp16, at most
+Switch: K3_MLA_DECODE=auto|triton|einsum, default einsum (DEFAULT_BACKEND says why). auto takes the kernel for CUDA tensors in bf16/fp16, at most
 DECODE_MAX_TOKENS queries per row and no autograd graph (inference), with a mask form above, when triton
 imports; einsum otherwise (training and CPU do not change). An auto-chosen kernel that Triton cannot compile
 warns once and that variant runs the twin from then on (k3.ops.fused_backend.with_torch_fallback); a forced
@@ -46,6 +46,7 @@ import torch
 
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.norm import compute_dtype
+from k3.ops.triton_support import interpreting, kernel_module, triton_importable
 
 DECODE_MAX_TOKENS = 4  # auto takes the kernel for up to this many queries per row (decode, speculative steps)
 _ENV = "K3_MLA_DECODE"
@@ -53,8 +54,16 @@ _BACKENDS = ("auto", "triton", "einsum")
 ALL_VISIBLE = 1 << 30  # `visible_before` of an unmasked call: no slot index reaches it
 
 
+# The default is the einsum twin: measured on one H200 in `small`'s compiled decode step (bench/decode.py
+# --moe-backends skinny mla), the kernel with its default blocks made the step no faster (batch 1: 1.77 against
+# 1.76 ms; batch 64: 3.99 against 3.84 ms). Alone (bench/mla_decode.py), at batch 64 and 8K its best swept
+# blocks (32 slots, 4 warps) took 165 us per layer against the einsum's 232, and the default blocks 230 us;
+# K3_MLA_DECODE=auto or triton opts in until the defaults are tuned and the step is measured again.
+DEFAULT_BACKEND = "einsum"
+
+
 def decode_backend() -> str:
-    name = os.environ.get(_ENV, "auto").strip().lower()
+    name = os.environ.get(_ENV, DEFAULT_BACKEND).strip().lower()
     if name not in _BACKENDS:
         raise ValueError(f"{_ENV} must be one of {_BACKENDS}, got {name!r}")
     return name
@@ -93,21 +102,10 @@ def latent_attention_einsum(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tens
     return torch.einsum("bhts,bsr->bhtr", probs, latent_BSR.to(dtype))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=2)
 def _kernels(interpret: bool):
-    """(split, merge), imported on first use (k3 imports without triton). Triton decides between compiling and
-    its CPU interpreter when a function is decorated, so a change of TRITON_INTERPRET reloads the module."""
-    import importlib
-
-    from k3.ops import mla_decode_kernels as kernels
-
-    if kernels.INTERPRETED != interpret:
-        kernels = importlib.reload(kernels)
-    return kernels.mla_decode_split, kernels.mla_decode_merge
+    """(split, merge), imported on first use in the given interpreter mode (k3.ops.triton_support)."""
+    module = kernel_module("k3.ops.mla_decode_kernels", interpret)
+    return module.mla_decode_split, module.mla_decode_merge
 
 
 @functools.lru_cache(maxsize=None)
@@ -189,7 +187,7 @@ def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torc
     # read, keeps the pointer valid).
     part = out.new_empty((1,) if single else (rows, splits, heads, rank), dtype=torch.float32)
     ml = out.new_empty((1,) if single else (rows, splits, 2, heads), dtype=torch.float32)
-    interpret = _interpreting()
+    interpret = interpreting()
     split_kernel, merge_kernel = _kernels(interpret)
     num_warps = num_warps or (4 if block_h * block_r <= 16 * 256 else 8)
     split_kernel[(rows, splits, head_blocks)](
@@ -240,15 +238,7 @@ def triton_pays(q_latent_BHTR: torch.Tensor, latent_BSR: torch.Tensor, mask: tor
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q_latent_BHTR, latent_BSR, *weights)):
         return False
-    return _triton_importable()
-
-
-@torch.compiler.assume_constant_result
-def _triton_importable() -> bool:
-    """A constant to torch.compile (the import inside triton_available cannot be traced)."""
-    from k3.ops.moe_triton import triton_available
-
-    return triton_available()
+    return triton_importable()
 
 
 def latent_attention(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,

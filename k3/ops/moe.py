@@ -210,32 +210,40 @@ def moe_backend() -> str:
     return backend
 
 
+# The pair-order kernels scan every routed pair in every expert's program, a cost that grows with N. Measured on
+# one H200 per MoE layer (`small`, bench/moe_decode.py), from the routed ids to rows in pair order: at 6 pairs 16.0
+# us, at 384 pairs 66.9 us against 54.4 for the sorted kernels alone plus the compiled sort's 12-19 (and two
+# row permutations); at 1,020 pairs 114.7 us against 77.7 plus the sort. Above this many pairs, the sorted path.
+PAIR_ORDER_MAX_PAIRS = 512
+
+
 def experts_in_pair_order(h_TL: torch.Tensor, ids_N: torch.Tensor, top_k: int, w1_EFL: torch.Tensor,
                           w3_EFL: torch.Tensor, w2_ELF: torch.Tensor, act: str, betas: tuple[float, float],
                           w13_E2FL: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts of token rows h_TL [T, L] for the pairs p = t * top_k + k routed to ids_N [N] -> [N, L]
     in pair order (row p: expert ids_N[p] applied to token p // top_k).
 
-    Where the Triton kernels run (K3_MOE_BACKEND, run_experts' rule over N rows) they take the pairs as they are
-    (k3.ops.moe_triton.experts_by_ids: each expert's program finds its own pairs). Otherwise the pairs are sorted
-    by expert, gathered, run by run_experts' other paths and put back in pair order."""
+    Up to PAIR_ORDER_MAX_PAIRS pairs, where the Triton kernels run (K3_MOE_BACKEND, run_experts' rule), they take
+    the pairs as they are (k3.ops.moe_triton.experts_by_ids: each expert's program finds its own pairs).
+    Otherwise the pairs are sorted by expert, gathered, run by run_experts and put back in pair order."""
     backend = moe_backend()
     num_pairs = ids_N.numel()
-    if backend == "triton":
-        return experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas)
-    if backend == "auto" and triton_pays(h_TL, w1_EFL, w3_EFL, w2_ELF, num_rows=num_pairs):
-        variant = ("moe_experts_by_ids_triton", act, tuple(w1_EFL.shape[1:]), h_TL.dtype)
-        return with_torch_fallback(variant, lambda: experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas),
-                                   lambda: _sorted_by_expert(backend, h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF,
-                                                             act, betas, w13_E2FL))
-    return _sorted_by_expert(backend, h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL)
+    if num_pairs <= PAIR_ORDER_MAX_PAIRS:
+        if backend == "triton":
+            return experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas)
+        if backend == "auto" and triton_pays(h_TL, w1_EFL, w3_EFL, w2_ELF, num_rows=num_pairs):
+            variant = ("moe_experts_by_ids_triton", act, tuple(w1_EFL.shape[1:]), h_TL.dtype)
+            return with_torch_fallback(
+                variant, lambda: experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas),
+                lambda: _sorted_by_expert(h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL))
+    return _sorted_by_expert(h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL)
 
 
-def _sorted_by_expert(backend, h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL):
+def _sorted_by_expert(h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL):
     # One inverse serves both permutations' forwards and backwards (gathers, no scatter-adds).
     order_N, inverse_N, counts_E = sort_pairs_by_expert(ids_N, w1_EFL.shape[0])
     x_NL = gather_pairs(h_TL, order_N, top_k, inverse_N)
-    y_NL = _without_triton(backend, x_NL, counts_E, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL)
+    y_NL = run_experts(x_NL, counts_E, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL)
     return unpermute_rows(y_NL, order_N, inverse_N)
 
 

@@ -20,11 +20,11 @@ Shape suffixes: N routed rows (sorted by expert), E experts, F expert width, D e
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from k3.layers.mlp import GLU_KINDS
+from k3.ops.triton_support import interpreting, kernel_module, triton_importable
 
 # Above this many routed rows the grouped GEMM's large tiles win (prefill); at or below it, these kernels.
 TRITON_MAX_ROWS = 1024
@@ -32,32 +32,8 @@ TRITON_MAX_ROWS = 1024
 PAIR_BLOCK = 256
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@functools.lru_cache(maxsize=2)
 def kernels(interpret: bool):
-    """The module of jitted kernels, imported on first use (k3 imports without triton). Triton decides between
-    compiling and its CPU interpreter when a function is decorated, so a change of TRITON_INTERPRET reloads it."""
-    import importlib
-
-    from k3.ops import moe_triton_kernels as module
-
-    if module.INTERPRETED != interpret:
-        module = importlib.reload(module)
-    return module
-
-
-@functools.lru_cache(maxsize=1)
-def triton_available() -> bool:
-    import importlib
-
-    try:
-        importlib.import_module("triton")
-    except Exception:  # a broken install raises more than ImportError
-        return False
-    return True
+    return kernel_module("k3.ops.moe_triton_kernels", interpret)
 
 
 def block_sizes(num_rows: int, num_experts: int, out_width: int, in_width: int,
@@ -101,9 +77,9 @@ def _launch(x: torch.Tensor, num_rows: int, counts_E: torch.Tensor | None, ids_N
     grid = (num_experts, triton.cdiv(out_width, block_n))
     common = (x.stride(0), x.stride(1), *w.stride(), *w3.stride(), out.stride(0), out.stride(1), float(betas[0]),
               float(betas[1]), out_width, in_width)
-    flags = dict(GLU=glu, SITU=act == "situ", UPCAST=_interpreting(), BLOCK_M=block_m, BLOCK_N=block_n,
+    flags = dict(GLU=glu, SITU=act == "situ", UPCAST=interpreting(), BLOCK_M=block_m, BLOCK_N=block_n,
                  BLOCK_K=block_k)
-    module = kernels(_interpreting())
+    module = kernels(interpreting())
     if ids_N is None:
         module.expert_matmul[grid](x, w, w3, out, counts_E, *common, NUM_EXPERTS=num_experts,
                                    EXPERTS_POW2=triton.next_power_of_2(num_experts), **flags)
@@ -193,10 +169,4 @@ def triton_pays(x_ND: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor, 
         return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in (x_ND, w1_EFD, w3_EFD, w2_EDF)):
         return False
-    return _triton_importable()
-
-
-@torch.compiler.assume_constant_result
-def _triton_importable() -> bool:
-    """A constant to torch.compile (the import inside triton_available cannot be traced)."""
-    return triton_available()
+    return triton_importable()

@@ -119,27 +119,19 @@ def expert_matmul_by_ids(x_ptr, w_ptr, w3_ptr, out_ptr, ids_ptr, num_pairs,
 
 
 @triton.jit
-def route_topk(x_ptr, w_ptr, bias_ptr, ids_ptr, weights_ptr, scores_ptr, num_tokens,
-               stride_xt, stride_xd, stride_we, stride_wd, scale, hidden: tl.constexpr,
+def route_topk(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scores_ptr, num_tokens, stride_lt, stride_le, scale,
                NUM_EXPERTS: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOP_K: tl.constexpr, K_POW2: tl.constexpr,
-               RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The sigmoid router of a block of tokens in one program: fp32 logits x W^T, scores = sigmoid, top-k of
-    scores + bias by k rounds of argmax (lowest expert id on a tie), gate weights = the chosen unbiased scores,
+               RENORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The sigmoid router after its GEMM, for a block of tokens in one program: scores = sigmoid(logits), top-k
+    of scores + bias by k rounds of argmax (lowest expert id on a tie), gate weights = the chosen unbiased scores,
     renormalised and scaled. Writes ids [T, K] (int64, in descending biased score as torch.topk orders them),
     weights [T, K] fp32 and scores [T, E] fp32."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = tokens < num_tokens
     experts = tl.arange(0, EXPERTS_POW2)
     e_ok = experts < NUM_EXPERTS
-    ds = tl.arange(0, BLOCK_D)
-    logits = tl.zeros((BLOCK_T, EXPERTS_POW2), dtype=tl.float32)
-    for d0 in range(0, hidden, BLOCK_D):
-        d_ok = (d0 + ds) < hidden
-        x = tl.load(x_ptr + tokens[:, None].to(tl.int64) * stride_xt + (d0 + ds)[None, :] * stride_xd,
-                    mask=t_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + experts[:, None] * stride_we + (d0 + ds)[None, :] * stride_wd,
-                    mask=e_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        logits += tl.dot(x, tl.trans(w), input_precision="ieee")  # fp32 products, as the eager router's matmul
+    logits = tl.load(logits_ptr + tokens[:, None].to(tl.int64) * stride_lt + experts[None, :] * stride_le,
+                     mask=t_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
     scores = tl.sigmoid(logits)
     bias = tl.load(bias_ptr + experts, mask=e_ok, other=0.0).to(tl.float32)
     biased = tl.where(e_ok[None, :], scores + bias[None, :], float("-inf"))

@@ -1,15 +1,16 @@
-"""The sigmoid router of a decode step as one Triton kernel (k3.ops.moe_triton_kernels.route_topk).
+"""The sigmoid router of a decode step after its GEMM, as one Triton kernel (k3.ops.moe_triton_kernels.route_topk).
 
-    logits = x W^T            (fp32 products and sums, as the eager router's x.float() @ W.float().t())
+    logits = x W^T            (fp32, torch's matmul: the very logits of the eager router)
     scores = sigmoid(logits)
     ids    = topk(scores + b, k)       by k rounds of argmax, lowest expert id on a tie
     w      = scores[ids] / sum * scale (renormalised when the config says so)
 
-Why: the eager router of one MoE layer is a cast, an fp32 GEMV (cuBLAS runs a dot and a reduction kernel at one
-token), the sigmoid and bias, torch.topk, a gather and the renormalisation: seven to nine launches that took
-about 13 us of kernel time per layer at batch 1 in `small`'s compiled decode step on one H200 (torch.topk alone
-4.8 us), in a step that is launch-bound. One program handles BLOCK_T tokens: the [E, D] router weight is read
-once per program, 128-256 KB that stay in L2 across programs.
+Why: after its GEMM the eager router of one MoE layer is the sigmoid and bias, torch.topk, a gather and the
+renormalisation, five or six launches (torch.topk alone 4.8 us per layer at batch 1 in `small`'s compiled decode
+step on one H200), in a step that is launch-bound. The kernel reads the [T, E] logits once.
+A first version also did the GEMM, with one program per 16 tokens looping over the hidden width: at batch 1 its
+single program waited on 16 dependent loads, and the compiled step got slower by 0.36 ms (2.09 -> 2.45 ms). The
+GEMM stays with cuBLAS.
 
 The PyTorch twin is k3.layers.moe.Router's own forward, held equal by tests/ops/test_route_triton.py (through
 Triton's CPU interpreter without a GPU). Under torch.compile the launcher is the custom op `k3::moe_route_triton`.
@@ -22,11 +23,11 @@ import os
 
 import torch
 
-from k3.ops.moe_triton import TRITON_MAX_ROWS, _interpreting, _triton_importable, kernels
+from k3.ops.moe_triton import TRITON_MAX_ROWS, kernels
+from k3.ops.triton_support import interpreting, triton_importable
 
 _ENV = "K3_ROUTER_BACKEND"
-BLOCK_T = 16  # tokens per program: tl.dot's smallest M
-BLOCK_D = 64
+BLOCK_T = 16  # tokens per program
 
 
 def router_backend() -> str:
@@ -48,18 +49,16 @@ def route_triton_eager(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torc
                          f"tokens of width {hidden}: expected [E, {hidden}] and [E]")
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must lie in 1..{num_experts} (the number of experts)")
+    logits = x_TD.float() @ weight_ED.float().t()  # as Router._route computes them
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x_TD.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x_TD.device)
     scores = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x_TD.device)
     if num_tokens == 0:
         return ids, weights, scores
-    grid = (triton.cdiv(num_tokens, BLOCK_T),)
-    kernels(_interpreting()).route_topk[grid](
-        x_TD, weight_ED, bias_E, ids, weights, scores, num_tokens, x_TD.stride(0), x_TD.stride(1),
-        weight_ED.stride(0), weight_ED.stride(1), float(scale), hidden, NUM_EXPERTS=num_experts,
-        EXPERTS_POW2=max(16, triton.next_power_of_2(num_experts)), TOP_K=top_k,
-        K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize), BLOCK_T=BLOCK_T, BLOCK_D=BLOCK_D,
-        num_warps=4)
+    kernels(interpreting()).route_topk[(triton.cdiv(num_tokens, BLOCK_T),)](
+        logits, bias_E, ids, weights, scores, num_tokens, logits.stride(0), logits.stride(1), float(scale),
+        NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k,
+        K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize), BLOCK_T=BLOCK_T)
     return ids, weights, scores
 
 
@@ -93,4 +92,4 @@ def route_triton_pays(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> bool:
         return False  # forced or not: the router's gradient needs the PyTorch forward
     if backend != "auto":
         return backend == "triton"
-    return x_TD.is_cuda and x_TD.shape[0] <= TRITON_MAX_ROWS and _triton_importable()
+    return x_TD.is_cuda and x_TD.shape[0] <= TRITON_MAX_ROWS and triton_importable()

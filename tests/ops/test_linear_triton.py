@@ -48,3 +48,53 @@ def test_skinny_cuda_bf16(rows):
     want = x.float() @ w.float().t()
     got = skinny_linear_eager(x, w).float()
     assert (got - want).norm() / want.norm() < 1e-2
+
+
+@interpreted
+def test_model_decode_step_through_the_kernel_equals_torch(monkeypatch):
+    """A one-token cached decode step of the debug model with every eligible projection on the skinny kernel."""
+    from k3.config import ModelConfig
+    from k3.model import K3ForCausalLM
+    from k3.ops import linear_triton
+
+    torch.manual_seed(0)
+    model = K3ForCausalLM(ModelConfig.from_preset("debug")).eval()
+    ids = torch.randint(1, 200, (1, 6))
+    calls = []
+    kernel = linear_triton.skinny_linear_eager
+    monkeypatch.setattr(linear_triton, "skinny_linear_eager", lambda *a: calls.append(a[1].shape) or kernel(*a))
+
+    def step(backend):
+        monkeypatch.setenv("K3_LINEAR_BACKEND", backend)
+        cache = model.new_cache(1)
+        with torch.no_grad():
+            model(ids[:, :-1], cache=cache)
+            return model(ids[:, -1:], cache=cache).logits
+
+    want = step("torch")
+    assert not calls
+    got = step("triton")
+    assert len(calls) >= 3  # projections of the prefill (5 rows) and the decode token went through the kernel
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_project_keeps_hooks_bias_and_autograd_on_the_module(monkeypatch):
+    from k3.ops import linear_triton
+
+    monkeypatch.setenv("K3_LINEAR_BACKEND", "triton")
+    monkeypatch.setattr(linear_triton, "skinny_linear_eager", lambda *a: pytest.fail("kernel called"))
+    x = torch.randn(1, 8)
+    with_bias = torch.nn.Linear(8, 4)
+    torch.testing.assert_close(linear_triton.project(with_bias, x), with_bias(x))
+    plain = torch.nn.Linear(8, 4, bias=False)
+    seen = []
+    handle = plain.register_forward_hook(lambda module, args, out: seen.append(out))
+    linear_triton.project(plain, x)
+    handle.remove()
+    assert len(seen) == 1
+    out = linear_triton.project(plain, x)  # grad enabled and the weight wants one: torch's linear
+    assert out.requires_grad
+    monkeypatch.setenv("K3_LINEAR_BACKEND", "cublas")
+    with pytest.raises(ValueError, match="use auto, torch or triton"):
+        with torch.no_grad():
+            linear_triton.project(plain, x)

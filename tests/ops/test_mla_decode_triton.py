@@ -260,7 +260,7 @@ def test_custom_op_under_compile(monkeypatch):
 def test_auto_keeps_cpu_and_training_on_the_einsum(monkeypatch):
     """auto: CPU tensors, fp32, a graph for backward, or too many queries keep the twin (training unchanged)."""
     q, qr, lat, kr = _inputs(1, 3, 1, 16, 8, 10)
-    monkeypatch.setattr(mla_decode, "_triton_importable", lambda: True)
+    monkeypatch.setattr(mla_decode, "triton_importable", lambda: True)
     assert not mla_decode.triton_pays(q, lat, None)
     monkeypatch.setenv("K3_MLA_DECODE", "auto")
     monkeypatch.setattr(mla_decode, "latent_attention_triton", lambda *args: pytest.fail("took the kernel"))
@@ -277,7 +277,7 @@ def test_auto_keeps_cpu_and_training_on_the_einsum(monkeypatch):
 
 def test_auto_selection_on_cuda_like_tensors(monkeypatch):
     """What auto asks of a tensor, checked through a stand-in that says it is on CUDA."""
-    monkeypatch.setattr(mla_decode, "_triton_importable", lambda: True)
+    monkeypatch.setattr(mla_decode, "triton_importable", lambda: True)
 
     class Cuda(torch.Tensor):
         is_cuda = True

@@ -20,6 +20,7 @@ from k3.config import ModelConfig  # noqa: E402
 from k3.layers.moe import LatentMoE  # noqa: E402
 from k3.ops import moe_triton  # noqa: E402
 from k3.ops.moe import experts_loop  # noqa: E402
+from k3.ops.triton_support import triton_importable  # noqa: E402
 
 
 def _experts(num_experts, width_f, width_d, seed=0):
@@ -128,7 +129,7 @@ def test_auto_selection_traces_under_compile():
     """The engine's compiled decode step asks triton_pays while tracing: the availability check must be a constant
     to dynamo (tracing the import inside it failed the compile)."""
     torch._dynamo.reset()
-    step = torch.compile(lambda x: x + 1 if moe_triton._triton_importable() else x - 1, backend="eager",
+    step = torch.compile(lambda x: x + 1 if triton_importable() else x - 1, backend="eager",
                          fullgraph=True)
     assert torch.equal(step(torch.zeros(2)), torch.ones(2))
 
@@ -284,3 +285,22 @@ def test_pair_order_kernels_cuda_bf16(num_tokens):
     want = _sorted_reference(h.float(), ids, w1.float(), w3.float(), w2.float(), "situ")
     got = moe_triton.experts_by_ids_eager(h, ids.reshape(-1), w1, w3, w2, "situ", (4.0, 25.0))
     assert (got.float() - want).norm() / want.norm() < 1e-2
+
+
+@interpreted
+def test_many_pairs_take_the_sorted_kernels(monkeypatch):
+    """Past PAIR_ORDER_MAX_PAIRS the pair scan costs more than a sort: the sorted kernels run, same rows."""
+    import k3.ops.moe as moe_ops
+
+    monkeypatch.setattr(moe_ops, "PAIR_ORDER_MAX_PAIRS", 8)
+    monkeypatch.setattr(moe_ops, "experts_by_ids", lambda *args: pytest.fail("pair-order kernels ran"))
+    sorted_calls = []
+    kernels = moe_ops.experts_triton
+    monkeypatch.setattr(moe_ops, "experts_triton", lambda *args: sorted_calls.append(1) or kernels(*args))
+    monkeypatch.setenv("K3_MOE_BACKEND", "triton")
+    w1, w3, w2 = _experts(6, 16, 16)
+    h = torch.randn(5, 16)
+    ids = _pairs(5, 2, 6, seed=12)  # 10 pairs
+    got = moe_ops.experts_in_pair_order(h, ids.reshape(-1), 2, w1, w3, w2, "silu", (4.0, 25.0))
+    assert sorted_calls == [1]
+    torch.testing.assert_close(got, _sorted_reference(h, ids, w1, w3, w2, "silu"), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,43 @@
+"""What k3's own Triton kernels share: whether Triton is importable, whether it interprets on the CPU, and loading
+a kernel module (k3 imports without triton; a kernel module imports it on first use).
+
+Without a GPU the tests set TRITON_INTERPRET=1 (tests/conftest.py), and Triton then runs the same kernel source
+in its CPU interpreter. Triton decides between compiling and interpreting when a function is decorated, so a
+kernel module records the mode it was imported in (its INTERPRETED flag) and is reloaded on a change.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+
+import torch
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    try:
+        importlib.import_module("triton")
+    except Exception:  # a broken install raises more than ImportError
+        return False
+    return True
+
+
+@torch.compiler.assume_constant_result
+def triton_importable() -> bool:
+    """A constant to torch.compile (the import inside triton_available cannot be traced)."""
+    return triton_available()
+
+
+@functools.lru_cache(maxsize=8)
+def kernel_module(name: str, interpret: bool):
+    """The kernel module `name` (e.g. "k3.ops.moe_triton_kernels"), imported in the given interpreter mode."""
+    module = importlib.import_module(name)
+    if module.INTERPRETED != interpret:
+        module = importlib.reload(module)
+    return module
