@@ -90,7 +90,8 @@ class Router(nn.Module):
         return self._route(x_TD)
 
     def _route_fused(self, x_TD: torch.Tensor) -> Routing:
-        ids_TK, weights_TK, scores_TE = route_triton(x_TD, self.weight, self.e_score_correction_bias, self.top_k,
+        logits_TE = x_TD.float() @ self.weight.float().t()  # as _route computes them
+        ids_TK, weights_TK, scores_TE = route_triton(logits_TE, self.e_score_correction_bias, self.top_k,
                                                      self.renormalize, self.scale)
         self._last_ids_TK, self._last_load_E, self.aux_loss = ids_TK, None, None
         return Routing(ids_TK, weights_TK, scores_TE)

@@ -37,51 +37,50 @@ def router_backend() -> str:
     return backend
 
 
-def route_triton_eager(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int,
-                       renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [T, D], router weight [E, D], bias [E] -> (ids [T, K] int64, weights [T, K] fp32, scores [T, E] fp32)."""
+def route_triton_eager(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (fp32: x.float() @ W.float().t(), computed by the caller so that a compiled step fuses
+    the casts), bias [E] -> (ids [T, K] int64, weights [T, K] fp32, scores [T, E] fp32)."""
     import triton
 
-    num_tokens, hidden = x_TD.shape
-    num_experts = weight_ED.shape[0]
-    if weight_ED.shape[1] != hidden or bias_E.shape != (num_experts,):
-        raise ValueError(f"router weight {tuple(weight_ED.shape)} and bias {tuple(bias_E.shape)} do not fit "
-                         f"tokens of width {hidden}: expected [E, {hidden}] and [E]")
+    num_tokens, num_experts = logits_TE.shape
+    if bias_E.shape != (num_experts,):
+        raise ValueError(f"bias {tuple(bias_E.shape)} does not fit logits over {num_experts} experts: expected "
+                         f"[{num_experts}]")
     if not 0 < top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must lie in 1..{num_experts} (the number of experts)")
-    logits = x_TD.float() @ weight_ED.float().t()  # as Router._route computes them
-    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x_TD.device)
-    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x_TD.device)
-    scores = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x_TD.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits_TE.device)
+    weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits_TE.device)
+    scores = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=logits_TE.device)
     if num_tokens == 0:
         return ids, weights, scores
     kernels(interpreting()).route_topk[(triton.cdiv(num_tokens, BLOCK_T),)](
-        logits, bias_E, ids, weights, scores, num_tokens, logits.stride(0), logits.stride(1), float(scale),
+        logits_TE, bias_E, ids, weights, scores, num_tokens, logits_TE.stride(0), logits_TE.stride(1), float(scale),
         NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k,
         K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize), BLOCK_T=BLOCK_T)
     return ids, weights, scores
 
 
 @torch.library.custom_op("k3::moe_route_triton", mutates_args=())
-def moe_route_op(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
+def moe_route_op(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return route_triton_eager(x_TD, weight_ED, bias_E, top_k, renormalize, scale)
+    return route_triton_eager(logits_TE, bias_E, top_k, renormalize, scale)
 
 
 @moe_route_op.register_fake
-def _(x_TD, weight_ED, bias_E, top_k, renormalize, scale):
-    num_tokens, num_experts = x_TD.shape[0], weight_ED.shape[0]
-    return (x_TD.new_empty(num_tokens, top_k, dtype=torch.int64),
-            x_TD.new_empty(num_tokens, top_k, dtype=torch.float32),
-            x_TD.new_empty(num_tokens, num_experts, dtype=torch.float32))
+def _(logits_TE, bias_E, top_k, renormalize, scale):
+    num_tokens, num_experts = logits_TE.shape
+    return (logits_TE.new_empty(num_tokens, top_k, dtype=torch.int64),
+            logits_TE.new_empty(num_tokens, top_k, dtype=torch.float32),
+            logits_TE.new_empty(num_tokens, num_experts, dtype=torch.float32))
 
 
-def route_triton(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
+def route_triton(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """route_triton_eager, as one opaque op under torch.compile. Inference only (no backward)."""
     if torch.compiler.is_compiling():
-        return moe_route_op(x_TD, weight_ED, bias_E, top_k, renormalize, scale)
-    return route_triton_eager(x_TD, weight_ED, bias_E, top_k, renormalize, scale)
+        return moe_route_op(logits_TE.float(), bias_E, top_k, renormalize, scale)
+    return route_triton_eager(logits_TE.float(), bias_E, top_k, renormalize, scale)
 
 
 def route_triton_pays(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> bool:
