@@ -145,3 +145,29 @@ def hf_train_flops_per_token(model, seq_len: int, num_mla: int, mla_heads: int, 
     attention = 2 * 2 * mla_heads * (qk_dim + v_dim) / 2 * seq_len / 2
     recurrence = 2 * 4 * kda_heads * kda_dim * kda_dim
     return 6 * active + 3 * (num_mla * attention + num_kda * recurrence)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second) on the current CUDA device."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), warmup=3, repeats=10)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def graph_us_per_layer(run_layer, layers: int) -> float:
+    """Median microseconds per layer of one CUDA-graph replay that runs `run_layer(i)` for every layer (distinct
+    weights per layer, so that no layer finds its bytes in L2 from the one before)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(layers):  # warm-up outside the graph (Triton compiles here)
+            run_layer(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(layers):
+            run_layer(i)
+    us = time_ms(graph.replay, warmup=3, repeats=20) * 1e3 / layers
+    del graph
+    return us

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from common import device_name, print_table, relative_error, time_ms, write_json
+from common import copy_bandwidth, device_name, graph_us_per_layer, print_table, relative_error, write_json
 
 from k3.ops.mla_decode import latent_attention_einsum, latent_attention_triton_eager, num_splits
 
@@ -32,30 +32,6 @@ HEADS, RANK, ROPE, NOPE = 8, 256, 64, 64  # `small`
 SCALE = (NOPE + ROPE) ** -0.5
 SWEEP_S = (32, 64, 128)
 SWEEP_WARPS = (4, 8)
-
-
-def copy_bandwidth(nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), warmup=3, repeats=10)
-    return 2 * nbytes / (ms / 1e3)
-
-
-def graph_us_per_layer(run_layer, layers: int) -> float:
-    """Median microseconds per layer of one CUDA-graph replay that runs `run_layer(i)` for every layer."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(layers):  # warm-up outside the graph (Triton compiles here)
-            run_layer(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(layers):
-            run_layer(i)
-    us = time_ms(graph.replay, warmup=3, repeats=20) * 1e3 / layers
-    del graph
-    return us
 
 
 def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: bool) -> dict:

@@ -13,7 +13,7 @@ k_rope row once, for all heads of its batch row together: the grid is (query row
 each program streams blocks of slots keeping an fp32 online softmax (running max and sum) and an fp32 [H, R]
 accumulator, and a second small kernel joins the splits by log-sum-exp (with one split the first kernel writes
 the output itself: one launch). The split count grows until the GPU has about two programs per multiprocessor.
-The kernel's own timing at these shapes is not yet measured (bench/mla_decode.py measures it).
+Measured on one H200 (bench/mla_decode.py, `small`, 8K): see DEFAULT_BACKEND below.
 
 Masks, as the callers give them: None with `past` (causal: query t sees slots < past + t + 1; with past 0 and one
 query, every slot), a [T, S] boolean (StaticCache: the filled slots, computed on the device, same for every row),
@@ -27,9 +27,9 @@ over all -inf does (0 / 0 in the kernel); decode never produces such a row.
 Precision: the kernel keeps scores and probabilities in fp32 and casts the probabilities to the cache's dtype
 for the value product, as flash attention does; the twin rounds the scores to q's dtype first (bf16 einsum).
 
-Switch: K3_MLA_DECODE=auto|triton|einsum, default einsum (DEFAULT_BACKEND says why). auto takes the kernel for CUDA tensors in bf16/fp16, at most
-DECODE_MAX_TOKENS queries per row and no autograd graph (inference), with a mask form above, when triton
-imports; einsum otherwise (training and CPU do not change). An auto-chosen kernel that Triton cannot compile
+Switch: K3_MLA_DECODE=auto|triton|einsum, default einsum (DEFAULT_BACKEND says why). auto takes the kernel for
+CUDA tensors in bf16/fp16, at most DECODE_MAX_TOKENS queries per row and no autograd graph (inference), with a mask
+form above, when triton imports; einsum otherwise (training and CPU do not change). An auto-chosen kernel that Triton cannot compile
 warns once and that variant runs the twin from then on (k3.ops.fused_backend.with_torch_fallback); a forced
 `triton` raises. Under torch.compile the launcher is the custom op `k3::mla_decode_triton`, opaque to dynamo.
 The tests (tests/ops/test_mla_decode_triton.py) run the kernels in Triton's CPU interpreter.
