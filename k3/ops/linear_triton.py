@@ -97,12 +97,15 @@ def linear_backend() -> str:
 def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Never under autograd (no backward) nor past SKINNY_MAX_ROWS rows; else when forced by
     K3_LINEAR_BACKEND=triton, or with auto on CUDA in half precision within the auto bounds."""
-    backend = linear_backend()
+    # The cheap shape test first: prefill and training call this for every projection, host-bound.
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > SKINNY_MAX_ROWS:
+        return False
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return False
-    rows = x.numel() // max(x.shape[-1], 1)
-    if backend != "auto" or rows > SKINNY_MAX_ROWS:
-        return backend == "triton" and rows <= SKINNY_MAX_ROWS
+    backend = linear_backend()
+    if backend != "auto":
+        return backend == "triton"
     return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
             and rows <= SKINNY_AUTO_MAX_ROWS and weight.numel() < SKINNY_MAX_WEIGHT and triton_importable())
 
