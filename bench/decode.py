@@ -38,6 +38,7 @@ from k3 import K3ForCausalLM, ModelConfig
 from k3.infer.cuda_graph import CUDAGraphDecoder, compiled_decode_step, decode_step
 from k3.infer.static_cache import StaticCache
 from k3.layers.fused_weights import fuse_model_weights, unfuse_model_weights
+import k3.layers.moe as moe_layers
 
 
 @torch.no_grad()
@@ -95,19 +96,24 @@ def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
 
 
 # --moe-backends names: the routed experts' path (K3_MOE_BACKEND), the router's (K3_ROUTER_BACKEND), the dense
-# projections' (K3_LINEAR_BACKEND) and MLA's absorbed attention (K3_MLA_DECODE), each variant adding one kernel.
+# projections' (K3_LINEAR_BACKEND), MLA's absorbed attention (K3_MLA_DECODE) and the norms (K3_FUSED_BACKEND: fla's
+# kernel as an opaque op, or auto: the PyTorch twin that Inductor fuses), each variant adding one change. Up to
+# "mla" the router's logits are a matmul in the compiled step too; "logits" takes the compiled reduction for few
+# tokens (k3.layers.moe.COMPILED_LOGITS_MAX_TOKENS), as k3 does by default.
+_BEFORE = {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "auto",
+           "K3_MLA_DECODE": "einsum", "K3_FUSED_BACKEND": "fla"}
 MOE_VARIANTS = {
-    "grouped": {"K3_MOE_BACKEND": "grouped", "K3_ROUTER_BACKEND": "torch", "K3_LINEAR_BACKEND": "torch",
-                "K3_MLA_DECODE": "einsum"},
-    "triton": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "torch", "K3_LINEAR_BACKEND": "torch",
-               "K3_MLA_DECODE": "einsum"},
-    "routed": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "torch",
-               "K3_MLA_DECODE": "einsum"},
-    "skinny": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "auto",
-               "K3_MLA_DECODE": "einsum"},
-    "mla": {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "auto",
-            "K3_MLA_DECODE": "auto"},
+    "grouped": dict(_BEFORE, K3_MOE_BACKEND="grouped", K3_ROUTER_BACKEND="torch", K3_LINEAR_BACKEND="torch"),
+    "triton": dict(_BEFORE, K3_ROUTER_BACKEND="torch", K3_LINEAR_BACKEND="torch"),
+    "routed": dict(_BEFORE, K3_LINEAR_BACKEND="torch"),
+    "skinny": dict(_BEFORE),
+    "mla": dict(_BEFORE, K3_MLA_DECODE="auto"),
+    "norms": dict(_BEFORE, K3_FUSED_BACKEND="auto"),
+    "logits": dict(_BEFORE, K3_FUSED_BACKEND="auto"),
+    "logits_mla": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto"),
 }
+DEFAULT_LOGITS_MAX_TOKENS = moe_layers.COMPILED_LOGITS_MAX_TOKENS
+LOGITS_MAX_TOKENS = {"logits": DEFAULT_LOGITS_MAX_TOKENS, "logits_mla": DEFAULT_LOGITS_MAX_TOKENS}  # else 0
 
 
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,
@@ -158,10 +164,12 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
             fuse_model_weights(model)
         if backend:
             os.environ.update(MOE_VARIANTS[backend])
+            moe_layers.COMPILED_LOGITS_MAX_TOKENS = LOGITS_MAX_TOKENS.get(backend, 0)
             torch._dynamo.reset()  # the backend is read while tracing: a graph compiled for another must go
         path = f"{profile_dir}/{label}_{batch}x{prompt}_{name}.txt" if profile_dir else None
         result.update(time_greedy(model, static, first, new, compiled, eager_logits, name, path))
         static.restore(saved)
+    moe_layers.COMPILED_LOGITS_MAX_TOKENS = DEFAULT_LOGITS_MAX_TOKENS
     for key, value in defaults.items():
         if value is None:
             os.environ.pop(key, None)
@@ -289,8 +297,9 @@ def main() -> None:
                         help="write each captured graph's kernel table (one replay) into DIR")
     parser.add_argument("--moe-backends", nargs="+", default=None, choices=list(MOE_VARIANTS),
                         help="with --fuse: time the fused variants once per path (MOE_VARIANTS: grouped, triton "
-                             "experts, + fused router, + skinny projections, + MLA kernel); the unfused step is "
-                             "then not compiled")
+                             "experts, + fused router, + skinny projections, + MLA kernel; skinny + Inductor's "
+                             "norms, + compiled router logits, + MLA kernel); the unfused step is then not "
+                             "compiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.profile:

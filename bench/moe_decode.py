@@ -1,6 +1,7 @@
 """Routed experts of a decode step on one GPU: k3's Triton kernels against torch._grouped_mm, in one run.
 
-Usage: python bench/moe_decode.py [--models small matched] [--tokens 1 8 64 256] [--layers 15] [--out FILE]
+Usage: python bench/moe_decode.py [--models small matched] [--tokens 1 8 64 256] [--layers 15] [--launch-sweep]
+       [--dense] [--routing] [--out FILE]
 
 For each model's expert shapes (`small`: 64 experts, top-6, latent 512, width 1024, SiTU; `matched`: 64 experts,
 top-6, hidden 1024, width 512, SiLU) and each token count: routing is top-k of random scores, and `--layers`
@@ -43,9 +44,13 @@ SHAPES = {  # experts, top-k, expert width F, input width D, activation
 }
 SWEEP_N = (16, 32, 64, 128)
 SWEEP_K = (64, 128, 256)
+# With --launch-sweep, the pair-order kernels (what decode runs up to 512 pairs) over (BLOCK_N, BLOCK_K) x
+# (num_warps, num_stages), one projection at a time with the other at its default; (4, 3) is Triton's default.
+LAUNCH_BLOCKS = ((16, 128), (32, 128), (32, 256), (64, 128), (16, 256))
+LAUNCH_WARPS_STAGES = ((4, 3), (2, 3), (8, 3), (4, 2), (4, 5))
 
 
-def bench_case(model: str, tokens: int, layers: int, bandwidth: float) -> dict:
+def bench_case(model: str, tokens: int, layers: int, bandwidth: float, launch_sweep: bool = False) -> dict:
     experts, top_k, width_f, width_d, act = SHAPES[model]
     betas = (4.0, 25.0)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -120,6 +125,8 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float) -> dict:
             except Exception as exc:  # a block size the compiler rejects (shared memory) is skipped, said
                 print(f"  blocks {blocks}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     best = min(sweep, key=sweep.get)
+    if launch_sweep:
+        result["launch_sweep_us"] = sweep_launches(h, ids, views, act, betas, default, layers)
     touched = result["experts_touched"]
     weight_bytes = touched * 3 * width_f * width_d * 2
     io_bytes = rows * (width_d * 2 + width_f * 2) * 2
@@ -133,6 +140,38 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float) -> dict:
           f"(best {best}: {sweep[best]:.1f}), floor {floor_us:.1f} us; rel err grouped "
           f"{errors['grouped_rel_err']:.2e} triton {errors['triton_rel_err']:.2e}", flush=True)
     return result
+
+
+def sweep_launches(h, ids, views, act, betas, default, layers) -> dict:
+    """us per layer of the pair-order kernels for each launch config of one projection ("gate_up" or "down"),
+    the other at its default blocks; the best of each, and both bests together ("both")."""
+    def timed(blocks):
+        def run(i):
+            w1, w3, w2_i = views(i)
+            return experts_by_ids_eager(h, ids, w1, w3, w2_i, act, betas, blocks)
+        return graph_us_per_layer(run, layers)
+
+    out = {"default": timed(default)}
+    best = {}
+    for which in ("gate_up", "down"):
+        for block_n, block_k in LAUNCH_BLOCKS:
+            for warps, stages in LAUNCH_WARPS_STAGES:
+                config = (16, block_n, block_k, warps, stages)
+                blocks = (config, default[1]) if which == "gate_up" else (default[0], config)
+                key = f"{which} {block_n}x{block_k} w{warps} s{stages}"
+                try:
+                    out[key] = timed(blocks)
+                except Exception as exc:  # shared memory or registers over the limit: said, skipped
+                    print(f"  {key}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
+                if which not in best or out[key] < out[best[which][0]]:
+                    best[which] = (key, config)
+        print(f"  best {which}: {best[which][0]} {out[best[which][0]]:.1f} us (default {out['default']:.1f})",
+              flush=True)
+    out["both"] = timed((best["gate_up"][1], best["down"][1]))
+    out["best_gate_up"], out["best_down"] = best["gate_up"][1], best["down"][1]
+    print(f"  both bests: {out['both']:.1f} us", flush=True)
+    return out
 
 
 DENSE = {  # `small`'s projections that read one token's hidden state in decode (fused groups as one weight)
@@ -239,6 +278,8 @@ def main() -> None:
     parser.add_argument("--routing", action="store_true", help="also the compiled routing steps, old against new")
     parser.add_argument("--skip-experts", action="store_true", help="leave out the routed-expert cases")
     parser.add_argument("--dense", action="store_true", help="also the dense decode projections (skinny GEMMs)")
+    parser.add_argument("--launch-sweep", action="store_true",
+                        help="also sweep the pair-order kernels' blocks, warps and stages per projection")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -251,8 +292,8 @@ def main() -> None:
                     ["tokens", "topk us", "argmax rounds us", "argsort us", "counting sort us", "equal"],
                     [[r["tokens"], f"{r['topk_old_us']:.1f}", f"{r['topk_new_us']:.1f}", f"{r['sort_old_us']:.1f}",
                       f"{r['sort_new_us']:.1f}", r["same_topk"] and r["same_sort"]] for r in routing])
-    results = [] if args.skip_experts else [bench_case(m, t, args.layers, bandwidth) for m in args.models
-                                            for t in args.tokens]
+    results = [] if args.skip_experts else [bench_case(m, t, args.layers, bandwidth, args.launch_sweep)
+                                            for m in args.models for t in args.tokens]
     if results:
         print_table("routed experts per MoE layer, one CUDA graph over all layers",
                     ["model", "tokens", "experts", "grouped us", "triton us", "speed-up", "best sweep", "floor us",

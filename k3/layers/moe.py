@@ -30,6 +30,13 @@ from k3.ops.moe import count_per_expert, experts_in_pair_order, inverse_permutat
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
 
 
+# Inside a compiled step, up to this many tokens take the router's fp32 logits as a product and a sum over the
+# hidden width, which Inductor emits as one reduction kernel reading the weight in its own dtype. As a matmul
+# they were three launches a layer at batch 1 on one H200 (the weight's fp32 copy, cuBLAS's dot and its reduce:
+# 3.4 us of kernel time); above a few tokens cuBLAS's GEMM is the better kernel.
+COMPILED_LOGITS_MAX_TOKENS = 8
+
+
 @dataclass
 class Routing:
     topk_ids_TK: torch.Tensor
@@ -90,7 +97,10 @@ class Router(nn.Module):
         return self._route(x_TD)
 
     def _route_fused(self, x_TD: torch.Tensor) -> Routing:
-        logits_TE = x_TD.float() @ self.weight.float().t()  # as _route computes them
+        if torch.compiler.is_compiling() and x_TD.shape[0] <= COMPILED_LOGITS_MAX_TOKENS:
+            logits_TE = (x_TD.float()[:, None, :] * self.weight.float()[None]).sum(-1)  # (see the constant)
+        else:
+            logits_TE = x_TD.float() @ self.weight.float().t()  # as _route computes them
         ids_TK, weights_TK, scores_TE = route_triton(logits_TE, self.e_score_correction_bias, self.top_k,
                                                      self.renormalize, self.scale)
         self._last_ids_TK, self._last_load_E, self.aux_loss = ids_TK, None, None

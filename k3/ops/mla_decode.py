@@ -29,9 +29,9 @@ for the value product, as flash attention does; the twin rounds the scores to q'
 
 Switch: K3_MLA_DECODE=auto|triton|einsum, default einsum (DEFAULT_BACKEND says why). auto takes the kernel for
 CUDA tensors in bf16/fp16, at most DECODE_MAX_TOKENS queries per row and no autograd graph (inference), with a mask
-form above, when triton imports; einsum otherwise (training and CPU do not change). An auto-chosen kernel that Triton cannot compile
-warns once and that variant runs the twin from then on (k3.ops.fused_backend.with_torch_fallback); a forced
-`triton` raises. Under torch.compile the launcher is the custom op `k3::mla_decode_triton`, opaque to dynamo.
+form above, when triton imports; einsum otherwise (training and CPU do not change). An auto-chosen kernel that
+Triton cannot compile warns once and that variant runs the twin from then on
+(k3.ops.fused_backend.with_torch_fallback); a forced `triton` raises. Under torch.compile the launcher is the custom op `k3::mla_decode_triton`, opaque to dynamo.
 The tests (tests/ops/test_mla_decode_triton.py) run the kernels in Triton's CPU interpreter.
 
 Shape suffixes: B batch rows, H heads, T query tokens per row, S cached slots, R kv_lora_rank, E rope width.
@@ -55,10 +55,10 @@ ALL_VISIBLE = 1 << 30  # `visible_before` of an unmasked call: no slot index rea
 
 
 # The default is the einsum twin: measured on one H200 in `small`'s compiled decode step (bench/decode.py
-# --moe-backends skinny mla), the kernel with its default blocks made the step no faster (batch 1: 1.77 against
-# 1.76 ms; batch 64: 3.99 against 3.84 ms). Alone (bench/mla_decode.py), at batch 64 and 8K its best swept
-# blocks (32 slots, 4 warps) took 165 us per layer against the einsum's 232, and the default blocks 230 us;
-# K3_MLA_DECODE=auto or triton opts in until the defaults are tuned and the step is measured again.
+# --moe-backends skinny mla), the kernel with its first default blocks (64 slots) made the step no faster
+# (batch 1: 1.77 against 1.76 ms; batch 64: 3.99 against 3.84 ms). Alone (bench/mla_decode.py), at batch 64 and
+# 8K its best swept blocks (32 slots, 4 warps) took 165 us per layer against the einsum's 232; default_block_s
+# now takes the sweep's best. K3_MLA_DECODE=auto or triton opts in until the step is measured again.
 DEFAULT_BACKEND = "einsum"
 
 
@@ -111,6 +111,15 @@ def _kernels(interpret: bool):
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_block_s(programs_per_split: int, rank: int) -> int:
+    """Slots per block. Measured on one H200 at rank 256, 16 heads, 8K slots (bench/mla_decode.py sweeps): with
+    one row the splits are long and 128 slots took 23.6 us against 29.8 for 64 and 50.4 for 32; with 64 rows,
+    32 slots took 165 us against 230 for 64 and 211-227 for 128. Wider latents keep 32 (registers)."""
+    if rank > 256:
+        return 32
+    return 128 if programs_per_split < 16 else 32
 
 
 def num_splits(programs_per_split: int, total: int, block_s: int, num_sms: int = 132) -> tuple[int, int]:
@@ -172,9 +181,9 @@ def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torc
     block_h = min(64, max(16, triton.next_power_of_2(heads)))
     block_r = max(16, triton.next_power_of_2(rank))
     block_e = max(16, triton.next_power_of_2(rope))
-    block_s = block_s or (64 if rank <= 256 else 32)
     head_blocks = -(-heads // block_h)
     rows = batch * length
+    block_s = block_s or default_block_s(rows * head_blocks, rank)
     num_sms = _multiprocessors(q_latent_BHTR.device.index) if q_latent_BHTR.is_cuda else 132
     if splits is None:
         splits, per_split = num_splits(rows * head_blocks, total, block_s, num_sms)

@@ -59,7 +59,7 @@ def _multiprocessors(device_index: int | None) -> int:
 
 def _launch(x: torch.Tensor, num_rows: int, counts_E: torch.Tensor | None, ids_N: torch.Tensor | None,
             pairs_per_row: int, w: torch.Tensor, w3: torch.Tensor | None, act: str, betas: tuple[float, float],
-            blocks: tuple[int, int, int] | None) -> torch.Tensor:
+            blocks: tuple[int, ...] | None) -> torch.Tensor:
     """One projection over num_rows output rows: rows sorted by expert with counts_E (expert_matmul), or in
     pair order with ids_N (expert_matmul_by_ids, x row = pair // pairs_per_row)."""
     import triton
@@ -71,7 +71,9 @@ def _launch(x: torch.Tensor, num_rows: int, counts_E: torch.Tensor | None, ids_N
     if blocks is None:
         num_sms = _multiprocessors(x.device.index) if x.is_cuda else 132
         blocks = block_sizes(num_rows, num_experts, out_width, in_width, num_sms)
-    block_m, block_n, block_k = blocks
+    block_m, block_n, block_k = blocks[:3]
+    # An optional (num_warps, num_stages) after the block sizes (the benchmark sweeps them); Triton's defaults else.
+    launch = dict(zip(("num_warps", "num_stages"), blocks[3:]))
     glu = w3 is not None
     w3 = w if w3 is None else w3
     grid = (num_experts, triton.cdiv(out_width, block_n))
@@ -82,19 +84,20 @@ def _launch(x: torch.Tensor, num_rows: int, counts_E: torch.Tensor | None, ids_N
     module = kernels(interpreting())
     if ids_N is None:
         module.expert_matmul[grid](x, w, w3, out, counts_E, *common, NUM_EXPERTS=num_experts,
-                                   EXPERTS_POW2=triton.next_power_of_2(num_experts), **flags)
+                                   EXPERTS_POW2=triton.next_power_of_2(num_experts), **flags, **launch)
     else:
         block_p = min(PAIR_BLOCK, max(16, triton.next_power_of_2(num_rows)))
         module.expert_matmul_by_ids[grid](x, w, w3, out, ids_N, num_rows, *common, PAIRS_PER_ROW=pairs_per_row,
-                                          BLOCK_P=block_p, **flags)
+                                          BLOCK_P=block_p, **flags, **launch)
     return out
 
 
 def experts_triton_eager(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
                          w2_EDF: torch.Tensor, act: str, betas: tuple[float, float],
-                         blocks: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None) -> torch.Tensor:
+                         blocks: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> torch.Tensor:
     """x_ND sorted by expert, counts_E [E] rows per expert -> [N, D] in x's dtype: the two launches.
-    `blocks`: (gate-up, down) block sizes, chosen by block_sizes when None (the benchmark sweeps them)."""
+    `blocks`: (gate-up, down) block sizes, each optionally followed by (num_warps, num_stages); chosen by
+    block_sizes when None (the benchmark sweeps them)."""
     if act not in GLU_KINDS:
         raise ValueError(f"unknown GLU activation {act!r}; use one of {GLU_KINDS}")
     dtype = x_ND.dtype
@@ -105,7 +108,7 @@ def experts_triton_eager(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: tor
 
 def experts_by_ids_eager(h_TD: torch.Tensor, ids_N: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
                          w2_EDF: torch.Tensor, act: str, betas: tuple[float, float],
-                         blocks: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None) -> torch.Tensor:
+                         blocks: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> torch.Tensor:
     """Token rows h_TD [T, D] and the routed experts ids_N [N] of pairs p = t * top_k + k -> [N, D] in pair order,
     with no sort: row p is expert ids_N[p]'s GLU of token p // top_k. Equals the sorted path's result after its
     unpermute (tests/ops/test_moe_triton.py)."""

@@ -7,7 +7,11 @@ Statistics in fp32 (fp64 stays fp64), the result in x's dtype. Eager PyTorch spe
 kernels on each (upcast, square, mean, rsqrt, scale, gate, downcast) and keeps their fp32 intermediates for the
 backward; fla does each in one kernel forward and one backward, reading x once.
 
-Which runs follows k3.ops.fused_backend (K3_FUSED_BACKEND: fla on CUDA when it imports, else PyTorch).
+Which runs follows k3.ops.fused_backend (K3_FUSED_BACKEND: fla on CUDA when it imports, else PyTorch). Under
+torch.compile without autograd (a compiled decode step) auto takes the twin: Inductor turns it into one reduction
+kernel fused with its neighbours (the residual add before it, the cast after it), where fla's kernel would be an
+opaque launch of its own. At batch 1 on one H200 each fla norm cost 2-3 us of kernel time, 56 of them per `small`
+step. K3_FUSED_BACKEND=fla keeps fla's kernel there too, as a k3:: custom op.
 """
 
 from __future__ import annotations
@@ -44,9 +48,11 @@ RMS_NORM_BUCKET_ROWS = 2048
 GATED_NORM_BUCKET_ROWS = 65536
 
 
-def _use_fla(x: torch.Tensor, bucket_rows: int) -> bool:
+def _use_fla(x: torch.Tensor, bucket_rows: int, *tensors: torch.Tensor) -> bool:
     if fused_backend(x, available=_fla_norms_available()) != "fla":
         return False
+    if opaque_under_compile(x, *tensors) and fused_backend() != "fla":
+        return False  # auto under compile without autograd: Inductor fuses the twin (module docstring)
     return fla_row_count_ok(x, bucket_rows)
 
 
@@ -78,7 +84,7 @@ def rms_norm_gated_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension (x [..., D], weight [D])."""
-    if _use_fla(x, RMS_NORM_BUCKET_ROWS):
+    if _use_fla(x, RMS_NORM_BUCKET_ROWS, weight):
         if opaque_under_compile(x, weight):
             return fla_rms_norm_op(x, weight, eps)
         return _rms_norm_fla(x, weight, eps)
@@ -87,7 +93,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * sigmoid(gate) over the last dimension (x, gate [..., D], weight [D]); x's dtype out."""
-    if _use_fla(x, GATED_NORM_BUCKET_ROWS):
+    if _use_fla(x, GATED_NORM_BUCKET_ROWS, gate, weight):
         if opaque_under_compile(x, gate, weight):
             return fla_rms_norm_gated_op(x, gate, weight, eps)
         return _rms_norm_gated_fla(x, gate, weight, eps)

@@ -61,14 +61,18 @@ LOADERS = (conv_ops._load_fla_conv, norm_ops._load_fla_norms, kda_ops._load_fla)
 
 
 @contextlib.contextmanager
-def installed(monkeypatch):
-    """Every k3.ops dispatch takes its fla branch (the CUDA checks waived), with the stand-ins above as fla."""
+def installed(monkeypatch, configured: str = "fla"):
+    """Every k3.ops dispatch takes its fla branch (the CUDA checks waived), with the stand-ins above as fla.
+    `configured` is what K3_FUSED_BACKEND would say: "fla" (forced) or "auto", which lets a compiled decode step
+    take the PyTorch twins Inductor fuses (k3.ops.norm)."""
     for name in ("fla", "fla.modules", "fla.modules.norm", "fla.ops", *MODULES):
         module = types.ModuleType(name)
         for attr, value in MODULES.get(name, {}).items():
             setattr(module, attr, value)
         monkeypatch.setitem(sys.modules, name, module)
-    fla = lambda x=None, available=True: "fla" if available else "torch"  # noqa: E731
+    def fla(x=None, available=True):
+        return configured if x is None else "fla" if available else "torch"
+
     monkeypatch.setattr(conv_ops, "fused_backend", fla)
     monkeypatch.setattr(norm_ops, "fused_backend", fla)
     monkeypatch.setattr(kda_ops, "_use_fla", lambda x: kda_ops._fla_available())

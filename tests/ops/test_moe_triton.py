@@ -218,6 +218,8 @@ def _sorted_reference(h_TD, ids_TK, w1, w3, w2, act):
 @pytest.mark.parametrize("num_tokens, top_k, blocks", [
     (1, 3, None), (7, 2, ((16, 16, 16), (16, 32, 16))),
     (90, 3, ((16, 32, 32), (16, 32, 32))),  # 270 pairs: two chunks of the pair scan, expert 2 over 5 row blocks
+    # 240 pairs in one chunk, experts over two row blocks; warps and stages given
+    (80, 3, ((16, 32, 32, 2, 2), (16, 16, 64, 8, 4))),
 ])
 def test_pair_order_kernels_equal_the_sorted_loop(act, num_tokens, top_k, blocks):
     w1, w3, w2 = _experts(10, 48, 40, seed=4)

@@ -16,7 +16,7 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU tensors need Triton's interpreter")
 
 from k3.config import ModelConfig  # noqa: E402
-from k3.layers.moe import Router  # noqa: E402
+from k3.layers.moe import COMPILED_LOGITS_MAX_TOKENS, Router  # noqa: E402
 from k3.ops import route_triton  # noqa: E402
 from k3.ops.moe import count_per_expert  # noqa: E402
 
@@ -151,6 +151,32 @@ def test_custom_op_under_compile(monkeypatch):
         got = torch.compile(lambda t: router(t).topk_weights_TK, backend="aot_eager", fullgraph=True)(x)
         want = router._route(x).topk_weights_TK
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@interpreted
+@pytest.mark.parametrize("num_tokens", [1, COMPILED_LOGITS_MAX_TOKENS, COMPILED_LOGITS_MAX_TOKENS + 1])
+def test_compiled_logits_are_a_reduction_for_few_tokens(monkeypatch, num_tokens):
+    """Up to COMPILED_LOGITS_MAX_TOKENS a compiled step's router logits are a product and a sum (one Inductor
+    reduction), above it a matmul; both route as the eager router does."""
+    router = _router(num_experts=64, top_k=6)
+    x = _tokens(num_tokens, 40, seed=num_tokens)
+    monkeypatch.setenv("K3_ROUTER_BACKEND", "triton")
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(lambda t: router(t), backend=record, fullgraph=True)(x)
+        want = router._route(x)
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    matmuls = sum("matmul" in t or "mm" in t.split(".")[-1] for t in targets)
+    assert matmuls == (0 if num_tokens <= COMPILED_LOGITS_MAX_TOKENS else 1), targets
+    assert torch.equal(got.topk_ids_TK, want.topk_ids_TK)
+    torch.testing.assert_close(got.topk_weights_TK, want.topk_weights_TK, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.scores_TE, want.scores_TE, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.cuda
