@@ -1,7 +1,7 @@
 """Routed experts of a decode step on one GPU: k3's Triton kernels against torch._grouped_mm, in one run.
 
 Usage: python bench/moe_decode.py [--models small matched] [--tokens 1 8 64 256] [--layers 15] [--launch-sweep]
-       [--dense] [--routing] [--out FILE]
+       [--dense] [--routing] [--router] [--skip-experts] [--out FILE]
 
 For each model's expert shapes (`small`: 64 experts, top-6, latent 512, width 1024, SiTU; `matched`: 64 experts,
 top-6, hidden 1024, width 512, SiLU) and each token count: routing is top-k of random scores, and `--layers`
@@ -20,6 +20,9 @@ With --routing, also the routing steps as a compiled decode step runs them (torc
 against new in one CUDA graph over all layers: top-k of the biased scores (torch.topk against k rounds of
 argmax-and-mask, which k3 tried and does not use: it was slower) and the sort of the pairs by expert (argsort +
 inverse + counts against k3.ops.moe.sort_pairs_by_expert, a counting sort); both outputs checked equal.
+With --router, `small`'s router: the compiled fp32 logits as a matmul against a product-and-sum reduction, and the
+route kernel over (tokens per program, warps). With --launch-sweep, the pair-order expert kernels' blocks, warps
+and stages, one projection at a time.
 The floor is the bytes of the touched experts' weights (plus the rows in and out) over the copy bandwidth
 measured in the same run. Before timing, each path is compared with the fp32 loop over experts (relative error);
 the script exits 1 when the Triton path is further from it than both 1e-2 and twice the grouped GEMM's error.
@@ -270,6 +273,44 @@ def bench_routing(tokens: int, layers: int, experts: int = 64, top_k: int = 6) -
     return result
 
 
+ROUTE_LAUNCHES = ((16, 4), (16, 2), (16, 1), (4, 1), (4, 2))  # (tokens per program, warps); (4, 2) default
+
+
+def bench_router(tokens: int, layers: int, hidden: int = 1024, experts: int = 64, top_k: int = 6) -> dict:
+    """`small`'s router per MoE layer in one CUDA graph over all layers: the fp32 logits compiled as a matmul
+    (cuBLAS) and as a product and a sum (one Inductor reduction, k3.layers.moe.COMPILED_LOGITS_MAX_TOKENS), then
+    the route kernel (k3.ops.route_triton) over launch configs."""
+    from k3.ops.route_triton import route_triton_eager
+
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    xs = [torch.randn(tokens, hidden, device="cuda", generator=gen).bfloat16() for _ in range(layers)]
+    ws = [torch.randn(experts, hidden, device="cuda", generator=gen).div_(hidden ** 0.5).bfloat16()
+          for _ in range(layers)]
+    bias = torch.zeros(experts, device="cuda")
+    matmul = torch.compile(lambda x, w: x.float() @ w.float().t(), dynamic=False)
+    reduction = torch.compile(lambda x, w: (x.float()[:, None, :] * w.float()[None]).sum(-1), dynamic=False)
+    want = xs[0].double() @ ws[0].double().t()
+    result = dict(tokens=tokens, logits_matmul_rel_err=relative_error(matmul(xs[0], ws[0]).double(), want),
+                  logits_reduction_rel_err=relative_error(reduction(xs[0], ws[0]).double(), want))
+    result["logits_matmul_us"] = graph_us_per_layer(lambda i: matmul(xs[i], ws[i]), layers)
+    result["logits_reduction_us"] = graph_us_per_layer(lambda i: reduction(xs[i], ws[i]), layers)
+    logits = [matmul(x, w) for x, w in zip(xs, ws)]
+    ids0 = route_triton_eager(logits[0], bias, top_k, True, 2.5)[0]
+    for block_t, warps in ROUTE_LAUNCHES:
+        if block_t < 16 and tokens > 64:
+            continue
+        same = torch.equal(route_triton_eager(logits[0], bias, top_k, True, 2.5, block_t, warps)[0], ids0)
+        us = graph_us_per_layer(lambda i: route_triton_eager(logits[i], bias, top_k, True, 2.5, block_t, warps),
+                                layers)
+        result[f"route_{block_t}t_{warps}w_us"] = us
+        result[f"route_{block_t}t_{warps}w_same"] = same
+    print(f"router x{tokens}: logits matmul {result['logits_matmul_us']:.1f} us, reduction "
+          f"{result['logits_reduction_us']:.1f} us; route " + ", ".join(
+              f"{k[6:-3]} {v:.1f}" for k, v in result.items() if k.startswith("route_") and k.endswith("_us")),
+          flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -278,6 +319,8 @@ def main() -> None:
     parser.add_argument("--routing", action="store_true", help="also the compiled routing steps, old against new")
     parser.add_argument("--skip-experts", action="store_true", help="leave out the routed-expert cases")
     parser.add_argument("--dense", action="store_true", help="also the dense decode projections (skinny GEMMs)")
+    parser.add_argument("--router", action="store_true",
+                        help="also the router: compiled logits as matmul / reduction, the route kernel's launches")
     parser.add_argument("--launch-sweep", action="store_true",
                         help="also sweep the pair-order kernels' blocks, warps and stages per projection")
     parser.add_argument("--out", default=None)
@@ -292,6 +335,7 @@ def main() -> None:
                     ["tokens", "topk us", "argmax rounds us", "argsort us", "counting sort us", "equal"],
                     [[r["tokens"], f"{r['topk_old_us']:.1f}", f"{r['topk_new_us']:.1f}", f"{r['sort_old_us']:.1f}",
                       f"{r['sort_new_us']:.1f}", r["same_topk"] and r["same_sort"]] for r in routing])
+    router = [bench_router(t, args.layers) for t in args.tokens] if args.router else []
     results = [] if args.skip_experts else [bench_case(m, t, args.layers, bandwidth, args.launch_sweep)
                                             for m in args.models for t in args.tokens]
     if results:
@@ -316,7 +360,7 @@ def main() -> None:
                       f"{r['triton_rel_err']:.1e}"] for r in dense])
     if args.out:
         write_json(args.out, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, results=results,
-                                  dense=dense, routing=routing))
+                                  dense=dense, routing=routing, router=router))
     bad = [r for r in results
            if max(r["triton_rel_err"], r["pair_order_rel_err"]) > max(1e-2, 2 * r["grouped_rel_err"])]
     if bad:

@@ -32,9 +32,10 @@ from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
 
 # Inside a compiled step, up to this many tokens take the router's fp32 logits as a product and a sum over the
 # hidden width, which Inductor emits as one reduction kernel reading the weight in its own dtype. As a matmul
-# they were three launches a layer at batch 1 on one H200 (the weight's fp32 copy, cuBLAS's dot and its reduce:
-# 3.4 us of kernel time); above a few tokens cuBLAS's GEMM is the better kernel.
-COMPILED_LOGITS_MAX_TOKENS = 8
+# they were the weight's fp32 copy and cuBLAS's dot + reduce (1 token) or split-K SIMT GEMM + reduce (64 tokens).
+# Measured on one H200 (bench/moe_decode.py --router, `small`'s router, one graph over 15 layers): 1.7 against
+# 6.2 us at 1 token, 2.0 against 8.9 at 8, 3.8 against 10.2 at 64; larger counts were not measured.
+COMPILED_LOGITS_MAX_TOKENS = 64
 
 
 @dataclass

@@ -27,7 +27,10 @@ from k3.ops.moe_triton import TRITON_MAX_ROWS, kernels
 from k3.ops.triton_support import interpreting, triton_importable
 
 _ENV = "K3_ROUTER_BACKEND"
-BLOCK_T = 16  # tokens per program
+# Tokens per program and warps: 4 tokens on 2 warps took 2.6 us per layer against 3.3 for 16 on 4 (Triton's
+# default warps) at 1, 8 and 64 tokens on one H200 (bench/moe_decode.py --router); 1 warp was slower.
+BLOCK_T = 4
+NUM_WARPS = 2
 
 
 def router_backend() -> str:
@@ -38,9 +41,11 @@ def router_backend() -> str:
 
 
 def route_triton_eager(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       scale: float, block_t: int = BLOCK_T,
+                       num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Router logits [T, E] (fp32: x.float() @ W.float().t(), computed by the caller so that a compiled step fuses
-    the casts), bias [E] -> (ids [T, K] int64, weights [T, K] fp32, scores [T, E] fp32)."""
+    the casts), bias [E] -> (ids [T, K] int64, weights [T, K] fp32, scores [T, E] fp32). block_t and num_warps
+    are the benchmark's to sweep."""
     import triton
 
     num_tokens, num_experts = logits_TE.shape
@@ -54,10 +59,10 @@ def route_triton_eager(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int
     scores = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=logits_TE.device)
     if num_tokens == 0:
         return ids, weights, scores
-    kernels(interpreting()).route_topk[(triton.cdiv(num_tokens, BLOCK_T),)](
+    kernels(interpreting()).route_topk[(triton.cdiv(num_tokens, block_t),)](
         logits_TE, bias_E, ids, weights, scores, num_tokens, logits_TE.stride(0), logits_TE.stride(1), float(scale),
         NUM_EXPERTS=num_experts, EXPERTS_POW2=triton.next_power_of_2(num_experts), TOP_K=top_k,
-        K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize), BLOCK_T=BLOCK_T)
+        K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize), BLOCK_T=block_t, num_warps=num_warps)
     return ids, weights, scores
 
 

@@ -44,7 +44,7 @@ def _tokens(num_tokens, hidden, seed=1):
 @interpreted
 @pytest.mark.parametrize("num_experts, top_k, num_tokens, renormalize", [
     (12, 3, 5, True),    # experts fewer than tl.dot's 16 and no power of two
-    (64, 6, 37, True),   # `small`'s router, tokens over three programs with a ragged last block
+    (64, 6, 37, True),   # `small`'s router, tokens over ten programs with a ragged last block
     (20, 1, 16, False),  # top-1, no renormalisation
 ])
 def test_kernel_equals_the_router(num_experts, top_k, num_tokens, renormalize):
