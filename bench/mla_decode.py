@@ -1,6 +1,6 @@
 """MLA's absorbed decode attention on one GPU: k3's flash-decode Triton kernel against the einsum path, in one run.
 
-Usage: python bench/mla_decode.py [--batch 1 64] [--context 8192 131072] [--layers 4] [--no-sweep] [--json FILE]
+Usage: python bench/mla_decode.py [--batch 1 64] [--context 8192 131072] [--layers 4] [--no-sweep] [--out FILE]
 
 At `small`'s MLA shapes (8 heads, kv_lora_rank 256, rope 64, bf16, one query token per row) and each batch x
 context: `--layers` distinct latent caches exist (small has 4 MLA layers), so that no layer finds its cache in
@@ -88,7 +88,7 @@ def main() -> None:
     parser.add_argument("--context", nargs="+", type=int, default=[8192, 131072])
     parser.add_argument("--layers", type=int, default=4, help="distinct caches (small has 4 MLA layers)")
     parser.add_argument("--no-sweep", action="store_true", help="time only the default blocks")
-    parser.add_argument("--json", default=None, help="write the results to this file")
+    parser.add_argument("--out", "--json", dest="json", default=None, help="write the results to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/mla_decode.py needs a CUDA device")

@@ -31,7 +31,8 @@ Switch: K3_MLA_DECODE=auto|triton|einsum, default einsum (DEFAULT_BACKEND says w
 CUDA tensors in bf16/fp16, at most DECODE_MAX_TOKENS queries per row and no autograd graph (inference), with a mask
 form above, when triton imports; einsum otherwise (training and CPU do not change). An auto-chosen kernel that
 Triton cannot compile warns once and that variant runs the twin from then on
-(k3.ops.fused_backend.with_torch_fallback); a forced `triton` raises. Under torch.compile the launcher is the custom op `k3::mla_decode_triton`, opaque to dynamo.
+(k3.ops.fused_backend.with_torch_fallback); a forced `triton` raises. Under torch.compile the launcher is the
+custom op `k3::mla_decode_triton`, opaque to dynamo.
 The tests (tests/ops/test_mla_decode_triton.py) run the kernels in Triton's CPU interpreter.
 
 Shape suffixes: B batch rows, H heads, T query tokens per row, S cached slots, R kv_lora_rank, E rope width.
