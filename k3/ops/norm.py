@@ -10,8 +10,9 @@ backward; fla does each in one kernel forward and one backward, reading x once.
 Which runs follows k3.ops.fused_backend (K3_FUSED_BACKEND: fla on CUDA when it imports, else PyTorch). Under
 torch.compile without autograd (a compiled decode step) auto takes the twin: Inductor turns it into one reduction
 kernel fused with its neighbours (the residual add before it, the cast after it), where fla's kernel would be an
-opaque launch of its own. At batch 1 on one H200 each fla norm cost 2-3 us of kernel time, 56 of them per `small`
-step. K3_FUSED_BACKEND=fla keeps fla's kernel there too, as a k3:: custom op.
+opaque launch of its own. At batch 1 on one H200 each fla norm cost 2-3 us of kernel time, 68 of them per `small`
+step (160 us), and the step went 1.69 -> 1.54 ms without them. K3_FUSED_BACKEND=fla keeps fla's kernel there too,
+as a k3:: custom op.
 """
 
 from __future__ import annotations
