@@ -1,7 +1,8 @@
 """The inference engine in process: correctness of its fast paths, then throughput against one-by-one runs and
 against the bare CUDA-graph decode step of bench/decode.py, all in one run.
 
-Usage: python bench/engine.py [--preset small] [--prompt 1024] [--new 256] [--concurrency 1 16 64] [--out F]
+Usage: python bench/engine.py [--preset small] [--prompt 1024] [--new 256] [--concurrency 1 16 64] [--no-checks]
+       [--out F]
 
 Checks (printed as ok / FAIL with the numbers):
   graph-vs-eager   the same greedy requests with CUDA-graph decode and with the eager PyTorch step: tokens
@@ -163,6 +164,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (1 is steadiest on a busy machine)")
+    parser.add_argument("--no-checks", action="store_true",
+                        help="skip the correctness checks (each builds its own engines: with K3_COMPILE_DECODE=1 "
+                             "their graphs compile before any timing)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -184,18 +188,27 @@ def main() -> None:
     check_prompts = prompts_for(args.check_requests, 96, config.vocab_size, seed=1)
     check_prompts = [p[: 17 + 11 * i] for i, p in enumerate(check_prompts)]  # mixed lengths
     checks = {}
-    if device.type == "cuda":
-        checks["graph-vs-eager"] = check_graph_vs_eager(model, check_prompts, args.check_new, args.tol, 512)
-    checks["batch-vs-alone"] = check_batch_vs_alone(model, check_prompts, args.check_new, 512,
-                                                 args.tol if device.type == "cuda" else 0.0)
-    for name, c in checks.items():
+    runs = {} if args.no_checks else {
+        "batch-vs-alone": lambda: check_batch_vs_alone(model, check_prompts, args.check_new, 512,
+                                                       args.tol if device.type == "cuda" else 0.0)}
+    if device.type == "cuda" and not args.no_checks:
+        runs = {"graph-vs-eager": lambda: check_graph_vs_eager(model, check_prompts, args.check_new, args.tol, 512),
+                **runs}
+    for name, run in runs.items():
+        t0 = time.perf_counter()
+        checks[name] = dict(run(), seconds=time.perf_counter() - t0)  # first use (compiles) included
+        c = checks[name]
         print(f"{'ok  ' if c['ok'] else 'FAIL'} {name}: {c}", flush=True)
+        write_json(args.out, {**results, "partial": True, "checks": checks})
     results["checks"] = checks
 
     params = SamplingParams(max_new_tokens=args.new, temperature=0)
     loads = {}
     for concurrency in args.concurrency:
         engine = Engine(model, None, max_context=max_context, max_batch=max(concurrency, 1), prefix_cache=False)
+        if device.type == "cuda":
+            print(f"concurrency {concurrency}: warm-up (captures the decode graphs, and compiles them with "
+                  "K3_COMPILE_DECODE=1)", flush=True)
         t0 = time.perf_counter()
         run_load(engine, prompts_for(min(concurrency, 2), args.prompt, config.vocab_size, seed=99),
                  SamplingParams(max_new_tokens=8, temperature=0))  # warm-up: graphs, kernels (and compiles)
