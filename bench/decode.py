@@ -111,14 +111,24 @@ MOE_VARIANTS = {
     "norms": dict(_BEFORE, K3_FUSED_BACKEND="auto"),
     "logits": dict(_BEFORE, K3_FUSED_BACKEND="auto"),
     "logits_mla": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto"),
+    "combo": dict(_BEFORE, K3_FUSED_BACKEND="auto"),
 }
+# "combo" also turns on Inductor's horizontal fusion of independent kernels (torch._inductor.config.combo_kernels,
+# off in k3 and by default) while its graph compiles: the step's 72 conv-window copies at batch 1 (about 1 us
+# each) are independent kernels of equal shape.
+INDUCTOR_CONFIG = {"combo": {"combo_kernels": True}}
 DEFAULT_LOGITS_MAX_TOKENS = moe_layers.COMPILED_LOGITS_MAX_TOKENS
-LOGITS_MAX_TOKENS = {"logits": DEFAULT_LOGITS_MAX_TOKENS, "logits_mla": DEFAULT_LOGITS_MAX_TOKENS}  # else 0
+LOGITS_MAX_TOKENS = {name: DEFAULT_LOGITS_MAX_TOKENS for name in ("logits", "logits_mla", "combo")}  # else 0
 
 
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,
              bandwidth: float | None = None, compile: bool = False, profile_dir: str | None = None,
-             label: str = "k3", fuse: bool = False, moe_backends: list[str] | None = None) -> dict:
+             label: str = "k3", fuse: bool = False, moe_backends: list[str] | None = None,
+             progress=None) -> dict:
+    """progress(result so far), if given, after each variant (the caller writes a partial JSON: a run stopped in
+    a later variant's compile keeps the earlier ones)."""
+    import torch._inductor.config  # noqa: F401  (torch._inductor.config.patch below)
+
     reset_peak_memory()
     ids = torch.randint(0, config.vocab_size, (batch, prompt), device=device)
     synchronize()
@@ -167,8 +177,16 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
             moe_layers.COMPILED_LOGITS_MAX_TOKENS = LOGITS_MAX_TOKENS.get(backend, 0)
             torch._dynamo.reset()  # the backend is read while tracing: a graph compiled for another must go
         path = f"{profile_dir}/{label}_{batch}x{prompt}_{name}.txt" if profile_dir else None
-        result.update(time_greedy(model, static, first, new, compiled, eager_logits, name, path))
+        inductor = INDUCTOR_CONFIG.get(backend, {}) if compiled else {}
+        try:
+            with torch._inductor.config.patch(inductor):
+                result.update(time_greedy(model, static, first, new, compiled, eager_logits, name, path))
+        except Exception as exc:  # one variant failing (a compile error) leaves the others to run
+            traceback.print_exc()
+            result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
         static.restore(saved)
+        if progress:
+            progress(result)
     moe_layers.COMPILED_LOGITS_MAX_TOKENS = DEFAULT_LOGITS_MAX_TOKENS
     for key, value in defaults.items():
         if value is None:
@@ -298,8 +316,8 @@ def main() -> None:
     parser.add_argument("--moe-backends", nargs="+", default=None, choices=list(MOE_VARIANTS),
                         help="with --fuse: time the fused variants once per path (MOE_VARIANTS: grouped, triton "
                              "experts, + fused router, + skinny projections, + MLA kernel; skinny + Inductor's "
-                             "norms, + compiled router logits, + MLA kernel); the unfused step is then not "
-                             "compiled")
+                             "norms, + compiled router logits, + MLA kernel; logits + Inductor's combo kernels); "
+                             "the unfused step is then not compiled")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.profile:
@@ -331,9 +349,13 @@ def main() -> None:
                 if name == "peer":
                     r = bench_peer(model, batch, prompt, args.new, device)
                 else:
+                    def partial(so_far, name=name, case=case):
+                        write_json(args.out, {"bench": "decode", "partial": True,
+                                              "results": {**results, name: {**results[name], case: so_far}}})
+
                     r = bench_k3(model, config, batch, prompt, args.new, args.max_real_tokens, device, bandwidth,
                                  compile=args.compile, profile_dir=args.profile, label=name,
-                                 fuse=args.fuse, moe_backends=args.moe_backends)
+                                 fuse=args.fuse, moe_backends=args.moe_backends, progress=partial)
             except Exception as exc:
                 traceback.print_exc()
                 r = dict(error=f"{type(exc).__name__}: {exc}"[:300])
