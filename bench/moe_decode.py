@@ -95,9 +95,13 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float, launch_sw
         w1, w3, w2_i = views(i)
         return experts_in_pair_order(h, ids, top_k, w1, w3, w2_i, act, betas)
 
-    def pair_order(i):
-        w1, w3, w2_i = views(i)
-        return experts_by_ids_eager(h, ids, w1, w3, w2_i, act, betas)
+    def pair_order_with(blocks=None):
+        def run(i):
+            w1, w3, w2_i = views(i)
+            return experts_by_ids_eager(h, ids, w1, w3, w2_i, act, betas, blocks)
+        return run
+
+    pair_order = pair_order_with()
 
     saved_backend = os.environ.get("K3_MOE_BACKEND")
     os.environ["K3_MOE_BACKEND"] = "grouped"
@@ -129,7 +133,8 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float, launch_sw
                 print(f"  blocks {blocks}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
     best = min(sweep, key=sweep.get)
     if launch_sweep:
-        result["launch_sweep_us"] = sweep_launches(h, ids, views, act, betas, default, layers)
+        result["launch_sweep_us"] = sweep_launches(lambda blocks: graph_us_per_layer(pair_order_with(blocks), layers),
+                                                   default)
     touched = result["experts_touched"]
     weight_bytes = touched * 3 * width_f * width_d * 2
     io_bytes = rows * (width_d * 2 + width_f * 2) * 2
@@ -145,15 +150,9 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float, launch_sw
     return result
 
 
-def sweep_launches(h, ids, views, act, betas, default, layers) -> dict:
-    """us per layer of the pair-order kernels for each launch config of one projection ("gate_up" or "down"),
-    the other at its default blocks; the best of each, and both bests together ("both")."""
-    def timed(blocks):
-        def run(i):
-            w1, w3, w2_i = views(i)
-            return experts_by_ids_eager(h, ids, w1, w3, w2_i, act, betas, blocks)
-        return graph_us_per_layer(run, layers)
-
+def sweep_launches(timed, default) -> dict:
+    """timed(blocks) -> us per layer of the pair-order kernels, for each launch config of one projection
+    ("gate_up" or "down") with the other at its default blocks; the best of each, and both bests ("both")."""
     out = {"default": timed(default)}
     best = {}
     for which in ("gate_up", "down"):
@@ -280,6 +279,7 @@ def bench_router(tokens: int, layers: int, hidden: int = 1024, experts: int = 64
     """`small`'s router per MoE layer in one CUDA graph over all layers: the fp32 logits compiled as a matmul
     (cuBLAS) and as a product and a sum (one Inductor reduction, k3.layers.moe.COMPILED_LOGITS_MAX_TOKENS), then
     the route kernel (k3.ops.route_triton) over launch configs."""
+    from k3.layers.moe import logits_as_reduction
     from k3.ops.route_triton import route_triton_eager
 
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -288,7 +288,7 @@ def bench_router(tokens: int, layers: int, hidden: int = 1024, experts: int = 64
           for _ in range(layers)]
     bias = torch.zeros(experts, device="cuda")
     matmul = torch.compile(lambda x, w: x.float() @ w.float().t(), dynamic=False)
-    reduction = torch.compile(lambda x, w: (x.float()[:, None, :] * w.float()[None]).sum(-1), dynamic=False)
+    reduction = torch.compile(logits_as_reduction, dynamic=False)
     want = xs[0].double() @ ws[0].double().t()
     result = dict(tokens=tokens, logits_matmul_rel_err=relative_error(matmul(xs[0], ws[0]).double(), want),
                   logits_reduction_rel_err=relative_error(reduction(xs[0], ws[0]).double(), want))

@@ -38,6 +38,11 @@ from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
 COMPILED_LOGITS_MAX_TOKENS = 64
 
 
+def logits_as_reduction(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
+    """x.float() @ W.float().t() written as a product and a sum over D: one Inductor reduction when compiled."""
+    return (x_TD.float()[:, None, :] * weight_ED.float()[None]).sum(-1)
+
+
 @dataclass
 class Routing:
     topk_ids_TK: torch.Tensor
@@ -99,7 +104,7 @@ class Router(nn.Module):
 
     def _route_fused(self, x_TD: torch.Tensor) -> Routing:
         if torch.compiler.is_compiling() and x_TD.shape[0] <= COMPILED_LOGITS_MAX_TOKENS:
-            logits_TE = (x_TD.float()[:, None, :] * self.weight.float()[None]).sum(-1)  # (see the constant)
+            logits_TE = logits_as_reduction(x_TD, self.weight)  # (see COMPILED_LOGITS_MAX_TOKENS)
         else:
             logits_TE = x_TD.float() @ self.weight.float().t()  # as _route computes them
         ids_TK, weights_TK, scores_TE = route_triton(logits_TE, self.e_score_correction_bias, self.top_k,
