@@ -2,7 +2,7 @@
 against the bare CUDA-graph decode step of bench/decode.py, all in one run.
 
 Usage: python bench/engine.py [--preset small] [--prompt 1024] [--new 256] [--concurrency 1 16 64] [--no-checks]
-       [--out F]
+       [--mla-backends einsum auto] [--out F]
 
 Checks (printed as ok / FAIL with the numbers):
   graph-vs-eager   the same greedy requests with CUDA-graph decode and with the eager PyTorch step: tokens
@@ -18,6 +18,7 @@ Also printed: the pool's bytes per request against context length (KDA constant,
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -167,6 +168,8 @@ def main() -> None:
     parser.add_argument("--no-checks", action="store_true",
                         help="skip the correctness checks (each builds its own engines: with K3_COMPILE_DECODE=1 "
                              "their graphs compile before any timing)")
+    parser.add_argument("--mla-backends", nargs="+", default=None, choices=["einsum", "auto", "triton"],
+                        help="time each concurrency under each K3_MLA_DECODE value (an engine each, one process)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.threads:
@@ -204,32 +207,34 @@ def main() -> None:
 
     params = SamplingParams(max_new_tokens=args.new, temperature=0)
     loads = {}
-    for concurrency in args.concurrency:
+    for backend, concurrency in itertools.product(args.mla_backends or [None], args.concurrency):
+        if backend is not None:  # read when a graph is captured, so each engine below captures with its own
+            os.environ["K3_MLA_DECODE"] = backend
+        key = concurrency if backend is None else f"{backend}/{concurrency}"
         engine = Engine(model, None, max_context=max_context, max_batch=max(concurrency, 1), prefix_cache=False)
         if device.type == "cuda":
-            print(f"concurrency {concurrency}: warm-up (captures the decode graphs, and compiles them with "
-                  "K3_COMPILE_DECODE=1)", flush=True)
+            print(f"{key}: warm-up (captures the decode graphs, and compiles them with K3_COMPILE_DECODE=1)",
+                  flush=True)
         t0 = time.perf_counter()
         run_load(engine, prompts_for(min(concurrency, 2), args.prompt, config.vocab_size, seed=99),
                  SamplingParams(max_new_tokens=8, temperature=0))  # warm-up: graphs, kernels (and compiles)
         warmup_s = time.perf_counter() - t0
-        loads[concurrency] = run_load(engine, prompts_for(concurrency, args.prompt, config.vocab_size, seed=2),
-                                      params)
-        loads[concurrency]["warmup_s"] = warmup_s
-        loads[concurrency]["peak_gib"] = peak_memory_gib()
-        print(f"concurrency {concurrency}: {loads[concurrency]}", flush=True)
+        loads[key] = run_load(engine, prompts_for(concurrency, args.prompt, config.vocab_size, seed=2), params)
+        loads[key].update(concurrency=concurrency, mla_backend=backend or os.environ.get("K3_MLA_DECODE", "default"),
+                          warmup_s=warmup_s, peak_gib=peak_memory_gib())
+        print(f"{key}: {loads[key]}", flush=True)
         write_json(args.out, {**results, "partial": True, "loads": loads})
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    base = loads.get(1, {}).get("output_tokens_per_s")
+    base = next((r["output_tokens_per_s"] for r in loads.values() if r["concurrency"] == 1), None)
     bare = bare_graph_step_ms(model, config, args.prompt, 64, device) if device.type == "cuda" else None
     results["bare_graph_step_ms"] = bare
     results["prefill"] = prefill_rates(model, config, 8192 if device.type == "cuda" else 512, device)
     print(f"prefill: {results['prefill']}", flush=True)
     rows = []
-    for concurrency, r in loads.items():
-        rows.append([concurrency, r["output_tokens_per_s"], f"{r['output_tokens_per_s'] / base:.1f}x" if base else "",
+    for key, r in loads.items():
+        rows.append([key, r["output_tokens_per_s"], f"{r['output_tokens_per_s'] / base:.1f}x" if base else "",
                      r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"],
                      f"{r['tpot_p50_ms'] / bare:.2f}x" if bare else ""])
     print_table(f"Engine, {args.preset}, {args.prompt} in / {args.new} out, greedy, {dtype}, on {device_name()}"

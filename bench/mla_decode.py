@@ -1,6 +1,7 @@
 """MLA's absorbed decode attention on one GPU: k3's flash-decode Triton kernel against the einsum path, in one run.
 
-Usage: python bench/mla_decode.py [--batch 1 64] [--context 8192 131072] [--layers 4] [--no-sweep] [--out FILE]
+Usage: python bench/mla_decode.py [--batch 1 64] [--context 8192 131072] [--layers 4] [--no-sweep] [--no-paged]
+       [--out FILE]
 
 At `small`'s MLA shapes (8 heads, kv_lora_rank 256, rope 64, bf16, one query token per row) and each batch x
 context: `--layers` distinct latent caches exist (small has 4 MLA layers), so that no layer finds its cache in
@@ -11,6 +12,11 @@ before W_uv, which they share):
   einsum    k3.ops.mla_decode.latent_attention_einsum: scores, mask, softmax, probabilities @ latent
   triton    k3.ops.mla_decode.latent_attention_triton_eager with its default blocks and split count; also a
             small sweep of BLOCK_S x num_warps, best printed (--no-sweep leaves it out)
+Paged (the engine's cache pool: pages of 32 slots, each row's pages shuffled through the pool, its table padded
+to the context + 320 slots as the engine pads to its longest context, every row at the last position):
+  gathered  k3.ops.mla_decode.latent_attention_paged_einsum: the rows' pages copied out, then the einsum (the
+            engine's path before the paged kernel, and still its K3_MLA_DECODE=einsum path)
+  paged     k3.ops.mla_decode.latent_attention_paged_triton_eager: the kernel reading the pool in place
 The floor is the latent + k_rope bytes over the copy bandwidth measured in the same run (a device-to-device
 copy). Before timing, each path is compared with the fp32 einsum (relative error); the script exits 1 when the
 kernel is further from it than both 1e-2 and twice the bf16 einsum's error. A case that fails (out of memory)
@@ -26,12 +32,15 @@ import torch
 
 from common import copy_bandwidth, device_name, graph_us_per_layer, print_table, relative_error, write_json
 
-from k3.ops.mla_decode import latent_attention_einsum, latent_attention_triton_eager, num_splits
+from k3.ops.mla_decode import (PagedLatents, latent_attention_einsum, latent_attention_paged_einsum,
+                                latent_attention_paged_triton_eager, latent_attention_triton_eager, num_splits)
 
 HEADS, RANK, ROPE, NOPE = 8, 256, 64, 64  # `small`
 SCALE = (NOPE + ROPE) ** -0.5
 SWEEP_S = (32, 64, 128)
 SWEEP_WARPS = (4, 8)
+PAGE = 32  # the engine's default page size
+TABLE_PAD = 320  # slots of table padding past the context (the engine's tables reach its max_context)
 
 
 def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: bool) -> dict:
@@ -82,27 +91,74 @@ def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: b
     return result
 
 
+def bench_paged_case(batch: int, context: int, layers: int, bandwidth: float) -> dict:
+    """The engine's pool: gathered twin against the in-place kernel, per layer, one graph over the layers."""
+    gen = torch.Generator(device="cuda").manual_seed(batch * 11 + context)
+    width = -(-(context + TABLE_PAD) // PAGE)
+    used = -(-context // PAGE)
+    pools, pages = [], []
+    for _ in range(layers):
+        latent = torch.randn(batch * used + 1, PAGE, RANK, device="cuda", generator=gen).bfloat16()
+        k_rope = torch.randn(batch * used + 1, PAGE, ROPE, device="cuda", generator=gen).bfloat16()
+        table = torch.zeros(batch, width, dtype=torch.long, device="cuda")  # padding: page 0 (scratch)
+        table[:, :used] = 1 + torch.randperm(batch * used, device="cuda", generator=gen).view(batch, used)
+        pools.append((latent, k_rope))
+        pages.append(PagedLatents(latent, k_rope, table, torch.full((batch,), context - 1, device="cuda")))
+    queries = [(torch.randn(batch, HEADS, 1, RANK, device="cuda", generator=gen).div_(4).bfloat16(),
+                torch.randn(batch, 1, HEADS, ROPE, device="cuda", generator=gen).bfloat16()) for _ in range(layers)]
+
+    def gathered(i):
+        return latent_attention_paged_einsum(*queries[i], pages[i], SCALE)
+
+    def paged(i):
+        return latent_attention_paged_triton_eager(*queries[i], *pages[i], SCALE)
+
+    fp32 = PagedLatents(pages[0].latent_NPR.float(), pages[0].k_rope_NPE.float(), *pages[0][2:])
+    want = latent_attention_paged_einsum(*(t.float() for t in queries[0]), fp32, SCALE)
+    result = dict(batch=batch, context=context, layers=layers, table_pages=width,
+                  gathered_rel_err=relative_error(gathered(0).float(), want),
+                  paged_rel_err=relative_error(paged(0).float(), want))
+    result["gathered_us"] = graph_us_per_layer(gathered, layers)
+    result["paged_us"] = graph_us_per_layer(paged, layers)
+    floor_us = batch * context * (RANK + ROPE) * 2 / bandwidth * 1e6
+    result.update(floor_us=floor_us, speedup=result["gathered_us"] / result["paged_us"],
+                  paged_vs_floor=result["paged_us"] / floor_us)
+    print(f"paged B={batch} S={context} (table {width} pages): gathered {result['gathered_us']:.1f} us, paged "
+          f"{result['paged_us']:.1f} us, speed-up {result['speedup']:.2f}x, paged / floor "
+          f"{result['paged_vs_floor']:.2f}x, rel err {result['gathered_rel_err']:.1e} / "
+          f"{result['paged_rel_err']:.1e}", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 64])
     parser.add_argument("--context", nargs="+", type=int, default=[8192, 131072])
     parser.add_argument("--layers", type=int, default=4, help="distinct caches (small has 4 MLA layers)")
     parser.add_argument("--no-sweep", action="store_true", help="time only the default blocks")
+    parser.add_argument("--no-paged", action="store_true", help="leave out the engine's paged pool")
     parser.add_argument("--out", "--json", dest="json", default=None, help="write the results to this file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/mla_decode.py needs a CUDA device")
     bandwidth = copy_bandwidth()
     print(f"{device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    results, failed = [], []
+    results, paged, failed = [], [], []
     for batch in args.batch:
         for context in args.context:
-            try:
-                results.append(bench_case(batch, context, args.layers, bandwidth, not args.no_sweep))
-            except Exception as exc:  # out of memory at a big case must not lose the others
-                failed.append(dict(batch=batch, context=context, error=f"{type(exc).__name__}: {str(exc)[:300]}"))
-                print(f"B={batch} S={context} failed: {failed[-1]['error']}", flush=True)
-            torch.cuda.empty_cache()
+            cases = [(results, lambda: bench_case(batch, context, args.layers, bandwidth, not args.no_sweep))]
+            if not args.no_paged:
+                cases.append((paged, lambda: bench_paged_case(batch, context, args.layers, bandwidth)))
+            for into, case in cases:
+                try:
+                    into.append(case())
+                except Exception as exc:  # out of memory at a big case must not lose the others
+                    failed.append(dict(batch=batch, context=context, paged=into is paged,
+                                       error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+                    print(f"B={batch} S={context} failed: {failed[-1]['error']}", flush=True)
+                torch.cuda.empty_cache()
+                write_json(args.json, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, results=results,
+                                           paged=paged, failed=failed, partial=True))
     if results:
         print_table(f"absorbed MLA decode attention per layer (small: {HEADS} heads, R {RANK}, rope {ROPE}, bf16, "
                     f"one query), one CUDA graph over {args.layers} layers",
@@ -112,10 +168,18 @@ def main() -> None:
                       f"{r['speedup']:.2f}x", f"{r['best']} {r['best_us']:.1f}", f"{r['floor_us']:.1f}",
                       f"{r['einsum_vs_floor']:.2f}x", f"{r['triton_vs_floor']:.2f}x",
                       f"{r['triton_us'] * args.layers:.1f}", f"{r['triton_rel_err']:.1e}"] for r in results])
-    if args.json:
-        write_json(args.json, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, results=results,
-                                   failed=failed))
+    if paged:
+        print_table(f"absorbed MLA decode attention per layer over the engine's pool ({PAGE}-slot pages), one CUDA "
+                    f"graph over {args.layers} layers",
+                    ["batch", "context", "table pages", "gathered us", "paged us", "speed-up", "floor us",
+                     "paged / floor", "rel err"],
+                    [[r["batch"], r["context"], r["table_pages"], f"{r['gathered_us']:.1f}", f"{r['paged_us']:.1f}",
+                      f"{r['speedup']:.2f}x", f"{r['floor_us']:.1f}", f"{r['paged_vs_floor']:.2f}x",
+                      f"{r['paged_rel_err']:.1e}"] for r in paged])
+    write_json(args.json, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, results=results,
+                               paged=paged, failed=failed))
     bad = [r for r in results if r["triton_rel_err"] > max(1e-2, 2 * r["einsum_rel_err"])]
+    bad += [r for r in paged if r["paged_rel_err"] > max(1e-2, 2 * r["gathered_rel_err"])]
     if bad:
         sys.exit(f"Triton kernel too far from the fp32 einsum: {[(r['batch'], r['context']) for r in bad]}")
 

@@ -13,8 +13,9 @@ pages never see them.
 
 `BatchCache` is the view a forward takes: `cache[i]` is layer i's adapter with the interface the layers
 already use with HybridCache (KDA: `state`, `conv_tails`, `update`, and `state_in_place` / `update_conv_tails`
-for decode; MLA: `length`, `append`, `visible_mask`). It gathers the rows' slots and pages, and scatters what
-the layer writes back into the pool (a decode step's KDA states are advanced in the pool itself).
+for decode; MLA: `length`, `append`, `visible_mask`, and `append_in_place` for decode). It gathers the rows' slots
+and pages, and scatters what the layer writes back into the pool (a decode step's KDA states are advanced in the
+pool itself, and its MLA attention reads the pages where they lie).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from k3.config import ModelConfig
+from k3.ops.mla_decode import PagedLatents, gather_pages
 
 SCRATCH = 0  # slot and page 0 absorb the writes of padded rows
 
@@ -178,9 +180,14 @@ class MLAView:
     def length(self) -> int:
         return self.past
 
-    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [B, T, R], k_rope [B, T, rope] -> the rows' whole context [B, S, R], [B, S, rope]."""
-        batch, length = latent.shape[:2]
+    @property
+    def pages_in_place(self) -> bool:
+        """Decode views hand attention the pool itself (append_in_place); prefill views gather (append)."""
+        return self.mask_rows
+
+    def _write(self, latent: torch.Tensor, k_rope: torch.Tensor) -> None:
+        """Write the rows' T new tokens at their positions."""
+        length = latent.shape[1]
         size = self.pool.page_size
         position_BT = self.positions[:, None] + torch.arange(length, device=latent.device)  # [B, T]
         page_BT = self.page_table.gather(1, position_BT // size)
@@ -189,14 +196,23 @@ class MLAView:
         rope_pool = self.pool.k_rope[self.n].view(-1, k_rope.shape[-1])
         latent_pool.index_copy_(0, flat_BT.reshape(-1), latent.reshape(-1, latent.shape[-1]).to(self.pool.dtype))
         rope_pool.index_copy_(0, flat_BT.reshape(-1), k_rope.reshape(-1, k_rope.shape[-1]).to(self.pool.dtype))
-        pages = self.page_table.shape[1]
-        gathered_latent = self.pool.latent[self.n][self.page_table].view(batch, pages * size, -1)
-        gathered_rope = self.pool.k_rope[self.n][self.page_table].view(batch, pages * size, -1)
+
+    def pages(self) -> PagedLatents:
+        return PagedLatents(self.pool.latent[self.n], self.pool.k_rope[self.n], self.page_table, self.positions)
+
+    def append_in_place(self, latent: torch.Tensor, k_rope: torch.Tensor) -> PagedLatents:
+        """Write the new tokens; attention then reads the pages where they lie (k3.ops.mla_decode)."""
+        self._write(latent, k_rope)
+        return self.pages()
+
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, T, R], k_rope [B, T, rope] -> the rows' whole context [B, S, R], [B, S, rope] gathered."""
+        self._write(latent, k_rope)
+        gathered_latent, gathered_rope, mask = gather_pages(self.pages(), latent.shape[1])
         if not self.mask_rows:
-            total = self.past + length
+            total = self.past + latent.shape[1]
             return gathered_latent[:, :total], gathered_rope[:, :total]
-        slots_S = torch.arange(pages * size, device=latent.device)
-        self.visible_mask = (slots_S[None, None, :] <= position_BT[:, :, None])[:, None]  # [B, 1, T, S]
+        self.visible_mask = mask  # [B, 1, T, S]
         return gathered_latent, gathered_rope
 
 

@@ -20,7 +20,7 @@ from k3.config import ModelConfig
 from k3.layers.fused_weights import fused, linear_group
 from k3.layers.norm import RMSNorm
 from k3.ops.linear_triton import project
-from k3.ops.mla_decode import latent_attention
+from k3.ops.mla_decode import latent_attention, latent_attention_paged
 
 # With a cache, up to this many new tokens attend in latent space (absorbed); longer inputs use expanded SDPA.
 ABSORB_MAX_TOKENS = 16
@@ -78,8 +78,12 @@ class GatedMLA(nn.Module):
         q = self._query(q_first)
         latent, k_rope = self._latent(kv)
         past = 0
-        visible = None
-        if cache is not None:
+        visible = pages = None
+        absorb = cache is not None and self.absorb_in_decode
+        if cache is not None and absorb and length <= ABSORB_MAX_TOKENS and getattr(cache, "pages_in_place", False):
+            # The engine's pool in decode: attention reads the rows' pages where they lie (no gathered copy).
+            pages = cache.append_in_place(latent, k_rope)
+        elif cache is not None:
             past = cache.length
             latent, k_rope = cache.append(latent, k_rope)
             # A preallocated (static) cache returns its whole buffer and a [T, capacity] mask of the filled
@@ -87,7 +91,9 @@ class GatedMLA(nn.Module):
             visible = getattr(cache, "visible_mask", None)
         # Decode attends in latent space; a long prefill takes the expanded path, whose causal SDPA call runs a
         # flash kernel instead of materialising [H, T, T] scores.
-        if cache is not None and self.absorb_in_decode and (length <= ABSORB_MAX_TOKENS or visible is not None):
+        if pages is not None:
+            out = self._attend_absorbed(q, pages=pages)
+        elif absorb and (length <= ABSORB_MAX_TOKENS or visible is not None):
             out = self._attend_absorbed(q, latent, k_rope, past, visible)
         else:
             out = self._attend_expanded(q, latent, k_rope, past, cu_seqlens)
@@ -119,12 +125,16 @@ class GatedMLA(nn.Module):
             attn_mask=mask, is_causal=past == 0 and length > 1, scale=self.scaling)
         return out.transpose(1, 2)  # [B, T, H, v]
 
-    def _attend_absorbed(self, q, latent, k_rope, past, mask=None):
-        """Attention in latent space: score = (q_nope W_uk) . c + q_rope . k_rope; out = (p . c) W_uv."""
+    def _attend_absorbed(self, q, latent=None, k_rope=None, past=0, mask=None, pages=None):
+        """Attention in latent space: score = (q_nope W_uk) . c + q_rope . k_rope; out = (p . c) W_uv. The
+        cache is (latent, k_rope) gathered per row, or the pool's `pages` (PagedLatents)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope:]  # [H, nope, R], [H, v, R]
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w_uk.to(q.dtype))
         # K3_MLA_DECODE: a Triton flash-decode kernel for CUDA inference, else the einsum twin (k3.ops.mla_decode).
-        out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, past, self.scaling)
+        if pages is not None:
+            out_latent = latent_attention_paged(q_latent, q_rope, pages, self.scaling)
+        else:
+            out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, past, self.scaling)
         return torch.einsum("bhtr,hvr->bthv", out_latent, w_uv.to(q.dtype))

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -63,10 +64,13 @@ ALL_VISIBLE = 1 << 30  # `visible_before` of an unmasked call: no slot index rea
 # processes), and the uncompiled batch-64 graph 4.86 against 5.15 ms; the compiled batch-64 step is not yet
 # measured. K3_MLA_DECODE=auto or triton opts in.
 DEFAULT_BACKEND = "einsum"
+# The engine's paged pool (latent_attention_paged): the twin first copies every row's pages, padded to the
+# longest context, out of the pool, where the kernel reads them in place and only up to each row's position.
+DEFAULT_PAGED_BACKEND = "auto"
 
 
-def decode_backend() -> str:
-    name = os.environ.get(_ENV, DEFAULT_BACKEND).strip().lower()
+def decode_backend(paged: bool = False) -> str:
+    name = os.environ.get(_ENV, DEFAULT_PAGED_BACKEND if paged else DEFAULT_BACKEND).strip().lower()
     if name not in _BACKENDS:
         raise ValueError(f"{_ENV} must be one of {_BACKENDS}, got {name!r}")
     return name
@@ -160,8 +164,6 @@ def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torc
                                   num_warps: int | None = None) -> torch.Tensor:
     """out_latent [B, H, T, R] in q_latent's dtype. Without `mask`, query t sees slots < visible_before + t.
     block_s / splits / num_warps default to the heuristics (tests and the benchmark set them)."""
-    import triton
-
     batch, heads, length, rank = q_latent_BHTR.shape
     total, rope = latent_BSR.shape[1], k_rope_BSE.shape[2]
     if q_rope_BTHE.shape != (batch, length, heads, rope) or latent_BSR.shape != (batch, total, rank) \
@@ -170,17 +172,35 @@ def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torc
                          f"{tuple(q_rope_BTHE.shape)}, latent [B, S, R] {tuple(latent_BSR.shape)}, k_rope "
                          f"[B, S, E] {tuple(k_rope_BSE.shape)} do not agree")
     dtype = q_latent_BHTR.dtype
-    latent_BSR, k_rope_BSE, q_rope_BTHE = latent_BSR.to(dtype), k_rope_BSE.to(dtype), q_rope_BTHE.to(dtype)
+    mask_BTS_ = None if mask is None else mask_BTS(mask, batch, length, total)
+    return _launch(q_latent_BHTR, q_rope_BTHE.to(dtype), latent_BSR.to(dtype), k_rope_BSE.to(dtype), total,
+                   mask_BTS_, visible_before, scale, block_s, splits, num_warps)
+
+
+def _launch(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+            total: int, mask_BTS_: torch.Tensor | None, visible_before: int, scale: float, block_s: int | None,
+            splits: int | None, num_warps: int | None, table_BP: torch.Tensor | None = None,
+            limits_B: torch.Tensor | None = None) -> torch.Tensor:
+    """The split and merge launches. latent / k_rope: [B, S, width], or with table_BP the pool's
+    [pages, page_size, width] (slot s of row b in page table_BP[b, s // page_size]). limits_B: query t of row b
+    sees slots < limits_B[b] + t (else visible_before + t, or the mask)."""
+    import triton
+
+    batch, heads, length, rank = q_latent_BHTR.shape
+    rope = k_rope.shape[-1]
     out = q_latent_BHTR.new_empty(batch, heads, length, rank)
     if out.numel() == 0:
         return out
     if total == 0:  # no slot at all: the twin's product over an empty axis is 0 (cannot happen with a cache)
         return out.zero_()
-    if mask is not None:
-        mask_u8 = mask_BTS(mask, batch, length, total).view(torch.uint8)
+    if mask_BTS_ is not None:
+        mask_u8 = mask_BTS_.view(torch.uint8)
         mask_strides = mask_u8.stride()
     else:
         mask_u8, mask_strides = q_latent_BHTR, (0, 0, 0)  # never read (HAS_MASK False)
+    paged = table_BP is not None
+    table = table_BP if paged else q_latent_BHTR  # never read unless PAGED / HAS_LIMITS
+    limits = limits_B if limits_B is not None else q_latent_BHTR
     block_h = min(64, max(16, triton.next_power_of_2(heads)))
     block_r = max(16, triton.next_power_of_2(rank))
     block_e = max(16, triton.next_power_of_2(rope))
@@ -203,13 +223,15 @@ def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torc
     split_kernel, merge_kernel = _kernels(interpret)
     num_warps = num_warps or (4 if block_h * block_r <= 16 * 256 else 8)
     split_kernel[(rows, splits, head_blocks)](
-        q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask_u8, out, part, ml,
-        *q_latent_BHTR.stride(), *q_rope_BTHE.stride(), *latent_BSR.stride(), *k_rope_BSE.stride(), *mask_strides,
+        q_latent_BHTR, q_rope_BTHE, latent, k_rope, mask_u8, out, part, ml,
+        *q_latent_BHTR.stride(), *q_rope_BTHE.stride(), *latent.stride(), *k_rope.stride(), *mask_strides,
         *out.stride(), length, total, min(int(visible_before), ALL_VISIBLE), per_split, splits,
         float(scale) * 1.4426950408889634,  # log2(e): the kernel's softmax runs in base 2
-        HEADS=heads, RANK=rank, ROPE=rope, HAS_MASK=mask is not None, SINGLE=single, UPCAST=interpret,
-        IEEE=dtype == torch.float32 and not interpret, BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_E=block_e,
-        BLOCK_S=block_s, num_warps=num_warps)
+        table, *(table.stride()[:2] if paged else (0, 0)), limits,
+        HEADS=heads, RANK=rank, ROPE=rope, HAS_MASK=mask_BTS_ is not None, SINGLE=single, UPCAST=interpret,
+        IEEE=q_latent_BHTR.dtype == torch.float32 and not interpret, BLOCK_H=block_h, BLOCK_R=block_r,
+        BLOCK_E=block_e, BLOCK_S=block_s, PAGED=paged, PAGE=latent.shape[1] if paged else 1,
+        HAS_LIMITS=limits_B is not None, num_warps=num_warps)
     if not single:
         merge_kernel[(rows, head_blocks)](part, ml, out, *out.stride(), length, splits, HEADS=heads, RANK=rank,
                                           BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4)
@@ -266,3 +288,95 @@ def latent_attention(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, lat
         return with_torch_fallback(variant, lambda: latent_attention_triton(*args),
                                    lambda: latent_attention_einsum(*args))
     return latent_attention_einsum(*args)
+
+
+# --- the engine's paged cache, read where it lies -------------------------------------------------------------
+
+class PagedLatents(NamedTuple):
+    """An MLA layer's cache in the engine's pool, as a decode step reads it: latent [pages, page_size, R] and
+    k_rope [pages, page_size, E] (the whole pool of that layer), the rows' page tables [B, P] and each row's
+    first new position [B] (query t of row b sees slots <= positions[b] + t)."""
+
+    latent_NPR: torch.Tensor
+    k_rope_NPE: torch.Tensor
+    table_BP: torch.Tensor
+    positions_B: torch.Tensor
+
+
+def gather_pages(pages: PagedLatents, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' pages copied out: latent [B, S, R], k_rope [B, S, E] (S = P * page_size) and the visible mask
+    [B, 1, T, S] of `length` queries per row."""
+    batch, width = pages.table_BP.shape
+    size = pages.latent_NPR.shape[1]
+    latent = pages.latent_NPR[pages.table_BP].view(batch, width * size, -1)
+    k_rope = pages.k_rope_NPE[pages.table_BP].view(batch, width * size, -1)
+    position_BT = pages.positions_B[:, None] + torch.arange(length, device=latent.device)
+    slots_S = torch.arange(width * size, device=latent.device)
+    return latent, k_rope, (slots_S[None, None, :] <= position_BT[:, :, None])[:, None]
+
+
+def latent_attention_paged_einsum(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, pages: PagedLatents,
+                                  scale: float) -> torch.Tensor:
+    """The twin: gather the rows' pages, then latent_attention_einsum under their [B, 1, T, S] mask."""
+    latent, k_rope, mask = gather_pages(pages, q_latent_BHTR.shape[2])
+    return latent_attention_einsum(q_latent_BHTR, q_rope_BTHE, latent, k_rope, mask, 0, scale)
+
+
+def latent_attention_paged_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor,
+                                        latent_NPR: torch.Tensor, k_rope_NPE: torch.Tensor, table_BP: torch.Tensor,
+                                        positions_B: torch.Tensor, scale: float, block_s: int | None = None, splits: int | None = None,
+                                        num_warps: int | None = None) -> torch.Tensor:
+    """The kernel over the pool itself: no gathered copy, and each row visits only the blocks up to its own
+    position (a table padded to the longest context costs its padding nothing but empty programs)."""
+    batch, heads, length, rank = q_latent_BHTR.shape
+    rope = k_rope_NPE.shape[-1]
+    if q_rope_BTHE.shape != (batch, length, heads, rope) or latent_NPR.shape[2] != rank \
+            or k_rope_NPE.shape[:2] != latent_NPR.shape[:2] or table_BP.shape[0] != batch \
+            or positions_B.shape != (batch,):
+        raise ValueError(f"shapes: q_latent [B, H, T, R] {tuple(q_latent_BHTR.shape)}, q_rope [B, T, H, E] "
+                         f"{tuple(q_rope_BTHE.shape)}, latent pool [N, page, R] {tuple(latent_NPR.shape)}, k_rope "
+                         f"pool [N, page, E] {tuple(k_rope_NPE.shape)}, table [B, P] {tuple(table_BP.shape)}, "
+                         f"positions [B] {tuple(positions_B.shape)} do not agree")
+    if latent_NPR.dtype != q_latent_BHTR.dtype:  # casting would copy the whole pool
+        raise ValueError(f"the pool holds {latent_NPR.dtype} but the query is {q_latent_BHTR.dtype}")
+    total = table_BP.shape[1] * latent_NPR.shape[1]
+    limits = positions_B.to(torch.int32) + 1  # slot s visible to query t while s < position + 1 + t
+    return _launch(q_latent_BHTR, q_rope_BTHE.to(q_latent_BHTR.dtype), latent_NPR, k_rope_NPE, total, None,
+                   ALL_VISIBLE, scale, block_s, splits, num_warps, table_BP, limits)
+
+
+@torch.library.custom_op("k3::mla_decode_paged_triton", mutates_args=())
+def mla_decode_paged_triton_op(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_NPR: torch.Tensor,
+                               k_rope_NPE: torch.Tensor, table_BP: torch.Tensor, positions_B: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    return latent_attention_paged_triton_eager(q_latent_BHTR, q_rope_BTHE, latent_NPR, k_rope_NPE, table_BP,
+                                               positions_B, scale)
+
+
+@mla_decode_paged_triton_op.register_fake
+def _(q_latent_BHTR, q_rope_BTHE, latent_NPR, k_rope_NPE, table_BP, positions_B, scale):
+    return q_latent_BHTR.new_empty(q_latent_BHTR.shape)
+
+
+def latent_attention_paged_triton(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, pages: PagedLatents,
+                                  scale: float) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # one opaque op in the graph, as latent_attention_triton
+        return mla_decode_paged_triton_op(q_latent_BHTR, q_rope_BTHE, *pages, scale)
+    return latent_attention_paged_triton_eager(q_latent_BHTR, q_rope_BTHE, *pages, scale)
+
+
+def latent_attention_paged(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, pages: PagedLatents,
+                           scale: float) -> torch.Tensor:
+    """out_latent [B, H, T, R] over the engine's pool through the backend K3_MLA_DECODE picks (default
+    DEFAULT_PAGED_BACKEND): the kernel reads the pages in place, the twin gathers them first."""
+    args = (q_latent_BHTR, q_rope_BTHE, pages, scale)
+    backend = decode_backend(paged=True)
+    if backend == "triton":
+        return latent_attention_paged_triton(*args)
+    if backend == "auto" and pages.latent_NPR.dtype == q_latent_BHTR.dtype \
+            and triton_pays(q_latent_BHTR, pages.latent_NPR, None, q_rope_BTHE, pages.k_rope_NPE):
+        variant = ("mla_decode_paged_triton", q_latent_BHTR.shape[1], q_latent_BHTR.shape[3],
+                   pages.k_rope_NPE.shape[2], pages.latent_NPR.shape[1], q_latent_BHTR.dtype)
+        return with_torch_fallback(variant, lambda: latent_attention_paged_triton(*args),
+                                   lambda: latent_attention_paged_einsum(*args))
+    return latent_attention_paged_einsum(*args)

@@ -18,12 +18,18 @@ def mla_decode_split(q_ptr, qr_ptr, lat_ptr, kr_ptr, mask_ptr, out_ptr, part_ptr
                      stride_mb, stride_mt, stride_ms,
                      stride_ob, stride_oh, stride_ot, stride_or,
                      length, total, visible_before, blocks_per_split, num_splits, scale_log2,
+                     table_ptr, stride_tb, stride_tp, limit_ptr,
                      HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
                      HAS_MASK: tl.constexpr, SINGLE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                     PAGED: tl.constexpr = False, PAGE: tl.constexpr = 1, HAS_LIMITS: tl.constexpr = False):
     """One (query row, KV split, head block): online softmax over the split's slots, each latent / k_rope row
     read once for all heads. SINGLE (one split) writes the normalised output; otherwise the unnormalised
-    accumulator and (running max, sum) go to the partial buffers for mla_decode_merge."""
+    accumulator and (running max, sum) go to the partial buffers for mla_decode_merge.
+
+    PAGED: lat / kr are the cache pool's [pages, PAGE, width] and slot s of row b lives in page
+    table[b, s // PAGE] at offset s % PAGE (strides b -> page, s -> offset in page). HAS_LIMITS: query t of row b
+    sees slots < limit[b] + t (each row at its own position) instead of visible_before + t."""
     row = tl.program_id(0)  # b * length + t
     split = tl.program_id(1)
     b = (row // length).to(tl.int64)
@@ -45,7 +51,15 @@ def mla_decode_split(q_ptr, qr_ptr, lat_ptr, kr_ptr, mask_ptr, out_ptr, part_ptr
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_R), dtype=tl.float32)
     first = split * blocks_per_split * BLOCK_S
-    for i in range(0, blocks_per_split):
+    blocks = blocks_per_split
+    if not HAS_MASK:
+        # A causal bound: blocks past the row's last visible slot are not visited (a pool row's table is padded
+        # to the longest context, its unused splits cost one empty program).
+        if HAS_LIMITS:
+            visible_before = tl.load(limit_ptr + b).to(tl.int32)
+        left = tl.minimum(total - first, visible_before + length - 1 - first)  # slots of this split still seen
+        blocks = tl.minimum(blocks_per_split, tl.cdiv(tl.maximum(left, 0), BLOCK_S))
+    for i in range(0, blocks):
         slots = first + i * BLOCK_S + tl.arange(0, BLOCK_S)
         visible = slots < total
         if HAS_MASK:
@@ -53,10 +67,17 @@ def mla_decode_split(q_ptr, qr_ptr, lat_ptr, kr_ptr, mask_ptr, out_ptr, part_ptr
             visible = visible & (seen != 0)
         else:
             visible = visible & (slots < visible_before + t)
+        if PAGED:
+            page = tl.load(table_ptr + b * stride_tb + (slots // PAGE) * stride_tp, mask=visible, other=0)
+            lat_rows = page.to(tl.int64) * stride_lb + (slots % PAGE) * stride_ls
+            kr_rows = page.to(tl.int64) * stride_kb + (slots % PAGE) * stride_ks
+        else:
+            lat_rows = b * stride_lb + slots * stride_ls
+            kr_rows = b * stride_kb + slots * stride_ks
         # Masked lanes are not read: hidden slots (a static cache's unfilled capacity) cost no latent bytes.
-        lat = tl.load(lat_ptr + b * stride_lb + slots[:, None] * stride_ls + ranks[None, :] * stride_lr,
+        lat = tl.load(lat_ptr + lat_rows[:, None] + ranks[None, :] * stride_lr,
                       mask=visible[:, None] & r_ok[None, :], other=0.0)
-        kr = tl.load(kr_ptr + b * stride_kb + slots[:, None] * stride_ks + ropes[None, :] * stride_ke,
+        kr = tl.load(kr_ptr + kr_rows[:, None] + ropes[None, :] * stride_ke,
                      mask=visible[:, None] & e_ok[None, :], other=0.0)
         if UPCAST:
             lat = lat.to(tl.float32)

@@ -131,6 +131,65 @@ def test_pool_mask_rows_at_their_own_positions(length):
 
 
 @interpreted
+@pytest.mark.parametrize("page_size", [8, 32])
+@pytest.mark.parametrize("length", [1, 2])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_paged_kernel_reads_the_pool_in_place(page_size, length, splits):
+    """The kernel over the pool's pages (k3::mla_decode_paged_triton) against the twin that gathers them: rows at
+    their own positions (at 0, inside the first block, at a page boundary, in the last page), tables padded with
+    the scratch page, slot blocks of 16 spanning two pages (page 8) or a part of one (page 32). Every slot past a
+    row's position holds NaN: the kernel never reads it, where the twin's zero probabilities would not hide it."""
+    config = _config()
+    batch, pages_per_row = 4, 3
+    pool, table = _pool(config, batch, page_size=page_size, pages_per_row=pages_per_row)
+    table = torch.cat([table, torch.zeros(batch, 2, dtype=torch.long)], 1)  # padding: the scratch page
+    positions = torch.tensor([0, 5, page_size - length, pages_per_row * page_size - length])
+    n = config.layer_types.index("mla")
+    view = MLAView(pool, n, table, positions, mask_rows=True)
+    g = torch.Generator().manual_seed(11)
+    new_latent, new_rope = torch.randn(batch, length, 48, generator=g), torch.randn(batch, length, 8, generator=g)
+    pages = view.append_in_place(new_latent, new_rope)
+    clean = mla_decode.PagedLatents(pages.latent_NPR.clone(), pages.k_rope_NPE.clone(), table, positions)
+    for row in range(batch):  # poison everything the row may not see, in its own pages and the scratch page
+        flat = table[row, :, None] * page_size + torch.arange(page_size)
+        hidden = flat.reshape(-1)[positions[row] + length:]
+        pool.latent[pool.mla_index[n]].view(-1, 48)[hidden] = float("nan")
+        pool.k_rope[pool.mla_index[n]].view(-1, 8)[hidden] = float("nan")
+    q, qr = _inputs(batch, 3, length, 48, 8, 1, seed=12)[:2]
+    want = mla_decode.latent_attention_paged_einsum(q, qr, clean, SCALE)
+    got = mla_decode.latent_attention_paged_triton_eager(q, qr, *pages, SCALE, block_s=16, splits=splits)
+    assert got.shape == want.shape and not got.isnan().any()
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_paged_twin_is_the_gathered_path():
+    """latent_attention_paged_einsum over a view's pages equals latent_attention_einsum over what the view's
+    append gathers and masks: the engine's numbers on the default (einsum) path do not move."""
+    config = _config()
+    pool, table = _pool(config, 3)
+    positions = [3, 40, 15]
+    g = torch.Generator().manual_seed(13)
+    latent, k_rope = torch.randn(3, 1, 48, generator=g), torch.randn(3, 1, 8, generator=g)
+    gathered_view = _view(config, pool, table, positions)
+    lat, kr = gathered_view.append(latent, k_rope)
+    q, qr = _inputs(3, 3, 1, 48, 8, 1, seed=14)[:2]
+    want = latent_attention_einsum(q, qr, lat, kr, gathered_view.visible_mask, 0, SCALE)
+    pages = _view(config, pool, table, positions).append_in_place(latent, k_rope)
+    assert torch.equal(mla_decode.latent_attention_paged_einsum(q, qr, pages, SCALE), want)
+
+
+def test_paged_kernel_refuses_a_pool_of_another_dtype():
+    config = _config()
+    pool, table = _pool(config, 2)
+    pages = mla_decode.PagedLatents(pool.latent[0], pool.k_rope[0], table, torch.tensor([1, 2]))
+    q, qr = (t.double() for t in _inputs(2, 3, 1, 48, 8, 1)[:2])
+    with pytest.raises(ValueError, match="the pool holds torch.float32"):
+        mla_decode.latent_attention_paged_triton_eager(q, qr, *pages, SCALE)
+    with pytest.raises(ValueError, match="do not agree"):
+        mla_decode.latent_attention_paged_triton_eager(q.float()[:1], qr.float(), *pages, SCALE)
+
+
+@interpreted
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # the interpreter's numpy says 0 / 0
 @pytest.mark.parametrize("splits", [1, 3])
 def test_a_row_with_no_visible_slot_is_nan_as_in_the_einsum_path(splits):
@@ -172,12 +231,19 @@ def _layer(config):
     return GatedMLA(config, config.layer_types.index("mla")).eval()
 
 
+def _count_kernel_calls(monkeypatch) -> list:
+    """The query shapes of every kernel launch, over gathered latents or over the pool's pages."""
+    calls = []
+    for name in ("latent_attention_triton_eager", "latent_attention_paged_triton_eager"):
+        kernel = getattr(mla_decode, name)
+        monkeypatch.setattr(mla_decode, name, lambda *args, _kernel=kernel, **kw: calls.append(args[0].shape)
+                            or _kernel(*args, **kw))
+    return calls
+
+
 def _decode_both_ways(monkeypatch, run):
     """run() under K3_MLA_DECODE=einsum and =triton, counting the kernel's launches."""
-    calls = []
-    kernel = mla_decode.latent_attention_triton_eager
-    monkeypatch.setattr(mla_decode, "latent_attention_triton_eager",
-                        lambda *args, **kw: calls.append(args[0].shape) or kernel(*args, **kw))
+    calls = _count_kernel_calls(monkeypatch)
     with torch.no_grad():
         monkeypatch.setenv("K3_MLA_DECODE", "einsum")
         want = run()
@@ -254,6 +320,36 @@ def test_custom_op_under_compile(monkeypatch):
         monkeypatch.setenv("K3_MLA_DECODE", "triton")
         got = torch.compile(step, backend=backend, fullgraph=True)(x)
     assert len(graphs) == 1 and "mla_decode_triton" in graphs[0]
+    torch.testing.assert_close(got, want, **TOL)
+
+
+@interpreted
+def test_paged_custom_op_under_compile(monkeypatch):
+    """The pool's decode under torch.compile: one graph holding k3::mla_decode_paged_triton, same output."""
+    config = _config()
+    layer = _layer(config)
+    pool, table = _pool(config, 2, page_size=4)
+    x = torch.randn(2, 1, config.hidden_size, generator=torch.Generator().manual_seed(15))
+    saved = [t.clone() for t in (pool.latent, pool.k_rope)]
+
+    def step(x):
+        pool.latent.copy_(saved[0])
+        pool.k_rope.copy_(saved[1])
+        return layer(x, _view(config, pool, table, [6, 13]))
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(str(gm.graph))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, inputs)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        monkeypatch.setenv("K3_MLA_DECODE", "einsum")
+        want = step(x)
+        monkeypatch.setenv("K3_MLA_DECODE", "triton")
+        got = torch.compile(step, backend=backend, fullgraph=True)(x)
+    assert len(graphs) == 1 and "mla_decode_paged_triton" in graphs[0]
     torch.testing.assert_close(got, want, **TOL)
 
 
@@ -346,6 +442,34 @@ def test_kernel_equals_einsum_cuda_bf16(length, form):
     assert err < max(1e-2, 2 * twin_err), (err, twin_err)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("length", [1, 2])
+def test_paged_kernel_equals_einsum_cuda_bf16(length):
+    """`small`'s widths over a bf16 pool of 32-slot pages (the engine's), rows from 40 to 3000 slots, tables
+    padded to 100 pages: against the fp32 twin, bounded by the bf16 twin's own distance."""
+    config = ModelConfig.from_preset("debug", mla_num_heads=8, kv_lora_rank=256, qk_rope_head_dim=64)
+    batch, width, size = 4, 100, 32
+    pool = CachePool(config, num_slots=batch, num_pages=batch * width, page_size=size, device="cuda",
+                     dtype=torch.float32)
+    g = torch.Generator(device="cuda").manual_seed(16)
+    pool.latent.normal_(generator=g)
+    pool.k_rope.normal_(generator=g)
+    table = 1 + torch.randperm(batch * width, device="cuda").view(batch, width)
+    positions = torch.tensor([40, 1000, 2047, 3000], device="cuda") - length
+    q, qr = (t.cuda() for t in _inputs(batch, 8, length, 256, 64, 1, seed=17)[:2])
+    q = q / 16
+    n = pool.mla_index[config.layer_types.index("mla")]
+    fp32 = mla_decode.PagedLatents(pool.latent[n], pool.k_rope[n], table, positions)
+    want = mla_decode.latent_attention_paged_einsum(q, qr, fp32, SCALE)
+    half = mla_decode.PagedLatents(fp32.latent_NPR.bfloat16(), fp32.k_rope_NPE.bfloat16(), table, positions)
+    twin = mla_decode.latent_attention_paged_einsum(q.bfloat16(), qr.bfloat16(), half, SCALE).float()
+    got = mla_decode.latent_attention_paged_triton_eager(q.bfloat16(), qr.bfloat16(), *half, SCALE)
+    assert got.dtype == torch.bfloat16
+    err, twin_err = ((x - want).norm() / want.norm() for x in (got.float(), twin))
+    assert err < max(1e-2, 2 * twin_err), (err, twin_err)
+
+
 @interpreted
 def test_engine_generates_the_same_tokens_with_the_kernel(monkeypatch):
     """The inference engine (chunked prefill, batched decode over the cache pool, rows at their own positions)
@@ -359,10 +483,7 @@ def test_engine_generates_the_same_tokens_with_the_kernel(monkeypatch):
     prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40)]
     monkeypatch.setenv("K3_MLA_DECODE", "einsum")
     want = [greedy_without_cache(model, p, 8) for p in prompts]
-    calls = []
-    kernel = mla_decode.latent_attention_triton_eager
-    monkeypatch.setattr(mla_decode, "latent_attention_triton_eager",
-                        lambda *args, **kw: calls.append(args[0].shape) or kernel(*args, **kw))
+    calls = _count_kernel_calls(monkeypatch)
     monkeypatch.setenv("K3_MLA_DECODE", "triton")
     engine = Engine(model, None, max_context=128, max_batch=4, page_size=16, prefill_chunk=16)
     assert engine.generate_ids(prompts, SamplingParams(max_new_tokens=8, temperature=0.0)) == want
