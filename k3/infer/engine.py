@@ -287,34 +287,43 @@ class Engine:
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
         vocab = logits.shape[-1]
-        for seq in rows:
-            if seq.params.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed + seq.index)
-            if seq.params.penalised and seq.output_counts is None:
-                seq.output_counts = torch.zeros(vocab, dtype=torch.long, device=self.device)
-                seq.prompt_counts = torch.bincount(torch.tensor(seq.tokens[: seq.prompt_len], device=self.device),
-                                                   minlength=vocab)
-        want = [seq.params.logprobs for seq in rows if seq.params.logprobs is not None]
-        top_n = max(want, default=0)
-        sampled = sample_rows(logits, [s.params for s in rows], [s.generator for s in rows],
-                              [(s.prompt_counts, s.output_counts) if s.params.penalised else None for s in rows],
-                              want_logprobs=bool(want), top_n=top_n)
+        # One pass over the rows gathers what sample_rows takes (it runs once per row per step, so at large
+        # batches the separate list comprehensions and repeated property reads added up).
+        params = [seq.params for seq in rows]
+        generators: list[torch.Generator | None] = []
+        counts: list[tuple[torch.Tensor | None, torch.Tensor] | None] = []
+        want, top_n = False, 0
+        for seq, p in zip(rows, params):
+            if p.seed is not None and seq.generator is None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + seq.index)
+            generators.append(seq.generator)
+            if p.penalised:
+                if seq.output_counts is None:
+                    seq.output_counts = torch.zeros(vocab, dtype=torch.long, device=self.device)
+                    seq.prompt_counts = torch.bincount(torch.tensor(seq.tokens[: seq.prompt_len],
+                                                                    device=self.device), minlength=vocab)
+                counts.append((seq.prompt_counts, seq.output_counts))
+            else:
+                counts.append(None)
+            if p.logprobs is not None:
+                want, top_n = True, max(top_n, p.logprobs)
+        sampled = sample_rows(logits, params, generators, counts, want_logprobs=want, top_n=top_n)
         tokens = sampled.tokens.tolist()
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
         top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         now = time.monotonic()
         events = []
-        for row, (seq, token) in enumerate(zip(rows, tokens)):
+        for row, (seq, p, token) in enumerate(zip(rows, params, tokens)):
             seq.tokens.append(token)
             seq.first_token_time = seq.first_token_time or now
             if seq.output_counts is not None:
                 seq.output_counts[token] += 1
             event = TokenEvent(seq.request_id, seq.index, token)
-            if seq.params.logprobs is not None:
+            k = p.logprobs
+            if k is not None:
                 event.logprob = logprobs[row]
                 seq.logprobs.append(event.logprob)
-                k = seq.params.logprobs
                 if k > 0:
                     event.top_logprobs = list(zip(top_ids[row][:k], top_values[row][:k]))
                     seq.top_logprobs.append(event.top_logprobs)

@@ -106,19 +106,31 @@ class ModelRunner:
         cache = BatchCache(self.pool, slots, table, positions, mask_rows=False, past=start)
         return self._forward_last(ids, cache, embeds)
 
-    def _decode_inputs(self, seqs: list[Sequence], rows: int, table_pages: int):
-        """Host tensors for a decode batch padded to `rows` rows (padding: scratch slot and page)."""
+    def _decode_inputs(self, seqs: list[Sequence], rows: int, table_pages: int, pin: bool = False):
+        """Host tensors (ids [rows, 1], slots, positions [rows], page table [rows, table_pages], int64) for a
+        decode batch padded to `rows` rows (padding: scratch slot and page). pin: put them in pinned memory, so
+        that a non-blocking copy to the device is asynchronous."""
         size = self.pool.page_size
-        pad = rows - len(seqs)
-        ids = [[s.tokens[s.num_cached]] for s in seqs] + [[0]] * pad
-        slots = [s.slot for s in seqs] + [SCRATCH] * pad
-        positions = [s.num_cached for s in seqs] + [0] * pad
-        table = []
-        for s in seqs:
-            used = s.pages[: pages_for(s.num_cached + 1, size)]
-            table.append(used + [SCRATCH] * (table_pages - len(used)))
-        table += [[SCRATCH] * table_pages] * pad
-        return (torch.tensor(ids), torch.tensor(slots), torch.tensor(positions), torch.tensor(table))
+        n = len(seqs)
+        # The four inputs are slices of one flat buffer filled through numpy: torch.tensor over nested lists
+        # spent about 1 ms a step on a 64-row batch with tables padded to 260 pages, this about 0.08 ms.
+        # The device is named so that a surrounding torch.device context cannot move the buffer off the host.
+        flat = torch.empty(rows * (3 + table_pages), dtype=torch.long, device="cpu", pin_memory=pin)
+        host = flat.numpy()
+        cached = [s.num_cached for s in seqs]
+        host[:n] = [s.tokens[c] for s, c in zip(seqs, cached)]
+        host[n:rows] = 0
+        host[rows:rows + n] = [s.slot for s in seqs]
+        host[rows + n:2 * rows] = SCRATCH
+        host[2 * rows:2 * rows + n] = cached
+        host[2 * rows + n:3 * rows] = 0
+        table = host[3 * rows:].reshape(rows, table_pages)
+        table.fill(SCRATCH)
+        for row, (s, c) in enumerate(zip(seqs, cached)):
+            used = s.pages[: pages_for(c + 1, size)]
+            table[row, : len(used)] = used
+        return (flat[:rows].view(rows, 1), flat[rows:2 * rows], flat[2 * rows:3 * rows],
+                flat[3 * rows:].view(rows, table_pages))
 
     @torch.no_grad()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -138,7 +150,9 @@ class ModelRunner:
     # --- CUDA graphs --------------------------------------------------------------------------------
     def _decode_graph(self, seqs: list[Sequence]) -> torch.Tensor:
         rows = next(b for b in self.graph_batch_sizes if b >= len(seqs))
-        inputs = self._decode_inputs(seqs, rows, self.max_pages_per_seq)
+        # Pinned inputs: the graph's four copies to the device then return at once instead of each staging its
+        # bytes through the driver (the caching host allocator keeps a block until the copies that read it ran).
+        inputs = self._decode_inputs(seqs, rows, self.max_pages_per_seq, pin=True)
         return self._graph(rows).run(*inputs)[: len(seqs)]
 
     def _graph(self, rows: int) -> "_DecodeGraph":
