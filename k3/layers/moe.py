@@ -27,6 +27,7 @@ from k3.layers.fused_weights import fused
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.linear_triton import project
 from k3.ops.moe import count_per_expert, experts_in_pair_order, inverse_permutation, unpermute_rows
+from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
 
 
@@ -163,14 +164,6 @@ class Router(nn.Module):
 def unpermute(y_ND: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
     """Rows computed in `order_N` order (y_ND[i] belongs to pair order_N[i]) back in pair order."""
     return unpermute_rows(y_ND, order_N, inverse_permutation(order_N))
-
-
-def weighted_sum_over_k(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * y[t, k, :] -> [T, L] in y's dtype, as one batched matmul.
-
-    Deterministic (no atomics: a scatter-add of pairs into tokens is not, on CUDA), accumulated in fp32 inside
-    the matmul for bf16 inputs, and without an fp32 copy of the [T, K, L] pair outputs."""
-    return torch.bmm(weights_TK.to(y_TKL.dtype).unsqueeze(1), y_TKL).squeeze(1)
 
 
 class LatentMoE(nn.Module):

@@ -157,3 +157,50 @@ def route_topk(logits_ptr, bias_ptr, ids_ptr, weights_ptr, scores_ptr, num_token
     tl.store(weights_ptr + pair, weights, mask=k_ok)
     tl.store(scores_ptr + tokens[:, None].to(tl.int64) * NUM_EXPERTS + experts[None, :], scores,
              mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def combine_pairs_fwd(y_ptr, w_ptr, out_ptr, num_tokens, width, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
+                      BLOCK_L: tl.constexpr):
+    """out[t, :] = sum_k w[t, k] * y[t, k, :] for a [BLOCK_T, BLOCK_L] tile, fp32 accumulation. y [T, K, L] and
+    w [T, K] contiguous; out [T, L] in y's dtype."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+    t_ok = tokens < num_tokens
+    ok = t_ok[:, None] & (cols < width)[None, :]
+    rows = tokens.to(tl.int64) * TOP_K
+    acc = tl.zeros((BLOCK_T, BLOCK_L), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        w = tl.load(w_ptr + rows + k, mask=t_ok, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + (rows + k)[:, None] * width + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        acc += w[:, None] * y
+    tl.store(out_ptr + tokens[:, None].to(tl.int64) * width + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+@triton.jit
+def combine_pairs_bwd(y_ptr, w_ptr, g_ptr, dy_ptr, dw_ptr, num_tokens, width, TOP_K: tl.constexpr,
+                      K_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
+    """The backward of combine_pairs_fwd for BLOCK_T tokens over the whole width: dy[t, k, :] = w[t, k] g[t, :]
+    (in y's dtype) and dw[t, k] = g[t, :] . y[t, k, :] (fp32 sums, stored in w's dtype). A program owns its
+    tokens' every column, so dw needs no reduction across programs."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = tokens < num_tokens
+    slots = tl.arange(0, K_POW2)
+    rows = tokens.to(tl.int64) * TOP_K
+    k_ok = t_ok[:, None] & (slots < TOP_K)[None, :]
+    w_all = tl.load(w_ptr + rows[:, None] + slots[None, :], mask=k_ok, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_T, K_POW2), dtype=tl.float32)
+    for l0 in range(0, width, BLOCK_L):
+        cols = l0 + tl.arange(0, BLOCK_L)
+        ok = t_ok[:, None] & (cols < width)[None, :]
+        g = tl.load(g_ptr + tokens[:, None].to(tl.int64) * width + cols[None, :], mask=ok, other=0.0)
+        g = g.to(tl.float32)
+        for k in tl.static_range(TOP_K):
+            at_k = slots[None, :] == k
+            w = tl.sum(tl.where(at_k, w_all, 0.0), axis=1)
+            offsets = (rows + k)[:, None] * width + cols[None, :]
+            y = tl.load(y_ptr + offsets, mask=ok, other=0.0).to(tl.float32)
+            dw = tl.where(at_k, dw + tl.sum(g * y, axis=1)[:, None], dw)
+            tl.store(dy_ptr + offsets, (w[:, None] * g).to(dy_ptr.dtype.element_ty), mask=ok)
+    tl.store(dw_ptr + rows[:, None] + slots[None, :], dw.to(dw_ptr.dtype.element_ty), mask=k_ok)
