@@ -18,7 +18,9 @@ head and loss as one op, K3_LINEAR_CE=chunked / fla: no [tokens, vocab] logits h
 `-graphed-kda` (each KDA attention sublayer replayed as CUDA graphs, forward and backward, through
 torch.cuda.make_graphed_callables: an experiment on how much of the step is host time in fla's launchers),
 `-eager-glu` (the GLU activation as eager PyTorch ops instead of the compiled elementwise kernel that training on
-CUDA takes, k3.layers.mlp). Also reported: the wall time of the first step (kernel compile/autotune included) and
+CUDA takes, k3.layers.mlp), `-compiled-attnres` (the AttnRes mix through torch.compile, the CUDA default before its
+Triton kernels), `-bmm-combine` (the MoE combine as the batched matmul, K3_MOE_COMBINE=bmm, instead of its Triton
+kernels). Suffixes combine: k3-small-bmm-combine-compiled-attnres is the step before both kernels. Also reported: the wall time of the first step (kernel compile/autotune included) and
 the number of frames torch.compile compiled during the timed steps (0 means no recompilation per step).
 --profile DIR writes torch.profiler's kernel table of one step by self CUDA time to DIR/train_profile_<variant>.txt
 for each variant named in --profile-variants (default k3-small).
@@ -155,14 +157,21 @@ def profile_step(step, path: str, title: str) -> None:
     print(f"profile written to {path}", flush=True)
 
 
+def has_flag(name: str, flag: str) -> bool:
+    """Whether a variant name carries `-flag` (suffixes combine: k3-small-bmm-combine-compiled-attnres)."""
+    return name.endswith(f"-{flag}") or f"-{flag}-" in name
+
+
 @contextlib.contextmanager
 def variant_settings(name: str):
-    """The process-wide switches a variant's suffix asks for, reset on exit."""
-    set_attn_res_backend("eager" if name.endswith("-eager-attnres") else None)
-    set_fused_backend("torch" if name.endswith("-unfused") else None)
-    os.environ["K3_LINEAR_CE"] = next((b for b in ("chunked", "fla") if name.endswith(f"-{b}-ce")), "plain")
+    """The process-wide switches a variant's suffixes ask for, reset on exit."""
+    attn_res = next((b for b in ("eager", "compiled") if has_flag(name, f"{b}-attnres")), None)
+    set_attn_res_backend(attn_res)
+    set_fused_backend("torch" if has_flag(name, "unfused") else None)
+    os.environ["K3_LINEAR_CE"] = next((b for b in ("chunked", "fla") if has_flag(name, f"{b}-ce")), "plain")
+    os.environ["K3_MOE_COMBINE"] = "bmm" if has_flag(name, "bmm-combine") else "auto"
     compiled_pays = mlp._compiled_pays
-    if name.endswith("-eager-glu"):
+    if has_flag(name, "eager-glu"):
         mlp._compiled_pays = lambda gate, up: False
     try:
         yield
@@ -170,6 +179,7 @@ def variant_settings(name: str):
         set_attn_res_backend(None)
         set_fused_backend(None)
         os.environ.pop("K3_LINEAR_CE", None)
+        os.environ.pop("K3_MOE_COMBINE", None)
         mlp._compiled_pays = compiled_pays
 
 
@@ -183,8 +193,8 @@ def build_variant(name: str, batch: int, seq: int, device):
                                          c.num_local_experts, c.num_experts_per_tok)
     else:
         config = k3_matched_config() if name.startswith("k3-matched") else ModelConfig.from_preset("small")
-        model = k3_model(config, device, compile_blocks=name.endswith("compiled"))
-        if name.endswith("-graphed-kda"):
+        model = k3_model(config, device, compile_blocks=name.endswith("-compiled"))
+        if has_flag(name, "graphed-kda"):
             graph_kda_sublayers(model, batch, seq)
         flops = k3_train_flops_per_token(config, seq)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)

@@ -30,8 +30,11 @@ QB_AGGREGATES = ("gather", "histogram")
 
 
 def expert_load(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens per expert [E] (float) from the chosen ids."""
-    return torch.bincount(topk_ids_TK.reshape(-1), minlength=num_experts).float()
+    """Tokens per expert [E] (float) from the chosen ids. A scatter-add rather than torch.bincount, which reads the
+    ids' min and max back to the host on CUDA (a sync per call, and QB's solver calls this once per update)."""
+    ids = topk_ids_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids, dtype=torch.float32))
 
 
 def maxvio(load_E: torch.Tensor) -> float:
@@ -154,10 +157,20 @@ def balanced_enough(load_E: torch.Tensor, top_k: int, num_tokens: int, tolerance
     """True when every expert holds between min(floor(q), ceil(q (1 - tolerance))) and
     max(ceil(q), floor(q (1 + tolerance))) pairs, q = k*T/E: the tolerance rounded inwards, so a small quota
     stays exact (at q = 8, 1% is no token); tolerance 0 is the best any top-k routing can do."""
-    quota = top_k * num_tokens / load_E.numel()
+    return _inside_quota(*_load_bounds(load_E), top_k, num_tokens, load_E.numel(), tolerance)
+
+
+def _load_bounds(load_E: torch.Tensor) -> tuple[float, float]:
+    """(min, max) of the loads in one read back to the host (a sync on CUDA), not one per bound."""
+    low, high = torch.stack(torch.aminmax(load_E)).tolist()
+    return low, high
+
+
+def _inside_quota(low: float, high: float, top_k: int, num_tokens: int, num_experts: int, tolerance: float) -> bool:
+    quota = top_k * num_tokens / num_experts
     upper = max(math.ceil(quota), math.floor(quota * (1 + tolerance)))
     lower = min(math.floor(quota), math.ceil(quota * (1 - tolerance)))
-    return bool(load_E.max() <= upper and load_E.min() >= lower)
+    return high <= upper and low >= lower
 
 
 def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, max_iters: int = QB_MAX_ITERS,
@@ -194,9 +207,10 @@ def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, 
 
     bias = bias_E.float()
     top, load_E = routed(bias)
-    if balanced_enough(load_E, top_k, num_tokens, tolerance):
+    low, peak = _load_bounds(load_E)  # the solver's one sync per update
+    if _inside_quota(low, peak, top_k, num_tokens, num_experts, tolerance):
         return bias - bias.mean(), 0
-    best, best_peak = bias, float(load_E.max())
+    best, best_peak = bias, peak
     for used in range(1, max_iters + 1):
         if reduce is not None:
             update = quantile_bias_histogram(scores, bias, top_k, reduce, of_others=True, top=top)
@@ -206,9 +220,9 @@ def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, 
         # 1-9 tokens off for 200 updates); a half step every other update breaks them.
         bias = update if used % 2 == 1 else 0.5 * (bias + update)
         top, load_E = routed(bias)
-        if balanced_enough(load_E, top_k, num_tokens, tolerance):
+        low, peak = _load_bounds(load_E)
+        if _inside_quota(low, peak, top_k, num_tokens, num_experts, tolerance):
             return bias, used
-        peak = float(load_E.max())
         if peak < best_peak:
             best, best_peak = bias, peak
     return best, max_iters
