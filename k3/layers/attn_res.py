@@ -34,7 +34,7 @@ class AttnResMix(nn.Module):
         """sources: list of S tensors [B, T, D]. Returns the mixture [B, T, D] in the sources' dtype."""
         if len(sources) == 1:
             return sources[0]
-        # Eager on CPU, torch.compile-fused on CUDA (k3.ops.attn_res; K3_ATTN_RES_BACKEND picks one).
+        # Eager on CPU, Triton kernels on CUDA (k3.ops.attn_res; K3_ATTN_RES_BACKEND picks one).
         return attn_res_mix(sources, self.norm.weight, self.proj.weight.squeeze(0), self.norm.eps)
 
 

@@ -1,13 +1,20 @@
-"""The Attention-Residual mix over depth: one eager PyTorch path and a compiled (fused) twin.
+"""The Attention-Residual mix over depth: one eager PyTorch path, Triton kernels, and a compiled (fused) twin.
 
     mix = sum_i alpha_i v_i,   alpha = softmax_i( (v_i . q) / rms(v_i) ),   q = norm_weight * pseudo_query
 
 Eager, this materialises the stacked sources [S, B, T, D] in fp32 several times over (stack, upcast, keys,
-weighted values). The compiled twin is the same function handed to torch.compile, which fuses it into a couple
-of kernels that read each source once; it pays on CUDA, where the mix is memory-bound.
+weighted values); it is the CPU default and the twin the others are tested against. The mix is memory-bound, so
+on CUDA it runs as two hand-written Triton kernels (k3.ops.attn_res_triton: forward and backward, each source
+read in place, the result written once in the sources' dtype). The compiled path is the eager function handed
+to torch.compile over a torch.stack of the sources: fused, but in `small`'s training step on one H200 its kernels
+(poor under the unbacked token dimension), its fp32 output and the stack took ~30 ms of GPU time per step
+against a memory floor of ~4-5 ms. It stays, forced, for comparison and as a fallback.
 
 Backend: `set_attn_res_backend(name)` if called (None resets), else the env var K3_ATTN_RES_BACKEND, else
-"auto" (compiled for CUDA tensors, eager otherwise); "eager" and "compiled" force one.
+"auto" (triton for CUDA tensors in fp32/bf16/fp16 when triton imports, compiled for other CUDA tensors, eager
+otherwise); "eager", "compiled" and "triton" force one ("triton" on CPU tensors needs TRITON_INTERPRET=1, Triton's
+CPU interpreter, as in the tests). Inside a torch.compile'd caller every backend traces the eager form into the
+caller's graph.
 Shape legend: S sources, B batch, T tokens, D hidden.
 """
 
@@ -19,7 +26,12 @@ import os
 import torch
 import torch._dynamo.decorators
 
-_BACKENDS = ("auto", "eager", "compiled")
+from k3.ops.attn_res_triton import DTYPES as TRITON_DTYPES
+from k3.ops.attn_res_triton import attn_res_mix_triton
+from k3.ops.fused_backend import with_torch_fallback
+from k3.ops.triton_support import interpreting, triton_importable
+
+_BACKENDS = ("auto", "eager", "compiled", "triton")
 _ENV = "K3_ATTN_RES_BACKEND"
 _override: str | None = None
 
@@ -60,7 +72,7 @@ def _stack_tokens(sources: list[torch.Tensor]) -> torch.Tensor:
 
 
 def set_attn_res_backend(name: str | None) -> None:
-    """Force "auto", "eager" or "compiled"; None goes back to K3_ATTN_RES_BACKEND (default "auto")."""
+    """Force "auto", "eager", "compiled" or "triton"; None goes back to K3_ATTN_RES_BACKEND (default "auto")."""
     global _override
     if name is not None and name not in _BACKENDS:
         raise ValueError(f"set_attn_res_backend(name) takes one of {_BACKENDS} or None, got {name!r}")
@@ -68,20 +80,35 @@ def set_attn_res_backend(name: str | None) -> None:
 
 
 def attn_res_backend(x: torch.Tensor | None = None) -> str:
-    """The configured backend, or with x the path a call on x would take ("eager" or "compiled")."""
+    """The configured backend, or with x the path a call on x would take ("eager", "compiled" or "triton")."""
     name = _override if _override is not None else os.environ.get(_ENV, "auto").strip().lower()
     if name not in _BACKENDS:
         raise ValueError(f"{_ENV}={name!r}; use one of {_BACKENDS}")
     if x is None or name != "auto":
         return name
-    return "compiled" if x.is_cuda else "eager"
+    if not x.is_cuda:
+        return "eager"
+    return "triton" if x.dtype in TRITON_DTYPES and triton_importable() else "compiled"
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
                  eps: float) -> torch.Tensor:
     """Dispatching entry point; same arguments and result as attn_res_mix_eager. Inside a torch.compile'd
     caller (a compiled decode step) the eager form is traced into the caller's graph and fused there."""
-    if attn_res_backend(sources[0]) == "compiled" and not torch.compiler.is_compiling():
-        mixed_ND = _compiled()(_stack_tokens(sources), norm_weight_D, query_D, eps)
-        return mixed_ND.view(sources[0].shape).to(sources[0].dtype)
-    return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)
+    if torch.compiler.is_compiling():
+        return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)
+    backend = attn_res_backend(sources[0])
+    if backend == "eager":
+        return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)
+    if backend == "triton":
+        if not sources[0].is_cuda and not interpreting():
+            raise ValueError("the triton AttnRes backend runs CPU tensors only in Triton's interpreter "
+                             "(TRITON_INTERPRET=1); use the eager backend for them")
+        if attn_res_backend() != "auto":
+            return attn_res_mix_triton(sources, norm_weight_D, query_D, eps)
+        # Chosen, not forced: a kernel variant Triton cannot compile here runs the twin from then on.
+        variant = ("attn_res_triton", len(sources), sources[0].shape[-1], sources[0].dtype)
+        return with_torch_fallback(variant, lambda: attn_res_mix_triton(sources, norm_weight_D, query_D, eps),
+                                   lambda: attn_res_mix_eager(sources, norm_weight_D, query_D, eps))
+    mixed_ND = _compiled()(_stack_tokens(sources), norm_weight_D, query_D, eps)
+    return mixed_ND.view(sources[0].shape).to(sources[0].dtype)

@@ -1,0 +1,190 @@
+"""The Attention-Residual mix as two Triton kernels, forward and backward (k3.ops.attn_res_triton_kernels).
+
+    q = norm_weight * query,   r_i = rsqrt(mean_D(v_i^2) + eps),   alpha = softmax_i((v_i . q) r_i)
+    mix = sum_i alpha_i v_i                          (fp32 arithmetic, written in the sources' dtype)
+
+Why: the mix is memory-bound (S sources in, one out; S sources and dmix in, S gradients out), and its compiled
+twin (torch.compile over a torch.stack) sat far above the memory floor in `small`'s training step on one H200:
+~30 ms of GPU time per step for 33 mixes against ~4-5 ms of bytes, because Inductor's kernels are poor under the
+unbacked token dimension, the mix came out in fp32 and was cast, and the stack is one more copy of the sources.
+Here each source is read in place (a tuple of pointers), a program's rows are read a second time from L2 (the
+weights need every source's full row first), and the output and gradients are written once in their own dtype.
+The backward keeps fp32 alpha, 1/rms and v.q per (token, source) from the forward ([N, S], tiny); dq is summed
+per program into a [programs, D] buffer that torch sums (deterministic: no atomics).
+Measured on one H200 (bench/attn_res.py, N = 16384, D = 1024, bf16 sources, GPU time): forward + backward 0.13,
+0.19, 0.23, 0.29 ms at S = 2..5, about 2x the memory floor, against 0.81-1.82 ms compiled (~6x) and 1.5-3.4 ms
+eager; at K3's D = 7168, S = 10, 6.3 ms against 21.8 compiled. (Those runs had the backward at 8 x 512 blocks;
+its defaults below were the sweep's best in the same runs.)
+
+The PyTorch twin is k3.ops.attn_res.attn_res_mix_eager, held equal by tests/ops/test_attn_res_triton.py (through
+Triton's CPU interpreter, TRITON_INTERPRET=1, without a GPU). k3.ops.attn_res dispatches here.
+Shape suffixes: S sources, N tokens (B*T), D hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from k3.ops.triton_support import interpreting, kernel_module
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Launch shape of a kernel: block_n token rows per program, D in chunks of block_d, num_warps; and for the
+    backward its number of programs (None: programs_per_sm per multiprocessor, 8 in the CPU interpreter)."""
+    block_n: int = 8
+    block_d: int = 256
+    num_warps: int = 4
+    programs: int | None = None
+
+
+def kernels(interpret: bool):
+    return kernel_module("k3.ops.attn_res_triton_kernels", interpret)
+
+
+def _pow2(dim: int) -> int:
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+# The defaults below come from bench/attn_res.py --sweep on one H200 (N = 16384 bf16 tokens; BLOCK_N 1-16 x
+# BLOCK_D 256-1024 x 4 or 8 warps, GPU time from the profiler, one run, single readings about 10% apart).
+def default_blocks(num_sources: int, dim: int) -> Blocks:
+    """The forward's: 8 rows in chunks of 256 on 4 warps was the best or within ~10% of it at D = 1024 (S 2 and
+    5: 0.039 and 0.075 ms, 1.6x the memory floor at S = 5) and at D = 7168, S = 10 (1.50 ms against 1.43 for 4
+    rows, 2.4x the floor)."""
+    return Blocks(block_n=8, block_d=min(256, _pow2(dim)))
+
+
+def default_backward_blocks(num_sources: int, dim: int) -> Blocks:
+    """The backward's: up to D = 1024 the whole row in one chunk, 4 rows on 4 warps (0.070 and 0.166 ms at S 2
+    and 5, against 0.08-0.09 and 0.19-0.22 for 8 x 512 and 0.13 and 0.23 for 8 x 256); wider rows in chunks of
+    256, 8 rows (2.86 ms at D = 7168, S = 10, against 4.76 for 8 x 512 and 4.9 for 4 x 1024)."""
+    if dim <= 1024:
+        return Blocks(block_n=4, block_d=_pow2(dim))
+    return Blocks(block_n=8, block_d=256)
+
+
+def programs_per_sm(dim: int) -> int:
+    """Backward programs per multiprocessor: each loops over consecutive row blocks, so dq's partial buffer has a
+    row per program rather than per block. The count made no difference at D = 1024 (2-64 per SM within noise); at
+    D = 7168, S = 10, 16 per SM took 4.23 ms where 2-8 took 4.78 (with 8 x 512 blocks), and the [programs, D] fp32
+    buffer that costs is small next to such a row's traffic."""
+    return 8 if dim <= 2048 else 16
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [N, D] with rows D apart: a view for the model's contiguous sources, a copy otherwise."""
+    x_ND = x.reshape(-1, x.shape[-1])
+    return x_ND if x_ND.stride() == (x_ND.shape[1], 1) else x_ND.contiguous()
+
+
+def _check(sources: list[torch.Tensor] | tuple[torch.Tensor, ...], norm_weight_D: torch.Tensor,
+           query_D: torch.Tensor) -> None:
+    if not sources:
+        raise ValueError("attn_res_mix_triton needs at least one source")
+    first = sources[0]
+    for i, s in enumerate(sources):
+        if s.shape != first.shape or s.dtype != first.dtype or s.device != first.device:
+            raise ValueError(f"source {i} is {tuple(s.shape)} {s.dtype} on {s.device}; every source must match "
+                             f"source 0: {tuple(first.shape)} {first.dtype} on {first.device}")
+    if first.dtype not in DTYPES:
+        raise ValueError(f"sources are {first.dtype}; the kernels take {DTYPES} (attn_res_mix_eager takes any)")
+    dim = first.shape[-1]
+    if norm_weight_D.shape != (dim,) or query_D.shape != (dim,):
+        raise ValueError(f"norm_weight {tuple(norm_weight_D.shape)} and query {tuple(query_D.shape)} must both "
+                         f"be [{dim}], the sources' last dim")
+
+
+def mix_forward(sources_ND: tuple[torch.Tensor, ...], q_D: torch.Tensor, eps: float, save: bool,
+                blocks: Blocks | None = None):
+    """Sources [N, D] (rows D apart), q_D fp32 -> (mix [N, D] in the sources' dtype, and with save alpha, 1/rms
+    and v.q, each [N, S] fp32; None each without)."""
+    import triton
+
+    num_rows, dim = sources_ND[0].shape
+    count = len(sources_ND)
+    blocks = blocks or default_blocks(count, dim)
+    out_ND = torch.empty_like(sources_ND[0])
+    stats = [torch.empty(num_rows, count, dtype=torch.float32, device=out_ND.device) for _ in range(3)] if save \
+        else [out_ND] * 3  # unused pointers when SAVE is off
+    if num_rows:
+        kernels(interpreting()).attn_res_forward[(triton.cdiv(num_rows, blocks.block_n),)](
+            tuple(sources_ND), q_D, out_ND, *stats, num_rows, float(eps), D=dim, S=count,
+            S_PAD=triton.next_power_of_2(count), SAVE=save, BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d,
+            num_warps=blocks.num_warps)
+    return (out_ND, *stats) if save else (out_ND, None, None, None)
+
+
+def mix_backward(grad_ND: torch.Tensor, sources_ND: tuple[torch.Tensor, ...], q_D: torch.Tensor,
+                 alpha_NS: torch.Tensor, inv_rms_NS: torch.Tensor, dot_NS: torch.Tensor,
+                 blocks: Blocks | None = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """dmix [N, D] (rows D apart) and the forward's saved statistics -> (one gradient [N, D] per source in its
+    dtype, dq [D] fp32)."""
+    import triton
+
+    num_rows, dim = sources_ND[0].shape
+    count = len(sources_ND)
+    blocks = blocks or default_backward_blocks(count, dim)
+    grads = tuple(torch.empty_like(s) for s in sources_ND)
+    num_blocks = triton.cdiv(num_rows, blocks.block_n)
+    programs = blocks.programs
+    if programs is None:
+        programs = programs_per_sm(dim) * _multiprocessors(grad_ND.device.index) if grad_ND.is_cuda else 8
+    per_program = triton.cdiv(num_blocks, max(1, min(programs, num_blocks)))
+    programs = triton.cdiv(num_blocks, per_program) if num_blocks else 0
+    dq_PD = torch.zeros(programs, dim, dtype=torch.float32, device=grad_ND.device)
+    if programs:
+        kernels(interpreting()).attn_res_backward[(programs,)](
+            tuple(sources_ND), grads, grad_ND, q_D, alpha_NS, inv_rms_NS, dot_NS, dq_PD, num_rows, per_program,
+            D=dim, S=count, S_PAD=triton.next_power_of_2(count), BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d,
+            num_warps=blocks.num_warps)
+    return grads, dq_PD.sum(0)
+
+
+class _AttnResMix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, norm_weight_D, query_D, eps, blocks, backward_blocks, *sources_ND):
+        q_D = norm_weight_D.float() * query_D.float()
+        out_ND, alpha_NS, inv_rms_NS, dot_NS = mix_forward(sources_ND, q_D, eps, True, blocks)
+        ctx.save_for_backward(norm_weight_D, query_D, q_D, alpha_NS, inv_rms_NS, dot_NS, *sources_ND)
+        ctx.backward_blocks = backward_blocks
+        return out_ND
+
+    @staticmethod
+    def backward(ctx, grad_ND):
+        norm_weight_D, query_D, q_D, alpha_NS, inv_rms_NS, dot_NS, *sources_ND = ctx.saved_tensors
+        grads, dq_D = mix_backward(grad_ND.contiguous(), tuple(sources_ND), q_D, alpha_NS, inv_rms_NS, dot_NS,
+                                   ctx.backward_blocks)
+        d_norm_weight = (dq_D * query_D.float()).to(norm_weight_D.dtype) if ctx.needs_input_grad[0] else None
+        d_query = (dq_D * norm_weight_D.float()).to(query_D.dtype) if ctx.needs_input_grad[1] else None
+        grads = [g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[5:])]
+        return d_norm_weight, d_query, None, None, None, *grads
+
+
+def attn_res_mix_triton(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
+                        eps: float, blocks: Blocks | None = None,
+                        backward_blocks: Blocks | None = None) -> torch.Tensor:
+    """Same arguments and result as k3.ops.attn_res.attn_res_mix_eager: S sources [B, T, D] (fp32, bf16 or fp16,
+    all alike), norm_weight_D and query_D [D] -> the mix [B, T, D] in the sources' dtype, with gradients for
+    every source, norm_weight and query. `blocks` (forward) and `backward_blocks` are the benchmark's to sweep
+    (default_blocks and default_backward_blocks when None)."""
+    _check(sources, norm_weight_D, query_D)
+    shape = sources[0].shape
+    sources_ND = tuple(_rows(s) for s in sources)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*sources, norm_weight_D, query_D))
+    if needs_grad:
+        out_ND = _AttnResMix.apply(norm_weight_D, query_D, float(eps), blocks, backward_blocks, *sources_ND)
+    else:  # no statistics to keep
+        q_D = norm_weight_D.float() * query_D.float()
+        out_ND = mix_forward(sources_ND, q_D, eps, False, blocks)[0]
+    return out_ND.view(shape)
