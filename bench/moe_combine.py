@@ -5,7 +5,8 @@ Usage: python bench/moe_combine.py [--tokens 16384] [--top-k 6] [--width 512] [-
 
 Shapes default to a `small` training step (B=4 x T=4096 tokens, top-6, latent width 512, bf16 pair outputs, fp32
 gate weights). `--layers` distinct inputs are timed in turn so that no call finds its bytes in L2 from the one
-before; times are per call. The floor is the bytes each pass must move (forward: y read, out written; backward:
+before; times are per call, and forward_graph is the forward replayed as one CUDA graph (kernel time without the
+launch overhead). The floor is the bytes each pass must move (forward: y read, out written; backward:
 y and the upstream gradient read, dy written) over the copy bandwidth measured in the same run. Before timing,
 both paths are compared with an fp64 oracle (output and both gradients); the script exits 1 when the kernel's
 relative error is above 1e-2 or above twice the batched matmul's.
@@ -18,7 +19,7 @@ import sys
 
 import torch
 
-from common import copy_bandwidth, device_name, print_table, relative_error, time_ms, write_json
+from common import copy_bandwidth, device_name, graph_us_per_layer, print_table, relative_error, time_ms, write_json
 
 from k3.ops.moe_combine import combine_pairs_bmm, combine_pairs_triton
 
@@ -72,6 +73,10 @@ def main() -> None:
                 torch.autograd.grad(fn(y, w), [y, w], g)
 
         results[name]["forward_us"] = time_ms(forward, warmup=2, repeats=10) * 1e3 / args.layers
+        if device == "cuda":  # the same forwards replayed as one CUDA graph: kernel time without launch overhead
+            with torch.no_grad():
+                results[name]["forward_graph_us"] = graph_us_per_layer(lambda i, fn=fn: fn(*inputs[i][:2]),
+                                                                       args.layers)
         results[name]["forward+backward_us"] = time_ms(both, warmup=2, repeats=10) * 1e3 / args.layers
     for i, label in enumerate(("out", "dy", "dw")):
         mine, twin = results["triton"][f"rel_err_{label}"], results["bmm"][f"rel_err_{label}"]
@@ -81,11 +86,11 @@ def main() -> None:
 
     rows = []
     for name, r in results.items():
-        for phase in ("forward", "forward+backward"):
+        for phase in [p for p in ("forward", "forward_graph", "forward+backward") if f"{p}_us" in r]:
             us = r[f"{phase}_us"]
-            floor_us = floor_bytes[phase] / bandwidth * 1e6
+            floor_us = floor_bytes[phase.replace("_graph", "")] / bandwidth * 1e6
             rows.append([name, phase, us, floor_us, f"{us / floor_us:.2f}x",
-                         f"{results['bmm'][f'{phase}_us'] / us:.2f}x",
+                         f"{results['bmm'].get(f'{phase}_us', float('nan')) / us:.2f}x",
                          f"{r['rel_err_out']:.1e} / {r['rel_err_dy']:.1e} / {r['rel_err_dw']:.1e}"])
     print_table(f"MoE combine, {t} tokens x top-{k} x {width}, {args.dtype}, on {device_name()} "
                 f"(copy bandwidth {bandwidth / 1e12:.2f} TB/s)",
