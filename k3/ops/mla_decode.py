@@ -66,6 +66,9 @@ ALL_VISIBLE = 1 << 30  # `visible_before` of an unmasked call: no slot index rea
 DEFAULT_BACKEND = "einsum"
 # The engine's paged pool (latent_attention_paged): the twin first copies every row's pages, padded to the
 # longest context, out of the pool, where the kernel reads them in place and only up to each row's position.
+# Measured in the engine on one H200 (bench/engine.py --mla-backends einsum auto, `small`, 1,024-token prompts,
+# 128 new tokens, uncompiled graphs): per-output-token time 2.67 -> 2.59 ms at concurrency 1 and 5.58 -> 5.32 ms at
+# 64 (output tokens/s 1,675 -> 2,212 there, prefills included); graph and eager decode agree token for token.
 DEFAULT_PAGED_BACKEND = "auto"
 
 
