@@ -6,9 +6,10 @@ Eager, this materialises the stacked sources [S, B, T, D] in fp32 several times 
 weighted values); it is the CPU default and the twin the others are tested against. The mix is memory-bound, so
 on CUDA it runs as two hand-written Triton kernels (k3.ops.attn_res_triton: forward and backward, each source
 read in place, the result written once in the sources' dtype). The compiled path is the eager function handed
-to torch.compile over a torch.stack of the sources: fused, but in `small`'s training step on one H200 its kernels
-(poor under the unbacked token dimension), its fp32 output and the stack took ~30 ms of GPU time per step
-against a memory floor of ~4-5 ms. It stays, forced, for comparison and as a fallback.
+to torch.compile over a torch.stack of the sources: fused, but at `small`'s training shape on one H200 (16,384
+tokens, D 1024, 2-5 sources; bench/attn_res.py) a mix took 0.81-1.82 ms forward + backward, 12.6-13.3x its memory
+floor (Inductor's kernels under the unbacked token dimension, the fp32 output and the stack), against 0.13-0.29 ms
+for the kernels. It stays, forced, for comparison and as a fallback.
 
 Backend: `set_attn_res_backend(name)` if called (None resets), else the env var K3_ATTN_RES_BACKEND, else
 "auto" (triton for CUDA tensors in fp32/bf16/fp16 when triton imports, compiled for other CUDA tensors, eager
