@@ -28,6 +28,7 @@ import torch
 import torch._dynamo.decorators
 
 from k3.ops.attn_res_triton import DTYPES as TRITON_DTYPES
+from k3.ops.attn_res_triton import MAX_SOURCES as TRITON_MAX_SOURCES
 from k3.ops.attn_res_triton import attn_res_mix_triton
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.triton_support import interpreting, triton_importable
@@ -107,9 +108,17 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query
                              "(TRITON_INTERPRET=1); use the eager backend for them")
         if attn_res_backend() != "auto":
             return attn_res_mix_triton(sources, norm_weight_D, query_D, eps)
+        if len(sources) > TRITON_MAX_SOURCES:  # see MAX_SOURCES
+            return attn_res_mix_compiled(sources, norm_weight_D, query_D, eps)
         # Chosen, not forced: a kernel variant Triton cannot compile here runs the twin from then on.
         variant = ("attn_res_triton", len(sources), sources[0].shape[-1], sources[0].dtype)
         return with_torch_fallback(variant, lambda: attn_res_mix_triton(sources, norm_weight_D, query_D, eps),
                                    lambda: attn_res_mix_eager(sources, norm_weight_D, query_D, eps))
+    return attn_res_mix_compiled(sources, norm_weight_D, query_D, eps)
+
+
+def attn_res_mix_compiled(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
+                          eps: float) -> torch.Tensor:
+    """The eager formula through torch.compile over the stacked sources (one graph for every count and length)."""
     mixed_ND = _compiled()(_stack_tokens(sources), norm_weight_D, query_D, eps)
     return mixed_ND.view(sources[0].shape).to(sources[0].dtype)

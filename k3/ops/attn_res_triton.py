@@ -32,6 +32,9 @@ import torch
 from k3.ops.triton_support import interpreting, kernel_module
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The kernels unroll over the sources (one compiled variant per count, every load spelled out): auto takes them up
+# to this many, which K3's block AttnRes stays under (about 10 at 93 layers in blocks of 12); the tests go to 16.
+MAX_SOURCES = 16
 
 
 @dataclass(frozen=True)

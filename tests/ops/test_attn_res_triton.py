@@ -218,3 +218,17 @@ def test_auto_selected_kernel_that_fails_to_compile_falls_back_to_the_twin(monke
         assert calls == [1]  # the second call went straight to the twin
     finally:
         _failed.pop(("attn_res_triton", 3, 24, torch.float32), None)
+
+
+def test_auto_leaves_more_sources_than_the_kernels_unroll_to_the_compiled_mix(monkeypatch):
+    from k3.ops import attn_res as dispatch
+    from k3.ops.attn_res_triton import MAX_SOURCES
+
+    taken = []
+    monkeypatch.setattr(dispatch, "attn_res_backend", lambda x=None: "auto" if x is None else "triton")
+    monkeypatch.setattr(dispatch, "attn_res_mix_triton", lambda *a: taken.append("triton"))
+    monkeypatch.setattr(dispatch, "attn_res_mix_compiled", lambda *a: taken.append("compiled"))
+    norm_w, query = torch.rand(8), torch.randn(8)
+    for count in (MAX_SOURCES, MAX_SOURCES + 1):
+        dispatch.attn_res_mix([torch.randn(1, 2, 8) for _ in range(count)], norm_w, query, 1e-5)
+    assert taken == ["triton", "compiled"]
