@@ -68,6 +68,21 @@ class ScoreOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+def default_prefill_chunk(max_context: int, on_gpu: bool) -> tuple[int, int]:
+    """(prefill chunk, prefill tokens a step or a scoring forward takes) for an engine of max_context tokens.
+
+    On a GPU a prefill forward of a mid-size model is bound by kernel launches up to several thousand tokens
+    (measured for `small` on one H200: a 512-token chunk 9 ms of GPU work under 78 ms of host time; an 8K prompt
+    through the engine in 2,048-token chunks 616 ms, as one 8K forward 146 ms), so the short chunk is 8,192 tokens
+    there and 512 elsewhere; long contexts take longer ones (long_prefill_chunk). A step takes four chunks' tokens,
+    with the short chunk 8,192 on a GPU (the four 2,048-token chunks of before) and 2,048 elsewhere."""
+    short = 8192 if on_gpu else 512
+    long_chunk = long_prefill_chunk(max_context)
+    if long_chunk and long_chunk > short:
+        return long_chunk, 4 * long_chunk
+    return short, 8192 if on_gpu else 2048
+
+
 def long_prefill_chunk(length: int) -> int | None:
     """Prefill chunk for contexts of `length` tokens: None (the engine's short default) up to 32K, then
     length/16 in multiples of 2,048, at most 65,536. Each chunk after the first up-projects MLA's keys and
@@ -82,7 +97,8 @@ class Engine:
 
     max_context: longest prompt + generation per sequence. max_batch: most sequences running at once (KDA
     slots for requests). page_size: tokens per MLA page. prefill_chunk: longest prefill forward (a multiple of
-    page_size). max_step_tokens: token budget of a step (decodes count one each). prefix_slots: KDA slots
+    page_size; default_prefill_chunk's by default). max_step_tokens: token budget of a step (decodes count one
+    each; default: default_prefill_chunk's step tokens, or four chunks, plus max_batch). prefix_slots: KDA slots
     kept for prefix-cache states (0 turns prefix caching off). num_pages: MLA pages in the pool (default:
     enough for max_batch full contexts). fuse_weights: run projections that read one input as one GEMM over
     one weight buffer (k3.layers.fused_weights; names and state_dict unchanged); default: with CUDA graphs,
@@ -109,12 +125,12 @@ class Engine:
         self.max_context, self.max_batch = max_context, max_batch
         self.device = next(model.parameters()).device
         dtype = dtype or next(model.parameters()).dtype
+        batch_tokens = None
         if prefill_chunk is None:
-            # On a GPU a 512-token forward of a mid-size model is bound by kernel launches (measured for
-            # `small` on one H200: 9 ms of GPU work under 78 ms of host time), so chunks are larger there;
-            # beyond 32K of context they grow with it (long_prefill_chunk).
-            prefill_chunk = long_prefill_chunk(max_context) or (2048 if self.device.type == "cuda" else 512)
+            prefill_chunk, batch_tokens = default_prefill_chunk(max_context, self.device.type == "cuda")
         prefill_chunk = max(page_size, (prefill_chunk // page_size) * page_size)
+        # Tokens of a step's prefills and of a scoring forward (decoding rows add one each to a step).
+        self.batch_tokens = batch_tokens or 4 * prefill_chunk
         max_pages = pages_for(max_context, page_size)
         prefix_slots = (max_batch if prefix_cache else 0) if prefix_slots is None else prefix_slots
         if num_pages is None:
@@ -129,7 +145,7 @@ class Engine:
         self.pool = CachePool(self.config, max_batch + prefix_slots, num_pages, page_size, self.device, dtype)
         self.prefix_cache = PrefixCache(self.pool, prefix_slots) if prefix_slots > 0 else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_batch, max_context, prefill_chunk,
-                                   max_step_tokens or 4 * prefill_chunk + max_batch)
+                                   max_step_tokens or self.batch_tokens + max_batch)
         if use_cuda_graphs is None:
             # The MoE layers capture only on the bf16 grouped-GEMM path; the expert loop (other dtypes) reads
             # its counts back to the host, which a graph cannot hold.
@@ -457,7 +473,7 @@ class Engine:
                 raise ValueError(f"sequence {i} has {len(seq)} tokens but the context allows {self.max_context}")
         # A sequence longer than one forward's budget is scored alone, in chunks through a recurrent cache
         # (KDA state carried, MLA latents appended), so activation memory stays that of one chunk at any length.
-        budget = max_tokens_per_forward or self.scheduler.prefill_chunk * 4
+        budget = max_tokens_per_forward or self.batch_tokens
         results: list[ScoreOutput | None] = [None] * len(sequences)
         batch: list[int] = []
         for i in sorted(range(len(sequences)), key=lambda j: len(sequences[j])):

@@ -320,3 +320,19 @@ def test_default_prefill_chunk_grows_with_a_long_context(model):
     assert Engine(model, max_context=4096, max_batch=1).scheduler.prefill_chunk == 512  # CPU's short default
     assert Engine(model, max_context=65536, max_batch=1, prefix_cache=False).scheduler.prefill_chunk == 4096
     assert Engine(model, max_context=65536, max_batch=1, prefill_chunk=256).scheduler.prefill_chunk == 256
+
+
+def test_default_chunks_and_step_budgets(model):
+    """On a GPU the short chunk is 8,192 tokens (prefill there is launch-bound) while a step keeps the 8,192
+    prefill tokens it took before; long contexts keep four of their chunks a step; elsewhere nothing moved."""
+    from k3.infer.engine import default_prefill_chunk
+
+    assert default_prefill_chunk(4096, on_gpu=False) == (512, 2048)
+    assert default_prefill_chunk(4096, on_gpu=True) == (8192, 8192)
+    assert default_prefill_chunk(65536, on_gpu=False) == (4096, 16384)
+    assert default_prefill_chunk(65536, on_gpu=True) == (8192, 8192)  # the long chunk (4,096) is shorter
+    assert default_prefill_chunk(1 << 20, on_gpu=True) == (65536, 262144)
+    engine = Engine(model, max_context=4096, max_batch=3)
+    assert (engine.scheduler.prefill_chunk, engine.scheduler.max_step_tokens, engine.batch_tokens) == (512, 2051, 2048)
+    engine = Engine(model, max_context=4096, max_batch=3, prefill_chunk=256)
+    assert (engine.scheduler.max_step_tokens, engine.batch_tokens) == (1027, 1024)
