@@ -6,7 +6,8 @@ Checks (relative error ||fast - twin|| / ||twin||, every output and gradient):
   kda_chunk      fla chunk_kda (in-kernel safe gate, beta sigmoid, L2 norm; packed cu_seqlens) vs PyTorch chunk
   kda_recurrent  fla fused_recurrent_kda (in-kernel gate) vs PyTorch recurrence, with a carried state
   moe_grouped    torch._grouped_mm experts vs the per-expert loop (bf16; some experts get no tokens)
-  attn_res       torch.compile-fused AttnRes mix vs eager
+  attn_res       the AttnRes mix's Triton kernels vs eager (and the forcible torch.compile-fused mix vs eager)
+  moe_combine    the MoE combine's Triton kernels vs the batched matmul (output, pair-output and gate-weight grads)
   mla_flash      MLA prefill with SDPA forced to the flash kernel vs the math kernel
   model          whole model (debug preset x4 widths, bf16) under the fast run's expert choices: all fast
                  paths, then each fast path alone, against an fp32 run of the twins, next to the bf16 twin's
@@ -33,6 +34,7 @@ from k3.ops.attn_res import attn_res_mix, set_attn_res_backend
 from k3.ops.fused_backend import set_fused_backend
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_backend, set_kda_backend
 from k3.ops.moe import count_per_expert, run_experts
+from k3.ops.moe_combine import weighted_sum_over_k
 from k3.rl.routing import RoutingReplay
 
 BF16_TOL = 2e-2  # bf16 operands (METHOD: 1e-3..1e-2), with margin for long recurrences
@@ -47,21 +49,23 @@ def twins(on: bool | tuple[str, ...]):
     """Inside: the named switches (every one for on=True, none for on=False) set to the PyTorch twin, the rest
     to auto."""
     names = PATHS if on is True else (() if on is False else on)
-    old_moe = os.environ.get("K3_MOE_BACKEND")
+    old_env = {name: os.environ.get(name) for name in ("K3_MOE_BACKEND", "K3_MOE_COMBINE")}
     set_kda_backend("torch" if "kda" in names else None)
     set_fused_backend("torch" if "fused" in names else None)
     set_attn_res_backend("eager" if "attn_res" in names else None)
     os.environ["K3_MOE_BACKEND"] = "loop" if "moe" in names else "auto"
+    os.environ["K3_MOE_COMBINE"] = "bmm" if "moe" in names else "auto"
     try:
         yield
     finally:
         set_kda_backend(None)
         set_fused_backend(None)
         set_attn_res_backend(None)
-        if old_moe is None:
-            os.environ.pop("K3_MOE_BACKEND", None)
-        else:
-            os.environ["K3_MOE_BACKEND"] = old_moe
+        for name, value in old_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def grads_of(outputs: list[torch.Tensor], inputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
@@ -184,7 +188,35 @@ def check_attn_res(device, rows) -> None:
     with twins(True):
         twin = run()
     labels = ["mix"] + [f"d_source{i}" for i in range(5)] + ["d_norm_w", "d_query"]
+    triton_ran = graph_has(fast[0], "AttnResMix")  # the kernels' autograd node (k3.ops.attn_res_triton)
+    rows.append(["attn_res", "path (fast)", "triton" if triton_ran else "other", "-",
+                 "ok" if triton_ran or device.type != "cuda" else "FAIL"])
     compare("attn_res", fast, twin, labels, BF16_TOL, rows)
+    set_attn_res_backend("compiled")
+    try:
+        compiled = run()
+    finally:
+        set_attn_res_backend(None)
+    compare("attn_res_compiled", compiled, twin, labels, BF16_TOL, rows)
+
+
+def check_moe_combine(device, rows) -> None:
+    torch.manual_seed(12)
+    y = torch.randn(3000, 6, 512, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(3000, 6, device=device, requires_grad=True)
+
+    def run():
+        out = weighted_sum_over_k(y, w)
+        return [out] + grads_of([out], [y, w], seed=13)
+
+    fast = run()
+    with twins(("moe",)):
+        twin = run()
+    triton_ran = graph_has(fast[0], "CombinePairs")
+    rows.append(["moe_combine", "path (fast)", "triton" if triton_ran else "bmm", "-",
+                 "ok" if triton_ran or device.type != "cuda" else "FAIL"])
+    # The kernels keep the gate weights in fp32 where the bmm rounds them to bf16: dw differs by that rounding.
+    compare("moe_combine", fast, twin, ["out", "dy", "dw"], BF16_TOL, rows)
 
 
 def check_mla_flash(device, rows) -> None:
@@ -345,8 +377,8 @@ def check_static_decode(device, rows) -> None:
     compare("static_decode", [compiled], [eager], ["compiled cuda graph vs eager steps"], BF16_TOL, rows)
 
 
-CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_mla_flash, check_model,
-          check_static_decode]
+CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_moe_combine, check_mla_flash,
+          check_model, check_static_decode]
 
 
 def main() -> int:
