@@ -10,21 +10,12 @@ import os
 import triton
 import triton.language as tl
 
+from k3.ops.triton_support import kernel_module
+
 # Whether this import decorated the kernels for Triton's CPU interpreter (the launcher reloads on a change).
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
-# Triton 3.x's interpreter casts fp32 to bf16 by truncation, where the compiled cast rounds to nearest even.
-_CAST_TRUNCATES = tl.constexpr(INTERPRETED)
-
-
-@triton.jit
-def _cast(x, dtype: tl.constexpr):
-    """fp32 x in dtype, rounded to nearest even. In the interpreter the bits are rounded first, to a value that
-    its truncating cast then keeps exactly, so that the CPU tests see the GPU's numerics."""
-    if _CAST_TRUNCATES and dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        x = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
-    return x.to(dtype)
+# fp32 to the output's dtype, rounded to nearest even in the interpreter too (k3.ops.triton_cast).
+_cast = kernel_module("k3.ops.triton_cast", INTERPRETED).cast_rounded
 
 
 @triton.jit

@@ -1,0 +1,161 @@
+"""k3's own RMSNorm as two Triton kernels, forward and backward (k3.ops.rms_norm_triton_kernels).
+
+    rstd = rsqrt(mean_D(x^2) + eps),   y = x * rstd * w                  (fp32 arithmetic, y in x's dtype)
+    dx = rstd * (dy*w - x_hat * mean_D(dy*w*x_hat)),   dw = sum_rows dy * x_hat,   x_hat = x * rstd
+
+Why: in `small`'s training step on one H200 (16,384 tokens, D 1024, bf16) fla's RMSNorm backward took 9.3 ms of
+GPU time over 56 calls, about 170 us a call where its bytes (x and dy read, dx written: 96 MB) take about 25 us
+at 4 TB/s, and its Python side cost about 430 us of host time a call under the profiler, in a step that is partly
+host-bound. These kernels read x once forward (and dy and x once backward) with a thin launcher. Not yet measured
+on a GPU (bench/rms_norm.py); k3.ops.norm takes them only when K3_RMS_NORM=triton.
+
+The forward keeps rstd [N] fp32 for the backward (nothing under no_grad). dw is summed per program into a
+[programs, D] fp32 buffer that torch sums: deterministic, no atomics. The PyTorch twin is k3.ops.norm.rms_norm_torch,
+held equal by tests/ops/test_rms_norm_triton.py (through Triton's CPU interpreter, TRITON_INTERPRET=1).
+Shape suffixes: N rows (every dim but the last), D hidden.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from k3.ops.triton_support import interpreting, kernel_module
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Rows up to this width (as the next power of two) are loaded once, whole; wider ones go in chunks of WIDE_CHUNK.
+WHOLE_ROW_MAX = 8192
+WIDE_CHUNK = 4096
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Launch shape of a kernel: block_n rows per program, D in chunks of block_d, num_warps; and for the
+    backward its number of programs (None: programs_per_sm per multiprocessor, 8 in the CPU interpreter)."""
+    block_n: int = 4
+    block_d: int = 1024
+    num_warps: int = 4
+    programs: int | None = None
+
+
+def kernels(interpret: bool):
+    return kernel_module("k3.ops.rms_norm_triton_kernels", interpret)
+
+
+def _pow2(dim: int) -> int:
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+# Unmeasured defaults, for bench/rms_norm.py --sweep to replace: a tile of about 4K elements (8 rows of 512, 4 of
+# 1024, one of up to 8192) so each thread holds 32-64 values of a tensor; 4 warps, 8 for a tile of 8K.
+def default_blocks(dim: int) -> Blocks:
+    """The forward's and the backward's: the whole row in one chunk up to D = 8192, 1-8 rows by width."""
+    block_d = _pow2(dim) if _pow2(dim) <= WHOLE_ROW_MAX else WIDE_CHUNK
+    block_n = max(1, min(8, 4096 // block_d))
+    return Blocks(block_n=block_n, block_d=block_d, num_warps=8 if block_n * block_d > 4096 else 4)
+
+
+def programs_per_sm(blocks: Blocks) -> int:
+    """Backward programs per multiprocessor, each looping over consecutive row blocks: about 32 warps resident
+    per SM to keep loads in flight, and a dw buffer of a few MB at most."""
+    return max(2, 32 // blocks.num_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() == 0:
+        raise ValueError("rms_norm_triton needs x [..., D] with at least one dimension, got a scalar")
+    if x.dtype not in DTYPES or weight.dtype not in DTYPES:
+        raise ValueError(f"x is {x.dtype} and weight {weight.dtype}; the kernels take {DTYPES} for each "
+                         "(k3.ops.norm.rms_norm_torch takes any)")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight is {tuple(weight.shape)}; it must be [{x.shape[-1]}], x's last dim "
+                         f"(x is {tuple(x.shape)})")
+    if weight.device != x.device:
+        raise ValueError(f"x is on {x.device} and weight on {weight.device}; they must share a device")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [N, D] with rows D apart: a view for a contiguous x, a copy otherwise."""
+    x_ND = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+    return x_ND if x_ND.stride() == (x_ND.shape[1], 1) or x_ND.numel() == 0 else x_ND.contiguous()
+
+
+def norm_forward(x_ND: torch.Tensor, weight_D: torch.Tensor, eps: float, save: bool,
+                 blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [N, D] (rows D apart), weight [D] -> (y [N, D] in x's dtype, rstd [N] fp32 with save, else None)."""
+    import triton
+
+    num_rows, dim = x_ND.shape
+    blocks = blocks or default_blocks(dim)
+    y_ND = torch.empty_like(x_ND)
+    rstd_N = torch.empty(num_rows, dtype=torch.float32, device=x_ND.device) if save else None
+    if num_rows and dim:
+        kernels(interpreting()).rms_norm_forward[(triton.cdiv(num_rows, blocks.block_n),)](
+            x_ND, weight_D, y_ND, rstd_N if save else y_ND, num_rows, float(eps), D=dim, SAVE=save,
+            BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d, num_warps=blocks.num_warps)
+    elif save:
+        rstd_N.fill_(0.0)  # D = 0: nothing to normalise; keeps the buffer defined
+    return y_ND, rstd_N
+
+
+def norm_backward(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight_D: torch.Tensor, rstd_N: torch.Tensor,
+                  blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """dy [N, D] and x [N, D] (rows D apart), weight [D], the forward's rstd [N] -> (dx [N, D] in x's dtype,
+    dw [D] fp32)."""
+    import triton
+
+    num_rows, dim = x_ND.shape
+    blocks = blocks or default_blocks(dim)
+    dx_ND = torch.empty_like(x_ND)
+    num_blocks = triton.cdiv(num_rows, blocks.block_n)
+    programs = blocks.programs
+    if programs is None:
+        programs = programs_per_sm(blocks) * _multiprocessors(x_ND.device.index) if x_ND.is_cuda else 8
+    per_program = triton.cdiv(num_blocks, max(1, min(programs, num_blocks)))
+    programs = triton.cdiv(num_blocks, per_program) if num_blocks and dim else 0
+    dw_PD = torch.zeros(programs, dim, dtype=torch.float32, device=x_ND.device)
+    if programs:
+        kernels(interpreting()).rms_norm_backward[(programs,)](
+            x_ND, weight_D, dy_ND, rstd_N, dx_ND, dw_PD, num_rows, per_program, D=dim, BLOCK_N=blocks.block_n,
+            BLOCK_D=blocks.block_d, num_warps=blocks.num_warps)
+    return dx_ND, dw_PD.sum(0)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_ND, weight_D, eps, blocks, backward_blocks):
+        y_ND, rstd_N = norm_forward(x_ND, weight_D, eps, True, blocks)
+        ctx.save_for_backward(x_ND, weight_D, rstd_N)
+        ctx.backward_blocks = backward_blocks
+        return y_ND
+
+    @staticmethod
+    def backward(ctx, dy_ND):
+        x_ND, weight_D, rstd_N = ctx.saved_tensors
+        dx_ND, dw_D = norm_backward(dy_ND.contiguous(), x_ND, weight_D, rstd_N, ctx.backward_blocks)
+        dx_ND = dx_ND if ctx.needs_input_grad[0] else None
+        dw_D = dw_D.to(weight_D.dtype) if ctx.needs_input_grad[1] else None
+        return dx_ND, dw_D, None, None, None
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, blocks: Blocks | None = None,
+                    backward_blocks: Blocks | None = None) -> torch.Tensor:
+    """Same arguments and result as k3.ops.norm.rms_norm_torch: x [..., D] (fp32, bf16 or fp16), weight [D]
+    (any of those) -> [..., D] in x's dtype, with gradients for x (x's dtype) and weight (weight's dtype).
+    `blocks` (forward) and `backward_blocks` are the benchmark's to sweep (default_blocks when None)."""
+    _check(x, weight)
+    x_ND = _rows(x)
+    weight = weight if weight.is_contiguous() else weight.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        y_ND = _RMSNorm.apply(x_ND, weight, float(eps), blocks, backward_blocks)
+    else:  # no rstd to keep
+        y_ND = norm_forward(x_ND, weight, eps, False, blocks)[0]
+    return y_ND.view(x.shape)
