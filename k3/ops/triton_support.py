@@ -34,10 +34,15 @@ def triton_importable() -> bool:
     return triton_available()
 
 
-@functools.lru_cache(maxsize=8)
+_loaded: dict = {}
+
+
 def kernel_module(name: str, interpret: bool):
-    """The kernel module `name` (e.g. "k3.ops.moe_triton_kernels"), imported in the given interpreter mode."""
-    module = importlib.import_module(name)
+    """The kernel module `name` (e.g. "k3.ops.moe_triton_kernels"), imported in the given interpreter mode. The
+    mode is checked on every call: a reload changes the one module object in place, so a cache keyed on the mode
+    would hand back a module in the other mode after a switch there and back."""
+    module = _loaded.get(name) or importlib.import_module(name)
     if module.INTERPRETED != interpret:
         module = importlib.reload(module)
+    _loaded[name] = module
     return module
