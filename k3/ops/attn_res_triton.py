@@ -24,12 +24,9 @@ Shape suffixes: S sources, N tokens (B*T), D hidden.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 
-from k3.ops.triton_support import interpreting, kernel_module
+from k3.ops.triton_support import Blocks, interpreting, kernel_module, multiprocessors, pow2_width
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The kernels unroll over the sources (one compiled variant per count, every load spelled out): auto takes them up
@@ -37,22 +34,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_SOURCES = 16
 
 
-@dataclass(frozen=True)
-class Blocks:
-    """Launch shape of a kernel: block_n token rows per program, D in chunks of block_d, num_warps; and for the
-    backward its number of programs (None: programs_per_sm per multiprocessor, 8 in the CPU interpreter)."""
-    block_n: int = 8
-    block_d: int = 256
-    num_warps: int = 4
-    programs: int | None = None
-
-
 def kernels(interpret: bool):
     return kernel_module("k3.ops.attn_res_triton_kernels", interpret)
-
-
-def _pow2(dim: int) -> int:
-    return max(16, 1 << (dim - 1).bit_length())
 
 
 # The defaults below come from bench/attn_res.py --sweep on one H200 (N = 16384 bf16 tokens; BLOCK_N 1-16 x
@@ -61,7 +44,7 @@ def default_blocks(num_sources: int, dim: int) -> Blocks:
     """The forward's: 8 rows in chunks of 256 on 4 warps was the best or within ~10% of it at D = 1024 (S 2 and
     5: 0.039 and 0.075 ms, 1.6x the memory floor at S = 5) and at D = 7168, S = 10 (1.50 ms against 1.43 for 4
     rows, 2.4x the floor)."""
-    return Blocks(block_n=8, block_d=min(256, _pow2(dim)))
+    return Blocks(block_n=8, block_d=min(256, pow2_width(dim)))
 
 
 def default_backward_blocks(num_sources: int, dim: int) -> Blocks:
@@ -69,7 +52,7 @@ def default_backward_blocks(num_sources: int, dim: int) -> Blocks:
     and 5, against 0.08-0.09 and 0.19-0.22 for 8 x 512 and 0.13 and 0.23 for 8 x 256); wider rows in chunks of
     256, 8 rows (2.86 ms at D = 7168, S = 10, against 4.76 for 8 x 512 and 4.9 for 4 x 1024)."""
     if dim <= 1024:
-        return Blocks(block_n=4, block_d=_pow2(dim))
+        return Blocks(block_n=4, block_d=pow2_width(dim))
     return Blocks(block_n=8, block_d=256)
 
 
@@ -79,11 +62,6 @@ def programs_per_sm(dim: int) -> int:
     D = 7168, S = 10, 16 per SM took 4.23 ms where 2-8 took 4.78 (with 8 x 512 blocks), and the [programs, D] fp32
     buffer that costs is small next to such a row's traffic."""
     return 8 if dim <= 2048 else 16
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +121,7 @@ def mix_backward(grad_ND: torch.Tensor, sources_ND: tuple[torch.Tensor, ...], q_
     num_blocks = triton.cdiv(num_rows, blocks.block_n)
     programs = blocks.programs
     if programs is None:
-        programs = programs_per_sm(dim) * _multiprocessors(grad_ND.device.index) if grad_ND.is_cuda else 8
+        programs = programs_per_sm(dim) * multiprocessors(grad_ND.device.index) if grad_ND.is_cuda else 8
     per_program = triton.cdiv(num_blocks, max(1, min(programs, num_blocks)))
     programs = triton.cdiv(num_blocks, per_program) if num_blocks else 0
     dq_PD = torch.zeros(programs, dim, dtype=torch.float32, device=grad_ND.device)

@@ -40,7 +40,6 @@ Shape suffixes: B batch rows, H heads, T query tokens per row, S cached slots, R
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -48,7 +47,7 @@ import torch
 
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.norm import compute_dtype
-from k3.ops.triton_support import interpreting, kernel_module, triton_importable
+from k3.ops.triton_support import interpreting, kernel_module, multiprocessors, triton_importable
 
 DECODE_MAX_TOKENS = 4  # auto takes the kernel for up to this many queries per row (decode, speculative steps)
 _ENV = "K3_MLA_DECODE"
@@ -116,11 +115,6 @@ def _kernels(interpret: bool):
     """(split, merge), imported on first use in the given interpreter mode (k3.ops.triton_support)."""
     module = kernel_module("k3.ops.mla_decode_kernels", interpret)
     return module.mla_decode_split, module.mla_decode_merge
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def default_block_s(programs_per_split: int, rank: int) -> int:
@@ -210,7 +204,7 @@ def _launch(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent: torc
     head_blocks = -(-heads // block_h)
     rows = batch * length
     block_s = block_s or default_block_s(rows * head_blocks, rank)
-    num_sms = _multiprocessors(q_latent_BHTR.device.index) if q_latent_BHTR.is_cuda else 132
+    num_sms = multiprocessors(q_latent_BHTR.device.index) if q_latent_BHTR.is_cuda else 132
     if splits is None:
         splits, per_split = num_splits(rows * head_blocks, total, block_s, num_sms)
     else:  # as asked, less where the last splits would be empty

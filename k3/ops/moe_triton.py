@@ -19,12 +19,11 @@ Shape suffixes: N routed rows (sorted by expert), E experts, F expert width, D e
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from k3.layers.mlp import GLU_KINDS
-from k3.ops.triton_support import interpreting, kernel_module, triton_importable
+from k3.ops.triton_support import interpreting, kernel_module, multiprocessors, triton_importable
 
 # Above this many routed rows the grouped GEMM's large tiles win (prefill); at or below it, these kernels.
 TRITON_MAX_ROWS = 1024
@@ -51,12 +50,6 @@ def block_sizes(num_rows: int, num_experts: int, out_width: int, in_width: int,
     return 16, block_n, block_k
 
 
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int | None) -> int:
-    """Looked up once per device: the launcher runs in every eager decode step and prefill chunk."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _launch(x: torch.Tensor, num_rows: int, counts_E: torch.Tensor | None, ids_N: torch.Tensor | None,
             pairs_per_row: int, w: torch.Tensor, w3: torch.Tensor | None, act: str, betas: tuple[float, float],
             blocks: tuple[int, ...] | None) -> torch.Tensor:
@@ -69,7 +62,7 @@ def _launch(x: torch.Tensor, num_rows: int, counts_E: torch.Tensor | None, ids_N
     if num_rows == 0:
         return out
     if blocks is None:
-        num_sms = _multiprocessors(x.device.index) if x.is_cuda else 132
+        num_sms = multiprocessors(x.device.index) if x.is_cuda else 132
         blocks = block_sizes(num_rows, num_experts, out_width, in_width, num_sms)
     block_m, block_n, block_k = blocks[:3]
     # An optional (num_warps, num_stages) after the block sizes (the benchmark sweeps them); Triton's defaults else.

@@ -17,13 +17,11 @@ Shape suffixes: N rows (every dim but the last), D hidden.
 
 from __future__ import annotations
 
-import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
-from k3.ops.triton_support import interpreting, kernel_module
+from k3.ops.triton_support import Blocks, interpreting, kernel_module, multiprocessors, pow2_width
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Rows up to this width (as the next power of two) are loaded once, whole; wider ones go in chunks of WIDE_CHUNK.
@@ -31,29 +29,15 @@ WHOLE_ROW_MAX = 8192
 WIDE_CHUNK = 4096
 
 
-@dataclass(frozen=True)
-class Blocks:
-    """Launch shape of a kernel: block_n rows per program, D in chunks of block_d, num_warps; and for the
-    backward its number of programs (None: programs_per_sm per multiprocessor, 8 in the CPU interpreter)."""
-    block_n: int = 4
-    block_d: int = 1024
-    num_warps: int = 4
-    programs: int | None = None
-
-
 def kernels(interpret: bool):
     return kernel_module("k3.ops.rms_norm_triton_kernels", interpret)
-
-
-def _pow2(dim: int) -> int:
-    return max(16, 1 << (dim - 1).bit_length())
 
 
 # Unmeasured defaults, for bench/rms_norm.py --sweep to replace: a tile of about 4K elements (8 rows of 512, 4 of
 # 1024, one of up to 8192) so each thread holds 32-64 values of a tensor; 4 warps, 8 for a tile of 8K.
 def default_blocks(dim: int) -> Blocks:
     """The forward's and the backward's: the whole row in one chunk up to D = 8192, 1-8 rows by width."""
-    block_d = _pow2(dim) if _pow2(dim) <= WHOLE_ROW_MAX else WIDE_CHUNK
+    block_d = pow2_width(dim) if pow2_width(dim) <= WHOLE_ROW_MAX else WIDE_CHUNK
     block_n = max(1, min(8, 4096 // block_d))
     return Blocks(block_n=block_n, block_d=block_d, num_warps=8 if block_n * block_d > 4096 else 4)
 
@@ -62,11 +46,6 @@ def programs_per_sm(blocks: Blocks) -> int:
     """Backward programs per multiprocessor, each looping over consecutive row blocks: about 32 warps resident
     per SM to keep loads in flight, and a dw buffer of a few MB at most."""
     return max(2, 32 // blocks.num_warps)
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -118,7 +97,7 @@ def norm_backward(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight_D: torch.Tenso
     num_blocks = triton.cdiv(num_rows, blocks.block_n)
     programs = blocks.programs
     if programs is None:
-        programs = programs_per_sm(blocks) * _multiprocessors(x_ND.device.index) if x_ND.is_cuda else 8
+        programs = programs_per_sm(blocks) * multiprocessors(x_ND.device.index) if x_ND.is_cuda else 8
     per_program = triton.cdiv(num_blocks, max(1, min(programs, num_blocks)))
     programs = triton.cdiv(num_blocks, per_program) if num_blocks and dim else 0
     dw_PD = torch.zeros(programs, dim, dtype=torch.float32, device=x_ND.device)

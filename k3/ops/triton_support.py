@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -46,3 +47,26 @@ def kernel_module(name: str, interpret: bool):
         module = importlib.reload(module)
     _loaded[name] = module
     return module
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """Launch shape of a kernel over rows: block_n rows per program, the row in chunks of block_d, num_warps; and,
+    for a kernel whose programs loop over row blocks, how many programs (None: its launcher's rule)."""
+    block_n: int
+    block_d: int
+    num_warps: int = 4
+    programs: int | None = None
+
+
+def pow2_width(dim: int) -> int:
+    """The smallest power of two >= dim, at least 16: a block that covers a row of dim in one chunk."""
+    return max(16, 1 << (dim - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def multiprocessors(device_index: int | None) -> int:
+    """The device's multiprocessor count, looked up once (launchers run in every step)."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
