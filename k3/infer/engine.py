@@ -74,8 +74,9 @@ def default_prefill_chunk(max_context: int, on_gpu: bool) -> tuple[int, int]:
     On a GPU a prefill forward of a mid-size model is bound by kernel launches up to several thousand tokens
     (measured for `small` on one H200: a 512-token chunk 9 ms of GPU work under 78 ms of host time; an 8K prompt
     through the engine in 2,048-token chunks 616 ms, as one 8K forward 146 ms), so the short chunk is 8,192 tokens
-    there and 512 elsewhere; long contexts take longer ones (long_prefill_chunk). A step takes four chunks' tokens,
-    with the short chunk 8,192 on a GPU (the four 2,048-token chunks of before) and 2,048 elsewhere."""
+    there and 512 elsewhere; long contexts take longer ones (long_prefill_chunk). A step's prefills (and a scoring
+    forward) take four long chunks' tokens, or with the short chunk 8,192 on a GPU (the four 2,048-token chunks
+    of before) and 2,048 (four chunks) elsewhere."""
     short = 8192 if on_gpu else 512
     long_chunk = long_prefill_chunk(max_context)
     if long_chunk and long_chunk > short:
