@@ -7,6 +7,7 @@ Checks (relative error ||fast - twin|| / ||twin||, every output and gradient):
   kda_recurrent  fla fused_recurrent_kda (in-kernel gate) vs PyTorch recurrence, with a carried state
   moe_grouped    torch._grouped_mm experts vs the per-expert loop (bf16; some experts get no tokens)
   attn_res       the AttnRes mix's Triton kernels vs eager (and the forcible torch.compile-fused mix vs eager)
+  rms_norm       k3's RMSNorm Triton kernels (the CUDA default) vs the twin, at D 1024 and 9000 (chunked rows)
   moe_combine    the MoE combine's Triton kernels vs the batched matmul (output, pair-output and gate-weight grads)
   mla_flash      MLA prefill with SDPA forced to the flash kernel vs the math kernel
   model          whole model (debug preset x4 widths, bf16) under the fast run's expert choices: all fast
@@ -35,6 +36,7 @@ from k3.ops.fused_backend import set_fused_backend
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_backend, set_kda_backend
 from k3.ops.moe import count_per_expert, run_experts
 from k3.ops.moe_combine import weighted_sum_over_k
+from k3.ops.norm import rms_norm
 from k3.rl.routing import RoutingReplay
 
 BF16_TOL = 2e-2  # bf16 operands (METHOD: 1e-3..1e-2), with margin for long recurrences
@@ -198,6 +200,27 @@ def check_attn_res(device, rows) -> None:
     finally:
         set_attn_res_backend(None)
     compare("attn_res_compiled", compiled, twin, labels, BF16_TOL, rows)
+
+
+def check_rms_norm(device, rows) -> None:
+    """k3's RMSNorm kernels (the CUDA default) against the twin (K3_FUSED_BACKEND=torch), at the `small` width
+    and at one wider than a whole-row tile."""
+    for width in (1024, 9000):
+        torch.manual_seed(14)
+        x = torch.randn(4, 700, width, device=device, dtype=torch.bfloat16, requires_grad=True)
+        weight = (1 + 0.1 * torch.randn(width, device=device)).to(torch.bfloat16).requires_grad_()
+
+        def run():
+            y = rms_norm(x, weight, 1e-6)
+            return [y] + grads_of([y], [x, weight], seed=15)
+
+        fast = run()
+        with twins(("fused",)):
+            twin = run()
+        triton_ran = graph_has(fast[0], "_RMSNorm")
+        rows.append([f"rms_norm_{width}", "path (fast)", "triton" if triton_ran else "other", "-",
+                     "ok" if triton_ran or device.type != "cuda" else "FAIL"])
+        compare(f"rms_norm_{width}", fast, twin, ["y", "dx", "dweight"], BF16_TOL, rows)
 
 
 def check_moe_combine(device, rows) -> None:
@@ -377,7 +400,7 @@ def check_static_decode(device, rows) -> None:
     compare("static_decode", [compiled], [eager], ["compiled cuda graph vs eager steps"], BF16_TOL, rows)
 
 
-CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_moe_combine, check_mla_flash,
+CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_moe_combine, check_mla_flash,
           check_model, check_static_decode]
 
 

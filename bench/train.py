@@ -20,8 +20,8 @@ torch.cuda.make_graphed_callables: an experiment on how much of the step is host
 `-eager-glu` (the GLU activation as eager PyTorch ops instead of the compiled elementwise kernel that training on
 CUDA takes, k3.layers.mlp), `-compiled-attnres` (the AttnRes mix through torch.compile, the CUDA default before its
 Triton kernels), `-bmm-combine` (the MoE combine as the batched matmul, K3_MOE_COMBINE=bmm, instead of its Triton
-kernels), `-triton-norm` (RMSNorm through k3's own Triton kernels, K3_RMS_NORM=triton, instead of fla's; KDA's
-gated norm stays fla's). Suffixes combine: k3-small-bmm-combine-compiled-attnres is the step before both kernels.
+kernels), `-fla-norm` (RMSNorm through fla's kernels, K3_RMS_NORM=fla, the default before k3's own Triton kernels; KDA's
+gated norm is fla's either way). Suffixes combine: k3-small-bmm-combine-compiled-attnres is the step before both kernels.
 Also reported: the wall time of the first step (kernel compile/autotune included) and the number of frames
 torch.compile compiled during the timed steps (0 means no recompilation per step).
 --profile DIR writes torch.profiler's kernel table of one step by self CUDA time to DIR/train_profile_<variant>.txt
@@ -172,7 +172,7 @@ def variant_settings(name: str):
     set_fused_backend("torch" if has_flag(name, "unfused") else None)
     os.environ["K3_LINEAR_CE"] = next((b for b in ("chunked", "fla") if has_flag(name, f"{b}-ce")), "plain")
     os.environ["K3_MOE_COMBINE"] = "bmm" if has_flag(name, "bmm-combine") else "auto"
-    os.environ["K3_RMS_NORM"] = "triton" if has_flag(name, "triton-norm") else "auto"
+    os.environ["K3_RMS_NORM"] = "fla" if has_flag(name, "fla-norm") else "auto"
     compiled_pays = mlp._compiled_pays
     if has_flag(name, "eager-glu"):
         mlp._compiled_pays = lambda gate, up: False

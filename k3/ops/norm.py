@@ -1,4 +1,4 @@
-"""RMSNorm and KDA's gated RMSNorm: fla's fused Triton kernels on CUDA, PyTorch twins elsewhere.
+"""RMSNorm and KDA's gated RMSNorm: fused Triton kernels on CUDA (k3's and fla's), PyTorch twins elsewhere.
 
     rms_norm(x, w)          = x / rms(x) * w
     rms_norm_gated(x, g, w) = x / rms(x) * w * sigmoid(g)      (KDA's output norm, per head)
@@ -14,13 +14,16 @@ opaque launch of its own. At batch 1 on one H200 each fla norm cost 2-3 us of ke
 step (160 us), and the step went 1.69 -> 1.54 ms without them. K3_FUSED_BACKEND=fla keeps fla's kernel there too,
 as a k3:: custom op.
 
-K3_RMS_NORM=triton (opt-in; unset or "auto" is all of the above, unchanged) sends rms_norm to k3's own kernels
-(k3.ops.rms_norm_triton) for CUDA tensors, and for CPU tensors under Triton's interpreter (TRITON_INTERPRET=1,
-the tests), in fp32/bf16/fp16; anything else, and every call inside torch.compile, keeps the path above. Why:
-in `small`'s training step on one H200 (16,384 tokens, D 1024, bf16) fla's RMSNorm backward took 9.3 ms of GPU
-time over 56 calls (~170 us each against ~25 us for its 96 MB at 4 TB/s) and ~430 us of host time a call under
-the profiler, in a partly host-bound step. Off by default until bench/rms_norm.py and bench/train.py
-(-triton-norm) have measured it on a GPU. KDA's gated norm (rms_norm_gated) stays on fla.
+K3_RMS_NORM picks rms_norm's kernels: "auto" (the default, also when unset or empty) sends CUDA tensors in
+fp32/bf16/fp16 to k3's own kernels (k3.ops.rms_norm_triton) and everything else down the path above; "fla"
+keeps the path above for CUDA tensors too, as does K3_FUSED_BACKEND=torch; "triton" forces k3's kernels, also
+for CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, the tests). Calls inside torch.compile always
+take the path above. Why k3's kernels: in `small`'s training step on one H200 (16,384 tokens, D 1024, bf16)
+fla's RMSNorm backward took 9.3 ms of GPU time over 56 calls (~170 us each against ~25 us for its 96 MB at
+4 TB/s) and ~430 us of host time a call under the profiler. Measured on one H200 (bench/rms_norm.py, 16,384
+rows, forward + backward): 0.040 / 0.058 / 0.128 ms against fla's 0.286 / 0.125 / 0.184 ms at D = 512 / 1024 /
+2304; the `small` step 299 ms against 316 (bench/train.py, -triton-norm, one process). A kernel variant Triton
+cannot compile falls back to the path above. KDA's gated norm (rms_norm_gated) stays on fla.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 
 from k3.ops.fused_backend import fused_backend, opaque_under_compile, with_torch_fallback
 from k3.ops.rms_norm_triton import DTYPES as TRITON_DTYPES, rms_norm_triton
-from k3.ops.triton_support import interpreting
+from k3.ops.triton_support import interpreting, triton_importable
 
 
 @functools.lru_cache(maxsize=1)
@@ -95,30 +98,44 @@ def rms_norm_gated_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
 
 
 RMS_NORM_ENV = "K3_RMS_NORM"
-RMS_NORM_CHOICES = ("auto", "triton")
+RMS_NORM_CHOICES = ("auto", "triton", "fla")
 
 
 def rms_norm_choice() -> str:
-    """K3_RMS_NORM: "auto" (also when unset or empty: fla or the twin, as above) or "triton" (k3's kernels)."""
+    """K3_RMS_NORM: "auto" (also when unset or empty), "triton" or "fla" (module docstring)."""
     name = os.environ.get(RMS_NORM_ENV, "").strip().lower() or "auto"
     if name not in RMS_NORM_CHOICES:
         raise ValueError(f"{RMS_NORM_ENV}={name!r}; use one of {RMS_NORM_CHOICES} (or leave it unset)")
     return name
 
 
-def _use_k3_triton(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():  # traced calls keep today's path (module docstring); the env is not read
-        return False
-    if rms_norm_choice() != "triton":
-        return False
-    on_device = x.is_cuda or (x.device.type == "cpu" and interpreting())
-    return on_device and x.dtype in TRITON_DTYPES and weight.dtype in TRITON_DTYPES
+def k3_triton_path(x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """"forced" or "chosen" when rms_norm on (x, weight) runs k3's Triton kernels, else None."""
+    if torch.compiler.is_compiling():  # traced calls keep the fla / twin path (module docstring)
+        return None
+    if x.dtype not in TRITON_DTYPES or weight.dtype not in TRITON_DTYPES:
+        return None
+    choice = rms_norm_choice()
+    if choice == "triton":
+        return "forced" if x.is_cuda or (x.device.type == "cpu" and interpreting()) else None
+    # K3_FUSED_BACKEND=torch (the twins, e.g. bench/gpu_check's reference runs) keeps the twin here too.
+    if choice == "auto" and x.is_cuda and fused_backend() != "torch" and triton_importable():
+        return "chosen"
+    return None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension (x [..., D], weight [D])."""
-    if _use_k3_triton(x, weight):
+    path = k3_triton_path(x, weight)
+    if path == "forced":
         return rms_norm_triton(x, weight, eps)
+    if path == "chosen":  # a kernel variant Triton cannot compile here takes the path below from then on
+        return with_torch_fallback(("rms_norm_triton", x.shape[-1], x.dtype, weight.dtype),
+                                   lambda: rms_norm_triton(x, weight, eps), lambda: _rms_norm_untriton(x, weight, eps))
+    return _rms_norm_untriton(x, weight, eps)
+
+
+def _rms_norm_untriton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _use_fla(x, RMS_NORM_BUCKET_ROWS, weight):
         if opaque_under_compile(x, weight):
             return fla_rms_norm_op(x, weight, eps)

@@ -38,11 +38,11 @@ def reference(x, weight, eps):
     return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
 
 
-def _inputs(shape, dtype, weight_dtype=torch.float32, seed=0):
+def _inputs(shape, dtype, weight_dtype=torch.float32, seed=0, device=DEVICE):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(shape, generator=g) * 3 + 0.5).to(DEVICE, dtype).requires_grad_()
-    weight = (torch.rand(shape[-1], generator=g) + 0.5).to(DEVICE, weight_dtype).requires_grad_()
-    upstream = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    x = (torch.randn(shape, generator=g) * 3 + 0.5).to(device, dtype).requires_grad_()
+    weight = (torch.rand(shape[-1], generator=g) + 0.5).to(device, weight_dtype).requires_grad_()
+    upstream = torch.randn(shape, generator=g).to(device, dtype)
     return x, weight, upstream
 
 
@@ -186,19 +186,54 @@ def _counting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("value", [None, "", "auto", "AUTO "])
-def test_switch_unset_or_auto_keeps_todays_path(monkeypatch, value):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the Triton launcher was called without K3_RMS_NORM=triton")
-
-    monkeypatch.setattr(norm_ops, "rms_norm_triton", refuse)
+def _set_choice(monkeypatch, value):
     if value is None:
         monkeypatch.delenv("K3_RMS_NORM", raising=False)
     else:
         monkeypatch.setenv("K3_RMS_NORM", value)
-    x, weight, upstream = _inputs((2, 3, 40), torch.float32, seed=6)
+
+
+@pytest.mark.parametrize("value", [None, "", "auto", "AUTO ", "fla"])
+def test_cpu_tensors_keep_the_twin_unless_forced(monkeypatch, value):
+    """auto (the default) sends only CUDA tensors to the kernels; fla never does: CPU tensors take the twin."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton launcher was called for CPU tensors without K3_RMS_NORM=triton")
+
+    monkeypatch.setattr(norm_ops, "rms_norm_triton", refuse)
+    _set_choice(monkeypatch, value)
+    x, weight, upstream = _inputs((2, 3, 40), torch.float32, seed=6, device="cpu")
     for a, t in zip(_run(rms_norm, x, weight, upstream), _run(rms_norm_torch, x, weight, upstream)):
         torch.testing.assert_close(a, t, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="auto chooses the kernels for CUDA tensors only")
+@pytest.mark.parametrize("value", [None, "auto"])
+def test_auto_runs_the_kernels_on_cuda(monkeypatch, value):
+    calls = _counting(monkeypatch)
+    _set_choice(monkeypatch, value)
+    x, weight, upstream = _inputs((2, 3, 40), torch.bfloat16, seed=7)
+    got = _run(rms_norm, x, weight, upstream)
+    assert calls == [(2, 3, 40)]
+    for name, a, t in zip(["y", "dx", "dweight"], got, _run(rms_norm_torch, x, weight, upstream)):
+        assert _rel(a, t) < 1e-3, name
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fla / twin choice matters for CUDA tensors only")
+@pytest.mark.parametrize("value", ["fla", "auto"])
+def test_fla_choice_or_torch_fused_backend_keeps_the_kernels_off_on_cuda(monkeypatch, value):
+    from k3.ops.fused_backend import set_fused_backend
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the Triton launcher was called")
+
+    monkeypatch.setattr(norm_ops, "rms_norm_triton", refuse)
+    _set_choice(monkeypatch, value)
+    set_fused_backend("torch" if value == "auto" else None)
+    try:
+        x, weight, upstream = _inputs((2, 3, 40), torch.bfloat16, seed=8)
+        _run(rms_norm, x, weight, upstream)
+    finally:
+        set_fused_backend(None)
 
 
 def test_switch_triton_runs_the_kernels(monkeypatch):
@@ -215,9 +250,9 @@ def test_switch_triton_runs_the_kernels(monkeypatch):
 
 
 def test_switch_rejects_other_values(monkeypatch):
-    monkeypatch.setenv("K3_RMS_NORM", "fla")
+    monkeypatch.setenv("K3_RMS_NORM", "liger")
     x = torch.randn(2, 8, device=DEVICE)
-    with pytest.raises(ValueError, match=r"K3_RMS_NORM='fla'; use one of \('auto', 'triton'\)"):
+    with pytest.raises(ValueError, match=r"K3_RMS_NORM='liger'; use one of \('auto', 'triton', 'fla'\)"):
         rms_norm(x, torch.ones(8, device=DEVICE), EPS)
 
 
