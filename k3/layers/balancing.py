@@ -228,6 +228,47 @@ def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, 
     return best, max_iters
 
 
+def solve_batch_bias_on_device(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, updates: int,
+                               tolerance: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """solve_batch_bias with no host sync, so that a training step can be captured in a CUDA graph: exactly
+    `updates` QB updates are computed, and the stopping test is kept on the device: the first balanced iterate is
+    kept (later updates are computed and discarded), so the result equals solve_batch_bias's whenever that one
+    stops within `updates`; otherwise it is the most balanced iterate, as solve_batch_bias's is at its cap. Returns (bias [E] fp32, updates used as a 0-dim int64 tensor: `updates` when not balanced).
+    One rank only: the gathered and histogram aggregations over ranks need the host-side solver."""
+    num_tokens, num_experts = scores_TE.shape
+    if top_k >= num_experts:
+        return torch.zeros_like(bias_E, dtype=torch.float32), torch.zeros((), dtype=torch.long,
+                                                                          device=scores_TE.device)
+    scores = scores_TE.float()
+    quota = top_k * num_tokens / num_experts
+    upper = max(math.ceil(quota), math.floor(quota * (1 + tolerance)))
+    lower = min(math.floor(quota), math.ceil(quota * (1 - tolerance)))
+
+    def routed(bias):
+        top = (scores + bias).topk(top_k + 1, dim=-1)
+        low, peak = torch.aminmax(expert_load(top.indices[:, :top_k], num_experts))
+        return top, (peak <= upper) & (low >= lower), peak
+
+    bias = bias_E.float()
+    top, done, peak = routed(bias)
+    result = bias - bias.mean()
+    used = torch.zeros((), dtype=torch.long, device=scores.device)
+    best, best_peak = bias, peak
+    for step in range(1, updates + 1):
+        update = quantile_bias(scores, bias, top_k, of_others=True, top=top)
+        candidate = update if step % 2 == 1 else 0.5 * (bias + update)  # the half steps of solve_batch_bias
+        bias = candidate
+        top, balanced, peak = routed(bias)
+        newly = balanced & ~done
+        result = torch.where(newly, bias, result)
+        used = torch.where(newly, step, used)
+        better = ~done & ~balanced & (peak < best_peak)
+        best = torch.where(better, bias, best)
+        best_peak = torch.where(better, peak, best_peak)
+        done = done | newly
+    return torch.where(done, result, best), torch.where(done, used, updates)
+
+
 def balance_batch(scores_TE: torch.Tensor, top_k: int, max_iters: int = 200) -> torch.Tensor:
     """The bias that balances one batch, solved from zero (see solve_batch_bias). For analysis and tests."""
     zeros = torch.zeros(scores_TE.shape[1], dtype=torch.float32, device=scores_TE.device)

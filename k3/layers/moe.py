@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.layers.balancing import QB_MAX_ITERS, QB_TOLERANCE, loss_free_bias, maxvio, solve_batch_bias
+from k3.layers.balancing import (QB_MAX_ITERS, QB_TOLERANCE, loss_free_bias, maxvio, solve_batch_bias,
+                                  solve_batch_bias_on_device)
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import fused
@@ -74,7 +75,11 @@ class Router(nn.Module):
         # 1 is a single update from the previous bias, which leaves maxvio ~0.5-2.6 on the tiny preset.
         self.qb_max_iters = QB_MAX_ITERS
         self.qb_tolerance = QB_TOLERANCE
-        self.last_qb_iters = 0
+        # When set (k3.train.graphed_step), QB runs exactly this many updates with its stopping test on the
+        # device (solve_batch_bias_on_device): no host sync, so the forward can be captured in a CUDA graph.
+        self.qb_device_updates: int | None = None
+        # Updates the last training forward used: an int, or a 0-dim tensor with qb_device_updates.
+        self.last_qb_iters: int | torch.Tensor = 0
         # Auxiliary balancing loss (Switch / DeepSeek style), an ablation baseline set by the trainer: when > 0,
         # each training forward leaves coef * E * sum_e f_e * P_e in `aux_loss` (f_e: share of the routed pairs,
         # P_e: mean normalised score), which the trainer adds to the LM loss.
@@ -124,9 +129,17 @@ class Router(nn.Module):
                 # selection, iterating the update to its fixed point (one update from the previous batch's
                 # bias lags behind the moving cutoffs and a router that is still moving).
                 with torch.no_grad():
-                    new_bias, self.last_qb_iters = solve_batch_bias(
-                        scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.qb_max_iters,
-                        gather=self.gather, reduce=self.reduce, tolerance=self.qb_tolerance)
+                    if self.qb_device_updates is not None:
+                        if self.gather is not None or self.reduce is not None:
+                            raise ValueError("QB over data-parallel ranks needs the host-side solver; set "
+                                             "qb_device_updates = None (no CUDA-graph capture of the step)")
+                        new_bias, self.last_qb_iters = solve_batch_bias_on_device(
+                            scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.qb_device_updates,
+                            tolerance=self.qb_tolerance)
+                    else:
+                        new_bias, self.last_qb_iters = solve_batch_bias(
+                            scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.qb_max_iters,
+                            gather=self.gather, reduce=self.reduce, tolerance=self.qb_tolerance)
                     self.e_score_correction_bias.copy_(new_bias)
             topk_ids_TK = (scores_TE.detach() + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, topk_ids_TK)
