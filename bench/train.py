@@ -17,6 +17,8 @@ compiled one), `-compiled` (torch.compile on the dense/shared MLPs and norms), `
 head and loss as one op, K3_LINEAR_CE=chunked / fla: no [tokens, vocab] logits held; k3.ops.linear_ce),
 `-graphed-kda` (each KDA attention sublayer replayed as CUDA graphs, forward and backward, through
 torch.cuda.make_graphed_callables: an experiment on how much of the step is host time in fla's launchers),
+`-graphed-step` (the whole forward + backward captured as one CUDA graph, k3.train.graphed_step, QB solved on the
+device with a fixed update count; the optimizer step eager; the first step includes the capture),
 `-eager-glu` (the GLU activation as eager PyTorch ops instead of the compiled elementwise kernel that training on
 CUDA takes, k3.layers.mlp), `-compiled-attnres` (the AttnRes mix through torch.compile, the CUDA default before its
 Triton kernels), `-bmm-combine` (the MoE combine as the batched matmul, K3_MOE_COMBINE=bmm, instead of its Triton
@@ -126,12 +128,28 @@ def compiled_frames() -> int:
     return int(counters["frames"]["ok"])
 
 
-def step_fn(model, ids, is_k3: bool):
+def k3_loss(model, batch):
+    return model(batch["ids"], labels=batch["ids"], return_logits=False).loss  # the loss path K3_LINEAR_CE picks
+
+
+def step_fn(model, ids, is_k3: bool, graphed: bool = False):
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    if graphed:
+        from k3.train.graphed_step import GraphedTrainStep
+
+        graphed_step = GraphedTrainStep(model, k3_loss, {"ids": ids})
+
+        def replayed():
+            loss = graphed_step({"ids": ids})  # the first call warms up and captures
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            model.update_balancers()
+            return loss
+        return replayed
 
     def step():
         if is_k3:
-            loss = model(ids, labels=ids, return_logits=False).loss  # the loss path K3_LINEAR_CE picks
+            loss = k3_loss(model, {"ids": ids})
         else:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -202,7 +220,7 @@ def build_variant(name: str, batch: int, seq: int, device):
             graph_kda_sublayers(model, batch, seq)
         flops = k3_train_flops_per_token(config, seq)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
-    return model, step_fn(model, ids, name != "peer"), flops
+    return model, step_fn(model, ids, name != "peer", graphed=has_flag(name, "graphed-step")), flops
 
 
 def main() -> None:
@@ -236,11 +254,12 @@ def main() -> None:
                 frames_before = compiled_frames()
                 ms = time_ms(step, warmup=0, repeats=args.steps)
                 recompiles = compiled_frames() - frames_before
+                last_loss = float(step())  # after 3 + steps updates: variants of one model should stay close
             tps = tokens / (ms / 1e3)
             params = sum(p.numel() for p in model.parameters())
             results[name] = dict(step_ms=ms, first_step_s=first_s, tokens_per_s=tps, mfu=flops * tps / H200_BF16_PEAK_FLOPS,
                                  flops_per_token=flops, params=params, peak_gib=peak_memory_gib(),
-                                 compiles_during_timing=recompiles, first_loss=first_loss)
+                                 compiles_during_timing=recompiles, first_loss=first_loss, last_loss=last_loss)
             print(name, results[name], flush=True)
             write_json(args.out, {"bench": "train", "batch": args.batch, "seq": args.seq, "partial": True,
                                   "results": results})

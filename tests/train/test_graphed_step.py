@@ -1,0 +1,59 @@
+"""k3.train.graphed_step: a training step's forward and backward replayed from one CUDA graph gives the eager
+step's loss and gradients (debug model, fp32, QB routers); new batches are copied in; wrong input is refused
+with a message. The capture itself needs a GPU; on CPU only the refusals run."""
+
+import pytest
+import torch
+
+from k3 import K3ForCausalLM, ModelConfig
+from k3.layers.moe import Router
+from k3.train.graphed_step import GraphedTrainStep
+
+CUDA = torch.cuda.is_available()
+
+
+def loss_fn(model, batch):
+    return model(batch["ids"], labels=batch["ids"], return_logits=False).loss
+
+
+def test_cpu_batches_are_refused_with_the_reason():
+    model = K3ForCausalLM(ModelConfig.from_preset("debug"))
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        GraphedTrainStep(model, loss_fn, {"ids": torch.zeros(1, 8, dtype=torch.long)})
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_replay_matches_the_eager_step_and_takes_new_batches():
+    config = ModelConfig.from_preset("debug", moe_balancing="quantile")
+    torch.manual_seed(0)
+    eager = K3ForCausalLM(config).cuda().train()
+    graphed = K3ForCausalLM(config).cuda().train()
+    graphed.load_state_dict(eager.state_dict())
+    for _, router in eager.routers():
+        router.qb_device_updates = 64  # the same solver both ways; it is exact once the batch balances
+    generator = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, config.vocab_size, (2, 64), device="cuda", generator=generator) for _ in range(3)]
+    step = GraphedTrainStep(graphed, loss_fn, {"ids": batches[0]}, warmup=3, qb_updates=64)
+    for _ in range(3):  # what the capture's warm-up does (QB moves the bias on each forward)
+        loss_fn(eager, {"ids": batches[0]}).backward()
+        eager.zero_grad(set_to_none=True)
+    for ids in batches:
+        want = loss_fn(eager, {"ids": ids})
+        want.backward()
+        got = step({"ids": ids})
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+        for (name, a), b in zip(graphed.named_parameters(), eager.parameters()):
+            if b.grad is None:
+                assert a.grad is None, name
+                continue
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+        for model in (eager, graphed):
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-1e-2)
+            model.zero_grad(set_to_none=True)
+    routers = [m for m in graphed.modules() if isinstance(m, Router)]
+    assert routers and all(isinstance(r.last_qb_iters, torch.Tensor) for r in routers)
+    with pytest.raises(ValueError, match="captured for"):
+        step({"ids": batches[0][:, :32]})
