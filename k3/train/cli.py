@@ -28,7 +28,7 @@ def train_command(args: argparse.Namespace) -> int:
             "grad_clip", "dtype", "device", "seed", "max_corpus_mb", "tokenizer", "val_fraction", "eval_every",
             "eval_batches", "save_every", "recall_fraction", "recall_pairs", "recall_queries", "recall_length",
             "recall_weight", "time_budget_s", "ep", "checkpoint_format",
-            "ep_balanced", "qb_aggregate", "qb_iters", "global_batch") if getattr(args, name) is not None}
+            "ep_balanced", "qb_aggregate", "qb_iters", "global_batch", "cuda_graph") if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
         if args.seq_len_schedule:
             fields["seq_len_schedule"] = parse_seq_len_schedule(args.seq_len_schedule)
@@ -111,6 +111,10 @@ def register(subparsers) -> None:
                        help=f"Quantile Balancing updates per MoE layer and step, iterated on the batch being routed "
                             f"until every expert gets its quota (default {QB_MAX_ITERS}; 1: a single update, which "
                             f"leaves the batch unbalanced)")
+    train.add_argument("--cuda-graph", action="store_const", const=True, dest="cuda_graph",
+                       help="CUDA, one process: replay each step's forward and backward from one CUDA graph (no "
+                            "host launch overhead); rows train as plain [batch, seq_len] sequences, documents inside "
+                            "a row not separated; QB takes a fixed number of updates on the device")
     train.add_argument("--checkpoint-format", choices=["full", "sharded"], dest="checkpoint_format",
                        help="full (default): DIR/checkpoint.pt, gathered on rank 0; sharded: DIR/checkpoint/, "
                             "every rank writes its own shards (for models too large to gather); both resume under "

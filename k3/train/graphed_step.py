@@ -20,6 +20,7 @@ and the replay refreshes their contents.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -34,12 +35,26 @@ QB_GRAPH_UPDATES = 4
 ROUTER_STATE = ("_pending_load", "_last_load_E", "_last_ids_TK", "aux_loss", "last_qb_iters")
 
 
+@contextlib.contextmanager
+def sync_errors(on: bool):
+    """Inside (when on): a CUDA call that waits for the device raises (torch.cuda.set_sync_debug_mode)."""
+    if not on:
+        yield
+        return
+    before = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(before)
+
+
 class GraphedTrainStep:
     """step = GraphedTrainStep(model, loss_fn, batch); loss = step(batch): forward + backward of
     loss_fn(model, batch) (a dict of tensors -> a scalar loss) replayed from one CUDA graph; the parameters'
     .grad hold the new gradients afterwards and the returned loss is a fresh tensor. The first call captures
     (after `warmup` eager forward + backward passes on the first batch, which compile and autotune kernels;
-    they leave no gradients behind)."""
+    they leave no gradients behind and the model's buffers as they found them)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
                  batch: dict[str, torch.Tensor], warmup: int = 3, qb_updates: int = QB_GRAPH_UPDATES) -> None:
@@ -78,13 +93,22 @@ class GraphedTrainStep:
             p.grad = None
 
     def _capture(self) -> None:
+        # The warm-up passes must leave no trace: QB moves the routers' bias on every training forward, so every
+        # buffer is put back afterwards (a resumed run then replays exactly what the unbroken one did).
+        buffers = [(b, b.clone()) for b in self.model.buffers()]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up off the default stream, as CUDA graph capture asks
-            for _ in range(self.warmup):
+            for i in range(self.warmup):
                 self._zero_grads()
-                self.loss_fn(self.model, self.static).backward()
+                # The last pass, with every kernel compiled and tuned, raises at any host sync, naming the op,
+                # where the capture would fail with a bare "operation not permitted when stream is capturing".
+                with sync_errors(on=i == self.warmup - 1):
+                    self.loss_fn(self.model, self.static).backward()
         torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
         self._zero_grads()
         for router in self.routers:  # the captured load must be this forward's alone
             router._pending_load = None

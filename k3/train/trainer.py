@@ -43,6 +43,7 @@ from k3.data.synthetic import RecallTask
 from k3.data.tokenizer import load_tokenizer, train_bpe
 from k3.distributed.loop import clip_grad_norm_
 from k3.model import K3ForCausalLM
+from k3.train.graphed_step import QB_GRAPH_UPDATES, GraphedTrainStep
 from k3.train.metrics import MetricsLog, plot_metrics
 from k3.train.optim import build_optimizer, lr_at
 from k3.train.schedule import check_seq_len_schedule, rows_for, stage_at
@@ -92,6 +93,11 @@ class TrainConfig:
     global_batch: bool = False
     moe_aux_loss: float = 0.0  # coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)  # QB updates per MoE layer and step, solved on the routed batch (1: one update)
     model_overrides: dict[str, Any] = field(default_factory=dict)
+    # CUDA, one process: each step's forward and backward replayed from one CUDA graph (k3.train.graphed_step),
+    # which takes the host's kernel launches out of the step. Rows are then trained as [batch_size, seq_len]
+    # sequences: documents inside a row are not separated (packed training splits them at EOS). QB solves its
+    # bias on the device with a fixed number of updates (min(qb_iters, QB_GRAPH_UPDATES)).
+    cuda_graph: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every", "qb_iters"):
@@ -112,6 +118,9 @@ class TrainConfig:
             raise ValueError(f"qb_aggregate must be one of {QB_AGGREGATES}, got {self.qb_aggregate!r}")
         if self.ep_balanced and self.ep < 2:
             raise ValueError(f"ep_balanced needs expert parallelism: give --ep 2 or more (got ep={self.ep})")
+        if self.cuda_graph and self.ep:
+            raise ValueError("cuda_graph runs on one process (QB over ranks syncs with the host); drop --ep or "
+                             "--cuda-graph")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
 
@@ -242,6 +251,9 @@ class Trainer:
             if self.dist.rank != 0:
                 self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype(config.dtype, self.device)
+        if config.cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph needs a CUDA device; this run is on {self.device} (drop --cuda-graph)")
+        self.graphed: GraphedTrainStep | None = None  # captured at the first step (and again on a new row shape)
 
         from k3.distributed import main_first
         with main_first():  # tokenizer and tokenized data are written once, by rank 0
@@ -463,6 +475,36 @@ class Trainer:
                 loss = loss + torch.stack(aux).sum()
         return loss
 
+    def _rows_loss(self, model: K3ForCausalLM, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of [B, T] rows as plain sequences (no cu_seqlens): what the CUDA graph captures."""
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                            enabled=self.autocast is not None):
+            if "weights" in rows:
+                loss = weighted_loss(model(rows["ids"]).logits, rows["labels"], rows["weights"])
+            else:
+                loss = model(rows["ids"], labels=rows["labels"], return_logits=False).loss
+        if self.config.moe_aux_loss > 0:
+            aux = [r.aux_loss for _, r in model.routers() if r.aux_loss is not None]
+            if aux:
+                loss = loss + torch.stack(aux).sum()
+        return loss
+
+    def _graphed_step(self, batch: PackedBatch) -> torch.Tensor:
+        """Forward and backward of `batch` as [batch rows, seq_len] rows, replayed from the CUDA graph; the
+        parameters' .grad are set. Returns the loss."""
+        shape = (batch.num_tokens // self.seq_len, self.seq_len)
+        rows = {"ids": batch.input_ids.view(shape), "labels": batch.labels.view(shape)}
+        if self.config.recall_fraction > 0:  # weighted rows in some batches: the same graph for all of them
+            rows["weights"] = (batch.weights.view(shape) if batch.weights is not None
+                               else torch.ones(shape, dtype=torch.float32))
+        rows = {name: t.to(self.device, non_blocking=True) for name, t in rows.items()}
+        if self.graphed is None or self.graphed.static["ids"].shape != shape:
+            self.graphed = None  # a new row shape (a length-curriculum stage): free the old graph first
+            torch.cuda.empty_cache()
+            self.graphed = GraphedTrainStep(self.model, self._rows_loss, rows,
+                                            qb_updates=min(self.config.qb_iters, QB_GRAPH_UPDATES))
+        return self.graphed(rows)
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches * batch_size rows of the validation stream (fixed rows)."""
@@ -601,8 +643,11 @@ class Trainer:
         self._enter_stage_of_next_step()
         t0 = time.perf_counter()
         batch, global_tokens = self._next_batch()
-        loss = self._forward(batch)
-        logged_loss = loss.detach()
+        if config.cuda_graph:  # forward and backward in one replay
+            loss = logged_loss = self._graphed_step(batch)
+        else:
+            loss = self._forward(batch)
+            logged_loss = loss.detach()
         if self.config.global_batch and self.dist is not None:
             loss, logged_loss = self._global_mean(loss, batch)
         if not torch.isfinite(logged_loss):  # global under --global-batch: every rank stops together
@@ -613,7 +658,8 @@ class Trainer:
                 f"loss became {float(loss.detach())} at step {self.step + 1}; training stopped and the last good checkpoint "
                 f"({self.out / CHECKPOINT_NAME}, step {self._saved_step()}) was kept. Lower --lr, raise "
                 f"--warmup-steps or check the data, then continue with --resume")
-        loss.backward()
+        if not config.cuda_graph:
+            loss.backward()
         grad_norm = clip_grad_norm_(self.model.parameters(), config.grad_clip)  # any parallel layout
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

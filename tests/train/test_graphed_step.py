@@ -2,6 +2,8 @@
 step's loss and gradients (debug model, fp32, QB routers); new batches are copied in; wrong input is refused
 with a message. The capture itself needs a GPU; on CPU only the refusals run."""
 
+import math
+
 import pytest
 import torch
 
@@ -34,9 +36,6 @@ def test_replay_matches_the_eager_step_and_takes_new_batches():
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, config.vocab_size, (2, 64), device="cuda", generator=generator) for _ in range(3)]
     step = GraphedTrainStep(graphed, loss_fn, {"ids": batches[0]}, warmup=3, qb_updates=64)
-    for _ in range(3):  # what the capture's warm-up does (QB moves the bias on each forward)
-        loss_fn(eager, {"ids": batches[0]}).backward()
-        eager.zero_grad(set_to_none=True)
     for ids in batches:
         want = loss_fn(eager, {"ids": ids})
         want.backward()
@@ -57,3 +56,37 @@ def test_replay_matches_the_eager_step_and_takes_new_batches():
     assert routers and all(isinstance(r.last_qb_iters, torch.Tensor) for r in routers)
     with pytest.raises(ValueError, match="captured for"):
         step({"ids": batches[0][:, :32]})
+
+
+def test_trainer_refuses_cuda_graph_off_cuda_and_over_ranks(tmp_path, corpus_dir, small_config):
+    from k3.train.trainer import Trainer
+
+    with pytest.raises(ValueError, match="one process"):
+        small_config(tmp_path / "a", corpus_dir, cuda_graph=True, ep=2)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        Trainer(small_config(tmp_path / "b", corpus_dir, cuda_graph=True, device="cpu"), show_progress=False)
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_trainer_with_cuda_graph_learns_and_resumes(tmp_path, corpus_dir, small_config):
+    """Weighted recall rows in some batches and not others, evaluation between steps, a resume: the graphed
+    run learns, and its resumed half gives the unbroken run's losses."""
+    from k3.train.metrics import read_metrics
+    from k3.train.trainer import Trainer
+
+    def losses(run):
+        return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+    unbroken = tmp_path / "unbroken"
+    summary = Trainer(small_config(unbroken, corpus_dir, max_steps=12, eval_every=6, save_every=6, device="cuda",
+                                   cuda_graph=True), show_progress=False).train()
+    assert summary["last_val_loss"] < summary["first_val_loss"] - 0.5
+    broken = tmp_path / "broken"
+    config = small_config(broken, corpus_dir, max_steps=12, eval_every=6, save_every=6, device="cuda",
+                          cuda_graph=True)
+    Trainer(config, show_progress=False).train(stop_at=6)
+    Trainer(config, resume=True, show_progress=False).train()
+    want, got = losses(unbroken), losses(broken)
+    assert sorted(got) == list(range(1, 13))
+    for step in range(1, 13):
+        assert math.isclose(got[step], want[step], rel_tol=1e-4), (step, got[step], want[step])
