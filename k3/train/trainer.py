@@ -489,15 +489,21 @@ class Trainer:
                 loss = loss + torch.stack(aux).sum()
         return loss
 
+    def _rows(self, batch: PackedBatch) -> dict[str, torch.Tensor]:
+        """A packed batch as [rows, seq_len] tensors on the device (ids, labels, and weights when the run has
+        weighted rows: then every batch carries them, ones where it has none, so one graph serves all)."""
+        shape = (batch.num_tokens // self.seq_len, self.seq_len)
+        rows = {"ids": batch.input_ids.view(shape), "labels": batch.labels.view(shape)}
+        if self.config.recall_fraction > 0:
+            rows["weights"] = (batch.weights.view(shape) if batch.weights is not None
+                               else torch.ones(shape, dtype=torch.float32))
+        return {name: t.to(self.device, non_blocking=True) for name, t in rows.items()}
+
     def _graphed_step(self, batch: PackedBatch) -> torch.Tensor:
         """Forward and backward of `batch` as [batch rows, seq_len] rows, replayed from the CUDA graph; the
         parameters' .grad are set. Returns the loss."""
-        shape = (batch.num_tokens // self.seq_len, self.seq_len)
-        rows = {"ids": batch.input_ids.view(shape), "labels": batch.labels.view(shape)}
-        if self.config.recall_fraction > 0:  # weighted rows in some batches: the same graph for all of them
-            rows["weights"] = (batch.weights.view(shape) if batch.weights is not None
-                               else torch.ones(shape, dtype=torch.float32))
-        rows = {name: t.to(self.device, non_blocking=True) for name, t in rows.items()}
+        rows = self._rows(batch)
+        shape = tuple(rows["ids"].shape)
         if self.graphed is None or self.graphed.static["ids"].shape != shape:
             self.graphed = None  # a new row shape (a length-curriculum stage): free the old graph first
             torch.cuda.empty_cache()

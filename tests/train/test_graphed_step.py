@@ -90,3 +90,31 @@ def test_trainer_with_cuda_graph_learns_and_resumes(tmp_path, corpus_dir, small_
     assert sorted(got) == list(range(1, 13))
     for step in range(1, 13):
         assert math.isclose(got[step], want[step], rel_tol=1e-4), (step, got[step], want[step])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_captured_rows_loss_equals_the_packed_loss_for_rows_of_one_document(tmp_path, corpus_dir, small_config,
+                                                                                 weighted):
+    """What --cuda-graph captures (the rows' loss, no cu_seqlens) is the packed step's loss when no row holds
+    a document boundary, with and without loss weights (recall rows); runs on CPU."""
+    import numpy as np
+
+    from k3.data.packing import pack_rows
+    from k3.train.trainer import Trainer
+
+    trainer = Trainer(small_config(tmp_path / "run", corpus_dir), show_progress=False)
+    generator = np.random.default_rng(0)
+    length, vocab = trainer.seq_len, trainer.model_config.vocab_size
+    rows = []
+    for i in range(2):
+        ids = generator.integers(1, vocab, length)
+        labels = np.concatenate([ids[1:], [-100]])
+        rows.append((ids, labels, generator.uniform(0.5, 2.0, length)) if weighted and i == 0 else (ids, labels))
+    batch = pack_rows(rows, eos_token_id=None)
+    assert (batch.weights is not None) == weighted
+    trainer.model.eval()  # the bias frozen: both forwards route alike
+    with torch.no_grad():
+        packed = trainer._forward(batch)
+        as_rows = trainer._rows_loss(trainer.model, trainer._rows(batch))
+    assert as_rows.shape == () and torch.isfinite(as_rows)
+    torch.testing.assert_close(as_rows, packed, rtol=1e-5, atol=1e-6)
