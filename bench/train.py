@@ -255,11 +255,16 @@ def main() -> None:
                 ms = time_ms(step, warmup=0, repeats=args.steps)
                 recompiles = compiled_frames() - frames_before
                 last_loss = float(step())  # after 3 + steps updates: variants of one model should stay close
+                # The routed batch's balance in that step (QB: the graphed step's fixed update count may leave
+                # some imbalance where the eager solver iterates on); None for the peer.
+                per_layer = model.moe_maxvio() if name != "peer" else {}
+                maxvio = max(per_layer.values()) if per_layer else None
             tps = tokens / (ms / 1e3)
             params = sum(p.numel() for p in model.parameters())
             results[name] = dict(step_ms=ms, first_step_s=first_s, tokens_per_s=tps, mfu=flops * tps / H200_BF16_PEAK_FLOPS,
                                  flops_per_token=flops, params=params, peak_gib=peak_memory_gib(),
-                                 compiles_during_timing=recompiles, first_loss=first_loss, last_loss=last_loss)
+                                 compiles_during_timing=recompiles, first_loss=first_loss, last_loss=last_loss,
+                                 maxvio=maxvio)
             print(name, results[name], flush=True)
             write_json(args.out, {"bench": "train", "batch": args.batch, "seq": args.seq, "partial": True,
                                   "results": results})
