@@ -1,8 +1,9 @@
 """A training step's forward and backward captured once as one CUDA graph and replayed for every later batch.
 
-Why: `small`'s training step on one H200 takes about 300 ms, of which the GPU is busy about 170 ms; the rest is
-the host launching some three thousand kernels (fla's launchers alone spend about 4 ms of host time per KDA
-layer) while the GPU waits. A replayed graph launches them all in one call.
+Why: `small`'s eager training step took 204 and 316 ms on two H200 machines (their hosts differ), of which the GPU
+was busy about 170 ms; the rest is the host launching some three thousand kernels (fla's launchers alone spend
+about 4 ms of host time per KDA layer) while the GPU waits. A replayed graph launches them all in one call: 178 ms
+(BENCHMARKS.md, round eight).
 
 What it needs, and checks where it can:
 - batches of one fixed shape (the captured one): no packed documents (cu_seqlens), no cache;
