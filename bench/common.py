@@ -7,35 +7,15 @@ Results go to stdout as a table and, with --out, to a JSON file written atomical
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
 
-def limit_triton_autotune(max_configs: int) -> None:
-    """Keep at most `max_configs` evenly spaced configs in every triton.autotune declared after this call.
+from k3.ops.triton_support import limit_triton_autotune_from_env
 
-    fla's kernels each autotune over up to ~36 configs, and a fresh machine compiles every one of them: minutes
-    of compilation before the first timed step. Called before fla is imported (bench scripts do it when
-    K3_BENCH_AUTOTUNE_CONFIGS is set); k3 and the fla-based peers then run the same reduced kernel set."""
-    import triton
-
-    original = getattr(triton.autotune, "_k3_original", triton.autotune)
-
-    def autotune(configs, key, *args, **kwargs):
-        if len(configs) > max_configs:
-            stride = len(configs) / max_configs
-            configs = [configs[int(i * stride)] for i in range(max_configs)]
-        return original(configs, key, *args, **kwargs)
-
-    autotune._k3_original = original
-    triton.autotune = autotune
-
-
-if os.environ.get("K3_BENCH_AUTOTUNE_CONFIGS") and torch.cuda.is_available():
-    limit_triton_autotune(int(os.environ["K3_BENCH_AUTOTUNE_CONFIGS"]))
+limit_triton_autotune_from_env()  # before anything imports fla (see there)
 
 # Dense bf16 peak of one H200 SXM (vendor datasheet); MFU is reported against it.
 H200_BF16_PEAK_FLOPS = 989e12

@@ -3,7 +3,13 @@ import os
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if torch.cuda.is_available():
+    # On a GPU with K3_BENCH_AUTOTUNE_CONFIGS set (the GPU kernel cache's env.sh sets 4), fla's kernels autotune
+    # over that many configs, the set the cache holds, instead of compiling up to ~36 each for the tests' shapes.
+    from k3.ops.triton_support import limit_triton_autotune_from_env
+
+    limit_triton_autotune_from_env()
+else:
     # k3's own Triton kernels (k3.ops.moe_triton) run on CPU tensors in Triton's interpreter. It is chosen when
     # triton is imported, which importing k3 does, so it is set here, before any test module imports k3.
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -70,3 +70,33 @@ def multiprocessors(device_index: int | None) -> int:
     import torch
 
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def limit_triton_autotune(max_configs: int) -> None:
+    """Keep at most `max_configs` evenly spaced configs in every triton.autotune declared after this call.
+
+    fla's kernels each autotune over up to ~36 configs, and a fresh machine compiles every one of them: minutes
+    of compilation before the first timed step. Called before fla is imported (importing k3 does not import
+    it); k3 and the fla-based peers then run the same reduced kernel set."""
+    import triton
+
+    original = getattr(triton.autotune, "_k3_original", triton.autotune)
+
+    def autotune(configs, key, *args, **kwargs):
+        if len(configs) > max_configs:
+            stride = len(configs) / max_configs
+            configs = [configs[int(i * stride)] for i in range(max_configs)]
+        return original(configs, key, *args, **kwargs)
+
+    autotune._k3_original = original
+    triton.autotune = autotune
+
+
+AUTOTUNE_ENV = "K3_BENCH_AUTOTUNE_CONFIGS"
+
+
+def limit_triton_autotune_from_env() -> None:
+    """limit_triton_autotune(N) when K3_BENCH_AUTOTUNE_CONFIGS=N and a GPU is present: the bench scripts and the
+    test suite on a GPU call it, so that they run the kernel set the GPU kernel cache holds (tuned over 4)."""
+    if os.environ.get(AUTOTUNE_ENV) and torch.cuda.is_available():
+        limit_triton_autotune(int(os.environ[AUTOTUNE_ENV]))
