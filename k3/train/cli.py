@@ -112,8 +112,8 @@ def register(subparsers) -> None:
                             f"until every expert gets its quota (default {QB_MAX_ITERS}; 1: a single update, which "
                             f"leaves the batch unbalanced)")
     train.add_argument("--cuda-graph", action="store_const", const=True, dest="cuda_graph",
-                       help="CUDA, one process: replay each step's forward and backward from one CUDA graph (no "
-                            "host launch overhead); rows train as plain [batch, seq_len] sequences, documents inside "
+                       help="experimental; CUDA, one process: replay each step's forward and backward from one "
+                            "CUDA graph (no host launch overhead); rows train as plain [batch, seq_len] sequences, documents inside "
                             "a row not separated; QB takes a fixed number of updates on the device")
     train.add_argument("--checkpoint-format", choices=["full", "sharded"], dest="checkpoint_format",
                        help="full (default): DIR/checkpoint.pt, gathered on rank 0; sharded: DIR/checkpoint/, "

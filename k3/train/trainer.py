@@ -93,8 +93,8 @@ class TrainConfig:
     global_batch: bool = False
     moe_aux_loss: float = 0.0  # coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)  # QB updates per MoE layer and step, solved on the routed batch (1: one update)
     model_overrides: dict[str, Any] = field(default_factory=dict)
-    # CUDA, one process: each step's forward and backward replayed from one CUDA graph (k3.train.graphed_step),
-    # which takes the host's kernel launches out of the step. Rows are then trained as [batch_size, seq_len]
+    # Experimental. CUDA, one process: each step's forward and backward replayed from one CUDA graph
+    # (k3.train.graphed_step), which takes the host's kernel launches out of the step. Rows are then trained as [batch_size, seq_len]
     # sequences: documents inside a row are not separated (packed training splits them at EOS). QB solves its
     # bias on the device with a fixed number of updates (min(qb_iters, QB_GRAPH_UPDATES)).
     cuda_graph: bool = False
