@@ -26,13 +26,12 @@ shapes (--tokens 64 --dim 64); its times mean nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-from common import copy_bandwidth, device_name, print_table, relative_error, time_ms, write_json
+from common import kernel_bench_bandwidth, print_table, relative_error, time_ms, write_json
 
 from k3.ops.attn_res import attn_res_mix, attn_res_mix_eager, set_attn_res_backend
 from k3.ops.attn_res_triton import Blocks, attn_res_mix_triton, default_backward_blocks, default_blocks
@@ -43,12 +42,6 @@ SWEEP_D = (256, 512, 1024)
 SWEEP_WARPS = (4, 8)
 SWEEP_PROGRAMS_PER_SM = (2, 4, 8, 16, 64)  # the backward's, at its default blocks
 FULL = (7168, 10)  # K3's hidden size and about its source count at the last mix
-
-
-def cpu_copy_bandwidth(nbytes: int = 1 << 26) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    return 2 * nbytes / (time_ms(lambda: dst.copy_(src), warmup=1, repeats=5) / 1e3)
 
 
 def compiled_mix(sources, norm_weight, query, eps):
@@ -198,12 +191,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", "--json", dest="json", default=None, help="write the results to this file")
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/attn_res.py needs a CUDA device (or --device cpu for a smoke test)")
-    if args.device == "cpu" and "triton" in args.backends and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("the Triton path on CPU needs TRITON_INTERPRET=1")
-    bandwidth = copy_bandwidth() if args.device == "cuda" else cpu_copy_bandwidth()
-    print(f"{device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    bandwidth = kernel_bench_bandwidth("bench/attn_res.py", args.device, "triton" in args.backends)
     cases = [(args.dim, count) for count in args.sources] + ([FULL] if args.full else [])
     results = []
     for dim, count in cases:

@@ -7,6 +7,7 @@ Results go to stdout as a table and, with --out, to a JSON file written atomical
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from typing import Any, Callable
@@ -133,6 +134,27 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src), warmup=3, repeats=10)
     return 2 * nbytes / (ms / 1e3)
+
+
+def cpu_copy_bandwidth(nbytes: int = 1 << 26) -> float:
+    """Host memory copy bandwidth (bytes read + written per second): the floor of a CPU smoke run."""
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / (time_ms(lambda: dst.copy_(src), warmup=1, repeats=5) / 1e3)
+
+
+def kernel_bench_bandwidth(script: str, device: str, wants_triton: bool) -> float:
+    """A kernel bench's start: exits with the reason when `device` cannot run it (CUDA missing; Triton on the CPU
+    without its interpreter), else measures the copy bandwidth its floors use, prints it and returns it."""
+    import sys
+
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"{script} needs a CUDA device (or --device cpu for a smoke test)")
+    if device == "cpu" and wants_triton and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("the Triton path on CPU needs TRITON_INTERPRET=1")
+    bandwidth = copy_bandwidth() if device == "cuda" else cpu_copy_bandwidth()
+    print(f"{device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    return bandwidth
 
 
 def graph_us_per_layer(run_layer, layers: int) -> float:

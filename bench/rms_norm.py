@@ -26,14 +26,13 @@ On CPU (--device cpu with TRITON_INTERPRET=1) it is a smoke test of this script 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import torch
 
-from attn_res import cpu_copy_bandwidth, gpu_ms
-from common import copy_bandwidth, device_name, print_table, relative_error, synchronize, time_ms, write_json
+from attn_res import gpu_ms
+from common import kernel_bench_bandwidth, print_table, relative_error, synchronize, time_ms, write_json
 
 from k3.ops.norm import _fla_norms_available, _rms_norm_fla, rms_norm_torch
 from k3.ops.rms_norm_triton import Blocks, default_blocks, programs_per_sm, rms_norm_triton
@@ -178,12 +177,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", "--json", dest="json", default=None, help="write the results to this file")
     args = parser.parse_args()
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench/rms_norm.py needs a CUDA device (or --device cpu for a smoke test)")
-    if args.device == "cpu" and "triton" in args.paths and os.environ.get("TRITON_INTERPRET") != "1":
-        sys.exit("the Triton path on CPU needs TRITON_INTERPRET=1")
-    bandwidth = copy_bandwidth() if args.device == "cuda" else cpu_copy_bandwidth()
-    print(f"{device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    bandwidth = kernel_bench_bandwidth("bench/rms_norm.py", args.device, "triton" in args.paths)
     weight_dtype = getattr(torch, args.weight_dtype)
     results = []
     for dim in args.dims:
