@@ -1,7 +1,7 @@
 """MLA's absorbed decode attention on one GPU: k3's flash-decode Triton kernel against the einsum path, in one run.
 
-Usage: python bench/mla_decode.py [--batch 1 64] [--context 8192 131072] [--layers 4] [--no-sweep] [--no-paged]
-       [--out FILE]
+Usage: python bench/mla_decode.py [--batch 1 64] [--context 8192 131072] [--layers 4] [--no-sweep | --wide-sweep]
+       [--no-paged] [--out FILE]
 
 At `small`'s MLA shapes (8 heads, kv_lora_rank 256, rope 64, bf16, one query token per row) and each batch x
 context: `--layers` distinct latent caches exist (small has 4 MLA layers), so that no layer finds its cache in
@@ -39,11 +39,33 @@ HEADS, RANK, ROPE, NOPE = 8, 256, 64, 64  # `small`
 SCALE = (NOPE + ROPE) ** -0.5
 SWEEP_S = (32, 64, 128)
 SWEEP_WARPS = (4, 8)
+# --wide-sweep: also the software-pipelining depth and more KV splits than the heuristic's (x2, x4: more
+# programs per multiprocessor, so more loads in flight), at the block sizes a batch of rows favours.
+WIDE_S = (16, 32, 64)
+WIDE_WARPS = (2, 4, 8)
+WIDE_STAGES = (2, 3, 4, 5)
+WIDE_SPLIT_FACTORS = (1, 2, 4)
 PAGE = 32  # the engine's default page size
 TABLE_PAD = 320  # slots of table padding past the context (the engine's tables reach its max_context)
 
 
-def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: bool) -> dict:
+def sweep_grid(wide: bool, batch: int, context: int, num_sms: int) -> dict[str, dict]:
+    """Launch configs by label: BLOCK_S/warps, and with `wide` /stages/splits."""
+    if not wide:
+        return {f"{s}/{w}": dict(block_s=s, num_warps=w) for s in SWEEP_S for w in SWEEP_WARPS}
+    grid = {}
+    for s in WIDE_S:
+        base = num_splits(batch, context, s, num_sms)[0]
+        for w in WIDE_WARPS:
+            for st in WIDE_STAGES:
+                for f in WIDE_SPLIT_FACTORS:
+                    if (s == 16) != (w == 2):  # 2 warps only with 16-slot blocks, where they fit the tile
+                        continue
+                    grid[f"{s}/{w}/{st}/{base * f}"] = dict(block_s=s, num_warps=w, num_stages=st, splits=base * f)
+    return grid
+
+
+def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: bool, wide: bool = False) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
     caches = [(torch.randn(batch, context, RANK, device="cuda", generator=gen).bfloat16(),
                torch.randn(batch, context, ROPE, device="cuda", generator=gen).bfloat16()) for _ in range(layers)]
@@ -55,10 +77,9 @@ def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: b
     def einsum(i):
         return latent_attention_einsum(*queries[i], *caches[i], mask, 0, SCALE)
 
-    def triton_with(block_s=None, num_warps=None):
+    def triton_with(**launch):
         def run(i):
-            return latent_attention_triton_eager(*queries[i], *caches[i], mask, 0, SCALE, block_s=block_s,
-                                                 num_warps=num_warps)
+            return latent_attention_triton_eager(*queries[i], *caches[i], mask, 0, SCALE, **launch)
         return run
 
     want = latent_attention_einsum(*(t.float() for t in queries[0] + caches[0]), mask, 0, SCALE)
@@ -73,13 +94,18 @@ def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: b
     print(f"  einsum {result['einsum_us']:.1f} us", flush=True)
     result["triton_us"] = graph_us_per_layer(triton_with(), layers)
     print(f"  triton {result['triton_us']:.1f} us", flush=True)
-    swept = {}
-    for block_s in SWEEP_S if sweep else ():
-        for warps in SWEEP_WARPS:
-            try:
-                swept[f"{block_s}/{warps}"] = graph_us_per_layer(triton_with(block_s, warps), layers)
-            except Exception as exc:  # a block size the compiler rejects (shared memory) is skipped, said
-                print(f"  BLOCK_S {block_s}, {warps} warps: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+    swept, swept_err = {}, {}
+    for label, launch in (sweep_grid(wide, batch, context, num_sms).items() if sweep else ()):
+        try:
+            swept_err[label] = relative_error(triton_with(**launch)(0).float(), want)
+            swept[label] = graph_us_per_layer(triton_with(**launch), layers)
+        except Exception as exc:  # a block size the compiler rejects (shared memory) is skipped, said
+            print(f"  {label}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+            continue
+        if wide:
+            print(f"  {label}: {swept[label]:.1f} us, rel err {swept_err[label]:.1e}", flush=True)
+    # A config only counts where it computes the same thing (a failed pipelining would show here first).
+    swept = {k: v for k, v in swept.items() if swept_err[k] <= max(1e-2, 2 * errors["einsum_rel_err"])}
     best = min(swept, key=swept.get) if swept else "-"
     floor_us = batch * context * (RANK + ROPE) * 2 / bandwidth * 1e6
     result.update(sweep_us=swept, best=best, best_us=swept.get(best, result["triton_us"]), floor_us=floor_us,
@@ -136,6 +162,9 @@ def main() -> None:
     parser.add_argument("--context", nargs="+", type=int, default=[8192, 131072])
     parser.add_argument("--layers", type=int, default=4, help="distinct caches (small has 4 MLA layers)")
     parser.add_argument("--no-sweep", action="store_true", help="time only the default blocks")
+    parser.add_argument("--wide-sweep", action="store_true",
+                        help="sweep BLOCK_S x warps x pipelining stages x KV splits (x1, x2, x4 the heuristic's), "
+                             "each config checked against the fp32 einsum and printed")
     parser.add_argument("--no-paged", action="store_true", help="leave out the engine's paged pool")
     parser.add_argument("--out", "--json", dest="json", default=None, help="write the results to this file")
     args = parser.parse_args()
@@ -146,7 +175,8 @@ def main() -> None:
     results, paged, failed = [], [], []
     for batch in args.batch:
         for context in args.context:
-            cases = [(results, lambda: bench_case(batch, context, args.layers, bandwidth, not args.no_sweep))]
+            cases = [(results, lambda: bench_case(batch, context, args.layers, bandwidth, not args.no_sweep,
+                                                          args.wide_sweep))]
             if not args.no_paged:
                 cases.append((paged, lambda: bench_paged_case(batch, context, args.layers, bandwidth)))
             for into, case in cases:

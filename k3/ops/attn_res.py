@@ -103,6 +103,7 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query
     if backend == "eager":
         return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)
     if backend == "triton":
+        sources = _common_dtype(sources)
         if not sources[0].is_cuda and not interpreting():
             raise ValueError("the triton AttnRes backend runs CPU tensors only in Triton's interpreter "
                              "(TRITON_INTERPRET=1); use the eager backend for them")
@@ -115,6 +116,14 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query
         return with_torch_fallback(variant, lambda: attn_res_mix_triton(sources, norm_weight_D, query_D, eps),
                                    lambda: attn_res_mix_eager(sources, norm_weight_D, query_D, eps))
     return attn_res_mix_compiled(sources, norm_weight_D, query_D, eps)
+
+
+def _common_dtype(sources: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The sources in one dtype, the one torch.stack promotes them to (the eager path's). Under autocast over
+    fp32 weights the embedding (source 0) is fp32 while the layers' outputs are bf16; the kernels read one dtype.
+    The mix then comes out in fp32, source 0's dtype, as in the eager path."""
+    dtype = functools.reduce(torch.promote_types, (s.dtype for s in sources))
+    return [s if s.dtype == dtype else s.to(dtype) for s in sources]
 
 
 def attn_res_mix_compiled(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,

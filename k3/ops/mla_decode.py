@@ -158,9 +158,9 @@ def mask_BTS(mask: torch.Tensor, batch: int, length: int, total: int) -> torch.T
 def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
                                   k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, visible_before: int,
                                   scale: float, block_s: int | None = None, splits: int | None = None,
-                                  num_warps: int | None = None) -> torch.Tensor:
+                                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """out_latent [B, H, T, R] in q_latent's dtype. Without `mask`, query t sees slots < visible_before + t.
-    block_s / splits / num_warps default to the heuristics (tests and the benchmark set them)."""
+    block_s / splits / num_warps / num_stages default to the heuristics (tests and the benchmark set them)."""
     batch, heads, length, rank = q_latent_BHTR.shape
     total, rope = latent_BSR.shape[1], k_rope_BSE.shape[2]
     if q_rope_BTHE.shape != (batch, length, heads, rope) or latent_BSR.shape != (batch, total, rank) \
@@ -171,13 +171,13 @@ def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torc
     dtype = q_latent_BHTR.dtype
     mask_BTS_ = None if mask is None else mask_BTS(mask, batch, length, total)
     return _launch(q_latent_BHTR, q_rope_BTHE.to(dtype), latent_BSR.to(dtype), k_rope_BSE.to(dtype), total,
-                   mask_BTS_, visible_before, scale, block_s, splits, num_warps)
+                   mask_BTS_, visible_before, scale, block_s, splits, num_warps, num_stages=num_stages)
 
 
 def _launch(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
             total: int, mask_BTS_: torch.Tensor | None, visible_before: int, scale: float, block_s: int | None,
             splits: int | None, num_warps: int | None, table_BP: torch.Tensor | None = None,
-            limits_B: torch.Tensor | None = None) -> torch.Tensor:
+            limits_B: torch.Tensor | None = None, num_stages: int | None = None) -> torch.Tensor:
     """The split and merge launches. latent / k_rope: [B, S, width], or with table_BP the pool's
     [pages, page_size, width] (slot s of row b in page table_BP[b, s // page_size]). limits_B: query t of row b
     sees slots < limits_B[b] + t (else visible_before + t, or the mask)."""
@@ -228,7 +228,8 @@ def _launch(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent: torc
         HEADS=heads, RANK=rank, ROPE=rope, HAS_MASK=mask_BTS_ is not None, SINGLE=single, UPCAST=interpret,
         IEEE=q_latent_BHTR.dtype == torch.float32 and not interpret, BLOCK_H=block_h, BLOCK_R=block_r,
         BLOCK_E=block_e, BLOCK_S=block_s, PAGED=paged, PAGE=latent.shape[1] if paged else 1,
-        HAS_LIMITS=limits_B is not None, num_warps=num_warps)
+        HAS_LIMITS=limits_B is not None, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}))
     if not single:
         merge_kernel[(rows, head_blocks)](part, ml, out, *out.stride(), length, splits, HEADS=heads, RANK=rank,
                                           BLOCK_H=block_h, BLOCK_R=block_r, num_warps=4)

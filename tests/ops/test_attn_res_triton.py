@@ -164,6 +164,33 @@ def test_dispatch_forced_to_triton_runs_the_kernels(monkeypatch):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("backend", ["triton", "auto"])
+def test_mixed_dtype_sources_mix_as_the_eager_path_does(monkeypatch, backend):
+    """Autocast training: the embedding (source 0) is fp32, the layers' outputs bf16. The dispatcher promotes
+    them to one dtype for the kernels; mix and gradients (each in its source's dtype) equal the eager path's."""
+    sources, norm_w, query, upstream = _inputs(3, 40, 6, torch.float32, seed=11)
+    sources = [sources[0]] + [s.detach().bfloat16().requires_grad_() for s in sources[1:]]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append({s.dtype for s in args[0]})
+        return attn_res_mix_triton(*args, **kwargs)
+
+    monkeypatch.setattr(attn_res_ops, "attn_res_mix_triton", counted)
+    if backend == "auto":  # what a CUDA tensor gets; on CPU the interpreter stands in for the GPU
+        monkeypatch.setattr(attn_res_ops, "attn_res_backend", lambda x=None: "triton" if x is not None else "auto")
+    set_attn_res_backend("triton" if backend == "triton" else None)
+    try:
+        got = _run(attn_res_mix, sources, norm_w, query, upstream)
+    finally:
+        set_attn_res_backend(None)
+    assert calls == [{torch.float32}]
+    want = _run(attn_res_mix_eager, sources, norm_w, query, upstream)
+    assert got[0].dtype == torch.float32 and [g.dtype for g in got[1:4]] == [s.dtype for s in sources]
+    for name, a, e in zip(_names(3), got, want):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_auto_backend_by_device():
     assert attn_res_backend(torch.zeros(1)) == "eager"
     if torch.cuda.is_available():
