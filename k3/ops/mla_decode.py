@@ -61,7 +61,8 @@ ALL_VISIBLE = 1 << 30  # `visible_before` of an unmasked call: no slot index rea
 # 8K its best swept blocks (32 slots, 4 warps) took 165 us per layer against the einsum's 232; default_block_s
 # now takes the sweep's best. With them, the compiled batch-1 step made 1.51 ms against 1.48 for einsum (two
 # processes), and the uncompiled batch-64 graph 4.86 against 5.15 ms; the compiled batch-64 step is not yet
-# measured. K3_MLA_DECODE=auto or triton opts in.
+# measured. Later (the wide sweep, bench/mla_decode.py --wide-sweep) 16-slot blocks on 2 warps with twice the
+# splits made 147 us a layer at batch 64; they are the batch defaults now. K3_MLA_DECODE=auto or triton opts in.
 DEFAULT_BACKEND = "einsum"
 # The engine's paged pool (latent_attention_paged): the twin first copies every row's pages, padded to the
 # longest context, out of the pool, where the kernel reads them in place and only up to each row's position.
@@ -118,19 +119,29 @@ def _kernels(interpret: bool):
 
 
 def default_block_s(programs_per_split: int, rank: int) -> int:
-    """Slots per block. Measured on one H200 at rank 256, 16 heads, 8K slots (bench/mla_decode.py sweeps): with
-    one row the splits are long and 128 slots took 23.6 us against 29.8 for 64 and 50.4 for 32; with 64 rows,
-    32 slots took 165 us against 230 for 64 and 211-227 for 128. Wider latents keep 32 (registers)."""
+    """Slots per block. Measured on one H200 at rank 256, 8K slots (bench/mla_decode.py sweeps): with one row
+    the splits are long and 128 slots took 23.6 us against 29.8 for 64 and 50.4 for 32. With 64 rows (8 heads),
+    the wide sweep's best was 16 slots on 2 warps with twice the splits (PROGRAMS_PER_SM): 147 us a layer,
+    against 162-166 for 32 slots on 4 warps and 169-254 for 64 (floor 80 us). Wider latents keep 32 (registers)."""
     if rank > 256:
         return 32
-    return 128 if programs_per_split < 16 else 32
+    return 128 if programs_per_split < 16 else 16
 
 
-def num_splits(programs_per_split: int, total: int, block_s: int, num_sms: int = 132) -> tuple[int, int]:
-    """(splits, blocks of slots per split): split S until the grid has about two programs per multiprocessor,
-    keeping at least two blocks per split (each split adds an fp32 [H, R] partial to write and merge)."""
+def programs_per_sm(block_s: int) -> int:
+    """Programs per multiprocessor the split count aims at: small blocks keep fewer bytes in flight per
+    program, so more programs (the wide sweep at 64 rows: 16-slot blocks took 147 us with 10 splits, 213 with
+    5 and 170 with 20)."""
+    return 4 if block_s <= 16 else 2
+
+
+def num_splits(programs_per_split: int, total: int, block_s: int, num_sms: int = 132,
+               per_sm: int = 2) -> tuple[int, int]:
+    """(splits, blocks of slots per split): split S until the grid has about `per_sm` programs per
+    multiprocessor, keeping at least two blocks per split (each split adds an fp32 [H, R] partial to write and
+    merge)."""
     blocks = max(1, -(-total // block_s))
-    splits = max(1, min(-(-2 * num_sms // max(1, programs_per_split)), blocks // 2))
+    splits = max(1, min(-(-per_sm * num_sms // max(1, programs_per_split)), blocks // 2))
     per_split = -(-blocks // splits)
     return -(-blocks // per_split), per_split
 
@@ -206,7 +217,7 @@ def _launch(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent: torc
     block_s = block_s or default_block_s(rows * head_blocks, rank)
     num_sms = multiprocessors(q_latent_BHTR.device.index) if q_latent_BHTR.is_cuda else 132
     if splits is None:
-        splits, per_split = num_splits(rows * head_blocks, total, block_s, num_sms)
+        splits, per_split = num_splits(rows * head_blocks, total, block_s, num_sms, programs_per_sm(block_s))
     else:  # as asked, less where the last splits would be empty
         blocks = -(-total // block_s)
         per_split = -(-blocks // splits)
@@ -218,7 +229,7 @@ def _launch(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent: torc
     ml = out.new_empty((1,) if single else (rows, splits, 2, heads), dtype=torch.float32)
     interpret = interpreting()
     split_kernel, merge_kernel = _kernels(interpret)
-    num_warps = num_warps or (4 if block_h * block_r <= 16 * 256 else 8)
+    num_warps = num_warps or (2 if block_s <= 16 else 4 if block_h * block_r <= 16 * 256 else 8)
     split_kernel[(rows, splits, head_blocks)](
         q_latent_BHTR, q_rope_BTHE, latent, k_rope, mask_u8, out, part, ml,
         *q_latent_BHTR.stride(), *q_rope_BTHE.stride(), *latent.stride(), *k_rope.stride(), *mask_strides,

@@ -1,6 +1,8 @@
 """k3.train.graphed_step: a training step's forward and backward replayed from one CUDA graph gives the eager
-step's loss and gradients (debug model, fp32, QB routers); new batches are copied in; wrong input is refused
-with a message. The capture itself needs a GPU; on CPU only the refusals run."""
+step's loss and gradients (debug model, fp32 weights under bf16 autocast as the trainer runs it, QB routers); new
+batches are copied in; wrong input is refused with a message. The capture itself needs a GPU; on CPU only the
+refusals run. (Plain fp32 does not capture: its experts take the loop over experts, which reads the counts on the
+host; the grouped GEMM that captures is bf16.)"""
 
 import math
 
@@ -16,6 +18,11 @@ CUDA = torch.cuda.is_available()
 
 def loss_fn(model, batch):
     return model(batch["ids"], labels=batch["ids"], return_logits=False).loss
+
+
+def autocast_loss_fn(model, batch):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return loss_fn(model, batch)
 
 
 def test_cpu_batches_are_refused_with_the_reason():
@@ -35,17 +42,18 @@ def test_replay_matches_the_eager_step_and_takes_new_batches():
         router.qb_device_updates = 64  # the same solver both ways; it is exact once the batch balances
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, config.vocab_size, (2, 64), device="cuda", generator=generator) for _ in range(3)]
-    step = GraphedTrainStep(graphed, loss_fn, {"ids": batches[0]}, warmup=3, qb_updates=64)
+    step = GraphedTrainStep(graphed, autocast_loss_fn, {"ids": batches[0]}, warmup=3, qb_updates=64)
     for ids in batches:
-        want = loss_fn(eager, {"ids": ids})
+        want = autocast_loss_fn(eager, {"ids": ids})
         want.backward()
         got = step({"ids": ids})
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
+        # The same kernels in the same order; bf16 leaves room only for atomics' order in some backward kernels.
+        torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-4)
         for (name, a), b in zip(graphed.named_parameters(), eager.parameters()):
             if b.grad is None:
                 assert a.grad is None, name
                 continue
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-2, atol=1e-4, msg=name)
         for model in (eager, graphed):
             with torch.no_grad():
                 for p in model.parameters():
