@@ -619,7 +619,13 @@ class Trainer:
                 if config.time_budget_s is not None and time.perf_counter() - started > config.time_budget_s:
                     summary["stopped"] = "time_budget"
                     break
+                if "first_step_s" not in summary and self.device.type == "cuda":
+                    # On a GPU the first step compiles its kernels (Triton, fla, Inductor): minutes on a cold
+                    # kernel cache, with nothing else to show that the run is alive.
+                    bar.set_postfix_str("first step: compiling GPU kernels (minutes on a cold kernel cache)")
+                    bar.refresh()
                 record = self._train_step()
+                summary.setdefault("first_step_s", record["step_seconds"])
                 tokens_seen += record["tokens"]
                 if self.step % config.eval_every == 0 or self.step == config.max_steps:
                     record["val_loss"] = self.evaluate()
@@ -680,6 +686,7 @@ class Trainer:
             "grad_norm": float(grad_norm),
             "tokens": global_tokens,
             "tokens_per_s": global_tokens / elapsed if elapsed > 0 else 0.0,
+            "step_seconds": round(elapsed, 4),  # the first one includes kernel compiles (and a graph capture)
             "maxvio": max(per_layer.values()) if per_layer else 0.0,
             "maxvio_per_layer": {str(k): round(v, 4) for k, v in per_layer.items()},
             "epoch": round(self.train_stream.epoch, 4),

@@ -212,6 +212,12 @@ def test_split_count_fills_the_gpu():
     assert splits >= 132 and per_split >= 2 and splits * per_split * 64 >= 131072
     assert mla_decode.num_splits(1, 100, 64) == (1, 2)  # too short to split
     assert mla_decode.num_splits(512, 131072, 64)[0] == 1  # enough rows alone
+    # A batch of rows takes 16-slot blocks and aims at four programs per multiprocessor; one row, 128 slots, two.
+    assert mla_decode.default_block_s(rows, 256) == 16 and mla_decode.default_block_s(1, 256) == 128
+    assert mla_decode.default_block_s(rows, 512) == 32  # wider latents: registers
+    splits, per_split = mla_decode.num_splits(rows, 8192, 16, 132, mla_decode.programs_per_sm(16))
+    assert rows * splits >= 4 * 132 and splits * per_split * 16 >= 8192
+    assert mla_decode.programs_per_sm(128) == 2
 
 
 def test_bad_masks_are_refused():

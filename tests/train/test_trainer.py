@@ -26,8 +26,9 @@ def test_run_writes_metrics_plot_checkpoint_and_learns(tmp_path, corpus_dir, sma
     records = read_metrics(run / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
-    for key in ("loss", "lr", "tokens_per_s", "maxvio", "maxvio_per_layer"):
+    for key in ("loss", "lr", "tokens_per_s", "step_seconds", "maxvio", "maxvio_per_layer"):
         assert key in steps[0]
+    assert all(r["step_seconds"] > 0 for r in steps) and summary["first_step_s"] == steps[0]["step_seconds"]
     assert set(steps[0]["maxvio_per_layer"]) == {"1", "2", "3"}  # debug: layers 1..3 are MoE
     assert records[0] == {"step": 0, "val_loss": summary["first_val_loss"]}
     assert summary["last_val_loss"] < summary["first_val_loss"] - 0.5
