@@ -32,8 +32,9 @@ import torch
 
 from common import copy_bandwidth, device_name, graph_us_per_layer, print_table, relative_error, write_json
 
-from k3.ops.mla_decode import (PagedLatents, latent_attention_einsum, latent_attention_paged_einsum,
-                                latent_attention_paged_triton_eager, latent_attention_triton_eager, num_splits)
+from k3.ops.mla_decode import (PagedLatents, default_block_s, latent_attention_einsum, latent_attention_paged_einsum,
+                                latent_attention_paged_triton_eager, latent_attention_triton_eager, num_splits,
+                                programs_per_sm)
 
 HEADS, RANK, ROPE, NOPE = 8, 256, 64, 64  # `small`
 SCALE = (NOPE + ROPE) ** -0.5
@@ -86,7 +87,8 @@ def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: b
     errors = dict(einsum_rel_err=relative_error(einsum(0).float(), want),
                   triton_rel_err=relative_error(triton_with()(0).float(), want))
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
-    splits = num_splits(batch, context, 64, num_sms)[0]
+    block_s = default_block_s(batch, RANK)  # what the launcher picks by default (one head block: 8 heads)
+    splits = num_splits(batch, context, block_s, num_sms, programs_per_sm(block_s))[0]
     result = dict(batch=batch, context=context, layers=layers, splits=splits, **errors)
     print(f"B={batch} S={context}: rel err einsum {errors['einsum_rel_err']:.2e} triton "
           f"{errors['triton_rel_err']:.2e}, {splits} splits", flush=True)
