@@ -23,7 +23,11 @@ device with a fixed update count; the optimizer step eager; the first step inclu
 CUDA takes, k3.layers.mlp), `-compiled-attnres` (the AttnRes mix through torch.compile, the CUDA default before its
 Triton kernels), `-bmm-combine` (the MoE combine as the batched matmul, K3_MOE_COMBINE=bmm, instead of its Triton
 kernels), `-fla-norm` (RMSNorm through fla's kernels, K3_RMS_NORM=fla, the default before k3's own Triton kernels; KDA's
-gated norm is fla's either way). Suffixes combine: k3-small-bmm-combine-compiled-attnres is the step before both kernels.
+gated norm is fla's either way), `-packed` (the batch as `k3 train` feeds it: one row of batch x seq tokens holding
+documents of 256-4096 tokens, drawn with a fixed seed, with their cu_seqlens, so KDA, the short convs and MLA run
+their varlen paths), `-autocast` (fp32 weights under bf16 autocast, as `k3 train` trains, instead of bf16 weights).
+Suffixes combine: k3-small-bmm-combine-compiled-attnres is the step before both kernels; k3-small-packed-autocast is
+the trainer's eager step.
 Also reported: the wall time of the first step (kernel compile/autotune included) and the number of frames
 torch.compile compiled during the timed steps (0 means no recompilation per step).
 --profile DIR writes torch.profiler's kernel table of one step by self CUDA time to DIR/train_profile_<variant>.txt
@@ -83,10 +87,10 @@ def k3_matched_config() -> ModelConfig:
         moe_balancing="loss_free")
 
 
-def k3_model(config: ModelConfig, device, compile_blocks: bool):
+def k3_model(config: ModelConfig, device, compile_blocks: bool, fp32_weights: bool = False):
     with torch.device(device):
         model = K3ForCausalLM(config)
-    model = model.to(torch.bfloat16).train()
+    model = (model if fp32_weights else model.to(torch.bfloat16)).train()
     if compile_blocks:
         for module in model.modules():
             if isinstance(module, (GLUMLP, RMSNorm)):
@@ -129,15 +133,33 @@ def compiled_frames() -> int:
 
 
 def k3_loss(model, batch):
-    return model(batch["ids"], labels=batch["ids"], return_logits=False).loss  # the loss path K3_LINEAR_CE picks
+    # The loss path K3_LINEAR_CE picks; with cu_seqlens no attention, conv or recurrence crosses a document.
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bool(batch.get("autocast"))):
+        return model(batch["ids"], cu_seqlens=batch.get("cu_seqlens"), labels=batch["ids"], return_logits=False).loss
 
 
-def step_fn(model, ids, is_k3: bool, graphed: bool = False):
+def packed_documents(batch: int, seq: int, vocab: int, device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [1, batch * seq], cu_seqlens int32): documents of 256-4096 tokens (the last one cut to fit), fixed seed."""
+    total = batch * seq
+    generator = torch.Generator().manual_seed(seed)
+    bounds = [0]
+    while bounds[-1] < total:
+        bounds.append(min(total, bounds[-1] + int(torch.randint(256, 4097, (1,), generator=generator))))
+    ids = torch.randint(0, vocab, (1, total), generator=generator)
+    return ids.to(device), torch.tensor(bounds, dtype=torch.int32, device=device)
+
+
+def step_fn(model, ids, is_k3: bool, graphed: bool = False, extra: dict | None = None):
+    """extra: k3_loss's other batch entries (cu_seqlens, autocast)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    extra = extra or {}
     if graphed:
         from k3.train.graphed_step import GraphedTrainStep
 
-        graphed_step = GraphedTrainStep(model, k3_loss, {"ids": ids})
+        if "cu_seqlens" in extra:
+            raise ValueError("-graphed-step captures unpacked rows; packed documents need host syncs (cu_seqlens)")
+        autocast = extra.get("autocast", False)
+        graphed_step = GraphedTrainStep(model, lambda m, b: k3_loss(m, {**b, "autocast": autocast}), {"ids": ids})
 
         def replayed():
             loss = graphed_step({"ids": ids})  # the first call warms up and captures
@@ -149,7 +171,7 @@ def step_fn(model, ids, is_k3: bool, graphed: bool = False):
 
     def step():
         if is_k3:
-            loss = k3_loss(model, {"ids": ids})
+            loss = k3_loss(model, {"ids": ids, **extra})
         else:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -215,12 +237,16 @@ def build_variant(name: str, batch: int, seq: int, device):
                                          c.num_local_experts, c.num_experts_per_tok)
     else:
         config = k3_matched_config() if name.startswith("k3-matched") else ModelConfig.from_preset("small")
-        model = k3_model(config, device, compile_blocks=name.endswith("-compiled"))
+        model = k3_model(config, device, compile_blocks=name.endswith("-compiled"),
+                         fp32_weights=has_flag(name, "autocast"))
         if has_flag(name, "graphed-kda"):
             graph_kda_sublayers(model, batch, seq)
-        flops = k3_train_flops_per_token(config, seq)
+        flops = k3_train_flops_per_token(config, seq)  # packed: an upper bound (attention within documents)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=device)
-    return model, step_fn(model, ids, name != "peer", graphed=has_flag(name, "graphed-step")), flops
+    extra = {"autocast": True} if has_flag(name, "autocast") else {}
+    if has_flag(name, "packed"):
+        ids, extra["cu_seqlens"] = packed_documents(batch, seq, model.config.vocab_size, device)
+    return model, step_fn(model, ids, name != "peer", graphed=has_flag(name, "graphed-step"), extra=extra), flops
 
 
 def main() -> None:

@@ -1,0 +1,56 @@
+"""bench/train.py's trainer-shaped batches: `-packed` documents (cu_seqlens) and the step it times, on CPU with
+the debug model (the bench itself needs a GPU)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3 import K3ForCausalLM, ModelConfig
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def train_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # the bench imports its neighbours by bare name
+    return importlib.import_module("train")
+
+
+def test_packed_documents_fill_the_row_with_fixed_seed_documents(train_bench):
+    ids, cu = train_bench.packed_documents(4, 4096, 1000, "cpu")
+    assert ids.shape == (1, 16384) and int(ids.max()) < 1000 and cu.dtype == torch.int32
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    assert cu[0] == 0 and cu[-1] == 16384 and all(256 <= n <= 4096 for n in lengths[:-1]) and lengths[-1] > 0
+    assert len(lengths) >= 4  # several documents, so the varlen paths really split the row
+    again, cu_again = train_bench.packed_documents(4, 4096, 1000, "cpu")
+    assert torch.equal(ids, again) and torch.equal(cu, cu_again)
+
+
+def test_packed_step_keeps_documents_apart(train_bench):
+    """The loss k3_loss computes over a packed row is the model's cu_seqlens loss, not the unpacked row's."""
+    torch.manual_seed(0)
+    model = K3ForCausalLM(ModelConfig.from_preset("debug")).train()
+    ids, cu = train_bench.packed_documents(2, 1024, model.config.vocab_size, "cpu", seed=2)
+    assert len(cu) > 2
+    packed = train_bench.k3_loss(model, {"ids": ids, "cu_seqlens": cu})
+    torch.testing.assert_close(packed, model(ids, cu_seqlens=cu, labels=ids, return_logits=False).loss)
+    # The second document's start sees nothing of the first when packed. (In eval mode: training routes with
+    # QB's bias solved over the whole batch, so a document alone would route differently.)
+    with torch.no_grad():
+        model.eval()
+        start = int(cu[1])
+        apart = model(ids, cu_seqlens=cu).logits[0, start:start + 8]
+        alone = model(ids[:, start:start + 8]).logits[0]
+        joined = model(ids).logits[0, start:start + 8]
+    torch.testing.assert_close(apart, alone, rtol=1e-4, atol=1e-4)
+    assert (joined - alone).abs().max() > 1e-3
+    model.train()
+    step = train_bench.step_fn(model, ids, True, extra={"cu_seqlens": cu})
+    first = float(step())
+    assert first == pytest.approx(float(packed), rel=1e-6) and float(step()) != first  # the step updates weights
+    with pytest.raises(ValueError, match="unpacked rows"):
+        train_bench.step_fn(model, ids, True, graphed=True, extra={"cu_seqlens": cu})
