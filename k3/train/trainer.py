@@ -625,7 +625,10 @@ class Trainer:
                     bar.set_postfix_str("first step: compiling GPU kernels (minutes on a cold kernel cache)")
                     bar.refresh()
                 record = self._train_step()
-                summary.setdefault("first_step_s", record["step_seconds"])
+                if "first_step_s" not in summary:
+                    summary["first_step_s"] = record["step_seconds"]
+                    if self.device.type == "cuda":
+                        self.log(f"first step took {record['step_seconds']:.1f} s (kernel compiles included)")
                 tokens_seen += record["tokens"]
                 if self.step % config.eval_every == 0 or self.step == config.max_steps:
                     record["val_loss"] = self.evaluate()
