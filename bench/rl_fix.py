@@ -24,7 +24,7 @@ import time
 
 import torch
 
-# Before k3 pulls in fla: with K3_BENCH_AUTOTUNE_CONFIGS set (the kernel cache's env.sh sets 4), every
+# Before k3 pulls in fla: with K3_AUTOTUNE_CONFIGS (or K3_BENCH_AUTOTUNE_CONFIGS) set (the kernel cache's env.sh sets 4), every
 # triton.autotune keeps that many configs, the set the kernel cache was tuned over.
 from common import write_json
 

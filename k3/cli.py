@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        # Before anything imports fla: K3_AUTOTUNE_CONFIGS=N keeps N autotune configs per fla kernel on a GPU.
+        from k3.ops.triton_support import limit_triton_autotune_from_env
+        limit_triton_autotune_from_env()
         result = args.func(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

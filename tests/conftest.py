@@ -4,8 +4,9 @@ import pytest
 import torch
 
 if torch.cuda.is_available():
-    # On a GPU with K3_BENCH_AUTOTUNE_CONFIGS set (the GPU kernel cache's env.sh sets 4), fla's kernels autotune
-    # over that many configs, the set the cache holds, instead of compiling up to ~36 each for the tests' shapes.
+    # On a GPU with K3_AUTOTUNE_CONFIGS (or K3_BENCH_AUTOTUNE_CONFIGS) set (a kernel cache built with 4 sets 4),
+    # fla's kernels autotune over that many configs, the set the cache holds, instead of compiling up to ~36 each
+    # for the tests' shapes.
     from k3.ops.triton_support import limit_triton_autotune_from_env
 
     limit_triton_autotune_from_env()

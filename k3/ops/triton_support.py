@@ -92,11 +92,26 @@ def limit_triton_autotune(max_configs: int) -> None:
     triton.autotune = autotune
 
 
-AUTOTUNE_ENV = "K3_BENCH_AUTOTUNE_CONFIGS"
+AUTOTUNE_ENV = "K3_AUTOTUNE_CONFIGS"
+AUTOTUNE_ENV_BENCH = "K3_BENCH_AUTOTUNE_CONFIGS"  # the older name, still read
+
+
+def autotune_configs_from_env() -> int | None:
+    """N from K3_AUTOTUNE_CONFIGS (else K3_BENCH_AUTOTUNE_CONFIGS), None when neither is set."""
+    for name in (AUTOTUNE_ENV, AUTOTUNE_ENV_BENCH):
+        value = os.environ.get(name, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{name} must be a whole number of autotune configs >= 1, got {value!r}")
+            return int(value)
+    return None
 
 
 def limit_triton_autotune_from_env() -> None:
-    """limit_triton_autotune(N) when K3_BENCH_AUTOTUNE_CONFIGS=N and a GPU is present: the bench scripts and the
-    test suite on a GPU call it, so that they run the kernel set the GPU kernel cache holds (tuned over 4)."""
-    if os.environ.get(AUTOTUNE_ENV) and torch.cuda.is_available():
-        limit_triton_autotune(int(os.environ[AUTOTUNE_ENV]))
+    """limit_triton_autotune(N) when K3_AUTOTUNE_CONFIGS=N (or K3_BENCH_AUTOTUNE_CONFIGS=N) and a GPU is present.
+    The CLI, the bench scripts and the test suite on a GPU call it: a first run on a fresh machine then compiles N
+    configs per fla kernel instead of up to ~36 (minutes less before the first step, for kernels tuned over
+    fewer configs), and a kernel cache built with the same N is found whole."""
+    configs = autotune_configs_from_env()
+    if configs is not None and torch.cuda.is_available():
+        limit_triton_autotune(configs)
