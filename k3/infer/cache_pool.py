@@ -46,7 +46,9 @@ class CachePool:
         self.num_slots, self.num_pages = num_slots, num_pages
         # [layers, slots, ...]: slot s of every layer in one index.
         self.kda_state = torch.zeros(n_kda, num_slots + 1, heads, dim, dim, dtype=torch.float32, device=device)
-        self.kda_tails = torch.zeros(n_kda, 3, num_slots + 1, config.kda_conv_kernel - 1, width, dtype=dtype,
+        # The q/k/v conv tails side by side, [layers, slots, W-1, 3C]: one gather and one scatter per layer and
+        # step, in the layout of the layer's joined q/k/v conv (see StaticKDASlot).
+        self.kda_tails = torch.zeros(n_kda, num_slots + 1, config.kda_conv_kernel - 1, 3 * width, dtype=dtype,
                                      device=device)
         self.latent = torch.zeros(n_mla, num_pages + 1, page_size, config.kv_lora_rank, dtype=dtype, device=device)
         self.k_rope = torch.zeros(n_mla, num_pages + 1, page_size, config.qk_rope_head_dim, dtype=dtype,
@@ -65,7 +67,7 @@ class CachePool:
             raise RuntimeError("no free KDA slot (the scheduler admits only what fits)")
         slot = self._free_slots.pop()
         self.kda_state[:, slot].zero_()
-        self.kda_tails[:, :, slot].zero_()
+        self.kda_tails[:, slot].zero_()
         return slot
 
     def free_slot(self, slot: int) -> None:
@@ -75,7 +77,7 @@ class CachePool:
 
     def copy_slot(self, source: int, target: int) -> None:
         self.kda_state[:, target].copy_(self.kda_state[:, source])
-        self.kda_tails[:, :, target].copy_(self.kda_tails[:, :, source])
+        self.kda_tails[:, target].copy_(self.kda_tails[:, source])
 
     # --- pages --------------------------------------------------------------------------------------
     @property
@@ -118,7 +120,7 @@ class CachePool:
     def slot_bytes(self) -> int:
         """Bytes of one KDA slot (all KDA layers): constant in the context length."""
         per_state = self.kda_state[:, 0].numel() * self.kda_state.element_size()
-        return per_state + self.kda_tails[:, :, 0].numel() * self.kda_tails.element_size()
+        return per_state + self.kda_tails[:, 0].numel() * self.kda_tails.element_size()
 
     def page_bytes(self) -> int:
         """Bytes of one MLA page (all MLA layers), i.e. page_size tokens of latent cache."""
@@ -144,21 +146,26 @@ class KDAView:
         return self.pool.kda_state[self.n].index_select(0, self.slots)
 
     @property
+    def conv_window(self) -> torch.Tensor:  # [B, W-1, 3C]: the q, k and v tails side by side
+        return self.pool.kda_tails[self.n].index_select(0, self.slots)
+
+    @property
     def conv_tails(self) -> tuple[torch.Tensor, ...]:  # 3 x [B, W-1, C]
-        return tuple(self.pool.kda_tails[self.n, j].index_select(0, self.slots) for j in range(3))
+        return tuple(self.conv_window.chunk(3, dim=-1))
 
     def state_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's state pool [num_slots + 1, H, dk, dv] fp32, the rows' slots [B]) for
         k3.ops.kda.fused_recurrent_kda_inplace; padded rows name the scratch slot."""
         return self.pool.kda_state[self.n], self.slots
 
-    def update(self, state: torch.Tensor, tails: tuple[torch.Tensor, ...]) -> None:
+    def update(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         self.pool.kda_state[self.n].index_copy_(0, self.slots, state.to(torch.float32))
         self.update_conv_tails(tails)
 
-    def update_conv_tails(self, tails: tuple[torch.Tensor, ...]) -> None:
-        for j, tail in enumerate(tails):
-            self.pool.kda_tails[self.n, j].index_copy_(0, self.slots, tail.to(self.pool.dtype))
+    def update_conv_tails(self, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        """tails: the joined window [B, W-1, 3C] or the three tails [B, W-1, C]; one scatter either way."""
+        window = tails if isinstance(tails, torch.Tensor) else torch.cat(tails, dim=-1)
+        self.pool.kda_tails[self.n].index_copy_(0, self.slots, window.to(self.pool.dtype))
 
 
 class MLAView:

@@ -80,7 +80,7 @@ class ModelRunner:
         self.compile_decode = compile_decode_from_env() if compile_decode is None else compile_decode
         if self.compile_decode:
             # What varies between engines: the pool's slot and page counts (marked once, the pool lives on).
-            mark_dims_dynamic((pool.kda_state, 1), (pool.kda_tails, 2), (pool.latent, 1), (pool.k_rope, 1))
+            mark_dims_dynamic((pool.kda_state, 1), (pool.kda_tails, 1), (pool.latent, 1), (pool.k_rope, 1))
         self._decode_fn = compiled_decode_logits() if self.compile_decode else decode_logits
 
     # --- eager paths --------------------------------------------------------------------------------

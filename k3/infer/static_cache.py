@@ -4,8 +4,8 @@ It keeps the interface the layers already use with HybridCache (per-layer slots;
 `update`, and `state_in_place` / `update_conv_tails` for decode; MLA: `length`, `append`), but every tensor
 lives at a fixed address for the cache's lifetime:
 
-- KDA slot: the fp32 recurrent state [B, H, dk, dv] (advanced in place by the decode kernel) and three conv tails
-  [B, W-1, H*dk], overwritten in place;
+- KDA slot: the fp32 recurrent state [B, H, dk, dv] (advanced in place by the decode kernel) and the q/k/v conv
+  tails side by side in one window [B, W-1, 3*H*dk], overwritten in place (`conv_tails` are its three views);
 - MLA slot: latent [B, capacity, kv_lora_rank] and k_rope [B, capacity, qk_rope_head_dim] buffers, written at the
   device-side position, plus `visible_mask` [T, capacity] telling attention which slots are filled.
 
@@ -27,32 +27,45 @@ from k3.config import ModelConfig
 
 class StaticKDASlot:
     """KDA state and conv tails at fixed addresses; `update` copies into them, and decode advances the state
-    in its own buffer (`state_in_place`: row i is slot i) without the copy."""
+    in its own buffer (`state_in_place`: row i is slot i) without the copy.
+
+    The three tails live side by side in one window [B, W-1, 3C], the layout of the layer's joined q/k/v conv:
+    a decode step reads it as it is and writes it back with one copy, where three buffers took a concatenation
+    going in and three copies coming out (small kernels, one set per KDA layer and step)."""
 
     def __init__(self, config: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
         heads, dim = config.kda_num_heads, config.kda_head_dim
-        width = heads * dim
+        self.width = heads * dim
         self.state = torch.zeros(batch_size, heads, dim, dim, dtype=torch.float32, device=device)
-        self.conv_tails = tuple(torch.zeros(batch_size, config.kda_conv_kernel - 1, width, dtype=dtype,
-                                            device=device) for _ in range(3))
+        self.conv_window = torch.zeros(batch_size, config.kda_conv_kernel - 1, 3 * self.width, dtype=dtype,
+                                       device=device)
         # Made once: a CUDA graph captures its address, and a step allocates nothing.
         self.rows = torch.arange(batch_size, device=device)
+
+    @property
+    def conv_tails(self) -> tuple[torch.Tensor, ...]:
+        """The q, k and v tails [B, W-1, C]: views of the window."""
+        return tuple(self.conv_window.split(self.width, dim=-1))
 
     def state_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(the state buffer [B, H, dk, dv] fp32 as the pool, rows [B] = 0..B-1) for
         k3.ops.kda.fused_recurrent_kda_inplace."""
         return self.state, self.rows
 
-    def update(self, state: torch.Tensor, tails: tuple[torch.Tensor, ...]) -> None:
+    def update(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         self.state.copy_(state)
         self.update_conv_tails(tails)
 
-    def update_conv_tails(self, tails: tuple[torch.Tensor, ...]) -> None:
-        for buffer, tail in zip(self.conv_tails, tails):
+    def update_conv_tails(self, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        """tails: the joined window [B, W-1, 3C] (one copy) or the three tails [B, W-1, C]."""
+        if isinstance(tails, torch.Tensor):
+            self.conv_window.copy_(tails)
+            return
+        for buffer, tail in zip(self.conv_tails, tails, strict=True):
             buffer.copy_(tail)
 
     def buffers(self) -> list[torch.Tensor]:
-        return [self.state, *self.conv_tails]
+        return [self.state, self.conv_window]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())

@@ -10,7 +10,9 @@ graphs already have (k3.infer.engine.Engine.weights_changed).
 
 Groups (the forward of each module asks `fused(self, name)` and falls back to its separate projections when
 the group is absent or its views no longer point into the buffer, e.g. after `model.to(...)` replaced them):
-- KDA: q, k, v, f_a, the output gate's first projection, beta: six projections of x as one GEMM;
+- KDA: q, k, v, f_a, the output gate's first projection, beta: six projections of x as one GEMM (q, k and v
+  come out side by side for the joined short conv); and the q, k, v short-conv weights as one [3C, 1, W] buffer,
+  so the joined conv does not concatenate them at every step;
 - MLA: q_a (or q), kv_a_proj_with_mqa and the output gate g_proj;
 - GLU MLPs (dense layers, shared experts): gate and up;
 - latent MoE experts: w1 and w3 as one [E, 2F, L] buffer, one grouped GEMM instead of two (w1 and w3 become
@@ -89,9 +91,11 @@ def _fusable(members: list[tuple[nn.Module, str]]) -> bool:
     return not any(isinstance(getattr(m, n), DTensor) for m, n in members)
 
 
-def linear_group(x: torch.Tensor, group: FusedGroup) -> list[torch.Tensor]:
-    """x @ each fused [out_i, in] weight, as one GEMM: the outputs in the group's order."""
-    return list(linear(x, group.buffer.to(x.dtype)).split(group.sizes, dim=-1))
+def linear_group(x: torch.Tensor, group: FusedGroup, join_first: int = 1) -> list[torch.Tensor]:
+    """x @ each fused [out_i, in] weight, as one GEMM: the outputs in the group's order, the first `join_first`
+    of them as one tensor (adjacent in the GEMM's output, so joining them costs nothing)."""
+    sizes = [sum(group.sizes[:join_first]), *group.sizes[join_first:]]
+    return list(linear(x, group.buffer.to(x.dtype)).split(sizes, dim=-1))
 
 
 def fuse_model_weights(model: nn.Module) -> dict[str, int]:
@@ -101,23 +105,26 @@ def fuse_model_weights(model: nn.Module) -> dict[str, int]:
     from k3.layers.mlp import GLUMLP
     from k3.layers.moe import LatentMoE
 
-    counts = {"kda": 0, "mla": 0, "mlp": 0, "experts": 0}
+    counts = {"kda": 0, "kda_conv": 0, "mla": 0, "mlp": 0, "experts": 0}
     for module in model.modules():
-        if isinstance(module, (KimiDeltaAttention, GatedMLA)):
-            kind, name, members = ("kda" if isinstance(module, KimiDeltaAttention) else "mla", "input",
-                                   [(p, "weight") for p in module._input_projections()])
+        if isinstance(module, KimiDeltaAttention):
+            groups = [("kda", "input", [(p, "weight") for p in module._input_projections()]),
+                      ("kda_conv", "conv", [(c, "weight") for c in module.short_convs()])]
+        elif isinstance(module, GatedMLA):
+            groups = [("mla", "input", [(p, "weight") for p in module._input_projections()])]
         elif isinstance(module, GLUMLP):
-            kind, name, members = "mlp", "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")]
+            groups = [("mlp", "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")])]
         elif isinstance(module, LatentMoE):
-            kind, name, members = "experts", "w13", [(module, "w1"), (module, "w3")]
+            groups = [("experts", "w13", [(module, "w1"), (module, "w3")])]
         else:
             continue
-        if not _fusable(members):
-            continue
-        existing = _group(module, name)
-        if existing is None or not existing.intact():
-            fuse(module, name, members, dim=1 if kind == "experts" else 0)
-        counts[kind] += 1
+        for kind, name, members in groups:
+            if not _fusable(members):
+                continue
+            existing = _group(module, name)
+            if existing is None or not existing.intact():
+                fuse(module, name, members, dim=1 if kind == "experts" else 0)
+            counts[kind] += 1
     return counts
 
 

@@ -91,8 +91,13 @@ class KimiDeltaAttention(nn.Module):
         given by cu_seqlens [N+1] (B must be 1) together with position_in_doc [T]."""
         batch, length, _ = x.shape
         shape = (batch, length, self.num_heads, self.head_dim)
-        tails = cache.conv_tails if cache is not None else (None, None, None)
         qkv, f_a, g_in, beta_logits = self._project(x)
+        if cache is None:
+            tails = (None, None, None)
+        elif hasattr(cache, "conv_window") and not isinstance(qkv, (list, tuple)):
+            tails = cache.conv_window  # joined q/k/v tails in the joined conv's layout: no concatenation
+        else:
+            tails = cache.conv_tails
         (q, k, v), new_tails = self._convolve(qkv, tails, position_in_doc, cu_seqlens)
         # The decay gate, beta's sigmoid and the q/k L2 norm run inside the KDA op (fused into fla's kernels on
         # CUDA; the PyTorch twin applies the same formulas), so only the raw projections are formed here.
@@ -129,8 +134,9 @@ class KimiDeltaAttention(nn.Module):
         projections = self._input_projections()
         group = fused(self, "input")  # weights fused at load (k3.layers.fused_weights): one GEMM at any length
         if group is not None:
-            outputs = linear_group(x, group)
-        elif x.shape[1] < FUSED_PROJECTION_MIN_TOKENS:
+            # q, k and v side by side, as the joined conv and a decode cache's joined tail window take them.
+            return linear_group(x, group, join_first=3)
+        if x.shape[1] < FUSED_PROJECTION_MIN_TOKENS:
             outputs = [p(x) for p in projections]
         else:
             weight = torch.cat([p.weight for p in projections], dim=0)
@@ -139,17 +145,26 @@ class KimiDeltaAttention(nn.Module):
             return list(torch.nn.functional.linear(x, weight).split(sizes, dim=-1))
         return [outputs[:3], *outputs[3:]]
 
+    def short_convs(self) -> tuple[nn.Module, nn.Module, nn.Module]:
+        return self.q_conv1d, self.k_conv1d, self.v_conv1d
+
     def _convolve(self, qkv, tails, position_in_doc, cu_seqlens):
         """The short convs of q, k and v -> ([q, k, v], their new tails). A depthwise conv treats channels
         independently, so when q, k, v arrive as one [B, T, 3 * width] block (long inputs) the three convs run
         as one call over their channels side by side (weights and tails concatenated on the fly, a few KB):
-        one kernel launch and one autograd node instead of three, which the host-bound training step feels."""
-        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        one kernel launch and one autograd node instead of three, which the host-bound training step feels.
+        `tails` is a tuple of three (or of Nones), or one joined [B, W-1, 3 * width] window (a decode cache's
+        layout); a joined window comes back joined, for the cache to store with one copy."""
+        convs = self.short_convs()
+        joined = isinstance(tails, torch.Tensor)
         if isinstance(qkv, (list, tuple)):
+            if joined:
+                tails = tails.chunk(3, dim=-1)
             pairs = [conv(t, tail, position_in_doc, cu_seqlens) for conv, t, tail in zip(convs, qkv, tails)]
             return [y for y, _ in pairs], tuple(tail for _, tail in pairs)
         width = qkv.shape[-1] // 3
-        weight_CW = torch.cat([conv.weight.squeeze(1) for conv in convs], dim=0)
-        tail = None if tails[0] is None else torch.cat(tails, dim=-1)
+        group = fused(self, "conv")  # the three weights in one buffer (k3.layers.fused_weights)
+        weight_CW = (group.buffer if group is not None else torch.cat([c.weight for c in convs], dim=0)).squeeze(1)
+        tail = tails if joined else None if tails[0] is None else torch.cat(tails, dim=-1)
         y, new_tail = short_conv(qkv, weight_CW, tail, cu_seqlens=cu_seqlens, position_in_doc=position_in_doc)
-        return list(y.split(width, dim=-1)), tuple(new_tail.split(width, dim=-1))
+        return list(y.split(width, dim=-1)), new_tail if joined else tuple(new_tail.split(width, dim=-1))

@@ -56,10 +56,50 @@ def test_fused_model_equals_the_unfused_one_in_forward_and_decode():
     reference = copy.deepcopy(model)
     counts = fuse_model_weights(model)
     types = model.config.layer_types
-    assert counts["kda"] == types.count("kda") and counts["mla"] == types.count("mla")
+    assert counts["kda"] == counts["kda_conv"] == types.count("kda") and counts["mla"] == types.count("mla")
     assert counts["experts"] == sum(isinstance(m, LatentMoE) for m in model.modules()) > 0 and counts["mlp"] > 0
     assert all(g.usable() for g in all_groups(model))
     assert_same_outputs(model, reference, batch=2, length=12, seed=1)
+
+
+def test_fused_decode_convolves_q_k_v_as_one_and_stores_the_joined_tail_window(monkeypatch):
+    """With fused weights, q, k and v leave the GEMM side by side: one conv over the three (weights from the conv
+    group's buffer) reads the static cache's joined tail window as it is and writes it back with one copy."""
+    from k3.infer.static_cache import StaticKDASlot
+    import k3.layers.kda as kda_module
+
+    model = make_model()
+    reference = copy.deepcopy(model)
+    fuse_model_weights(model)
+    kda = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
+    assert fused(kda, "conv").buffer.data_ptr() == kda.q_conv1d.weight.data_ptr()
+    stored, widths = [], []
+    original_update, original_conv = StaticKDASlot.update_conv_tails, kda_module.short_conv
+
+    def update(self, tails):
+        stored.append(type(tails))
+        return original_update(self, tails)
+
+    def conv(x, *args, **kwargs):
+        widths.append(x.shape[-1])
+        return original_conv(x, *args, **kwargs)
+
+    monkeypatch.setattr(StaticKDASlot, "update_conv_tails", update)
+    monkeypatch.setattr(kda_module, "short_conv", conv)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    got = logits_and_decode(model, ids, steps=2)
+    width = kda.q_proj.out_features
+    n_kda = model.config.layer_types.count("kda")
+    # StaticCache.from_hybrid copies the prefilled HybridCache's three tails in; each decode step then stores the
+    # joined window.
+    assert stored[:n_kda] == [tuple] * n_kda
+    assert len(stored) == 3 * n_kda and all(t is torch.Tensor for t in stored[n_kda:])
+    assert widths and set(widths) == {3 * width}  # one conv over q, k and v, prefill and decode
+    stored.clear()
+    monkeypatch.setattr(kda_module, "short_conv", original_conv)
+    for a, b in zip(got, logits_and_decode(reference, ids, steps=2), strict=True):
+        torch.testing.assert_close(a, b, **TOL)
+    assert len(stored) == 3 * n_kda and all(t is tuple for t in stored)  # unfused: three projections, three tails
 
 
 def test_fusing_keeps_names_shapes_and_values_and_is_idempotent():
