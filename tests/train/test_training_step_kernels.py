@@ -10,7 +10,10 @@ import torch
 
 from k3 import K3ForCausalLM, ModelConfig
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cpu"
+# On a GPU machine the debug model's fp32 fla kernels would compile for minutes, and `k3 train` there runs these
+# kernels for real; the interpreter run is what CPU-only CI can check.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels in Triton's CPU interpreter")
 KERNELS = {"K3_ATTN_RES_BACKEND": "triton", "K3_RMS_NORM": "triton", "K3_MOE_COMBINE": "triton"}
 
 
