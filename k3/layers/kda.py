@@ -94,8 +94,8 @@ class KimiDeltaAttention(nn.Module):
         qkv, f_a, g_in, beta_logits = self._project(x)
         if cache is None:
             tails = (None, None, None)
-        elif hasattr(cache, "conv_window") and not isinstance(qkv, (list, tuple)):
-            tails = cache.conv_window  # joined q/k/v tails in the joined conv's layout: no concatenation
+        elif not isinstance(qkv, (list, tuple)) and (window := getattr(cache, "conv_window", None)) is not None:
+            tails = window  # joined q/k/v tails in the joined conv's layout (read once: the pool's is a gather)
         else:
             tails = cache.conv_tails
         (q, k, v), new_tails = self._convolve(qkv, tails, position_in_doc, cu_seqlens)

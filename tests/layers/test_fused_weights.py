@@ -222,3 +222,19 @@ def test_fused_experts_grouped_gemm_equals_the_separate_ones():
     separate = experts_grouped_mm(x, counts, w13[:, :f], w13[:, f:], w2, "situ", (4.0, 25.0))
     one = experts_grouped_mm(x, counts, w13[:, :f], w13[:, f:], w2, "situ", (4.0, 25.0), w13)
     torch.testing.assert_close(one, separate, rtol=2e-2, atol=2e-2)
+
+
+def test_engine_reads_each_layers_tail_window_once_per_step(monkeypatch):
+    """In the engine's pool the joined window is a gather: a fused KDA layer reads it once per forward (one
+    read per write-back), not once to test for it and once to use it."""
+    from k3.infer.cache_pool import KDAView
+    from k3.infer.engine import Engine
+    from k3.infer.sampling import SamplingParams
+
+    reads, writes = [], []
+    window, update = KDAView.conv_window, KDAView.update_conv_tails
+    monkeypatch.setattr(KDAView, "conv_window", property(lambda self: reads.append(1) or window.fget(self)))
+    monkeypatch.setattr(KDAView, "update_conv_tails", lambda self, tails: writes.append(1) or update(self, tails))
+    engine = Engine(make_model(), max_context=32, max_batch=2, prefix_cache=False, fuse_weights=True)
+    engine.generate_ids([[3, 9, 4, 1, 7], [8, 2, 6]], SamplingParams(max_new_tokens=4, temperature=0))
+    assert writes and len(reads) == len(writes)
