@@ -121,7 +121,7 @@ def _kernels(interpret: bool):
 def default_block_s(programs_per_split: int, rank: int) -> int:
     """Slots per block. Measured on one H200 at rank 256, 8K slots (bench/mla_decode.py sweeps): with one row
     the splits are long and 128 slots took 23.6 us against 29.8 for 64 and 50.4 for 32. With 64 rows (8 heads),
-    the wide sweep's best was 16 slots on 2 warps with twice the splits (PROGRAMS_PER_SM): 147 us a layer,
+    the wide sweep's best was 16 slots on 2 warps with twice the splits (programs_per_sm): 147 us a layer,
     against 162-166 for 32 slots on 4 warps and 169-254 for 64 (floor 80 us). Wider latents keep 32 (registers)."""
     if rank > 256:
         return 32
@@ -129,9 +129,9 @@ def default_block_s(programs_per_split: int, rank: int) -> int:
 
 
 def programs_per_sm(block_s: int) -> int:
-    """Programs per multiprocessor the split count aims at: small blocks keep fewer bytes in flight per
-    program, so more programs (the wide sweep at 64 rows: 16-slot blocks took 147 us with 10 splits, 213 with
-    5 and 170 with 20)."""
+    """Programs per multiprocessor the split count aims at. Measured (the wide sweep at 64 rows): 16-slot blocks
+    took 147 us with 10 splits (about four programs per SM), 213 with 5 and 170 with 20; 32-slot blocks did best
+    with the heuristic's two."""
     return 4 if block_s <= 16 else 2
 
 
