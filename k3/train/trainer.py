@@ -463,27 +463,29 @@ class Trainer:
         ids = batch.input_ids.to(self.device)
         labels = batch.labels.to(self.device)
         cu = batch.cu_seqlens.to(self.device)
-        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
-                            enabled=self.autocast is not None):
+        with self._autocast():
             if batch.weights is None:
                 loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False).loss
             else:
                 loss = weighted_loss(self.model(ids, cu_seqlens=cu).logits, labels, batch.weights.to(self.device))
-        if self.config.moe_aux_loss > 0 and self.model.training:
-            aux = [r.aux_loss for _, r in self.model.routers() if r.aux_loss is not None]
-            if aux:
-                loss = loss + torch.stack(aux).sum()
-        return loss
+        return self._plus_aux_loss(self.model, loss)
 
     def _rows_loss(self, model: K3ForCausalLM, rows: dict[str, torch.Tensor]) -> torch.Tensor:
         """The loss of [B, T] rows as plain sequences (no cu_seqlens): what the CUDA graph captures."""
-        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
-                            enabled=self.autocast is not None):
+        with self._autocast():
             if "weights" in rows:
                 loss = weighted_loss(model(rows["ids"]).logits, rows["labels"], rows["weights"])
             else:
                 loss = model(rows["ids"], labels=rows["labels"], return_logits=False).loss
-        if self.config.moe_aux_loss > 0:
+        return self._plus_aux_loss(model, loss)
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                              enabled=self.autocast is not None)
+
+    def _plus_aux_loss(self, model: K3ForCausalLM, loss: torch.Tensor) -> torch.Tensor:
+        """The routers' auxiliary balance loss added in training (--moe-aux-loss > 0)."""
+        if self.config.moe_aux_loss > 0 and model.training:
             aux = [r.aux_loss for _, r in model.routers() if r.aux_loss is not None]
             if aux:
                 loss = loss + torch.stack(aux).sum()
