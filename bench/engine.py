@@ -79,6 +79,9 @@ def run_load(engine: Engine, prompts: list[list[int]], params: SamplingParams) -
                 tpot_p50_ms=percentile([g * 1e3 for g in gaps], 50), tpot_p99_ms=percentile([g * 1e3 for g in gaps], 99))
 
 
+CHECKS = ("graph-vs-eager", "batch-vs-alone", "batch-vs-alone-fp32")
+
+
 def check_graph_vs_eager(model, prompts, new: int, tol: float, max_context: int) -> dict:
     params = SamplingParams(max_new_tokens=new, temperature=0, logprobs=0)
     eager = Engine(model, None, max_context=max_context, max_batch=len(prompts), use_cuda_graphs=False)
@@ -164,7 +167,8 @@ def main() -> None:
     parser.add_argument("--preset", default="small")
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=256)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64],
+                        help="concurrent requests per timed load (none: checks only)")
     parser.add_argument("--check-requests", type=int, default=8)
     parser.add_argument("--check-new", type=int, default=32)
     parser.add_argument("--tol", type=float, default=0.05, help="largest logprob difference graph vs eager (bf16)")
@@ -176,6 +180,8 @@ def main() -> None:
     parser.add_argument("--no-checks", action="store_true",
                         help="skip the correctness checks (each builds its own engines: with K3_COMPILE_DECODE=1 "
                              "their graphs compile before any timing)")
+    parser.add_argument("--checks", nargs="+", default=None, choices=CHECKS,
+                        help="run only these checks (default: every one the device and dtype allow)")
     parser.add_argument("--mla-backends", nargs="+", default=None, choices=["einsum", "auto", "triton"],
                         help="time each concurrency under each K3_MLA_DECODE value (an engine each, one process)")
     parser.add_argument("--out", default=None)
@@ -208,6 +214,12 @@ def main() -> None:
         if dtype != torch.float32:
             runs["batch-vs-alone-fp32"] = lambda: check_batch_vs_alone(
                 copy.deepcopy(model).float(), check_prompts, args.check_new, 512, args.fp32_tol)
+    if args.checks:
+        unavailable = sorted(set(args.checks) - set(runs))
+        if unavailable:
+            parser.error(f"--checks {unavailable} cannot run here (device {device.type}, dtype {dtype}, "
+                         f"--no-checks {args.no_checks}); available: {sorted(runs)}")
+        runs = {name: run for name, run in runs.items() if name in args.checks}
     for name, run in runs.items():
         t0 = time.perf_counter()
         checks[name] = dict(run(), seconds=time.perf_counter() - t0)  # first use (compiles) included

@@ -89,21 +89,15 @@ class ExpertParallelMoE(LatentMoE):
     grad_scale: float
     last_dispatch: DispatchStats | None
 
-    def routed(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The routed path over EP ranks: [T, D] -> [T, D] (T local tokens)."""
-        h_TL = self.routed_expert_down_proj(x_TD) if self.latent else x_TD
+    def routed_latent(self, h_TL: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts over EP ranks and their weighted sum: [T, L] -> [T, L] (T local tokens)."""
         w1, w3, w2 = _ExpertGradMean.apply(self.grad_scale, self.replica_group,
                                            *(getattr(self, name).to_local() for name in EXPERT_WEIGHTS))
         plan_fn = balanced_plan if self.balanced else home_plan
         y_TKL, self.last_dispatch = dispatch_compute_combine(
             h_TL, routing.topk_ids_TK, plan_fn, w1, w3, w2, self.act, self.betas, self.ep_mesh.get_group())
         # The single-device combine (deterministic batched matmul over K), so both layouts compute the same sums.
-        out_TL = weighted_sum_over_k(y_TKL, routing.topk_weights_TK)
-        if self.latent:
-            if self.routed_expert_norm is not None:
-                out_TL = self.routed_expert_norm(out_TL)
-            return self.routed_expert_up_proj(out_TL)
-        return out_TL
+        return weighted_sum_over_k(y_TKL, routing.topk_weights_TK)
 
 
 @dataclass

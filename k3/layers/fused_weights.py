@@ -14,7 +14,10 @@ the group is absent or its views no longer point into the buffer, e.g. after `mo
   come out side by side for the joined short conv); and the q, k, v short-conv weights as one [3C, 1, W] buffer,
   so the joined conv does not concatenate them at every step;
 - MLA: q_a (or q), kv_a_proj_with_mqa and the output gate g_proj;
-- GLU MLPs (dense layers, shared experts): gate and up;
+- GLU MLPs (dense layers): gate and up;
+- latent MoE layers with shared experts: the latent down projection with the shared expert's gate and up (all
+  read x), and the latent up projection with the shared expert's down projection, side by side along their
+  inputs ([D, L + F]: one GEMM sums both into the layer's output);
 - latent MoE experts: w1 and w3 as one [E, 2F, L] buffer, one grouped GEMM instead of two (w1 and w3 become
   strided views of it).
 """
@@ -105,25 +108,32 @@ def fuse_model_weights(model: nn.Module) -> dict[str, int]:
     from k3.layers.mlp import GLUMLP
     from k3.layers.moe import LatentMoE
 
-    counts = {"kda": 0, "kda_conv": 0, "mla": 0, "mlp": 0, "experts": 0}
+    counts = {"kda": 0, "kda_conv": 0, "mla": 0, "mlp": 0, "experts": 0, "moe_input": 0, "moe_output": 0}
+    taken: set[int] = set()  # GLU MLPs whose weights a latent MoE's groups hold (its shared experts)
     for module in model.modules():
         if isinstance(module, KimiDeltaAttention):
-            groups = [("kda", "input", [(p, "weight") for p in module._input_projections()]),
-                      ("kda_conv", "conv", [(c, "weight") for c in module.short_convs()])]
+            groups = [("kda", "input", [(p, "weight") for p in module._input_projections()], 0),
+                      ("kda_conv", "conv", [(c, "weight") for c in module.short_convs()], 0)]
         elif isinstance(module, GatedMLA):
-            groups = [("mla", "input", [(p, "weight") for p in module._input_projections()])]
+            groups = [("mla", "input", [(p, "weight") for p in module._input_projections()], 0)]
         elif isinstance(module, GLUMLP):
-            groups = [("mlp", "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")])]
+            if id(module) in taken:
+                continue
+            groups = [("mlp", "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")], 0)]
         elif isinstance(module, LatentMoE):
-            groups = [("experts", "w13", [(module, "w1"), (module, "w3")])]
+            groups = [("experts", "w13", [(module, "w1"), (module, "w3")], 1)]
+            projections = module.fusable_projections()
+            if projections is not None and all(_fusable(members) for members in projections):
+                taken.add(id(module.shared_experts))
+                groups += [("moe_input", "input", projections[0], 0), ("moe_output", "output", projections[1], 1)]
         else:
             continue
-        for kind, name, members in groups:
+        for kind, name, members, dim in groups:
             if not _fusable(members):
                 continue
             existing = _group(module, name)
             if existing is None or not existing.intact():
-                fuse(module, name, members, dim=1 if kind == "experts" else 0)
+                fuse(module, name, members, dim=dim)
             counts[kind] += 1
     return counts
 

@@ -22,11 +22,11 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.layers.balancing import (QB_MAX_ITERS, QB_TOLERANCE, loss_free_bias, maxvio, solve_batch_bias,
                                   solve_batch_bias_on_device)
-from k3.layers.mlp import GLUMLP
+from k3.layers.mlp import GLUMLP, glu_activation
 from k3.layers.norm import RMSNorm
-from k3.layers.fused_weights import fused
+from k3.layers.fused_weights import fused, linear_group
 from k3.ops.fused_backend import with_torch_fallback
-from k3.ops.linear_triton import project
+from k3.ops.linear_triton import linear, project
 from k3.ops.moe import count_per_expert, experts_in_pair_order, inverse_permutation, unpermute_rows
 from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
@@ -202,26 +202,67 @@ class LatentMoE(nn.Module):
 
     def routed(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The routed path alone: [T, D] -> [T, D]."""
-        num_tokens = x_TD.shape[0]
         h_TL = project(self.routed_expert_down_proj, x_TD) if self.latent else x_TD
+        out_TL = self.routed_latent(h_TL, routing)
+        if self.latent:
+            return project(self.routed_expert_up_proj, self._latent_norm(out_TL))
+        return out_TL
+
+    def routed_latent(self, h_TL: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts and their gate-weighted sum, in the expert width: [T, L] -> [T, L] (expert parallelism
+        overrides this part alone)."""
+        num_tokens = h_TL.shape[0]
         ids_N = routing.topk_ids_TK.reshape(-1)
         w13 = fused(self, "w13")  # w1 and w3 in one buffer when fused at load (k3.layers.fused_weights)
         y_NL = experts_in_pair_order(h_TL, ids_N, self.top_k, self.w1, self.w3, self.w2, self.act, self.betas,
                                      w13.buffer if w13 is not None else None)
         # The width spelled out (not -1): with no tokens, a view of 0 elements cannot infer it.
         y_TKL = y_NL.view(num_tokens, self.top_k, y_NL.shape[-1])
-        out_TL = weighted_sum_over_k(y_TKL, routing.topk_weights_TK)
-        if self.latent:
-            if self.routed_expert_norm is not None:
-                out_TL = self.routed_expert_norm(out_TL)
-            return project(self.routed_expert_up_proj, out_TL)
-        return out_TL
+        return weighted_sum_over_k(y_TKL, routing.topk_weights_TK)
+
+    def _latent_norm(self, out_TL: torch.Tensor) -> torch.Tensor:
+        return self.routed_expert_norm(out_TL) if self.routed_expert_norm is not None else out_TL
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]."""
         x_TD = x.reshape(-1, x.shape[-1])
         routing = self.gate(x_TD)
+        groups = self._fused_projections()
+        if groups is not None:
+            return self._forward_fused(x_TD, routing, *groups).view(x.shape)
         out = self.routed(x_TD, routing).view(x.shape)
         # The result must not be a view: FSDP2 hooks a unit's output for backward, and an in-place op on a
         # view would drop that hook. Adding the shared experts makes a new tensor; without them, a copy does.
         return out + self.shared_experts(x) if self.shared_experts is not None else out.clone()
+
+    def fusable_projections(self) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]] | None:
+        """(input, output) weight groups of the projections around the experts (k3.layers.fused_weights):
+        the latent down projection and the shared expert's gate and up all read x (one GEMM), and the latent
+        up projection and the shared expert's down projection are summed into the output (one GEMM over
+        their inputs side by side). None without a latent width or shared experts."""
+        shared = self.shared_experts
+        if not self.latent or shared is None:
+            return None
+        return ([(self.routed_expert_down_proj, "weight"), (shared.gate_proj, "weight"), (shared.up_proj, "weight")],
+                [(self.routed_expert_up_proj, "weight"), (shared.down_proj, "weight")])
+
+    def _fused_projections(self):
+        """The usable (input, output) groups, or None: then every projection runs as its own module."""
+        inputs, outputs = fused(self, "input"), fused(self, "output")
+        if inputs is None or outputs is None:
+            return None
+        shared = self.shared_experts
+        modules = (self.routed_expert_down_proj, self.routed_expert_up_proj, shared, shared.gate_proj,
+                   shared.up_proj, shared.down_proj)
+        if any(m._forward_hooks or m._forward_pre_hooks for m in modules):  # a hook must see its module run
+            return None
+        return inputs, outputs
+
+    def _forward_fused(self, x_TD: torch.Tensor, routing: Routing, inputs, outputs) -> torch.Tensor:
+        """up(norm(routed)) + down(act(gate, up)) with two GEMMs for the four projections (a decode step runs
+        each projection at a few rows: launches, not bytes, are its cost)."""
+        h_TL, gate, up = linear_group(x_TD, inputs)
+        shared = self.shared_experts
+        act = glu_activation(gate, up, shared.act, *shared.betas)
+        out_TL = self._latent_norm(self.routed_latent(h_TL, routing))
+        return linear(torch.cat([out_TL.to(act.dtype), act], dim=-1), outputs.buffer.to(act.dtype))

@@ -57,7 +57,9 @@ def test_fused_model_equals_the_unfused_one_in_forward_and_decode():
     counts = fuse_model_weights(model)
     types = model.config.layer_types
     assert counts["kda"] == counts["kda_conv"] == types.count("kda") and counts["mla"] == types.count("mla")
-    assert counts["experts"] == sum(isinstance(m, LatentMoE) for m in model.modules()) > 0 and counts["mlp"] > 0
+    moe_layers = sum(isinstance(m, LatentMoE) for m in model.modules())
+    assert counts["experts"] == counts["moe_input"] == counts["moe_output"] == moe_layers > 0
+    assert counts["mlp"] == types.count("kda") + types.count("mla") - moe_layers  # the dense layers' MLPs alone
     assert all(g.usable() for g in all_groups(model))
     assert_same_outputs(model, reference, batch=2, length=12, seed=1)
 
@@ -238,3 +240,52 @@ def test_engine_reads_each_layers_tail_window_once_per_step(monkeypatch):
     engine = Engine(make_model(), max_context=32, max_batch=2, prefix_cache=False, fuse_weights=True)
     engine.generate_ids([[3, 9, 4, 1, 7], [8, 2, 6]], SamplingParams(max_new_tokens=4, temperature=0))
     assert writes and len(reads) == len(writes)
+
+
+def _moe_and_input(seed: int = 6):
+    model = make_model()
+    moe = next(m for m in model.modules() if isinstance(m, LatentMoE))
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    return model, moe, x
+
+
+def test_fused_moe_runs_its_four_projections_as_two_gemms(monkeypatch):
+    """With the MoE groups fused, the latent down, shared gate and up projections are one GEMM, and the latent
+    up and shared down projections one GEMM over their inputs side by side; no projection module runs."""
+    model, moe, x = _moe_and_input()
+    with torch.no_grad():
+        expected = moe(x[None])
+    fuse_model_weights(model)
+    shared = moe.shared_experts
+    assert fused(shared, "gate_up") is None  # its gate and up live in the MoE's input group instead
+    assert fused(moe, "output").buffer.shape == (moe.routed_expert_up_proj.out_features,
+                                                moe.routed_expert_up_proj.in_features + shared.down_proj.in_features)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a fused projection ran as its own module")
+
+    for module in (moe.routed_expert_down_proj, moe.routed_expert_up_proj, shared, shared.gate_proj,
+                   shared.up_proj, shared.down_proj):
+        monkeypatch.setattr(module, "forward", must_not_run)
+    gemms = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, b=None: gemms.append(tuple(w.shape))
+                        or real_linear(x, w, b))
+    with torch.no_grad():
+        got = moe(x[None])
+    assert fused(moe, "input").buffer.shape in gemms and fused(moe, "output").buffer.shape in gemms
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_a_hooked_moe_projection_runs_as_its_module():
+    """A forward hook on any of the fused projections must see its module run: the layer falls back."""
+    model, moe, x = _moe_and_input()
+    with torch.no_grad():
+        expected = moe(x[None])
+    fuse_model_weights(model)
+    seen = []
+    moe.shared_experts.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    with torch.no_grad():
+        got = moe(x[None])
+    assert seen == [(1, 5, model.config.hidden_size)]
+    torch.testing.assert_close(got, expected, **TOL)
