@@ -10,8 +10,10 @@ step's form). Each path runs all layers inside one captured CUDA graph, as decod
 microseconds per layer (per call) and over all layers. Paths (both from q_latent = q_nope W_uk to out_latent,
 before W_uv, which they share):
   einsum    k3.ops.mla_decode.latent_attention_einsum: scores, mask, softmax, probabilities @ latent
-  triton    k3.ops.mla_decode.latent_attention_triton_eager with its default blocks and split count; also a
-            small sweep of BLOCK_S x num_warps, best printed (--no-sweep leaves it out)
+  triton    k3.ops.mla_decode.latent_attention_triton_eager with its default blocks and split count, reading the
+            mask; also a small sweep of BLOCK_S x num_warps, best printed (--no-sweep leaves it out)
+  triton limits  the same kernel given the static cache's visible_limits instead of its mask (what the decode
+            step passes): no mask load per block
 Paged (the engine's cache pool: pages of 32 slots, each row's pages shuffled through the pool, its table padded
 to the context + 320 slots as the engine pads to its longest context, every row at the last position):
   gathered  k3.ops.mla_decode.latent_attention_paged_einsum: the rows' pages copied out, then the einsum (the
@@ -66,7 +68,8 @@ def sweep_grid(wide: bool, batch: int, context: int, num_sms: int) -> dict[str, 
     return grid
 
 
-def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: bool, wide: bool = False) -> dict:
+def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: bool, wide: bool = False,
+               sweep_form: str = "mask") -> dict:
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + context)
     caches = [(torch.randn(batch, context, RANK, device="cuda", generator=gen).bfloat16(),
                torch.randn(batch, context, ROPE, device="cuda", generator=gen).bfloat16()) for _ in range(layers)]
@@ -78,14 +81,20 @@ def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: b
     def einsum(i):
         return latent_attention_einsum(*queries[i], *caches[i], mask, 0, SCALE)
 
-    def triton_with(**launch):
+    limits = (position + 1).to(torch.int32).expand(batch)  # StaticMLASlot.visible_limits: the same slots
+
+    def triton_with(form=None, **launch):
         def run(i):
+            if (form or sweep_form) == "limits":
+                return latent_attention_triton_eager(*queries[i], *caches[i], None, 0, SCALE, limits_B=limits,
+                                                     **launch)
             return latent_attention_triton_eager(*queries[i], *caches[i], mask, 0, SCALE, **launch)
         return run
 
     want = latent_attention_einsum(*(t.float() for t in queries[0] + caches[0]), mask, 0, SCALE)
     errors = dict(einsum_rel_err=relative_error(einsum(0).float(), want),
-                  triton_rel_err=relative_error(triton_with()(0).float(), want))
+                  triton_rel_err=relative_error(triton_with("mask")(0).float(), want),
+                  triton_limits_rel_err=relative_error(triton_with("limits")(0).float(), want))
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     block_s = default_block_s(batch, RANK)  # what the launcher picks by default (one head block: 8 heads)
     splits = num_splits(batch, context, block_s, num_sms, programs_per_sm(block_s))[0]
@@ -94,8 +103,11 @@ def bench_case(batch: int, context: int, layers: int, bandwidth: float, sweep: b
           f"{errors['triton_rel_err']:.2e}, {splits} splits", flush=True)
     result["einsum_us"] = graph_us_per_layer(einsum, layers)
     print(f"  einsum {result['einsum_us']:.1f} us", flush=True)
-    result["triton_us"] = graph_us_per_layer(triton_with(), layers)
-    print(f"  triton {result['triton_us']:.1f} us", flush=True)
+    result["triton_us"] = graph_us_per_layer(triton_with("mask"), layers)
+    print(f"  triton (mask) {result['triton_us']:.1f} us", flush=True)
+    result["triton_limits_us"] = graph_us_per_layer(triton_with("limits"), layers)
+    print(f"  triton (limits) {result['triton_limits_us']:.1f} us, rel err {errors['triton_limits_rel_err']:.1e}",
+          flush=True)
     swept, swept_err = {}, {}
     for label, launch in (sweep_grid(wide, batch, context, num_sms).items() if sweep else ()):
         try:
@@ -167,6 +179,9 @@ def main() -> None:
     parser.add_argument("--wide-sweep", action="store_true",
                         help="sweep BLOCK_S x warps x pipelining stages x KV splits (x1, x2, x4 the heuristic's), "
                              "each config checked against the fp32 einsum and printed")
+    parser.add_argument("--sweep-form", choices=["mask", "limits"], default="mask",
+                        help="the visible slots as the swept kernel reads them: the static cache's [T, S] mask or "
+                             "its [B] limits (no mask load, unfilled blocks not visited)")
     parser.add_argument("--no-paged", action="store_true", help="leave out the engine's paged pool")
     parser.add_argument("--out", "--json", dest="json", default=None, help="write the results to this file")
     args = parser.parse_args()
@@ -178,7 +193,7 @@ def main() -> None:
     for batch in args.batch:
         for context in args.context:
             cases = [(results, lambda: bench_case(batch, context, args.layers, bandwidth, not args.no_sweep,
-                                                          args.wide_sweep))]
+                                                          args.wide_sweep, args.sweep_form))]
             if not args.no_paged:
                 cases.append((paged, lambda: bench_paged_case(batch, context, args.layers, bandwidth)))
             for into, case in cases:
@@ -194,10 +209,12 @@ def main() -> None:
     if results:
         print_table(f"absorbed MLA decode attention per layer (small: {HEADS} heads, R {RANK}, rope {ROPE}, bf16, "
                     f"one query), one CUDA graph over {args.layers} layers",
-                    ["batch", "context", "splits", "einsum us", "triton us", "speed-up", "best sweep", "floor us",
-                     "einsum / floor", "triton / floor", f"triton x{args.layers} us", "rel err"],
+                    ["batch", "context", "splits", "einsum us", "triton us", "triton limits us", "speed-up",
+                     "best sweep", "floor us", "einsum / floor", "triton / floor", f"triton x{args.layers} us",
+                     "rel err"],
                     [[r["batch"], r["context"], r["splits"], f"{r['einsum_us']:.1f}", f"{r['triton_us']:.1f}",
-                      f"{r['speedup']:.2f}x", f"{r['best']} {r['best_us']:.1f}", f"{r['floor_us']:.1f}",
+                      f"{r['triton_limits_us']:.1f}", f"{r['speedup']:.2f}x", f"{r['best']} {r['best_us']:.1f}",
+                      f"{r['floor_us']:.1f}",
                       f"{r['einsum_vs_floor']:.2f}x", f"{r['triton_vs_floor']:.2f}x",
                       f"{r['triton_us'] * args.layers:.1f}", f"{r['triton_rel_err']:.1e}"] for r in results])
     if paged:
@@ -210,7 +227,8 @@ def main() -> None:
                       f"{r['paged_rel_err']:.1e}"] for r in paged])
     write_json(args.json, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, results=results,
                                paged=paged, failed=failed))
-    bad = [r for r in results if r["triton_rel_err"] > max(1e-2, 2 * r["einsum_rel_err"])]
+    bad = [r for r in results
+           if max(r["triton_rel_err"], r["triton_limits_rel_err"]) > max(1e-2, 2 * r["einsum_rel_err"])]
     bad += [r for r in paged if r["paged_rel_err"] > max(1e-2, 2 * r["gathered_rel_err"])]
     if bad:
         sys.exit(f"Triton kernel too far from the fp32 einsum: {[(r['batch'], r['context']) for r in bad]}")

@@ -81,6 +81,7 @@ class StaticMLASlot:
         self.position = position
         self.slots = torch.arange(capacity, device=device)
         self.visible_mask: torch.Tensor | None = None
+        self.visible_limits: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -89,11 +90,14 @@ class StaticMLASlot:
         return 0
 
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """latent [B, T, R], k_rope [B, T, rope] -> the whole buffers; sets visible_mask [T, capacity]."""
+        """latent [B, T, R], k_rope [B, T, rope] -> the whole buffers; sets visible_mask [T, capacity] and the
+        same visibility as visible_limits [B] (query t of row b sees slots < limits[b] + t: the MLA decode
+        kernel's form, with which it skips the unfilled capacity)."""
         index = self.position + torch.arange(latent.shape[1], device=latent.device)
         self.latent.index_copy_(1, index, latent.to(self.latent.dtype))
         self.k_rope.index_copy_(1, index, k_rope.to(self.k_rope.dtype))
         self.visible_mask = self.slots[None, :] <= index[:, None]
+        self.visible_limits = (self.position + 1).to(torch.int32).expand(latent.shape[0])
         return self.latent, self.k_rope
 
     def buffers(self) -> list[torch.Tensor]:

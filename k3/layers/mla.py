@@ -78,7 +78,7 @@ class GatedMLA(nn.Module):
         q = self._query(q_first)
         latent, k_rope = self._latent(kv)
         past = 0
-        visible = pages = None
+        visible = pages = limits = None
         absorb = cache is not None and self.absorb_in_decode
         if cache is not None and absorb and length <= ABSORB_MAX_TOKENS and getattr(cache, "pages_in_place", False):
             # The engine's pool in decode: attention reads the rows' pages where they lie (no gathered copy).
@@ -89,12 +89,13 @@ class GatedMLA(nn.Module):
             # A preallocated (static) cache returns its whole buffer and a [T, capacity] mask of the filled
             # slots, computed on the device, so a decode step can be captured as a CUDA graph.
             visible = getattr(cache, "visible_mask", None)
+            limits = getattr(cache, "visible_limits", None)
         # Decode attends in latent space; a long prefill takes the expanded path, whose causal SDPA call runs a
         # flash kernel instead of materialising [H, T, T] scores.
         if pages is not None:
             out = self._attend_absorbed(q, pages=pages)
         elif absorb and (length <= ABSORB_MAX_TOKENS or visible is not None):
-            out = self._attend_absorbed(q, latent, k_rope, past, visible)
+            out = self._attend_absorbed(q, latent, k_rope, past, visible, limits=limits)
         else:
             out = self._attend_expanded(q, latent, k_rope, past, cu_seqlens)
         out = out.reshape(batch, length, self.num_heads * self.v_dim)
@@ -125,7 +126,7 @@ class GatedMLA(nn.Module):
             attn_mask=mask, is_causal=past == 0 and length > 1, scale=self.scaling)
         return out.transpose(1, 2)  # [B, T, H, v]
 
-    def _attend_absorbed(self, q, latent=None, k_rope=None, past=0, mask=None, pages=None):
+    def _attend_absorbed(self, q, latent=None, k_rope=None, past=0, mask=None, pages=None, limits=None):
         """Attention in latent space: score = (q_nope W_uk) . c + q_rope . k_rope; out = (p . c) W_uv. The
         cache is (latent, k_rope) gathered per row, or the pool's `pages` (PagedLatents)."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -136,5 +137,5 @@ class GatedMLA(nn.Module):
         if pages is not None:
             out_latent = latent_attention_paged(q_latent, q_rope, pages, self.scaling)
         else:
-            out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, past, self.scaling)
+            out_latent = latent_attention(q_latent, q_rope, latent, k_rope, mask, past, self.scaling, limits)
         return torch.einsum("bhtr,hvr->bthv", out_latent, w_uv.to(q.dtype))

@@ -169,8 +169,11 @@ def mask_BTS(mask: torch.Tensor, batch: int, length: int, total: int) -> torch.T
 def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
                                   k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, visible_before: int,
                                   scale: float, block_s: int | None = None, splits: int | None = None,
-                                  num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
-    """out_latent [B, H, T, R] in q_latent's dtype. Without `mask`, query t sees slots < visible_before + t.
+                                  num_warps: int | None = None, num_stages: int | None = None,
+                                  limits_B: torch.Tensor | None = None) -> torch.Tensor:
+    """out_latent [B, H, T, R] in q_latent's dtype. Without `mask`, query t sees slots < visible_before + t, or
+    with `limits_B` ([B] integers on the device) slots < limits_B[b] + t: the kernel then visits only the
+    blocks up to each row's limit and loads no mask (`mask` must be None with it).
     block_s / splits / num_warps / num_stages default to the heuristics (tests and the benchmark set them)."""
     batch, heads, length, rank = q_latent_BHTR.shape
     total, rope = latent_BSR.shape[1], k_rope_BSE.shape[2]
@@ -180,9 +183,16 @@ def latent_attention_triton_eager(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torc
                          f"{tuple(q_rope_BTHE.shape)}, latent [B, S, R] {tuple(latent_BSR.shape)}, k_rope "
                          f"[B, S, E] {tuple(k_rope_BSE.shape)} do not agree")
     dtype = q_latent_BHTR.dtype
+    if limits_B is not None:
+        if mask is not None:
+            raise ValueError("give the visible slots as a mask or as limits_B, not both")
+        if limits_B.shape != (batch,):
+            raise ValueError(f"limits_B must be [B] = [{batch}], got {tuple(limits_B.shape)}")
+        limits_B = limits_B.to(torch.int32)  # a stride-0 broadcast (one position for every row) is read as such
     mask_BTS_ = None if mask is None else mask_BTS(mask, batch, length, total)
     return _launch(q_latent_BHTR, q_rope_BTHE.to(dtype), latent_BSR.to(dtype), k_rope_BSE.to(dtype), total,
-                   mask_BTS_, visible_before, scale, block_s, splits, num_warps, num_stages=num_stages)
+                   mask_BTS_, visible_before, scale, block_s, splits, num_warps, limits_B=limits_B,
+                   num_stages=num_stages)
 
 
 def _launch(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
@@ -235,7 +245,7 @@ def _launch(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent: torc
         *q_latent_BHTR.stride(), *q_rope_BTHE.stride(), *latent.stride(), *k_rope.stride(), *mask_strides,
         *out.stride(), length, total, min(int(visible_before), ALL_VISIBLE), per_split, splits,
         float(scale) * 1.4426950408889634,  # log2(e): the kernel's softmax runs in base 2
-        table, *(table.stride()[:2] if paged else (0, 0)), limits,
+        table, *(table.stride()[:2] if paged else (0, 0)), limits, limits.stride(0) if limits_B is not None else 0,
         HEADS=heads, RANK=rank, ROPE=rope, HAS_MASK=mask_BTS_ is not None, SINGLE=single, UPCAST=interpret,
         IEEE=q_latent_BHTR.dtype == torch.float32 and not interpret, BLOCK_H=block_h, BLOCK_R=block_r,
         BLOCK_E=block_e, BLOCK_S=block_s, PAGED=paged, PAGE=latent.shape[1] if paged else 1,
@@ -250,24 +260,28 @@ def _launch(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent: torc
 @torch.library.custom_op("k3::mla_decode_triton", mutates_args=())
 def mla_decode_triton_op(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
                          k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, visible_before: int,
-                         scale: float) -> torch.Tensor:
+                         scale: float, limits_B: torch.Tensor | None = None) -> torch.Tensor:
     return latent_attention_triton_eager(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, visible_before,
-                                         scale)
+                                         scale, limits_B=limits_B)
 
 
 @mla_decode_triton_op.register_fake
-def _(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, visible_before, scale):
+def _(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, visible_before, scale, limits_B=None):
     return q_latent_BHTR.new_empty(q_latent_BHTR.shape)
 
 
 def latent_attention_triton(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
                             k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, past: int,
-                            scale: float) -> torch.Tensor:
-    """Same arguments and result as latent_attention_einsum, inference only (no backward)."""
+                            scale: float, limits_B: torch.Tensor | None = None) -> torch.Tensor:
+    """Same arguments and result as latent_attention_einsum, inference only (no backward). With `limits_B`
+    (see latent_attention) the mask is not read."""
     before = visible_before(past, q_latent_BHTR.shape[2])
+    mask = None if limits_B is not None else mask
     if torch.compiler.is_compiling():  # dynamo cannot trace the launcher; the op is one opaque call in the graph
-        return mla_decode_triton_op(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, before, scale)
-    return latent_attention_triton_eager(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, before, scale)
+        return mla_decode_triton_op(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, before, scale,
+                                    limits_B)
+    return latent_attention_triton_eager(q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, before, scale,
+                                         limits_B=limits_B)
 
 
 def triton_pays(q_latent_BHTR: torch.Tensor, latent_BSR: torch.Tensor, mask: torch.Tensor | None,
@@ -285,16 +299,20 @@ def triton_pays(q_latent_BHTR: torch.Tensor, latent_BSR: torch.Tensor, mask: tor
 
 
 def latent_attention(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, latent_BSR: torch.Tensor,
-                     k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, past: int, scale: float) -> torch.Tensor:
-    """out_latent [B, H, T, R] through the backend K3_MLA_DECODE picks (see the module docstring)."""
+                     k_rope_BSE: torch.Tensor, mask: torch.Tensor | None, past: int, scale: float,
+                     limits_B: torch.Tensor | None = None) -> torch.Tensor:
+    """out_latent [B, H, T, R] through the backend K3_MLA_DECODE picks (see the module docstring).
+    limits_B: the same visible slots as `mask` in the kernel's form (a static cache's: query t of row b sees
+    slots < limits_B[b] + t), so the kernel skips the unfilled capacity and loads no mask; the twin reads
+    `mask`."""
     args = (q_latent_BHTR, q_rope_BTHE, latent_BSR, k_rope_BSE, mask, past, scale)
     backend = decode_backend()
     if backend == "triton":
-        return latent_attention_triton(*args)
+        return latent_attention_triton(*args, limits_B)
     if backend == "auto" and triton_pays(q_latent_BHTR, latent_BSR, mask, q_rope_BTHE, k_rope_BSE):
         variant = ("mla_decode_triton", q_latent_BHTR.shape[1], q_latent_BHTR.shape[3], k_rope_BSE.shape[2],
                    q_latent_BHTR.dtype)
-        return with_torch_fallback(variant, lambda: latent_attention_triton(*args),
+        return with_torch_fallback(variant, lambda: latent_attention_triton(*args, limits_B),
                                    lambda: latent_attention_einsum(*args))
     return latent_attention_einsum(*args)
 

@@ -18,7 +18,7 @@ def mla_decode_split(q_ptr, qr_ptr, lat_ptr, kr_ptr, mask_ptr, out_ptr, part_ptr
                      stride_mb, stride_mt, stride_ms,
                      stride_ob, stride_oh, stride_ot, stride_or,
                      length, total, visible_before, blocks_per_split, num_splits, scale_log2,
-                     table_ptr, stride_tb, stride_tp, limit_ptr,
+                     table_ptr, stride_tb, stride_tp, limit_ptr, stride_limit,
                      HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
                      HAS_MASK: tl.constexpr, SINGLE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -56,9 +56,17 @@ def mla_decode_split(q_ptr, qr_ptr, lat_ptr, kr_ptr, mask_ptr, out_ptr, part_ptr
         # A causal bound: blocks past the row's last visible slot are not visited (a pool row's table is padded
         # to the longest context, its unused splits cost one empty program).
         if HAS_LIMITS:
-            visible_before = tl.load(limit_ptr + b).to(tl.int32)
+            visible_before = tl.load(limit_ptr + b * stride_limit).to(tl.int32)
         left = tl.minimum(total - first, visible_before + length - 1 - first)  # slots of this split still seen
         blocks = tl.minimum(blocks_per_split, tl.cdiv(tl.maximum(left, 0), BLOCK_S))
+    # PAGED: each block's page numbers are loaded one block ahead, so the latent loads, which need them, do not
+    # wait a memory round trip for them in every block (the loop then has no load that depends on another of
+    # the same iteration, which is what lets the latent loads pipeline).
+    slots = first + tl.arange(0, BLOCK_S)
+    page_next = tl.zeros((BLOCK_S,), dtype=tl.int64)
+    if PAGED:
+        page_next = tl.load(table_ptr + b * stride_tb + (slots // PAGE) * stride_tp, mask=slots < total,
+                            other=0).to(tl.int64)
     for i in range(0, blocks):
         slots = first + i * BLOCK_S + tl.arange(0, BLOCK_S)
         visible = slots < total
@@ -68,9 +76,12 @@ def mla_decode_split(q_ptr, qr_ptr, lat_ptr, kr_ptr, mask_ptr, out_ptr, part_ptr
         else:
             visible = visible & (slots < visible_before + t)
         if PAGED:
-            page = tl.load(table_ptr + b * stride_tb + (slots // PAGE) * stride_tp, mask=visible, other=0)
-            lat_rows = page.to(tl.int64) * stride_lb + (slots % PAGE) * stride_ls
-            kr_rows = page.to(tl.int64) * stride_kb + (slots % PAGE) * stride_ks
+            page = page_next
+            ahead = slots + BLOCK_S
+            page_next = tl.load(table_ptr + b * stride_tb + (ahead // PAGE) * stride_tp, mask=ahead < total,
+                                other=0).to(tl.int64)
+            lat_rows = page * stride_lb + (slots % PAGE) * stride_ls
+            kr_rows = page * stride_kb + (slots % PAGE) * stride_ks
         else:
             lat_rows = b * stride_lb + slots * stride_ls
             kr_rows = b * stride_kb + slots * stride_ks

@@ -97,6 +97,43 @@ def test_static_cache_mask_hides_the_unfilled_capacity(length):
     torch.testing.assert_close(got, latent_attention_einsum(q, qr, *clean, mask, 0, SCALE), **TOL)
 
 
+@interpreted
+@pytest.mark.parametrize("length", [1, 2])
+@pytest.mark.parametrize("splits", [None, 3])
+def test_static_cache_limits_equal_its_mask(length, splits):
+    """StaticMLASlot's visible_limits (one [B] position broadcast with stride 0) are its mask in the kernel's
+    other form: the same output, with the unfilled NaN capacity never visited."""
+    config = _config()
+    batch, capacity, filled = 3, 83, 37
+    slot = StaticMLASlot(config, batch, capacity, torch.tensor(filled), torch.device("cpu"), torch.float32)
+    q, qr, lat, kr = _inputs(batch, 3, length, 48, 8, capacity, seed=4)
+    slot.latent[:, :filled], slot.k_rope[:, :filled] = lat[:, :filled], kr[:, :filled]
+    slot.latent[:, filled:], slot.k_rope[:, filled:] = float("nan"), float("nan")
+    latent, k_rope = slot.append(lat[:, filled:filled + length], kr[:, filled:filled + length])
+    limits = slot.visible_limits
+    assert limits.shape == (batch,) and limits.stride() == (0,) and limits.dtype == torch.int32
+    by_mask = _kernel(q, qr, latent, k_rope, slot.visible_mask, 0, splits=splits)
+    by_limits = _kernel(q, qr, latent, k_rope, None, 0, splits=splits, limits_B=limits)
+    assert torch.isfinite(by_limits).all()
+    torch.testing.assert_close(by_limits, by_mask, **TOL)
+    with pytest.raises(ValueError, match="not both"):
+        _kernel(q, qr, latent, k_rope, slot.visible_mask, 0, limits_B=limits)
+    with pytest.raises(ValueError, match=r"limits_B must be \[B\]"):
+        _kernel(q, qr, latent, k_rope, None, 0, limits_B=limits[:2])
+
+
+@interpreted
+def test_limits_per_row():
+    """Rows at different positions in one launch (a [B] of distinct limits, contiguous)."""
+    q, qr, lat, kr = _inputs(3, 2, 1, 32, 8, 50, seed=5)
+    limits = torch.tensor([50, 17, 33], dtype=torch.int32)
+    got = _kernel(q, qr, lat, kr, None, 0, splits=2, limits_B=limits)
+    for b, limit in enumerate(limits.tolist()):
+        want = latent_attention_einsum(q[b:b + 1], qr[b:b + 1], lat[b:b + 1, :limit], kr[b:b + 1, :limit], None, 0,
+                                       SCALE)
+        torch.testing.assert_close(got[b:b + 1], want, **TOL)
+
+
 def _pool(config, batch, page_size=8, pages_per_row=6):
     """A cache pool of random contents and a page table giving each row its own shuffled pages."""
     pool = CachePool(config, num_slots=batch, num_pages=batch * pages_per_row, page_size=page_size,
