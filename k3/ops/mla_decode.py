@@ -27,7 +27,7 @@ over all -inf does (0 / 0 in the kernel); decode never produces such a row.
 Precision: the kernel keeps scores and probabilities in fp32 and casts the probabilities to the cache's dtype
 for the value product, as flash attention does; the twin rounds the scores to q's dtype first (bf16 einsum).
 
-Switch: K3_MLA_DECODE=auto|triton|einsum, default einsum (DEFAULT_BACKEND says why). auto takes the kernel for
+Switch: K3_MLA_DECODE=auto|triton|einsum, default auto (DEFAULT_BACKEND says why). auto takes the kernel for
 CUDA tensors in bf16/fp16, at most DECODE_MAX_TOKENS queries per row and no autograd graph (inference), with a mask
 form above, when triton imports; einsum otherwise (training and CPU do not change). An auto-chosen kernel that
 Triton cannot compile warns once and that variant runs the twin from then on
@@ -63,7 +63,11 @@ ALL_VISIBLE = 1 << 30  # `visible_before` of an unmasked call: no slot index rea
 # processes), and the uncompiled batch-64 graph 4.86 against 5.15 ms; the compiled batch-64 step is not yet
 # measured. Later (the wide sweep, bench/mla_decode.py --wide-sweep) 16-slot blocks on 2 warps with twice the
 # splits made 147 us a layer at batch 64; they are the batch defaults now. K3_MLA_DECODE=auto or triton opts in.
-DEFAULT_BACKEND = "einsum"
+# Then the static cache gave the kernel its visibility as [B] limits instead of the [T, S] mask (no mask load
+# in the loop, whose latent loads waited on it; unfilled capacity not visited): alone at batch 64, 95.0 us a
+# layer against 158.1 with the mask and 232.2 for the einsum (floor 83.9), and the compiled batch-64 step 2.97
+# against 3.34 ms. So auto is the default now.
+DEFAULT_BACKEND = "auto"
 # The engine's paged pool (latent_attention_paged): the twin first copies every row's pages, padded to the
 # longest context, out of the pool, where the kernel reads them in place and only up to each row's position.
 # Measured in the engine on one H200 (bench/engine.py --mla-backends einsum auto, `small`, 1,024-token prompts,

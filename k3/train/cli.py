@@ -8,6 +8,7 @@ import json
 import torch
 
 from k3.layers.balancing import QB_AGGREGATES, QB_MAX_ITERS
+from k3.train.profile import PROFILE_AFTER, PROFILE_STEPS
 from k3.train.schedule import parse_seq_len_schedule
 from k3.train.trainer import TrainConfig, Trainer
 
@@ -33,7 +34,7 @@ def train_command(args: argparse.Namespace) -> int:
         if args.seq_len_schedule:
             fields["seq_len_schedule"] = parse_seq_len_schedule(args.seq_len_schedule)
         config = TrainConfig(**fields)
-    trainer = Trainer(config, resume=args.resume, resume_overrides=overrides)
+    trainer = Trainer(config, resume=args.resume, resume_overrides=overrides, profile=args.profile)
     summary = trainer.train()
     if trainer.dist is not None:
         from k3.distributed import shutdown
@@ -115,6 +116,11 @@ def register(subparsers) -> None:
                        help="experimental; CUDA, one process: replay each step's forward and backward from one "
                             "CUDA graph (no host launch overhead); rows train as plain [batch, seq_len] sequences, documents inside "
                             "a row not separated; QB takes a fixed number of updates on the device")
+    train.add_argument("--profile", metavar="DIR",
+                       help=f"profile steps {PROFILE_AFTER + 1}-{PROFILE_AFTER + PROFILE_STEPS} of this run (after "
+                            f"the first ones, which compile kernels) with torch.profiler and write "
+                            f"DIR/profile_steps_A-B.txt: wall vs kernel vs host time per step, host syncs per step, "
+                            f"the kernel and op tables")
     train.add_argument("--checkpoint-format", choices=["full", "sharded"], dest="checkpoint_format",
                        help="full (default): DIR/checkpoint.pt, gathered on rank 0; sharded: DIR/checkpoint/, "
                             "every rank writes its own shards (for models too large to gather); both resume under "

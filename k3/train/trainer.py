@@ -46,6 +46,7 @@ from k3.model import K3ForCausalLM
 from k3.train.graphed_step import QB_GRAPH_UPDATES, GraphedTrainStep
 from k3.train.metrics import MetricsLog, plot_metrics
 from k3.train.optim import build_optimizer, lr_at
+from k3.train.profile import PROFILE_AFTER, StepProfiler
 from k3.train.schedule import check_seq_len_schedule, rows_for, stage_at
 
 
@@ -199,8 +200,10 @@ class Trainer:
     that max_steps sets the cosine schedule's length, so changing it changes the learning rates that follow)."""
 
     def __init__(self, config: TrainConfig, resume: bool = False, log: Callable[[str], None] = print,
-                 show_progress: bool = True, resume_overrides: dict[str, Any] | None = None) -> None:
+                 show_progress: bool = True, resume_overrides: dict[str, Any] | None = None,
+                 profile: str | Path | None = None) -> None:
         self.log = log
+        self.profile_dir = profile  # k3.train.profile: a torch.profiler report of a few steps, written there
         self.show_progress = show_progress
         self.out = Path(config.out)
         found = saved_format(self.out)
@@ -613,6 +616,12 @@ class Trainer:
         tokens_seen = 0
         bar = tqdm(total=config.max_steps, initial=self.step, desc="train", unit="step",
                    disable=not self.show_progress, dynamic_ncols=True)
+        profiler = None
+        if self.profile_dir is not None:
+            profiler = StepProfiler(self.profile_dir, self.step + PROFILE_AFTER + 1, self.device)
+            if profiler.first > config.max_steps:
+                self.log(f"--profile: the run ends before step {profiler.first}, where the profile would start "
+                         f"(it skips the first {PROFILE_AFTER} steps, which compile kernels); nothing profiled")
         try:
             while self.step < config.max_steps:
                 if stop_at is not None and self.step >= stop_at:
@@ -626,7 +635,14 @@ class Trainer:
                     # kernel cache, with nothing else to show that the run is alive.
                     bar.set_postfix_str("first step: compiling GPU kernels (minutes on a cold kernel cache)")
                     bar.refresh()
+                if profiler is not None:
+                    profiler.before(self.step + 1)
                 record = self._train_step()
+                if profiler is not None:
+                    profiler.after(self.step, record["step_seconds"])
+                    if profiler.written is not None and "profile" not in summary:
+                        summary["profile"] = str(profiler.written)
+                        self.log(f"profile of steps {profiler.first}-{self.step} written to {profiler.written}")
                 if "first_step_s" not in summary:
                     summary["first_step_s"] = record["step_seconds"]
                     if self.device.type == "cuda":
@@ -642,6 +658,10 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
+            if profiler is not None and profiler.written is None:
+                profiler.close()  # stopped inside the window: what was profiled is still written
+                if profiler.written is not None:
+                    summary["profile"] = str(profiler.written)
         elapsed = time.perf_counter() - started
         if summary["stopped"] == "time_budget":
             summary["last_val_loss"] = self.evaluate()

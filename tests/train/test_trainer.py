@@ -141,3 +141,32 @@ def test_cli_train_then_resume(tmp_path, corpus_dir, capsys):
     assert json.loads(out.strip().splitlines()[-2])["steps"] == 3
     assert sorted(losses(run)) == [1, 2, 3]
     assert math.isfinite(losses(run)[3])
+
+
+def test_profile_reports_a_window_of_steps_after_the_first_ones(tmp_path, corpus_dir, small_config):
+    """`--profile DIR`: steps 4-6 under torch.profiler (the first three compile kernels on a GPU), one report
+    with the per-step times, the host syncs and the op table; the run itself is unchanged."""
+    from k3.train.profile import PROFILE_AFTER, PROFILE_STEPS
+
+    run = tmp_path / "run"
+    summary = Trainer(small_config(run, corpus_dir, max_steps=7, eval_every=7), show_progress=False,
+                      profile=tmp_path / "prof").train()
+    first, last = PROFILE_AFTER + 1, PROFILE_AFTER + PROFILE_STEPS
+    report = tmp_path / "prof" / f"profile_steps_{first}-{last}.txt"
+    assert summary["profile"] == str(report) and summary["steps"] == 7
+    text = report.read_text()
+    assert text.startswith(f"k3 train profile: steps {first}-{last} ({PROFILE_STEPS} steps)")
+    seconds = [r["step_seconds"] for r in read_metrics(run / "metrics.jsonl") if first <= r.get("step", 0) <= last
+               and "loss" in r]
+    wall = float(text.splitlines()[1].split()[3])
+    assert wall == pytest.approx(1e3 * sum(seconds) / len(seconds), abs=0.15)
+    assert "host synchronisations per step:" in text and "aten::mm" in text  # the op table of the steps
+    assert list(tmp_path.glob("prof/*")) == [report]
+
+
+def test_profile_of_a_run_that_stops_inside_the_window_is_still_written(tmp_path, corpus_dir, small_config):
+    run = tmp_path / "run"
+    summary = Trainer(small_config(run, corpus_dir, max_steps=5, eval_every=5), show_progress=False,
+                      profile=tmp_path / "prof").train()
+    assert summary["profile"].endswith("profile_steps_4-5.txt")
+    assert "steps 4-5 (2 steps)" in Path(summary["profile"]).read_text()
