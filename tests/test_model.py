@@ -116,3 +116,24 @@ def test_debug_model_trains_and_balances():
     biases = [r.e_score_correction_bias for _, r in model.routers()]
     assert all(torch.count_nonzero(b) > 0 for b in biases)  # QB moved the selection biases
 
+
+
+def test_per_document_attention_leaves_out_cudnn(monkeypatch):
+    """Packed documents: each document's SDPA call runs with cuDNN's backend disabled (it builds a plan per new
+    shape: k3.layers.mla.PER_DOCUMENT_BACKENDS); an unpacked forward keeps PyTorch's own choice."""
+    import torch.nn.functional as F
+
+    seen = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *a, **k: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or real(*a, **k))
+    model = make()
+    ids = torch.randint(0, model.config.vocab_size, (1, 40))
+    with torch.no_grad():
+        model(ids, cu_seqlens=torch.tensor([0, 7, 8, 30, 40]))
+    mla_layers = sum(layer.attention_type == "mla" for layer in model.model.layers)
+    assert seen == [False] * 4 * mla_layers  # four documents per MLA layer
+    seen.clear()
+    with torch.no_grad():
+        model(ids)
+    assert seen == [torch.backends.cuda.cudnn_sdp_enabled()] * mla_layers

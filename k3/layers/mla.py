@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from k3.config import ModelConfig
@@ -23,6 +24,11 @@ from k3.ops.linear_triton import project
 from k3.ops.mla_decode import latent_attention, latent_attention_paged
 
 # With a cache, up to this many new tokens attend in latent space (absorbed); longer inputs use expanded SDPA.
+# Packed documents give per-document attention a new (length, length) shape at nearly every call, and cuDNN's
+# SDPA builds an execution plan for each new shape: in `k3 train --preset small` on one H200 (packed 2048-token
+# rows, `k3 train --profile`) its forward and backward took 7.3 and 8.1 ms of host time per call, 736 ms of a
+# 1,364 ms step whose kernels took 630. Flash and memory-efficient attention build nothing per shape.
+PER_DOCUMENT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 ABSORB_MAX_TOKENS = 16
 
 
@@ -114,9 +120,10 @@ class GatedMLA(nn.Module):
             # costs sum(len^2) instead of the (total)^2 of a block-diagonal mask over the whole pack.
             qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
             bounds = cu_seqlens.tolist()
-            pieces = [F.scaled_dot_product_attention(qt[:, :, a:b], kt[:, :, a:b], vt[:, :, a:b],
-                                                     is_causal=b - a > 1, scale=self.scaling)
-                      for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+            with sdpa_kernel(PER_DOCUMENT_BACKENDS):  # no cuDNN: a plan per new shape (see PER_DOCUMENT_BACKENDS)
+                pieces = [F.scaled_dot_product_attention(qt[:, :, a:b], kt[:, :, a:b], vt[:, :, a:b],
+                                                         is_causal=b - a > 1, scale=self.scaling)
+                          for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
             return torch.cat(pieces, dim=2).transpose(1, 2)  # [B, T, H, v]
         # After `past` cached tokens the causal diagonal sits bottom-right. causal_lower_right says so without
         # a [T, past + T] boolean mask (64 GB for a 64K chunk at 1M context) and keeps the flash kernels.
