@@ -151,6 +151,10 @@ QB_MAX_ITERS = 64
 # Exact balance (tolerance 0) costs many more updates on large batches of near-tied scores: on one H200 at
 # 16K tokens, 64 experts, top-6, the exact solve took ~45 updates per layer, 40% of the `small` training step.
 QB_TOLERANCE = 0.01
+# On a GPU the training forward's solver reads its stopping test on the host once per this many updates (see
+# solve_batch_bias; same bias, same count). In `k3 train --preset small` on one H200 the solver took about 18
+# updates per layer and step, each a host wait on the device: 1,130 host reads of device values per step.
+QB_SYNC_EVERY = 4
 
 
 def balanced_enough(load_E: torch.Tensor, top_k: int, num_tokens: int, tolerance: float = 0.0) -> bool:
@@ -176,7 +180,7 @@ def _inside_quota(low: float, high: float, top_k: int, num_tokens: int, num_expe
 def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, max_iters: int = QB_MAX_ITERS,
                      gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
                      reduce: Callable[[torch.Tensor, str], torch.Tensor] | None = None,
-                     tolerance: float = 0.0) -> tuple[torch.Tensor, int]:
+                     tolerance: float = 0.0, sync_every: int = 1) -> tuple[torch.Tensor, int]:
     """The bias that balances this batch: the QB update (SPEC section 7, with the exact cutoffs of
     required_bias(of_others=True)) iterated from `bias_E` on the same scores [T, E] until top-k on s + b gives
     every expert its quota (within `tolerance`, see balanced_enough), or `max_iters` updates. Returns
@@ -185,7 +189,15 @@ def solve_batch_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, 
 
     One top-(k+1) per update serves both the load test of the current bias and the next update's cutoffs.
     Over data-parallel ranks, `gather` (exact) or `reduce` (histograms) pool the statistics of every update
-    and the loads of the stopping test, so every rank takes the same number of updates and the same bias."""
+    and the loads of the stopping test, so every rank takes the same number of updates and the same bias.
+
+    sync_every > 1 (one rank): the stopping test stays on the device and the host reads it once per
+    `sync_every` updates (solve_batch_bias_on_device's bookkeeping), for the same bias and count: up to
+    sync_every - 1 updates past the balanced one are computed and discarded, and the host waits on the device
+    sync_every times less often (on a GPU each wait drains the queue the host would otherwise run ahead of)."""
+    if sync_every > 1 and gather is None and reduce is None:
+        bias, used = _solve_on_device(scores_TE, bias_E, top_k, max_iters, tolerance, sync_every)
+        return bias, int(used)
     num_experts = scores_TE.shape[1]
     if top_k >= num_experts:
         return torch.zeros_like(bias_E, dtype=torch.float32), 0
@@ -235,6 +247,13 @@ def solve_batch_bias_on_device(scores_TE: torch.Tensor, bias_E: torch.Tensor, to
     kept (later updates are computed and discarded), so the result equals solve_batch_bias's whenever that one
     stops within `updates`; otherwise it is the most balanced iterate, as solve_batch_bias's is at its cap. Returns (bias [E] fp32, updates used as a 0-dim int64 tensor: `updates` when not balanced).
     One rank only: the gathered and histogram aggregations over ranks need the host-side solver."""
+    return _solve_on_device(scores_TE, bias_E, top_k, updates, tolerance, sync_every=None)
+
+
+def _solve_on_device(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, updates: int, tolerance: float,
+                     sync_every: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The device-side solver; with `sync_every`, the host reads the stopping test before the first update and
+    after every `sync_every` updates and stops once the batch is balanced (the result is the same)."""
     num_tokens, num_experts = scores_TE.shape
     if top_k >= num_experts:
         return torch.zeros_like(bias_E, dtype=torch.float32), torch.zeros((), dtype=torch.long,
@@ -254,6 +273,8 @@ def solve_batch_bias_on_device(scores_TE: torch.Tensor, bias_E: torch.Tensor, to
     result = bias - bias.mean()
     used = torch.zeros((), dtype=torch.long, device=scores.device)
     best, best_peak = bias, peak
+    if sync_every is not None and bool(done):
+        return result, used
     for step in range(1, updates + 1):
         update = quantile_bias(scores, bias, top_k, of_others=True, top=top)
         candidate = update if step % 2 == 1 else 0.5 * (bias + update)  # the half steps of solve_batch_bias
@@ -266,6 +287,8 @@ def solve_batch_bias_on_device(scores_TE: torch.Tensor, bias_E: torch.Tensor, to
         best = torch.where(better, bias, best)
         best_peak = torch.where(better, peak, best_peak)
         done = done | newly
+        if sync_every is not None and step % sync_every == 0 and step < updates and bool(done):
+            break
     return torch.where(done, result, best), torch.where(done, used, updates)
 
 

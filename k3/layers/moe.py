@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.layers.balancing import (QB_MAX_ITERS, QB_TOLERANCE, loss_free_bias, maxvio, solve_batch_bias,
+from k3.layers.balancing import (QB_MAX_ITERS, QB_SYNC_EVERY, QB_TOLERANCE, loss_free_bias, maxvio, solve_batch_bias,
                                   solve_batch_bias_on_device)
 from k3.layers.mlp import GLUMLP, glu_activation
 from k3.layers.norm import RMSNorm
@@ -139,7 +139,8 @@ class Router(nn.Module):
                     else:
                         new_bias, self.last_qb_iters = solve_batch_bias(
                             scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.qb_max_iters,
-                            gather=self.gather, reduce=self.reduce, tolerance=self.qb_tolerance)
+                            gather=self.gather, reduce=self.reduce, tolerance=self.qb_tolerance,
+                            sync_every=QB_SYNC_EVERY if scores_TE.is_cuda else 1)
                     self.e_score_correction_bias.copy_(new_bias)
             topk_ids_TK = (scores_TE.detach() + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
         weights_TK = scores_TE.gather(1, topk_ids_TK)

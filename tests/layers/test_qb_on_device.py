@@ -51,6 +51,35 @@ def test_at_the_cap_it_returns_the_most_balanced_iterate_as_the_host_solver_does
     assert maxvio(expert_load((scores + got).topk(K, dim=-1).indices, E)) < plain
 
 
+@pytest.mark.parametrize("sync_every", [2, 4, 7])
+@pytest.mark.parametrize("seed, skew, cap", [(0, 1.5, 200), (3, 1.5, 200), (3, 3.0, 3), (1, 3.0, 5), (2, 1.5, 4)])
+def test_host_solver_checking_every_few_updates_gives_the_same_bias_and_count(sync_every, seed, skew, cap):
+    """solve_batch_bias(sync_every=R): the stopping test read once per R updates (what the training forward
+    does on a GPU) stops at the same iterate with the same count, at the cap too; it reads the device R times
+    less often."""
+    scores = skewed_scores(2048, seed, skew=skew)
+    start = 0.1 * torch.randn(E, generator=torch.Generator().manual_seed(200 + seed))
+    want, used = solve_batch_bias(scores, start, K, max_iters=cap, tolerance=0.01)
+    reads = []
+    real_bool = torch.Tensor.__bool__
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.append(1) or real_bool(t))
+    try:
+        got, got_used = solve_batch_bias(scores, start, K, max_iters=cap, tolerance=0.01, sync_every=sync_every)
+    finally:
+        monkeypatch.undo()
+    assert got_used == used and torch.equal(got, want)
+    assert len(reads) <= 1 + used // sync_every + 1
+
+
+def test_host_solver_with_sync_every_on_an_already_balanced_batch():
+    scores = skewed_scores(1024, 7)
+    solved, _ = solve_batch_bias(scores, torch.zeros(E), K, max_iters=200)
+    want, host_used = solve_batch_bias(scores, solved, K, max_iters=3)
+    got, used = solve_batch_bias(scores, solved, K, max_iters=3, sync_every=4)
+    assert used == host_used == 0 and torch.equal(got, want)
+
+
 def test_no_host_read(monkeypatch):
     """The solver must not read a tensor back (a CUDA-graph capture fails on that): Tensor.item, tolist and
     __bool__ raise while it runs."""
