@@ -18,7 +18,17 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
             continue
         (decay if param.dim() >= 2 and "embed_tokens" not in name else no_decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused_pays(decay + no_decay) or None)
+
+
+def fused_pays(params: list[torch.Tensor]) -> bool:
+    """PyTorch's fused AdamW (one kernel over all parameters a step) for plain CUDA tensors; the default
+    (foreach) otherwise: CPU, and sharded (DTensor) parameters, whose meshes may differ under expert
+    parallelism. On one H200 the foreach step of `small`'s fp32 weights took 38 ms of kernel time a step
+    (`k3 train --profile`; BENCHMARKS.md, round ten); bench/train.py has always timed the fused one."""
+    from torch.distributed.tensor import DTensor
+
+    return bool(params) and all(p.is_cuda and p.is_floating_point() and not isinstance(p, DTensor) for p in params)
 
 
 def lr_at(step: int, max_steps: int, peak_lr: float, warmup_steps: int, min_lr_ratio: float = 0.1) -> float:

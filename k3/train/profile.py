@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from k3.checkpoint.native import atomic_write_bytes
@@ -25,7 +26,11 @@ ROWS = 40
 SYNC_EVENTS = ("aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
-def _device_time_us(event) -> float:
+def _kernel_time_us(event) -> float:
+    """An event's device time when it is a kernel (or copy) on the device; 0 for host ops, whose self device
+    time repeats their kernels' (as torch.profiler's own "Self CUDA time total" counts)."""
+    if event.device_type != DeviceType.CUDA or getattr(event, "is_user_annotation", False):
+        return 0.0
     return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0) or 0.0
 
 
@@ -75,7 +80,7 @@ class StepProfiler:
         steps = max(1, len(self.seconds))
         last = self.first + len(self.seconds) - 1
         wall_ms = 1e3 * sum(self.seconds) / steps
-        device_ms = sum(_device_time_us(e) for e in events) / 1e3 / steps
+        device_ms = sum(_kernel_time_us(e) for e in events) / 1e3 / steps
         host_ms = sum(e.self_cpu_time_total for e in events) / 1e3 / steps
         syncs = {e.key: e.count / steps for e in events if e.key in SYNC_EVENTS}
         lines = [f"k3 train profile: steps {self.first}-{last} ({len(self.seconds)} steps)",

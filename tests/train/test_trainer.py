@@ -170,3 +170,29 @@ def test_profile_of_a_run_that_stops_inside_the_window_is_still_written(tmp_path
                       profile=tmp_path / "prof").train()
     assert summary["profile"].endswith("profile_steps_4-5.txt")
     assert "steps 4-5 (2 steps)" in Path(summary["profile"]).read_text()
+
+
+def test_optimizer_is_fused_only_for_plain_cuda_parameters():
+    from k3.train.optim import build_optimizer, fused_pays
+
+    model = K3ForCausalLM(ModelConfig.from_preset("debug"))
+    optimizer = build_optimizer(model, 1e-3, 0.1)
+    assert not optimizer.defaults["fused"] and not fused_pays(list(model.parameters()))
+    assert not fused_pays([])
+    if torch.cuda.is_available():
+        cuda_model = K3ForCausalLM(ModelConfig.from_preset("debug")).cuda()
+        assert build_optimizer(cuda_model, 1e-3, 0.1).defaults["fused"]
+
+
+def test_profile_counts_each_kernel_once():
+    """A host op's self device time repeats its kernels'; only device events (not user annotations) count."""
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from k3.train.profile import _kernel_time_us
+
+    events = [SimpleNamespace(device_type=DeviceType.CPU, self_device_time_total=100.0, is_user_annotation=False),
+              SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=100.0, is_user_annotation=False),
+              SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=40.0, is_user_annotation=True)]
+    assert sum(_kernel_time_us(e) for e in events) == 100.0
