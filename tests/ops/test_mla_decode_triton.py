@@ -77,20 +77,25 @@ def _config(**overrides):
     return ModelConfig.from_preset("debug", mla_num_heads=3, kv_lora_rank=48, qk_rope_head_dim=8, **overrides)
 
 
+def _half_filled_slot(batch: int, length: int, seed: int, capacity: int = 83, filled: int = 37):
+    """A StaticMLASlot with `filled` slots of values, NaN after them, then `length` tokens appended: (slot,
+    (q_latent, q_rope, latent, k_rope)) as the layer would pass them to the kernel."""
+    slot = StaticMLASlot(_config(), batch, capacity, torch.tensor(filled), torch.device("cpu"), torch.float32)
+    q, qr, lat, kr = _inputs(batch, 3, length, 48, 8, capacity, seed=seed)
+    slot.latent[:, :filled], slot.k_rope[:, :filled] = lat[:, :filled], kr[:, :filled]
+    slot.latent[:, filled:], slot.k_rope[:, filled:] = float("nan"), float("nan")
+    latent, k_rope = slot.append(lat[:, filled:filled + length], kr[:, filled:filled + length])
+    return slot, (q, qr, latent, k_rope)
+
+
 @interpreted
 @pytest.mark.parametrize("length", [1, 2])
 def test_static_cache_mask_hides_the_unfilled_capacity(length):
     """StaticMLASlot's [T, capacity] mask, computed on the device from its position. The unfilled slots hold
     NaN: the kernel never loads them (the einsum twin, whose zero probabilities multiply them, would be NaN)."""
-    config = _config()
-    batch, capacity, filled = 2, 83, 37
-    slot = StaticMLASlot(config, batch, capacity, torch.tensor(filled), torch.device("cpu"), torch.float32)
-    q, qr, lat, kr = _inputs(batch, 3, length, 48, 8, capacity, seed=3)
-    slot.latent[:, :filled], slot.k_rope[:, :filled] = lat[:, :filled], kr[:, :filled]
-    slot.latent[:, filled:], slot.k_rope[:, filled:] = float("nan"), float("nan")
-    latent, k_rope = slot.append(lat[:, filled:filled + length], kr[:, filled:filled + length])
+    slot, (q, qr, latent, k_rope) = _half_filled_slot(batch=2, length=length, seed=3)
     mask = slot.visible_mask
-    assert mask.shape == (length, capacity)
+    assert mask.shape == (length, slot.latent.shape[1])
     got = _kernel(q, qr, latent, k_rope, mask, 0, splits=3)
     assert torch.isfinite(got).all()
     clean = [t.nan_to_num(0.0) for t in (latent, k_rope)]
@@ -103,13 +108,8 @@ def test_static_cache_mask_hides_the_unfilled_capacity(length):
 def test_static_cache_limits_equal_its_mask(length, splits):
     """StaticMLASlot's visible_limits (one [B] position broadcast with stride 0) are its mask in the kernel's
     other form: the same output, with the unfilled NaN capacity never visited."""
-    config = _config()
-    batch, capacity, filled = 3, 83, 37
-    slot = StaticMLASlot(config, batch, capacity, torch.tensor(filled), torch.device("cpu"), torch.float32)
-    q, qr, lat, kr = _inputs(batch, 3, length, 48, 8, capacity, seed=4)
-    slot.latent[:, :filled], slot.k_rope[:, :filled] = lat[:, :filled], kr[:, :filled]
-    slot.latent[:, filled:], slot.k_rope[:, filled:] = float("nan"), float("nan")
-    latent, k_rope = slot.append(lat[:, filled:filled + length], kr[:, filled:filled + length])
+    batch = 3
+    slot, (q, qr, latent, k_rope) = _half_filled_slot(batch=batch, length=length, seed=4)
     limits = slot.visible_limits
     assert limits.shape == (batch,) and limits.stride() == (0,) and limits.dtype == torch.int32
     by_mask = _kernel(q, qr, latent, k_rope, slot.visible_mask, 0, splits=splits)
