@@ -23,12 +23,12 @@ from k3.layers.norm import RMSNorm
 from k3.ops.linear_triton import project
 from k3.ops.mla_decode import latent_attention, latent_attention_paged
 
-# With a cache, up to this many new tokens attend in latent space (absorbed); longer inputs use expanded SDPA.
 # Packed documents give per-document attention a new (length, length) shape at nearly every call, and cuDNN's
 # SDPA builds an execution plan for each new shape: in `k3 train --preset small` on one H200 (packed 2048-token
 # rows, `k3 train --profile`) its forward and backward took 7.3 and 8.1 ms of host time per call, 736 ms of a
 # 1,364 ms step whose kernels took 296. Flash and memory-efficient attention build nothing per shape.
 PER_DOCUMENT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# With a cache, up to this many new tokens attend in latent space (absorbed); longer inputs use expanded SDPA.
 ABSORB_MAX_TOKENS = 16
 
 

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.layers.balancing import (QB_MAX_ITERS, QB_SYNC_EVERY, QB_TOLERANCE, loss_free_bias, maxvio, solve_batch_bias,
-                                  solve_batch_bias_on_device)
+from k3.layers.balancing import (QB_MAX_ITERS, QB_SYNC_EVERY, QB_TOLERANCE, loss_free_bias, maxvio,
+                                  solve_batch_bias, solve_batch_bias_on_device)
 from k3.layers.mlp import GLUMLP, glu_activation
 from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import fused, linear_group

@@ -62,7 +62,7 @@ ALL_VISIBLE = 1 << 30  # `visible_before` of an unmasked call: no slot index rea
 # now takes the sweep's best. With them, the compiled batch-1 step made 1.51 ms against 1.48 for einsum (two
 # processes), and the uncompiled batch-64 graph 4.86 against 5.15 ms; the compiled batch-64 step is not yet
 # measured. Later (the wide sweep, bench/mla_decode.py --wide-sweep) 16-slot blocks on 2 warps with twice the
-# splits made 147 us a layer at batch 64; they are the batch defaults now. K3_MLA_DECODE=auto or triton opts in.
+# splits made 147 us a layer at batch 64; they are the batch defaults now (the kernel was still opt-in then).
 # Then the static cache gave the kernel its visibility as [B] limits instead of the [T, S] mask (no mask load
 # in the loop, whose latent loads waited on it; unfilled capacity not visited): alone at batch 64, 95.0 us a
 # layer against 158.1 with the mask and 232.2 for the einsum (floor 83.9), and the compiled batch-64 step 2.97
