@@ -62,18 +62,18 @@ class StepProfiler:
             return
         self.seconds.append(seconds)
         if step == self.last:
-            if self.cuda:
-                torch.cuda.synchronize()
-            self._profile.__exit__(None, None, None)
-            self.written = self._write(self._profile)
-            self._profile = None
+            self.close()
 
     def close(self) -> None:
-        """A run that stops inside the window still writes what it profiled."""
-        if self._profile is not None:
-            self._profile.__exit__(None, None, None)
-            self.written = self._write(self._profile)
-            self._profile = None
+        """Ends the window and writes the report; a run that stops inside the window still writes what it
+        profiled. Nothing to do outside the window."""
+        if self._profile is None:
+            return
+        if self.cuda:
+            torch.cuda.synchronize()
+        self._profile.__exit__(None, None, None)
+        self.written = self._write(self._profile)
+        self._profile = None
 
     def _write(self, prof) -> Path:
         events = prof.key_averages()

@@ -640,8 +640,7 @@ class Trainer:
                 record = self._train_step()
                 if profiler is not None:
                     profiler.after(self.step, record["step_seconds"])
-                    if profiler.written is not None and "profile" not in summary:
-                        summary["profile"] = str(profiler.written)
+                    if self.step == profiler.last:
                         self.log(f"profile of steps {profiler.first}-{self.step} written to {profiler.written}")
                 if "first_step_s" not in summary:
                     summary["first_step_s"] = record["step_seconds"]
@@ -658,10 +657,10 @@ class Trainer:
                     self.save()
         finally:
             bar.close()
-            if profiler is not None and profiler.written is None:
+            if profiler is not None:
                 profiler.close()  # stopped inside the window: what was profiled is still written
-                if profiler.written is not None:
-                    summary["profile"] = str(profiler.written)
+        if profiler is not None and profiler.written is not None:
+            summary["profile"] = str(profiler.written)
         elapsed = time.perf_counter() - started
         if summary["stopped"] == "time_budget":
             summary["last_val_loss"] = self.evaluate()
