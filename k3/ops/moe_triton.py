@@ -27,8 +27,9 @@ from k3.ops.triton_support import interpreting, kernel_module, multiprocessors, 
 
 # Above this many routed rows the grouped GEMM's large tiles win (prefill); at or below it, these kernels.
 TRITON_MAX_ROWS = 1024
-# expert_matmul_by_ids scans the routed expert ids in chunks of this many pairs.
-PAIR_BLOCK = 256
+# expert_matmul_by_ids scans the routed expert ids in chunks of this many pairs. One chunk for a batch-64 decode step
+# (384 pairs): 63 us per `small` MoE layer where chunks of 256 took 69 (bench/moe_decode.py --pair-blocks, one H200).
+PAIR_BLOCK = 512
 
 
 def kernels(interpret: bool):

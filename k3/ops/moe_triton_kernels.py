@@ -75,6 +75,24 @@ def expert_matmul(x_ptr, w_ptr, w3_ptr, out_ptr, counts_ptr,
 
 
 @triton.jit
+def _pairs_of_expert(ids_ptr, num_pairs, expert, first_rank, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr):
+    """One pass over the routed ids: the pairs of `expert` whose rank among its pairs (in pair order) is
+    first_rank .. first_rank + BLOCK_M - 1, as [BLOCK_M] int32 (0 past its last), and its number of pairs."""
+    ps = tl.arange(0, BLOCK_P)
+    ranks = first_rank + tl.arange(0, BLOCK_M)
+    pairs = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    count = 0  # this expert's pairs in the chunks scanned so far
+    for p0 in range(0, num_pairs, BLOCK_P):
+        ids = tl.load(ids_ptr + p0 + ps, mask=p0 + ps < num_pairs, other=-1)
+        mine = (ids == expert).to(tl.int32)
+        rank = count + tl.cumsum(mine, axis=0) - 1
+        picked = (mine[None, :] == 1) & (rank[None, :] == ranks[:, None])  # [BLOCK_M, BLOCK_P]
+        pairs += tl.sum(tl.where(picked, p0 + ps[None, :], 0), axis=1)
+        count += tl.sum(mine, axis=0)
+    return pairs, count
+
+
+@triton.jit
 def expert_matmul_by_ids(x_ptr, w_ptr, w3_ptr, out_ptr, ids_ptr, num_pairs,
                          stride_xn, stride_xd, stride_we, stride_wo, stride_wd, stride_3e, stride_3o, stride_3d,
                          stride_on, stride_oo, beta_gate, beta_up, out_width: tl.constexpr, in_width: tl.constexpr,
@@ -83,33 +101,22 @@ def expert_matmul_by_ids(x_ptr, w_ptr, w3_ptr, out_ptr, ids_ptr, num_pairs,
                          BLOCK_P: tl.constexpr):
     """Rows in pair order, no sort: pair p = t * top_k + k was routed to expert ids[p]; it reads x row
     p // PAIRS_PER_ROW (top_k for the token rows of the first projection, 1 for rows already in pair order) and
-    writes out row p. Each program finds its expert's pairs itself: a pass over ids counts them, and for each
-    block of BLOCK_M of them a second pass ranks the pairs (a running cumulative sum) and picks those whose rank
-    falls in the block, in pair order. That replaces the sort, its inverse, the count and two row permutations
-    (six launches per MoE layer) with a scan of N small integers per program."""
+    writes out row p. Each program finds its expert's pairs itself: one pass over ids ranks them (a running
+    cumulative sum), counts them and picks the first BLOCK_M, in pair order; an expert with more pairs takes one
+    more pass per further block. That replaces the sort, its inverse, the count and two row permutations (six
+    launches per MoE layer) with a scan of N small integers per program. (A separate counting pass before the
+    first block, as this kernel first had, put one more round of dependent loads before any weight was read.)"""
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < out_width
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wo
     w3_rows = w3_ptr + expert.to(tl.int64) * stride_3e + cols[:, None] * stride_3o
-    ps = tl.arange(0, BLOCK_P)
-    count = 0
-    for p0 in range(0, num_pairs, BLOCK_P):
-        ids = tl.load(ids_ptr + p0 + ps, mask=p0 + ps < num_pairs, other=-1)
-        count += tl.sum((ids == expert).to(tl.int32), axis=0)
+    pairs, count = _pairs_of_expert(ids_ptr, num_pairs, expert, 0, BLOCK_M, BLOCK_P)
     row0 = 0
     while row0 < count:  # no iteration for an expert with no pairs: none of its weights is read
-        ranks = row0 + tl.arange(0, BLOCK_M)
-        pairs = tl.zeros((BLOCK_M,), dtype=tl.int32)
-        before = 0  # this expert's pairs in earlier chunks
-        for p0 in range(0, num_pairs, BLOCK_P):
-            ids = tl.load(ids_ptr + p0 + ps, mask=p0 + ps < num_pairs, other=-1)
-            mine = (ids == expert).to(tl.int32)
-            rank = before + tl.cumsum(mine, axis=0) - 1
-            picked = (mine[None, :] == 1) & (rank[None, :] == ranks[:, None])  # [BLOCK_M, BLOCK_P]
-            pairs += tl.sum(tl.where(picked, p0 + ps[None, :], 0), axis=1)
-            before += tl.sum(mine, axis=0)
-        row_ok = ranks < count
+        if row0 > 0:
+            pairs, count = _pairs_of_expert(ids_ptr, num_pairs, expert, row0, BLOCK_M, BLOCK_P)
+        row_ok = row0 + tl.arange(0, BLOCK_M) < count
         acc = _glu_rows(x_ptr, pairs // PAIRS_PER_ROW, row_ok, stride_xn, stride_xd, w_rows, w3_rows, stride_wd,
                         stride_3d, col_ok, beta_gate, beta_up, in_width, GLU, SITU, UPCAST, BLOCK_M, BLOCK_N,
                         BLOCK_K)

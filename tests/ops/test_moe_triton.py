@@ -217,11 +217,13 @@ def _sorted_reference(h_TD, ids_TK, w1, w3, w2, act):
 @pytest.mark.parametrize("act", ["silu", "situ"])
 @pytest.mark.parametrize("num_tokens, top_k, blocks", [
     (1, 3, None), (7, 2, ((16, 16, 16), (16, 32, 16))),
-    (90, 3, ((16, 32, 32), (16, 32, 32))),  # 270 pairs: two chunks of the pair scan, expert 2 over 5 row blocks
-    # 240 pairs in one chunk, experts over two row blocks; warps and stages given
+    (90, 3, ((16, 32, 32), (16, 32, 32))),  # 270 pairs, expert 2 over 5 row blocks
+    # 240 pairs, experts over two row blocks; warps and stages given
     (80, 3, ((16, 32, 32, 2, 2), (16, 16, 64, 8, 4))),
 ])
-def test_pair_order_kernels_equal_the_sorted_loop(act, num_tokens, top_k, blocks):
+@pytest.mark.parametrize("pair_block", [128, moe_triton.PAIR_BLOCK])  # the ids scanned in 2-3 chunks, or in one
+def test_pair_order_kernels_equal_the_sorted_loop(act, num_tokens, top_k, blocks, pair_block, monkeypatch):
+    monkeypatch.setattr(moe_triton, "PAIR_BLOCK", pair_block)
     w1, w3, w2 = _experts(10, 48, 40, seed=4)
     h = torch.randn(num_tokens, 40, generator=torch.Generator().manual_seed(5))
     ids = _pairs(num_tokens, top_k, 10, seed=6)
