@@ -112,13 +112,17 @@ MOE_VARIANTS = {
     "logits": dict(_BEFORE, K3_FUSED_BACKEND="auto"),
     "logits_mla": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto"),
     "combo": dict(_BEFORE, K3_FUSED_BACKEND="auto"),
+    # logits_mla with every dense projection of up to k3.ops.linear_triton.SKINNY_MAX_ROWS rows on the skinny
+    # kernel (auto keeps cuBLAS past SKINNY_AUTO_MAX_ROWS rows)
+    "skinny_rows": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_LINEAR_BACKEND="triton"),
 }
 # "combo" also turns on Inductor's horizontal fusion of independent kernels (torch._inductor.config.combo_kernels,
 # off in k3 and by default) while its graph compiles: the step's 72 conv-window copies at batch 1 (about 1 us
 # each) are independent kernels of equal shape.
 INDUCTOR_CONFIG = {"combo": {"combo_kernels": True}}
 DEFAULT_LOGITS_MAX_TOKENS = moe_layers.COMPILED_LOGITS_MAX_TOKENS
-LOGITS_MAX_TOKENS = {name: DEFAULT_LOGITS_MAX_TOKENS for name in ("logits", "logits_mla", "combo")}  # else 0
+LOGITS_MAX_TOKENS = {name: DEFAULT_LOGITS_MAX_TOKENS
+                     for name in ("logits", "logits_mla", "combo", "skinny_rows")}  # else 0
 
 
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,

@@ -1,7 +1,7 @@
 """Routed experts of a decode step on one GPU: k3's Triton kernels against torch._grouped_mm, in one run.
 
 Usage: python bench/moe_decode.py [--models small matched] [--tokens 1 8 64 256] [--layers 15] [--launch-sweep]
-       [--dense] [--routing] [--router] [--skip-experts] [--out FILE]
+       [--dense] [--routing] [--router] [--skip-experts] [--pair-blocks 256 512] [--out FILE]
 
 For each model's expert shapes (`small`: 64 experts, top-6, latent 512, width 1024, SiTU; `matched`: 64 experts,
 top-6, hidden 1024, width 512, SiLU) and each token count: routing is top-k of random scores, and `--layers`
@@ -12,7 +12,7 @@ result is microseconds per layer. Paths:
             GLU, the down grouped GEMM (k3.ops.moe.experts_grouped_mm with w13)
   triton    k3.ops.moe_triton with its default block sizes; also every block size of a small sweep, best printed
 With --dense, also `small`'s dense decode projections (one weight [out, in] per layer, `--layers` of them), up to
-16 tokens:
+SKINNY_MAX_ROWS (64) tokens:
   linear    torch.nn.functional.linear (cuBLAS)
   triton    k3.ops.linear_triton's skinny kernel, default and swept blocks, warps and stages; and an empty Triton
             kernel, the fixed cost of one launch inside a graph
@@ -39,6 +39,8 @@ import torch
 from common import copy_bandwidth, device_name, graph_us_per_layer, print_table, relative_error, write_json
 
 from k3.ops.moe import experts_grouped_mm, experts_in_pair_order, experts_loop
+from k3.ops import moe_triton
+from k3.ops.linear_triton import SKINNY_MAX_ROWS
 from k3.ops.moe_triton import block_sizes, experts_by_ids_eager, experts_triton_eager
 
 SHAPES = {  # experts, top-k, expert width F, input width D, activation
@@ -53,7 +55,8 @@ LAUNCH_BLOCKS = ((16, 128), (32, 128), (32, 256), (64, 128), (16, 256))
 LAUNCH_WARPS_STAGES = ((4, 3), (2, 3), (8, 3), (4, 2), (4, 5))
 
 
-def bench_case(model: str, tokens: int, layers: int, bandwidth: float, launch_sweep: bool = False) -> dict:
+def bench_case(model: str, tokens: int, layers: int, bandwidth: float, launch_sweep: bool = False,
+               pair_blocks: tuple[int, ...] = ()) -> dict:
     experts, top_k, width_f, width_d, act = SHAPES[model]
     betas = (4.0, 25.0)
     gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -114,13 +117,22 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float, launch_sw
     else:
         os.environ["K3_MOE_BACKEND"] = saved_backend
     pair_order_us = graph_us_per_layer(pair_order, layers)
+    pair_block_us = {}
+    default_pair_block = moe_triton.PAIR_BLOCK
+    try:
+        for block_p in pair_blocks:
+            moe_triton.PAIR_BLOCK = block_p
+            pair_block_us[block_p] = graph_us_per_layer(pair_order, layers)
+    finally:
+        moe_triton.PAIR_BLOCK = default_pair_block
 
     rows = x.shape[0]
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     default = (block_sizes(rows, experts, width_f, width_d, num_sms), block_sizes(rows, experts, width_d, width_f,
                                                                                    num_sms))
     result = dict(model=model, tokens=tokens, rows=rows, experts_touched=int((counts > 0).sum()), **errors,
-                  default_blocks=default, grouped_from_ids_us=grouped_from_ids_us, pair_order_us=pair_order_us)
+                  default_blocks=default, grouped_from_ids_us=grouped_from_ids_us, pair_order_us=pair_order_us,
+                  pair_block_us=pair_block_us)
     result["grouped_us"] = graph_us_per_layer(grouped, layers)
     result["triton_us"] = graph_us_per_layer(triton_with(default), layers)
     sweep = {}
@@ -143,7 +155,8 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float, launch_sw
                   grouped_vs_floor=result["grouped_us"] / floor_us, triton_vs_floor=result["triton_us"] / floor_us,
                   speedup=result["grouped_us"] / result["triton_us"])
     print(f"{model} x{tokens}: from ids, sorted + grouped {grouped_from_ids_us:.1f} us, pair-order kernels "
-          f"{pair_order_us:.1f} us (rel err {errors['pair_order_rel_err']:.1e})", flush=True)
+          f"{pair_order_us:.1f} us (rel err {errors['pair_order_rel_err']:.1e})"
+          + "".join(f"; ids scanned {p} at a time {us:.1f} us" for p, us in pair_block_us.items()), flush=True)
     print(f"{model} x{tokens}: grouped {result['grouped_us']:.1f} us, triton {result['triton_us']:.1f} us "
           f"(best {best}: {sweep[best]:.1f}), floor {floor_us:.1f} us; rel err grouped "
           f"{errors['grouped_rel_err']:.2e} triton {errors['triton_rel_err']:.2e}", flush=True)
@@ -179,12 +192,18 @@ def sweep_launches(timed, default) -> dict:
 DENSE = {  # `small`'s projections that read one token's hidden state in decode (fused groups as one weight)
     "kda_in (q k v f_a g b)": (4232, 1024), "shared gate+up": (2048, 1024), "o_proj": (1024, 1024),
     "latent down": (512, 1024), "latent up": (1024, 512), "f_b": (1024, 128), "lm_head": (32768, 1024),
+    # the MoE projection groups of k3.layers.fused_weights (frozen models)
+    "moe input (latent down + shared gate/up)": (2560, 1024), "moe output (latent up + shared down)": (1024, 1536),
 }
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of k3.ops.linear_triton's skinny kernel; BLOCK_K 0 = the whole row.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of k3.ops.linear_triton's skinny kernel; BLOCK_K 0 = the whole row
+# (up to 16 rows only: past that the x tile of a whole row outgrows shared memory).
 DENSE_SWEEP = ((16, 256, 4, 3), (32, 256, 4, 3), (16, 128, 2, 4), (16, 512, 4, 2), (32, 0, 4, 1), (16, 0, 4, 1),
                (64, 128, 4, 4), (8 * 4, 64, 1, 4))
+# Past 16 rows (BLOCK_M 32 or 64): narrower K steps, more warps for the larger tile.
+DENSE_SWEEP_ROWS = ((16, 128, 4, 3), (32, 128, 4, 3), (16, 64, 4, 4), (32, 64, 4, 4), (64, 64, 4, 3),
+                    (16, 128, 8, 3), (32, 128, 8, 4), (16, 256, 4, 2))
 
 
 def bench_dense(name: str, tokens: int, layers: int, bandwidth: float) -> dict:
@@ -205,7 +224,7 @@ def bench_dense(name: str, tokens: int, layers: int, bandwidth: float) -> dict:
     result["linear_us"] = graph_us_per_layer(lambda i: torch.nn.functional.linear(x, weights[i]), count)
     result["triton_us"] = graph_us_per_layer(lambda i: skinny_linear_eager(x, weights[i]), count)
     sweep = {}
-    for block_n, block_k, warps, stages in DENSE_SWEEP:
+    for block_n, block_k, warps, stages in DENSE_SWEEP if tokens <= 16 else DENSE_SWEEP_ROWS:
         block_k = block_k or 1 << (in_width - 1).bit_length()
         key = f"{block_n}x{block_k}w{warps}s{stages}"
         try:
@@ -323,6 +342,9 @@ def main() -> None:
                         help="also the router: compiled logits as matmul / reduction, the route kernel's launches")
     parser.add_argument("--launch-sweep", action="store_true",
                         help="also sweep the pair-order kernels' blocks, warps and stages per projection")
+    parser.add_argument("--pair-blocks", nargs="+", type=int, default=[],
+                        help="also time the pair-order kernels scanning the routed ids this many at a time "
+                             "(k3.ops.moe_triton.PAIR_BLOCK)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -336,7 +358,8 @@ def main() -> None:
                     [[r["tokens"], f"{r['topk_old_us']:.1f}", f"{r['topk_new_us']:.1f}", f"{r['sort_old_us']:.1f}",
                       f"{r['sort_new_us']:.1f}", r["same_topk"] and r["same_sort"]] for r in routing])
     router = [bench_router(t, args.layers) for t in args.tokens] if args.router else []
-    results = [] if args.skip_experts else [bench_case(m, t, args.layers, bandwidth, args.launch_sweep)
+    results = [] if args.skip_experts else [bench_case(m, t, args.layers, bandwidth, args.launch_sweep,
+                                                       tuple(args.pair_blocks))
                                             for m in args.models for t in args.tokens]
     if results:
         print_table("routed experts per MoE layer, one CUDA graph over all layers",
@@ -350,7 +373,8 @@ def main() -> None:
     if args.dense:
         empty_us = empty_launch_us(args.layers)
         print(f"empty Triton kernel in a graph: {empty_us:.2f} us per launch", flush=True)
-        dense = [bench_dense(n, t, args.layers, bandwidth) for n in DENSE for t in args.tokens if t <= 16]
+        dense = [bench_dense(n, t, args.layers, bandwidth) for n in DENSE for t in args.tokens
+                 if t <= SKINNY_MAX_ROWS]
         print_table(f"dense decode projections per layer, one CUDA graph over all layers (empty launch "
                     f"{empty_us:.2f} us)",
                     ["projection", "tokens", "linear us", "triton us", "best sweep", "best speed-up", "floor us",

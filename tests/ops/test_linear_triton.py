@@ -11,7 +11,8 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU tensors need Triton's interpreter")
 
-from k3.ops.linear_triton import SKINNY_MAX_ROWS, skinny_linear_eager  # noqa: E402
+from k3.ops.linear_triton import (SKINNY_MAX_ROWS, SKINNY_MAX_WEIGHT, SKINNY_ROWS_MAX_WEIGHT,  # noqa: E402
+                                  skinny_linear_eager, within_auto_bounds)
 
 
 @interpreted
@@ -19,6 +20,9 @@ from k3.ops.linear_triton import SKINNY_MAX_ROWS, skinny_linear_eager  # noqa: E
     (1, 40, 24, 16, 16),   # widths that are no multiple of the blocks
     (5, 64, 100, 32, 32),  # several K blocks with a ragged tail
     (16, 17, 16, 16, 256),  # BLOCK_K clipped to the row
+    (17, 40, 48, 16, 16),  # BLOCK_M 32, half of it past the rows
+    (64, 33, 40, 32, 32),  # BLOCK_M 64, full
+    (50, 24, 200, None, None),  # past 16 rows: the default blocks for that many rows
 ])
 def test_skinny_equals_linear(rows, out_width, in_width, block_n, block_k):
     g = torch.Generator().manual_seed(rows)
@@ -39,9 +43,19 @@ def test_skinny_keeps_leading_dims_and_says_what_it_takes():
         skinny_linear_eager(torch.randn(1, 23), w)
 
 
+@pytest.mark.parametrize("rows, weight_elements, taken", [
+    (1, SKINNY_MAX_WEIGHT - 1, True), (1, SKINNY_MAX_WEIGHT, False),  # one token: up to the shared gate+up
+    (2, SKINNY_ROWS_MAX_WEIGHT, True), (64, SKINNY_ROWS_MAX_WEIGHT, True),  # o_proj [1024, 1024] at batch 64
+    (64, SKINNY_ROWS_MAX_WEIGHT + 1, False), (2, SKINNY_MAX_WEIGHT - 1, False),  # the fused groups lost there
+    (65, 1024, False),
+])
+def test_auto_takes_the_kernel_where_it_was_measured_to_win(rows, weight_elements, taken):
+    assert within_auto_bounds(rows, weight_elements) is taken
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("rows", [1, 16, 64])
 def test_skinny_cuda_bf16(rows):
     x = torch.randn(rows, 1024, device="cuda").bfloat16()
     w = torch.randn(4232, 1024, device="cuda").div_(32).bfloat16()
