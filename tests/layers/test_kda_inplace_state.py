@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 
@@ -27,6 +28,7 @@ from k3.infer.cache_pool import BatchCache, CachePool, KDAView
 from k3.infer.cuda_graph import decode_step
 from k3.infer.runner import decode_logits
 from k3.infer.static_cache import StaticCache, StaticKDASlot
+from k3.layers.fused_weights import fuse_model_weights
 from k3.layers.kda import KimiDeltaAttention
 from k3.ops.kda import fused_recurrent_kda, fused_recurrent_kda_inplace
 from k3.ops.kda.inplace import fused_recurrent_kda_inplace_fla
@@ -310,6 +312,29 @@ def test_compiled_static_decode_takes_one_inplace_op_per_kda_layer_and_equals_ea
     for cache in (eager_cache, recorded_cache, compiled_cache):
         for got, want in zip(static_buffers(cache), static_buffers(twin_cache), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_static_decode_hands_the_inplace_op_contiguous_inputs(model, fla_inplace):
+    """Inductor keeps the strides a custom op was traced with, and fla's launcher needs q, k, v, g, beta
+    contiguous: traced as slices (of the joined conv output, of the fused input GEMM), they were made contiguous
+    inside the op's body, one aten copy each at every replay (48 in a batch-64 step of `small` on one H200). The
+    graph now makes them contiguous before the op, where Inductor writes them so from the producing kernels."""
+    fused = copy.deepcopy(model)
+    fuse_model_weights(fused)  # q, k, v through one joined conv, beta from the fused input projection
+    cache, ids = prefilled_static(fused)
+    assert ids.shape[0] > 1  # at one row every one of those slices is contiguous anyway
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(decode_step, fullgraph=True, dynamic=False, backend=record)(fused, cache, ids[:, :1])
+    ops = [n for n in graphs[0].graph.nodes if str(n.target) == "k3.fla_fused_recurrent_kda_inplace.default"]
+    assert len(ops) == fused.config.layer_types.count("kda")
+    for node in ops:
+        for name, arg in zip("q k v g beta".split(), node.args[:5]):
+            assert arg.meta["example_value"].is_contiguous(), f"{node.name}: {name} is not contiguous"
 
 
 def test_compiled_engine_decode_writes_the_pool_like_eager(model, fla_inplace):

@@ -293,6 +293,11 @@ def fused_recurrent_kda_inplace(
         state_pool.index_copy_(0, rows, final)
         return o
     if opaque_under_compile(q, k, v, g, beta, state_pool, A_log, dt_bias):
+        # Inductor hands a custom op the strides it traced, and fla's launcher wants q, k, v, g, beta contiguous:
+        # made so inside the op's body, each is an aten copy at every replay (q, k and v are slices of the joined
+        # conv output, beta a column slice of the fused input GEMM: 4 copies per KDA layer in a batch-64 step).
+        # Made so here, Inductor writes them contiguous from the kernels that produce them.
+        q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
         return fla_fused_recurrent_kda_inplace_op(q, k, v, g, beta, state_pool, state_indices, scale,
                                                   use_qk_l2norm_in_kernel, **options)
     return fused_recurrent_kda_inplace_fla(_load_fla()[2], q, k, v, g, beta, state_pool, state_indices, scale,
