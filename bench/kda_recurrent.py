@@ -1,0 +1,128 @@
+"""fla's fused recurrent KDA kernel as a decode step runs it (one token, states advanced in place in their pool
+slots), under the launch fla picks and under other value-block widths, warps and stages, against the bytes floor.
+
+Usage: python bench/kda_recurrent.py [--batch 64 1] [--layers 12] [--out FILE]
+
+Each KDA layer of a decode step reads its rows' fp32 states [H, K, V] and writes them back: at `small`'s 8 heads of
+128 x 128 and batch 64 that is 33.6 MB each way, so the floor of the kernel is 2 x state bytes over the copy
+bandwidth measured in the same run. fla 0.6.0 launches it with BV = 32 value columns per program, 4 warps and 2
+stages, fixed. Here the same kernel (k3.ops.kda.fused_recurrent_kda_inplace, through fla) is relaunched with other
+(BV, num_warps, num_stages) by swapping the kernel object fla's launcher indexes for one that rewrites those
+arguments and the grid; outputs and states are checked equal to fla's launch before timing. All layers
+(distinct pools, so no layer finds its states in L2) run in one CUDA graph; the result is microseconds per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+
+import torch
+
+from common import copy_bandwidth, device_name, graph_us_per_layer, print_table, write_json
+
+from k3.ops.kda import fused_recurrent_kda_inplace
+
+HEADS, KEY, VALUE = 8, 128, 128  # `small`
+LAUNCHES = ((32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 2, 2), (32, 8, 2), (64, 8, 2), (16, 2, 2), (32, 4, 1),
+            (128, 8, 2))  # (BV, num_warps, num_stages); the first is fla's
+
+
+class _Relaunch:
+    """Stands in for fla's jitted kernel: `kernel[grid](**args)` launches with BV, warps and stages replaced and
+    the grid recomputed for the new BV (fla's launcher passes every argument by name)."""
+
+    def __init__(self, kernel, block_v: int, warps: int, stages: int):
+        self.kernel, self.block_v, self.warps, self.stages = kernel, block_v, warps, stages
+
+    def __getitem__(self, grid):
+        def launch(**args):
+            import triton
+            args.update(BV=self.block_v, num_warps=self.warps, num_stages=self.stages)
+            programs = triton.cdiv(args["V"], self.block_v) * int(args["N"]) * args["HV"]
+            return self.kernel[(programs,)](**args)
+        return launch
+
+
+@contextlib.contextmanager
+def launched_as(block_v: int, warps: int, stages: int):
+    import fla.ops.kda.fused_recurrent as fla_recurrent
+    kernel = fla_recurrent.fused_recurrent_kda_fwd_kernel
+    fla_recurrent.fused_recurrent_kda_fwd_kernel = _Relaunch(kernel, block_v, warps, stages)
+    try:
+        yield
+    finally:
+        fla_recurrent.fused_recurrent_kda_fwd_kernel = kernel
+
+
+def bench_batch(batch: int, layers: int, bandwidth: float) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    q, k = rand(batch, 1, HEADS, KEY), rand(batch, 1, HEADS, KEY)
+    v, g, beta = rand(batch, 1, HEADS, VALUE), rand(batch, 1, HEADS, KEY), rand(batch, 1, HEADS)
+    a_log, dt_bias = rand(HEADS, dtype=torch.float32), rand(HEADS * KEY, dtype=torch.float32)
+    pools = [rand(batch + 1, HEADS, KEY, VALUE, dtype=torch.float32).mul_(0.1) for _ in range(layers)]
+    indices = torch.arange(1, batch + 1, device="cuda", dtype=torch.int32)  # slot 0 stays untouched
+    options = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt_bias,
+                   use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+
+    def step(i):
+        return fused_recurrent_kda_inplace(q, k, v, g, beta, pools[i], indices, **options)
+
+    start = pools[0].clone()
+    want_o = step(0)
+    want_state = pools[0].clone()
+    result = dict(batch=batch, launches={}, mismatches=[])
+    state_bytes = batch * HEADS * KEY * VALUE * 4
+    result["floor_us"] = 2 * state_bytes / bandwidth * 1e6
+    for block_v, warps, stages in LAUNCHES:
+        key = f"BV{block_v} w{warps} s{stages}"
+        with launched_as(block_v, warps, stages), torch.no_grad():
+            try:
+                pools[0].copy_(start)
+                same = torch.equal(step(0), want_o) and torch.equal(pools[0], want_state)
+                if not same:
+                    result["mismatches"].append(key)
+                result["launches"][key] = graph_us_per_layer(step, layers)
+            except Exception as exc:  # a launch the compiler rejects (registers, shared memory): said, skipped
+                print(f"  {key}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                continue
+        print(f"batch {batch} {key}: {result['launches'][key]:.1f} us per layer"
+              f"{'' if same else ' (OUTPUT DIFFERS from fla launch)'}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", nargs="+", type=int, default=[64, 1])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/kda_recurrent.py needs a CUDA device (fla's kernel)")
+    bandwidth = copy_bandwidth()
+    print(f"{device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    with torch.no_grad():
+        results = [bench_batch(b, args.layers, bandwidth) for b in args.batch]
+    fla_launch = "BV{} w{} s{}".format(*LAUNCHES[0])
+    rows = []
+    for r in results:
+        best = min(r["launches"], key=r["launches"].get)
+        rows.append([r["batch"], f"{r['launches'][fla_launch]:.1f}", f"{best} {r['launches'][best]:.1f}",
+                     f"{r['floor_us']:.1f}", f"{r['launches'][fla_launch] / r['floor_us']:.2f}x",
+                     f"{r['launches'][best] / r['floor_us']:.2f}x", ", ".join(r["mismatches"]) or "none"])
+    print_table("fla's fused recurrent KDA, one token, in place, per layer (one CUDA graph over all layers)",
+                ["batch", "fla launch us", "best launch us", "floor us", "fla / floor", "best / floor",
+                 "outputs differing"], rows)
+    write_json(args.out, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, heads=HEADS, key=KEY,
+                              value=VALUE, results=results))
+    if any(r["mismatches"] for r in results):
+        sys.exit("a relaunch changed the outputs or states")
+
+
+if __name__ == "__main__":
+    main()
