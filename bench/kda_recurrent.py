@@ -8,7 +8,8 @@ Each KDA layer of a decode step reads its rows' fp32 states [H, K, V] and writes
 bandwidth measured in the same run. fla 0.6.0 launches it with BV = 32 value columns per program, 4 warps and 2
 stages, fixed. Here the same kernel (k3.ops.kda.fused_recurrent_kda_inplace, through fla) is relaunched with other
 (BV, num_warps, num_stages) by swapping the kernel object fla's launcher indexes for one that rewrites those
-arguments and the grid; outputs and states are checked equal to fla's launch before timing. All layers
+arguments and the grid; outputs and states are checked against fla's launch before timing (fp32 states to 1e-5,
+bf16 outputs to 1e-2 of their largest value: another tile sums over K in another order). All layers
 (distinct pools, so no layer finds its states in L2) run in one CUDA graph; the result is microseconds per layer.
 """
 
@@ -26,7 +27,8 @@ from k3.ops.kda import fused_recurrent_kda_inplace
 
 HEADS, KEY, VALUE = 8, 128, 128  # `small`
 LAUNCHES = ((32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 2, 2), (32, 8, 2), (64, 8, 2), (16, 2, 2), (32, 4, 1),
-            (128, 8, 2))  # (BV, num_warps, num_stages); the first is fla's
+            (128, 8, 2), (8, 1, 2), (16, 1, 2), (32, 1, 2), (64, 2, 2), (16, 2, 3), (8, 2, 2))  # (BV, num_warps,
+# num_stages); the first is fla's
 
 
 class _Relaunch:
@@ -84,15 +86,22 @@ def bench_batch(batch: int, layers: int, bandwidth: float) -> dict:
         with launched_as(block_v, warps, stages), torch.no_grad():
             try:
                 pools[0].copy_(start)
-                same = torch.equal(step(0), want_o) and torch.equal(pools[0], want_state)
+                o = step(0)
+                # Another tile shape sums over K in another order: the fp32 states agree to rounding, and the
+                # bf16 outputs to a unit or so of their last place.
+                state_err = ((pools[0] - want_state).abs().max() / want_state.abs().max()).item()
+                out_err = ((o.float() - want_o.float()).abs().max() / want_o.float().abs().max()).item()
+                result.setdefault("state_rel_err", {})[key], result.setdefault("out_rel_err", {})[key] = \
+                    state_err, out_err
+                same = state_err <= 1e-5 and out_err <= 1e-2
                 if not same:
                     result["mismatches"].append(key)
                 result["launches"][key] = graph_us_per_layer(step, layers)
             except Exception as exc:  # a launch the compiler rejects (registers, shared memory): said, skipped
                 print(f"  {key}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                 continue
-        print(f"batch {batch} {key}: {result['launches'][key]:.1f} us per layer"
-              f"{'' if same else ' (OUTPUT DIFFERS from fla launch)'}", flush=True)
+        print(f"batch {batch} {key}: {result['launches'][key]:.1f} us per layer (from fla's launch: state "
+              f"{state_err:.1e}, output {out_err:.1e}{'' if same else ': DIFFERENT'})", flush=True)
     return result
 
 
