@@ -19,6 +19,7 @@ Shape suffixes: N routed rows (sorted by expert), E experts, F expert width, D e
 
 from __future__ import annotations
 
+import os
 
 import torch
 
@@ -53,9 +54,11 @@ def block_sizes(num_rows: int, num_experts: int, out_width: int, in_width: int,
 
 def _launch(x: torch.Tensor, num_rows: int, counts_E: torch.Tensor | None, ids_N: torch.Tensor | None,
             pairs_per_row: int, w: torch.Tensor, w3: torch.Tensor | None, act: str, betas: tuple[float, float],
-            blocks: tuple[int, ...] | None) -> torch.Tensor:
+            blocks: tuple[int, ...] | None, pair_lists: tuple[torch.Tensor, torch.Tensor] | None = None,
+            lists_mode: int = 0) -> torch.Tensor:
     """One projection over num_rows output rows: rows sorted by expert with counts_E (expert_matmul), or in
-    pair order with ids_N (expert_matmul_by_ids, x row = pair // pairs_per_row)."""
+    pair order with ids_N (expert_matmul_by_ids, x row = pair // pairs_per_row). `pair_lists` ([E, N] and [E]
+    int32) with lists_mode 1 (store) or 2 (load): see expert_matmul_by_ids's LISTS."""
     import triton
 
     num_experts, out_width, in_width = w.shape[0], w.shape[1], w.shape[2]
@@ -81,8 +84,10 @@ def _launch(x: torch.Tensor, num_rows: int, counts_E: torch.Tensor | None, ids_N
                                    EXPERTS_POW2=triton.next_power_of_2(num_experts), **flags, **launch)
     else:
         block_p = min(PAIR_BLOCK, max(16, triton.next_power_of_2(num_rows)))
-        module.expert_matmul_by_ids[grid](x, w, w3, out, ids_N, num_rows, *common, PAIRS_PER_ROW=pairs_per_row,
-                                          BLOCK_P=block_p, **flags, **launch)
+        lists, counts = (ids_N, ids_N) if pair_lists is None else pair_lists  # not read with lists_mode 0
+        module.expert_matmul_by_ids[grid](x, w, w3, out, ids_N, num_rows, lists, counts, *common,
+                                          PAIRS_PER_ROW=pairs_per_row, LISTS=lists_mode, BLOCK_P=block_p, **flags,
+                                          **launch)
     return out
 
 
@@ -102,10 +107,14 @@ def experts_triton_eager(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: tor
 
 def experts_by_ids_eager(h_TD: torch.Tensor, ids_N: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,
                          w2_EDF: torch.Tensor, act: str, betas: tuple[float, float],
-                         blocks: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> torch.Tensor:
+                         blocks: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+                         shared_lists: bool | None = None) -> torch.Tensor:
     """Token rows h_TD [T, D] and the routed experts ids_N [N] of pairs p = t * top_k + k -> [N, D] in pair order,
     with no sort: row p is expert ids_N[p]'s GLU of token p // top_k. Equals the sorted path's result after its
-    unpermute (tests/ops/test_moe_triton.py)."""
+    unpermute (tests/ops/test_moe_triton.py).
+
+    shared_lists (default: K3_MOE_PAIR_LISTS=1): the first projection's programs store each expert's pairs and
+    the second loads them instead of scanning the ids again. Same result; not yet timed on a GPU, so off."""
     if act not in GLU_KINDS:
         raise ValueError(f"unknown GLU activation {act!r}; use one of {GLU_KINDS}")
     num_pairs, num_tokens = ids_N.numel(), h_TD.shape[0]
@@ -114,9 +123,25 @@ def experts_by_ids_eager(h_TD: torch.Tensor, ids_N: torch.Tensor, w1_EFD: torch.
     top_k = num_pairs // num_tokens if num_tokens else 1
     dtype = h_TD.dtype
     ids_N = ids_N.reshape(-1)
+    share = pair_lists_from_env() if shared_lists is None else shared_lists
+    lists = None
+    if share:
+        num_experts = w1_EFD.shape[0]
+        lists = (torch.empty(num_experts, num_pairs, dtype=torch.int32, device=ids_N.device),
+                 torch.empty(num_experts, dtype=torch.int32, device=ids_N.device))
     h_NF = _launch(h_TD, num_pairs, None, ids_N, top_k, w1_EFD.to(dtype), w3_EFD.to(dtype), act, betas,
-                   blocks and blocks[0])
-    return _launch(h_NF, num_pairs, None, ids_N, 1, w2_EDF.to(dtype), None, act, betas, blocks and blocks[1])
+                   blocks and blocks[0], lists, 1 if share else 0)
+    return _launch(h_NF, num_pairs, None, ids_N, 1, w2_EDF.to(dtype), None, act, betas, blocks and blocks[1],
+                   lists, 2 if share else 0)
+
+
+def pair_lists_from_env() -> bool:
+    """K3_MOE_PAIR_LISTS: 1 shares the experts' pair lists between the two pair-order kernels, 0 (default) scans
+    the ids in both."""
+    value = os.environ.get("K3_MOE_PAIR_LISTS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"K3_MOE_PAIR_LISTS={value!r}; use 0 or 1")
+    return value == "1"
 
 
 @torch.library.custom_op("k3::moe_experts_triton", mutates_args=())

@@ -93,11 +93,11 @@ def _pairs_of_expert(ids_ptr, num_pairs, expert, first_rank, BLOCK_M: tl.constex
 
 
 @triton.jit
-def expert_matmul_by_ids(x_ptr, w_ptr, w3_ptr, out_ptr, ids_ptr, num_pairs,
+def expert_matmul_by_ids(x_ptr, w_ptr, w3_ptr, out_ptr, ids_ptr, num_pairs, lists_ptr, counts_ptr,
                          stride_xn, stride_xd, stride_we, stride_wo, stride_wd, stride_3e, stride_3o, stride_3d,
                          stride_on, stride_oo, beta_gate, beta_up, out_width: tl.constexpr, in_width: tl.constexpr,
                          PAIRS_PER_ROW: tl.constexpr, GLU: tl.constexpr, SITU: tl.constexpr, UPCAST: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         LISTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          BLOCK_P: tl.constexpr):
     """Rows in pair order, no sort: pair p = t * top_k + k was routed to expert ids[p]; it reads x row
     p // PAIRS_PER_ROW (top_k for the token rows of the first projection, 1 for rows already in pair order) and
@@ -105,18 +105,36 @@ def expert_matmul_by_ids(x_ptr, w_ptr, w3_ptr, out_ptr, ids_ptr, num_pairs,
     cumulative sum), counts them and picks the first BLOCK_M, in pair order; an expert with more pairs takes one
     more pass per further block. That replaces the sort, its inverse, the count and two row permutations (six
     launches per MoE layer) with a scan of N small integers per program. (A separate counting pass before the
-    first block, as this kernel first had, put one more round of dependent loads before any weight was read.)"""
+    first block, as this kernel first had, put one more round of dependent loads before any weight was read.)
+
+    LISTS 0: scan. 1: scan, and the programs of the first column block also store their expert's pairs in
+    lists[expert, :count] and the count in counts[expert]. 2: no scan: load those (what the first projection
+    stored for the second, launched after it on the same stream)."""
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < out_width
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols[:, None] * stride_wo
     w3_rows = w3_ptr + expert.to(tl.int64) * stride_3e + cols[:, None] * stride_3o
-    pairs, count = _pairs_of_expert(ids_ptr, num_pairs, expert, 0, BLOCK_M, BLOCK_P)
+    ranks = tl.arange(0, BLOCK_M)
+    my_list = lists_ptr + expert.to(tl.int64) * num_pairs
+    stores_list = (LISTS == 1) & (tl.program_id(1) == 0)
+    if LISTS == 2:
+        count = tl.load(counts_ptr + expert)
+        pairs = tl.load(my_list + ranks, mask=ranks < count, other=0)
+    else:
+        pairs, count = _pairs_of_expert(ids_ptr, num_pairs, expert, 0, BLOCK_M, BLOCK_P)
+        if stores_list:
+            tl.store(counts_ptr + expert, count)
     row0 = 0
     while row0 < count:  # no iteration for an expert with no pairs: none of its weights is read
         if row0 > 0:
-            pairs, count = _pairs_of_expert(ids_ptr, num_pairs, expert, row0, BLOCK_M, BLOCK_P)
-        row_ok = row0 + tl.arange(0, BLOCK_M) < count
+            if LISTS == 2:
+                pairs = tl.load(my_list + row0 + ranks, mask=row0 + ranks < count, other=0)
+            else:
+                pairs, count = _pairs_of_expert(ids_ptr, num_pairs, expert, row0, BLOCK_M, BLOCK_P)
+        row_ok = row0 + ranks < count
+        if stores_list:
+            tl.store(my_list + row0 + ranks, pairs, mask=row_ok)
         acc = _glu_rows(x_ptr, pairs // PAIRS_PER_ROW, row_ok, stride_xn, stride_xd, w_rows, w3_rows, stride_wd,
                         stride_3d, col_ok, beta_gate, beta_up, in_width, GLU, SITU, UPCAST, BLOCK_M, BLOCK_N,
                         BLOCK_K)

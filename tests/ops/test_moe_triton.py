@@ -232,6 +232,27 @@ def test_pair_order_kernels_equal_the_sorted_loop(act, num_tokens, top_k, blocks
 
 
 @interpreted
+@pytest.mark.parametrize("num_tokens, top_k, blocks", [
+    (1, 3, None), (7, 2, ((16, 16, 16), (16, 32, 16))),
+    (90, 3, ((16, 32, 32), (16, 32, 32))),  # expert 2 over 5 row blocks: the lists stored and loaded per block
+])
+def test_pair_lists_shared_between_the_kernels_equal_two_scans(num_tokens, top_k, blocks, monkeypatch):
+    """The first projection stores each expert's pairs, the second loads them: the same rows, in the same order."""
+    monkeypatch.setattr(moe_triton, "PAIR_BLOCK", 128)
+    w1, w3, w2 = _experts(10, 48, 40, seed=4)
+    h = torch.randn(num_tokens, 40, generator=torch.Generator().manual_seed(5))
+    ids = _pairs(num_tokens, top_k, 10, seed=6).reshape(-1)
+    args = (h, ids, w1, w3, w2, "situ", (4.0, 25.0), blocks)
+    scanned = moe_triton.experts_by_ids_eager(*args, shared_lists=False)
+    torch.testing.assert_close(moe_triton.experts_by_ids_eager(*args, shared_lists=True), scanned, rtol=0, atol=0)
+    monkeypatch.setenv("K3_MOE_PAIR_LISTS", "1")
+    torch.testing.assert_close(moe_triton.experts_by_ids_eager(*args), scanned, rtol=0, atol=0)
+    monkeypatch.setenv("K3_MOE_PAIR_LISTS", "yes")
+    with pytest.raises(ValueError, match="K3_MOE_PAIR_LISTS"):
+        moe_triton.experts_by_ids_eager(*args)
+
+
+@interpreted
 def test_pair_order_kernels_never_read_untouched_experts():
     w1, w3, w2 = _experts(8, 32, 32, seed=7)
     ids = _pairs(6, 2, 8, seed=8)
