@@ -143,13 +143,14 @@ def cpu_copy_bandwidth(nbytes: int = 1 << 26) -> float:
     return 2 * nbytes / (time_ms(lambda: dst.copy_(src), warmup=1, repeats=5) / 1e3)
 
 
-def kernel_bench_bandwidth(script: str, device: str, wants_triton: bool) -> float:
+def kernel_bench_bandwidth(script: str, device: str, wants_triton: bool, cpu_smoke: bool = True) -> float:
     """A kernel bench's start: exits with the reason when `device` cannot run it (CUDA missing; Triton on the CPU
-    without its interpreter), else measures the copy bandwidth its floors use, prints it and returns it."""
+    without its interpreter), else measures the copy bandwidth its floors use, prints it and returns it.
+    `cpu_smoke`: whether the script offers `--device cpu` (said in the exit message)."""
     import sys
 
     if device == "cuda" and not torch.cuda.is_available():
-        sys.exit(f"{script} needs a CUDA device (or --device cpu for a smoke test)")
+        sys.exit(f"{script} needs a CUDA device" + (" (or --device cpu for a smoke test)" if cpu_smoke else ""))
     if device == "cpu" and wants_triton and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("the Triton path on CPU needs TRITON_INTERPRET=1")
     bandwidth = copy_bandwidth() if device == "cuda" else cpu_copy_bandwidth()

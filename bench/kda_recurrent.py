@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from common import copy_bandwidth, device_name, graph_us_per_layer, print_table, write_json
+from common import device_name, graph_us_per_layer, kernel_bench_bandwidth, print_table, write_json
 
 from k3.ops.kda import fused_recurrent_kda_inplace
 
@@ -111,10 +111,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("bench/kda_recurrent.py needs a CUDA device (fla's kernel)")
-    bandwidth = copy_bandwidth()
-    print(f"{device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    bandwidth = kernel_bench_bandwidth("bench/kda_recurrent.py (fla's kernel)", "cuda", wants_triton=True,
+                                       cpu_smoke=False)
     with torch.no_grad():
         results = [bench_batch(b, args.layers, bandwidth) for b in args.batch]
     fla_launch = "BV{} w{} s{}".format(*LAUNCHES[0])
