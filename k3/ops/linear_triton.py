@@ -13,8 +13,8 @@ LM head [32768, 1024] were even (1.04x, 1.02x), so auto keeps cuBLAS from SKINNY
 `project(linear, x)` is what the layers call for their projections: the kernel where it pays (K3_LINEAR_BACKEND=
 auto|torch|triton; auto: CUDA, half precision, inference, one row and a weight below SKINNY_MAX_WEIGHT elements, or
 up to SKINNY_AUTO_MAX_ROWS rows and a weight of at most SKINNY_ROWS_MAX_WEIGHT), else the module itself. Under
-torch.compile the kernel is the custom op `k3::skinny_linear`. The PyTorch twin is torch.nn.functional.linear, held equal by tests/ops/test_linear_triton.py
-(through Triton's CPU interpreter without a GPU).
+torch.compile the kernel is the custom op `k3::skinny_linear`. The PyTorch twin is torch.nn.functional.linear,
+held equal by tests/ops/test_linear_triton.py (through Triton's CPU interpreter without a GPU).
 """
 
 from __future__ import annotations

@@ -28,8 +28,9 @@ from k3.ops.triton_support import interpreting, kernel_module, multiprocessors, 
 
 # Above this many routed rows the grouped GEMM's large tiles win (prefill); at or below it, these kernels.
 TRITON_MAX_ROWS = 1024
-# expert_matmul_by_ids scans the routed expert ids in chunks of this many pairs. One chunk for a batch-64 decode step
-# (384 pairs): 63 us per `small` MoE layer where chunks of 256 took 69 (bench/moe_decode.py --pair-blocks, one H200).
+# expert_matmul_by_ids scans the routed expert ids in chunks of this many pairs. One chunk for a batch-64 decode
+# step (384 pairs): 63 us per `small` MoE layer where chunks of 256 took 69 (bench/moe_decode.py --pair-blocks and
+# an A/B of the kernel source, one H200).
 PAIR_BLOCK = 512
 
 
@@ -113,8 +114,8 @@ def experts_by_ids_eager(h_TD: torch.Tensor, ids_N: torch.Tensor, w1_EFD: torch.
     with no sort: row p is expert ids_N[p]'s GLU of token p // top_k. Equals the sorted path's result after its
     unpermute (tests/ops/test_moe_triton.py).
 
-    shared_lists (default: K3_MOE_PAIR_LISTS=1): the first projection's programs store each expert's pairs and
-    the second loads them instead of scanning the ids again. Same result; not yet timed on a GPU, so off."""
+    shared_lists (None: K3_MOE_PAIR_LISTS, default 0): the first projection's programs store each expert's pairs
+    and the second loads them instead of scanning the ids again. Same result; not yet timed on a GPU, so off."""
     if act not in GLU_KINDS:
         raise ValueError(f"unknown GLU activation {act!r}; use one of {GLU_KINDS}")
     num_pairs, num_tokens = ids_N.numel(), h_TD.shape[0]

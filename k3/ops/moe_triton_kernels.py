@@ -117,14 +117,14 @@ def expert_matmul_by_ids(x_ptr, w_ptr, w3_ptr, out_ptr, ids_ptr, num_pairs, list
     w3_rows = w3_ptr + expert.to(tl.int64) * stride_3e + cols[:, None] * stride_3o
     ranks = tl.arange(0, BLOCK_M)
     my_list = lists_ptr + expert.to(tl.int64) * num_pairs
-    stores_list = (LISTS == 1) & (tl.program_id(1) == 0)
     if LISTS == 2:
         count = tl.load(counts_ptr + expert)
         pairs = tl.load(my_list + ranks, mask=ranks < count, other=0)
     else:
         pairs, count = _pairs_of_expert(ids_ptr, num_pairs, expert, 0, BLOCK_M, BLOCK_P)
-        if stores_list:
-            tl.store(counts_ptr + expert, count)
+        if LISTS == 1:  # compile-time: with LISTS 0 no store nor test is in the kernel
+            if tl.program_id(1) == 0:
+                tl.store(counts_ptr + expert, count)
     row0 = 0
     while row0 < count:  # no iteration for an expert with no pairs: none of its weights is read
         if row0 > 0:
@@ -133,8 +133,9 @@ def expert_matmul_by_ids(x_ptr, w_ptr, w3_ptr, out_ptr, ids_ptr, num_pairs, list
             else:
                 pairs, count = _pairs_of_expert(ids_ptr, num_pairs, expert, row0, BLOCK_M, BLOCK_P)
         row_ok = row0 + ranks < count
-        if stores_list:
-            tl.store(my_list + row0 + ranks, pairs, mask=row_ok)
+        if LISTS == 1:
+            if tl.program_id(1) == 0:
+                tl.store(my_list + row0 + ranks, pairs, mask=row_ok)
         acc = _glu_rows(x_ptr, pairs // PAIRS_PER_ROW, row_ok, stride_xn, stride_xd, w_rows, w3_rows, stride_wd,
                         stride_3d, col_ok, beta_gate, beta_up, in_width, GLU, SITU, UPCAST, BLOCK_M, BLOCK_N,
                         BLOCK_K)
