@@ -39,9 +39,9 @@ import torch
 
 from common import copy_bandwidth, device_name, graph_us_per_layer, print_table, relative_error, write_json
 
-from k3.ops.moe import experts_grouped_mm, experts_in_pair_order, experts_loop
 from k3.ops import moe_triton
 from k3.ops.linear_triton import SKINNY_MAX_ROWS
+from k3.ops.moe import experts_grouped_mm, experts_in_pair_order, experts_loop
 from k3.ops.moe_triton import block_sizes, experts_by_ids_eager, experts_triton_eager
 
 SHAPES = {  # experts, top-k, expert width F, input width D, activation
