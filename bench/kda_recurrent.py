@@ -6,10 +6,11 @@ Usage: python bench/kda_recurrent.py [--batch 64 1] [--layers 12] [--out FILE]
 Each KDA layer of a decode step reads its rows' fp32 states [H, K, V] and writes them back: at `small`'s 8 heads of
 128 x 128 and batch 64 that is 33.6 MB each way, so the floor of the kernel is 2 x state bytes over the copy
 bandwidth measured in the same run. fla 0.6.0 launches it with BV = 32 value columns per program, 4 warps and 2
-stages, fixed. Here the same kernel (k3.ops.kda.fused_recurrent_kda_inplace, through fla) is relaunched with other
-(BV, num_warps, num_stages) by swapping the kernel object fla's launcher indexes for one that rewrites those
-arguments and the grid; outputs and states are checked against fla's launch before timing (fp32 states to 1e-5,
-bf16 outputs to 1e-2 of their largest value: another tile sums over K in another order). All layers
+stages, fixed, after zero-filling the output. k3 launches the same kernel itself (k3/ops/kda/fla_launch.py) with
+the (BV, num_warps, num_stages) that K3_KDA_RECURRENT_LAUNCH names, or its own pick for the batch ("auto", the
+default); "32,4,2" is fla's tile without fla's launcher. Outputs and states are checked against fla's launch before
+timing (fp32 states to 1e-5, bf16 outputs to 1e-2 of their largest value: another tile sums over K in another
+order). All layers
 (distinct pools, so no layer finds its states in L2) run in one CUDA graph; the result is microseconds per layer.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 
 import torch
@@ -24,38 +26,30 @@ import torch
 from common import device_name, graph_us_per_layer, kernel_bench_bandwidth, print_table, write_json
 
 from k3.ops.kda import fused_recurrent_kda_inplace
+from k3.ops.kda.fla_launch import auto_launch
 
 HEADS, KEY, VALUE = 8, 128, 128  # `small`
-LAUNCHES = ((32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 2, 2), (32, 8, 2), (64, 8, 2), (16, 2, 2), (32, 4, 1),
-            (128, 8, 2), (8, 1, 2), (16, 1, 2), (32, 1, 2), (64, 2, 2), (16, 2, 3), (8, 2, 2))  # (BV, num_warps,
-# num_stages); the first is fla's
-
-
-class _Relaunch:
-    """Stands in for fla's jitted kernel: `kernel[grid](**args)` launches with BV, warps and stages replaced and
-    the grid recomputed for the new BV (fla's launcher passes every argument by name)."""
-
-    def __init__(self, kernel, block_v: int, warps: int, stages: int):
-        self.kernel, self.block_v, self.warps, self.stages = kernel, block_v, warps, stages
-
-    def __getitem__(self, grid):
-        def launch(**args):
-            import triton
-            args.update(BV=self.block_v, num_warps=self.warps, num_stages=self.stages)
-            programs = triton.cdiv(args["V"], self.block_v) * int(args["N"]) * args["HV"]
-            return self.kernel[(programs,)](**args)
-        return launch
+ENV = "K3_KDA_RECURRENT_LAUNCH"
+# fla's own launcher, k3's pick for the batch (k3.ops.kda.fla_launch.auto_launch), then (BV, num_warps,
+# num_stages) launched by k3
+LAUNCHES = ("fla", "auto", (32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 2, 2), (32, 8, 2), (64, 8, 2), (16, 2, 2),
+            (32, 4, 1), (128, 8, 2), (8, 1, 2), (16, 1, 2), (32, 1, 2), (64, 2, 2), (16, 2, 3), (8, 2, 2), (16, 1, 1),
+            (8, 1, 1))
 
 
 @contextlib.contextmanager
-def launched_as(block_v: int, warps: int, stages: int):
-    import fla.ops.kda.fused_recurrent as fla_recurrent
-    kernel = fla_recurrent.fused_recurrent_kda_fwd_kernel
-    fla_recurrent.fused_recurrent_kda_fwd_kernel = _Relaunch(kernel, block_v, warps, stages)
+def launched_as(launch: str):
+    """k3's in-place decode KDA under K3_KDA_RECURRENT_LAUNCH=launch: "fla" (fla's own launcher), "auto" (k3's
+    pick) or "BV,warps,stages" (k3 launching fla's kernel so)."""
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = launch
     try:
         yield
     finally:
-        fla_recurrent.fused_recurrent_kda_fwd_kernel = kernel
+        if saved is None:
+            os.environ.pop(ENV)
+        else:
+            os.environ[ENV] = saved
 
 
 def bench_batch(batch: int, layers: int, bandwidth: float) -> dict:
@@ -76,14 +70,18 @@ def bench_batch(batch: int, layers: int, bandwidth: float) -> dict:
         return fused_recurrent_kda_inplace(q, k, v, g, beta, pools[i], indices, **options)
 
     start = pools[0].clone()
-    want_o = step(0)
+    with launched_as("fla"):
+        want_o = step(0)
     want_state = pools[0].clone()
     result = dict(batch=batch, launches={}, mismatches=[])
     state_bytes = batch * HEADS * KEY * VALUE * 4
     result["floor_us"] = 2 * state_bytes / bandwidth * 1e6
-    for block_v, warps, stages in LAUNCHES:
-        key = f"BV{block_v} w{warps} s{stages}"
-        with launched_as(block_v, warps, stages), torch.no_grad():
+    for launch in LAUNCHES:
+        launch = launch if isinstance(launch, str) else ",".join(map(str, launch))
+        tile = auto_launch(batch) if launch == "auto" else launch.split(",")
+        key = "fla's launch" if launch == "fla" else ("k3 auto " if launch == "auto" else "") + \
+            "BV{} w{} s{}".format(*tile)
+        with launched_as(launch), torch.no_grad():
             try:
                 pools[0].copy_(start)
                 o = step(0)
@@ -115,15 +113,17 @@ def main() -> None:
                                        cpu_smoke=False)
     with torch.no_grad():
         results = [bench_batch(b, args.layers, bandwidth) for b in args.batch]
-    fla_launch = "BV{} w{} s{}".format(*LAUNCHES[0])
+    fla_launch = "fla's launch"
     rows = []
     for r in results:
         best = min(r["launches"], key=r["launches"].get)
-        rows.append([r["batch"], f"{r['launches'][fla_launch]:.1f}", f"{best} {r['launches'][best]:.1f}",
+        auto = next((key for key in r["launches"] if key.startswith("k3 auto")), fla_launch)
+        rows.append([r["batch"], f"{r['launches'][fla_launch]:.1f}", f"{auto[8:]} {r['launches'][auto]:.1f}",
+                     f"{best} {r['launches'][best]:.1f}",
                      f"{r['floor_us']:.1f}", f"{r['launches'][fla_launch] / r['floor_us']:.2f}x",
                      f"{r['launches'][best] / r['floor_us']:.2f}x", ", ".join(r["mismatches"]) or "none"])
     print_table("fla's fused recurrent KDA, one token, in place, per layer (one CUDA graph over all layers)",
-                ["batch", "fla launch us", "best launch us", "floor us", "fla / floor", "best / floor",
+                ["batch", "fla launch us", "k3 auto us", "best launch us", "floor us", "fla / floor", "best / floor",
                  "outputs differing"], rows)
     write_json(args.out, dict(device=device_name(), bandwidth_bytes_per_s=bandwidth, heads=HEADS, key=KEY,
                               value=VALUE, results=results))

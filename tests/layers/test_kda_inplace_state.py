@@ -31,6 +31,7 @@ from k3.infer.static_cache import StaticCache, StaticKDASlot
 from k3.layers.fused_weights import fuse_model_weights
 from k3.layers.kda import KimiDeltaAttention
 from k3.ops.kda import fused_recurrent_kda, fused_recurrent_kda_inplace
+from k3.ops.kda.fla_launch import KERNEL_ARGS, InplaceRecurrentLauncher, auto_launch, find_fla_recurrent_kernel
 from k3.ops.kda.inplace import fused_recurrent_kda_inplace_fla
 from k3.ops.kda.recurrent import fused_recurrent_kda_torch
 from tests.ops import fla_standins
@@ -194,6 +195,117 @@ def test_fla_without_the_inplace_launcher_gathers_runs_fla_and_scatters(monkeypa
     expected = fused_recurrent_kda_inplace(*inputs, twin_pool, indices, use_qk_l2norm_in_kernel=True, **options)
     torch.testing.assert_close(o, expected, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(pool, twin_pool, rtol=1e-6, atol=1e-6)
+
+
+class KernelStandin:
+    """fla 0.6.0's fused_recurrent_kda_fwd_kernel as k3's launcher (k3/ops/kda/fla_launch.py) calls it: checks
+    the arguments of the in-place mode against the tensors they describe, records the launch, and runs
+    fla_fwd_standin on what the kernel would read (o written into the buffer it was handed)."""
+
+    arg_names = sorted(KERNEL_ARGS | {"USE_INITIAL_STATE", "IS_VARLEN", "IS_CONTINUOUS_BATCHING",
+                                      "IS_SPEC_DECODING", "STORE_FINAL_STATE", "HAS_A", "HAS_BIAS",
+                                      "USE_LOWER_BOUND", "num_stages"})
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        def run(**a):
+            pool, indices = a["h0"], a["ssm_state_indices"]
+            assert a["ht"] is pool and a["INPLACE_FINAL_STATE"] and a["cu_seqlens"] is None
+            assert a["num_accepted_tokens"] is None and not a["STATE_V_FIRST"] and not a["ALLOW_NEG_EIGVAL"]
+            q, v = a["q"], a["v"]
+            assert (a["N"], a["T"], a["H"], a["K"]) == tuple(q.shape) and (a["HV"], a["V"]) == v.shape[2:]
+            assert a["BK"] == a["K"] and a["IS_BETA_HEADWISE"] == (a["beta"].dim() == v.dim())
+            assert grid == (-(-a["V"] // a["BV"]) * a["N"] * a["HV"],)
+            assert a["stride_init_state_token"] == a["stride_final_state_token"] == pool.stride(0)
+            assert a["stride_indices_seq"] == indices.stride(0)
+            assert a["o"].shape == v.shape and a["o"].dtype == v.dtype
+            self.launches.append((a["BV"], a["num_warps"], a["num_stages"]))
+            o, _ = fla_fwd_standin(q, a["k"], v, a["g"], a["beta"], A_log=a["A_log"], dt_bias=a["dt_bias"],
+                                   initial_state=pool, scale=a["scale"], ssm_state_indices=indices,
+                                   use_qk_l2norm_in_kernel=a["USE_QK_L2NORM_IN_KERNEL"],
+                                   use_gate_in_kernel=a["USE_GATE_IN_KERNEL"],
+                                   use_beta_sigmoid_in_kernel=a["APPLY_BETA_SIGMOID"], lower_bound=a["lower_bound"])
+            a["o"].copy_(o)
+        return run
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_k3_launch_of_fla_kernel_addresses_the_slots_like_the_twin(monkeypatch, length):
+    """k3 launches fla's kernel itself with the tile auto_launch picks (or K3_KDA_RECURRENT_LAUNCH names); the
+    arguments it computes address the same slots and give the twin's outputs and states."""
+    kernel, fla_calls = KernelStandin(), []
+    launcher = InplaceRecurrentLauncher(lambda *a, **kw: fla_calls.append(1) or fla_fwd_standin(*a, **kw), kernel)
+    inputs, options = decode_inputs(4, length, seed=21)
+    gate = {name: value for name, value in options.items() if name != "safe_gate"}
+    twin_pool = random_pool(seed=22)
+    expected = fused_recurrent_kda_inplace(*inputs, twin_pool, INDEX_CASES["strided"], use_qk_l2norm_in_kernel=True,
+                                           **options)
+    for env, launch, through_fla in (("auto", auto_launch(4), 0), ("8,2,3", (8, 2, 3), 0), ("fla", None, 1)):
+        monkeypatch.setenv("K3_KDA_RECURRENT_LAUNCH", env)
+        pool, launches = random_pool(seed=22), len(kernel.launches)
+        o = fused_recurrent_kda_inplace_fla(launcher, *inputs, pool, INDEX_CASES["strided"], None, True, **gate)
+        torch.testing.assert_close(o, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pool, twin_pool, rtol=1e-5, atol=1e-5)
+        assert kernel.launches[launches:] == ([] if launch is None else [launch]) and len(fla_calls) == through_fla
+    assert auto_launch(1) == (16, 1, 2) and auto_launch(64) == (16, 2, 2)
+    for bad in ("12,2,2", "16,3,2", "16,2", "fast"):
+        monkeypatch.setenv("K3_KDA_RECURRENT_LAUNCH", bad)
+        with pytest.raises(ValueError, match="K3_KDA_RECURRENT_LAUNCH"):
+            fused_recurrent_kda_inplace_fla(launcher, *inputs, random_pool(seed=22), INDEX_CASES["strided"], None,
+                                            True, **gate)
+
+
+def test_fla_kernel_is_launched_by_k3_only_when_its_signature_matches(monkeypatch):
+    """_load_fla wraps fla's launcher around its kernel where the kernel takes k3's arguments; a kernel with
+    another signature (another fla) leaves fla's own launcher in place."""
+    old_kernel = KernelStandin()
+    old_kernel.arg_names = [name for name in KernelStandin.arg_names if name != "stride_indices_tok"]
+    for kernel, ours in ((KernelStandin(), True), (old_kernel, False)):
+        with fla_standins.installed(monkeypatch):
+            module = types.ModuleType("fla.ops.kda.fused_recurrent")
+            module.fused_recurrent_kda_fwd, module.fused_recurrent_kda_fwd_kernel = fla_fwd_standin, kernel
+            monkeypatch.setattr(sys.modules["fla.ops.kda"], "fused_recurrent", module, raising=False)
+            kda_ops._load_fla.cache_clear()
+            launcher = kda_ops._load_fla()[2]
+            assert isinstance(launcher, InplaceRecurrentLauncher) == ours
+            assert ours or launcher is fla_fwd_standin
+            assert ours or "stride_indices_tok" in find_fla_recurrent_kernel(sys.modules["fla.ops.kda"])
+        kda_ops._load_fla.cache_clear()
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kda_ops._fla_available()), reason="needs CUDA and fla")
+@pytest.mark.parametrize("batch,length", [(1, 1), (5, 1), (64, 1), (3, 4)])
+def test_k3_launch_equals_fla_launch_on_cuda(monkeypatch, batch, length):
+    """The real kernel under k3's launch against fla's own launcher: states to fp32 rounding, bf16 outputs to a
+    unit or so of their last place (another tile width)."""
+    gen = torch.Generator(device="cuda").manual_seed(batch)
+    heads, dim = 8, 128
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    inputs = [rand(batch, length, heads, dim) for _ in range(3)] + [rand(batch, length, heads, dim),
+                                                                     rand(batch, length, heads)]
+    inputs[2], inputs[3] = inputs[3], inputs[2]  # q, k, v, g, beta
+    options = dict(use_gate_in_kernel=True, A_log=rand(heads, dtype=torch.float32),
+                   dt_bias=rand(heads * dim, dtype=torch.float32), use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+    start = rand(2 * batch + 1, heads, dim, dim, dtype=torch.float32).mul_(0.1)
+    indices = torch.randperm(2 * batch + 1, device="cuda", generator=gen)[:batch].int()
+    assert isinstance(kda_ops._load_fla()[2], InplaceRecurrentLauncher)  # fla's kernel takes k3's arguments
+    results = {}
+    for env in ("fla", "auto", "16,2,2"):
+        monkeypatch.setenv("K3_KDA_RECURRENT_LAUNCH", env)
+        pool = start.clone()
+        with torch.no_grad():
+            o = fused_recurrent_kda_inplace(*inputs, pool, indices, use_qk_l2norm_in_kernel=True, **options)
+        results[env] = o.float(), pool
+    want_o, want_pool = results.pop("fla")
+    assert not torch.equal(want_pool, start)
+    for o, pool in results.values():
+        assert ((pool - want_pool).abs().max() / want_pool.abs().max()).item() < 1e-5
+        assert ((o - want_o).abs().max() / want_o.abs().max()).item() < 1e-2
 
 
 # --- the layer through the three caches -------------------------------------------------------------------

@@ -18,6 +18,7 @@ import os
 import torch
 
 from k3.ops.fused_backend import opaque_under_compile
+from k3.ops.kda.fla_launch import InplaceRecurrentLauncher, find_fla_recurrent_kernel
 from k3.ops.kda.chunk import chunk_kda_torch
 from k3.ops.kda.inplace import (check_state_pool, find_fla_inplace_fwd, fused_recurrent_kda_inplace_fla,
                                 fused_recurrent_kda_inplace_torch)
@@ -42,16 +43,20 @@ _override: str | None = None
 
 @functools.lru_cache(maxsize=1)
 def _load_fla() -> tuple[object, object, object | None] | str:
-    """fla's (chunk_kda, fused_recurrent_kda, fused_recurrent_kda_fwd or None where it has no in-place mode), or
-    the import error as text. Imported once, lazily (pulls triton); one cache, so that whatever replaces fla
-    (tests' CPU stand-ins) replaces all three together."""
+    """fla's (chunk_kda, fused_recurrent_kda, the in-place decode launcher or None where fla has no in-place
+    mode), or the import error as text. The launcher is k3's (k3/ops/kda/fla_launch.py) around fla's kernel
+    where that kernel takes k3's arguments, else fla's fused_recurrent_kda_fwd. Imported once, lazily (pulls
+    triton); one cache, so that whatever replaces fla (tests' CPU stand-ins) replaces all three together."""
     try:
         fla_kda = importlib.import_module("fla.ops.kda")
         fla_chunk, fla_recurrent = fla_kda.chunk_kda, fla_kda.fused_recurrent_kda
     except Exception as exc:  # a broken triton install raises more than ImportError
         return f"{type(exc).__name__}: {exc}"
     inplace = find_fla_inplace_fwd(fla_kda)
-    return fla_chunk, fla_recurrent, None if isinstance(inplace, str) else inplace
+    if isinstance(inplace, str):
+        return fla_chunk, fla_recurrent, None
+    kernel = find_fla_recurrent_kernel(fla_kda)
+    return fla_chunk, fla_recurrent, inplace if isinstance(kernel, str) else InplaceRecurrentLauncher(inplace, kernel)
 
 
 @torch.compiler.assume_constant_result
