@@ -158,6 +158,11 @@ class KDAView:
         k3.ops.kda.fused_recurrent_kda_inplace; padded rows name the scratch slot."""
         return self.pool.kda_state[self.n], self.slots
 
+    def conv_window_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's window pool [num_slots + 1, W-1, 3C], the rows' slots [B]) for
+        k3.ops.conv_step_triton.short_conv_step_inplace: the windows slide where they lie, no gather nor scatter."""
+        return self.pool.kda_tails[self.n], self.slots
+
     def update(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         self.pool.kda_state[self.n].index_copy_(0, self.slots, state.to(torch.float32))
         self.update_conv_tails(tails)

@@ -52,6 +52,11 @@ class StaticKDASlot:
         k3.ops.kda.fused_recurrent_kda_inplace."""
         return self.state, self.rows
 
+    def conv_window_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the window buffer [B, W-1, 3C] as the pool, rows [B] = 0..B-1) for
+        k3.ops.conv_step_triton.short_conv_step_inplace."""
+        return self.conv_window, self.rows
+
     def update(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         self.state.copy_(state)
         self.update_conv_tails(tails)

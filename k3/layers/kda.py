@@ -18,6 +18,7 @@ from k3.layers.norm import GatedRMSNorm
 from k3.layers.fused_weights import fused, linear_group
 from k3.ops.linear_triton import project
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
+from k3.ops.conv_step_triton import short_conv_step_inplace
 from k3.ops.short_conv import short_conv
 
 # Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.
@@ -92,25 +93,35 @@ class KimiDeltaAttention(nn.Module):
         batch, length, _ = x.shape
         shape = (batch, length, self.num_heads, self.head_dim)
         qkv, f_a, g_in, beta_logits = self._project(x)
-        if cache is None:
-            tails = (None, None, None)
-        elif not isinstance(qkv, (list, tuple)) and (window := getattr(cache, "conv_window", None)) is not None:
-            tails = window  # joined q/k/v tails in the joined conv's layout (read once: the pool's is a gather)
+        recurrent = cache is not None and length <= RECURRENT_MAX_TOKENS
+        in_place = recurrent and hasattr(cache, "state_in_place")
+        if (in_place and length == 1 and cu_seqlens is None and position_in_doc is None
+                and not isinstance(qkv, (list, tuple)) and hasattr(cache, "conv_window_in_place")):
+            # One decode token through the joined conv: one kernel reads the window where the cache keeps it,
+            # slides it there and writes q, k, v contiguous (k3/ops/conv_step_triton.py).
+            window, rows = cache.conv_window_in_place()
+            q, k, v = short_conv_step_inplace(qkv, self._joined_conv_weight(), window, rows, parts=3).unbind(0)
+            new_tails = None
         else:
-            tails = cache.conv_tails
-        (q, k, v), new_tails = self._convolve(qkv, tails, position_in_doc, cu_seqlens)
+            if cache is None:
+                tails = (None, None, None)
+            elif not isinstance(qkv, (list, tuple)) and (window := getattr(cache, "conv_window", None)) is not None:
+                tails = window  # joined q/k/v tails in the joined conv's layout (read once: the pool's is a gather)
+            else:
+                tails = cache.conv_tails
+            (q, k, v), new_tails = self._convolve(qkv, tails, position_in_doc, cu_seqlens, planar=in_place)
         # The decay gate, beta's sigmoid and the q/k L2 norm run inside the KDA op (fused into fla's kernels on
         # CUDA; the PyTorch twin applies the same formulas), so only the raw projections are formed here.
         raw_gate = project(self.f_b_proj, f_a).view(shape)
-        recurrent = cache is not None and length <= RECURRENT_MAX_TOKENS
-        if recurrent and hasattr(cache, "state_in_place"):
+        if in_place:
             # The engine's pool and the static cache hold the states at fixed places: the kernel advances them
             # there, with no gathered copy going in and no new state to copy back.
             state_pool, state_indices = cache.state_in_place()
             o = fused_recurrent_kda_inplace(q.view(shape), k.view(shape), v.view(shape), raw_gate, beta_logits,
                                             state_pool, state_indices, use_qk_l2norm_in_kernel=True,
                                             **self.gate_kwargs())
-            cache.update_conv_tails(new_tails)
+            if new_tails is not None:
+                cache.update_conv_tails(new_tails)
         else:
             state = cache.state if cache is not None else None
             kernel = fused_recurrent_kda if recurrent else chunk_kda
@@ -148,13 +159,24 @@ class KimiDeltaAttention(nn.Module):
     def short_convs(self) -> tuple[nn.Module, nn.Module, nn.Module]:
         return self.q_conv1d, self.k_conv1d, self.v_conv1d
 
-    def _convolve(self, qkv, tails, position_in_doc, cu_seqlens):
+    def _joined_conv_weight(self) -> torch.Tensor:
+        """The q, k and v conv weights side by side, [3 * width, W]."""
+        group = fused(self, "conv")  # the three weights in one buffer (k3.layers.fused_weights)
+        convs = self.short_convs()
+        return (group.buffer if group is not None else torch.cat([c.weight for c in convs], dim=0)).squeeze(1)
+
+    def _convolve(self, qkv, tails, position_in_doc, cu_seqlens, planar: bool = False):
         """The short convs of q, k and v -> ([q, k, v], their new tails). A depthwise conv treats channels
         independently, so when q, k, v arrive as one [B, T, 3 * width] block (long inputs) the three convs run
         as one call over their channels side by side (weights and tails concatenated on the fly, a few KB):
         one kernel launch and one autograd node instead of three, which the host-bound training step feels.
         `tails` is a tuple of three (or of Nones), or one joined [B, W-1, 3 * width] window (a decode cache's
-        layout); a joined window comes back joined, for the cache to store with one copy."""
+        layout); a joined window comes back joined, for the cache to store with one copy.
+
+        planar: a joined output comes back as three contiguous tensors (one [3, B, T, width] block) rather than
+        three column slices, for fla's in-place decode kernel, which takes its inputs contiguous: one copy where
+        its launcher made three (an uncompiled batch-64 graph of `small` went from 784 to 760 kernels on one
+        H200; compiled, Inductor still writes q, k and v one kernel each, as it did the slices' copies)."""
         convs = self.short_convs()
         joined = isinstance(tails, torch.Tensor)
         if isinstance(qkv, (list, tuple)):
@@ -163,8 +185,8 @@ class KimiDeltaAttention(nn.Module):
             pairs = [conv(t, tail, position_in_doc, cu_seqlens) for conv, t, tail in zip(convs, qkv, tails)]
             return [y for y, _ in pairs], tuple(tail for _, tail in pairs)
         width = qkv.shape[-1] // 3
-        group = fused(self, "conv")  # the three weights in one buffer (k3.layers.fused_weights)
-        weight_CW = (group.buffer if group is not None else torch.cat([c.weight for c in convs], dim=0)).squeeze(1)
+        weight_CW = self._joined_conv_weight()
         tail = tails if joined else None if tails[0] is None else torch.cat(tails, dim=-1)
         y, new_tail = short_conv(qkv, weight_CW, tail, cu_seqlens=cu_seqlens, position_in_doc=position_in_doc)
-        return list(y.split(width, dim=-1)), new_tail if joined else tuple(new_tail.split(width, dim=-1))
+        parts = y.unflatten(-1, (3, width)).movedim(-2, 0).contiguous().unbind(0) if planar else y.split(width, -1)
+        return list(parts), new_tail if joined else tuple(new_tail.split(width, dim=-1))

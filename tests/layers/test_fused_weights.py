@@ -5,6 +5,7 @@ replaces a weight, or a forward that wants gradients, falls back to the separate
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -64,9 +65,10 @@ def test_fused_model_equals_the_unfused_one_in_forward_and_decode():
     assert_same_outputs(model, reference, batch=2, length=12, seed=1)
 
 
-def test_fused_decode_convolves_q_k_v_as_one_and_stores_the_joined_tail_window(monkeypatch):
-    """With fused weights, q, k and v leave the GEMM side by side: one conv over the three (weights from the conv
-    group's buffer) reads the static cache's joined tail window as it is and writes it back with one copy."""
+def test_fused_decode_convolves_q_k_v_as_one_and_slides_the_joined_window_in_place(monkeypatch):
+    """With fused weights, q, k and v leave the GEMM side by side: prefill runs one conv over the three (weights
+    from the conv group's buffer), and each decode token one step that reads the static cache's joined window
+    where it lies and slides it there (k3.ops.conv_step_triton), with no window stored back."""
     from k3.infer.static_cache import StaticKDASlot
     import k3.layers.kda as kda_module
 
@@ -75,8 +77,9 @@ def test_fused_decode_convolves_q_k_v_as_one_and_stores_the_joined_tail_window(m
     fuse_model_weights(model)
     kda = next(m for m in model.modules() if isinstance(m, KimiDeltaAttention))
     assert fused(kda, "conv").buffer.data_ptr() == kda.q_conv1d.weight.data_ptr()
-    stored, widths = [], []
+    stored, widths, windows = [], [], []
     original_update, original_conv = StaticKDASlot.update_conv_tails, kda_module.short_conv
+    original_step = kda_module.short_conv_step_inplace
 
     def update(self, tails):
         stored.append(type(tails))
@@ -86,22 +89,60 @@ def test_fused_decode_convolves_q_k_v_as_one_and_stores_the_joined_tail_window(m
         widths.append(x.shape[-1])
         return original_conv(x, *args, **kwargs)
 
+    def step(x, weight_CW, window, rows, parts):
+        windows.append((x.shape[-1], tuple(window.shape[1:]), parts))
+        return original_step(x, weight_CW, window, rows, parts)
+
     monkeypatch.setattr(StaticKDASlot, "update_conv_tails", update)
     monkeypatch.setattr(kda_module, "short_conv", conv)
+    monkeypatch.setattr(kda_module, "short_conv_step_inplace", step)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
     got = logits_and_decode(model, ids, steps=2)
     width = kda.q_proj.out_features
     n_kda = model.config.layer_types.count("kda")
-    # StaticCache.from_hybrid copies the prefilled HybridCache's three tails in; each decode step then stores the
-    # joined window.
-    assert stored[:n_kda] == [tuple] * n_kda
-    assert len(stored) == 3 * n_kda and all(t is torch.Tensor for t in stored[n_kda:])
-    assert widths and set(widths) == {3 * width}  # one conv over q, k and v, prefill and decode
+    taps = model.config.kda_conv_kernel
+    # StaticCache.from_hybrid copies the prefilled HybridCache's three tails in; decode stores none.
+    assert stored == [tuple] * n_kda
+    assert widths and set(widths) == {3 * width}  # one conv over q, k and v in prefill
+    assert windows == [(3 * width, (taps - 1, 3 * width), 3)] * (2 * n_kda)  # and one step per layer and token
     stored.clear()
     monkeypatch.setattr(kda_module, "short_conv", original_conv)
     for a, b in zip(got, logits_and_decode(reference, ids, steps=2), strict=True):
         torch.testing.assert_close(a, b, **TOL)
     assert len(stored) == 3 * n_kda and all(t is tuple for t in stored)  # unfused: three projections, three tails
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need Triton's interpreter")
+def test_compiled_fused_decode_through_the_conv_kernel_equals_the_twin(monkeypatch):
+    """The conv step's Triton kernel (interpreted) inside a functionalised compiled decode step: the custom op
+    declares its write to the cache's window, so the window after each step and the logits equal the PyTorch
+    twin's, eager."""
+    pytest.importorskip("triton")
+    model = make_model()
+    fuse_model_weights(model)
+    ids = torch.randint(0, model.config.vocab_size, (3, 8), generator=torch.Generator().manual_seed(5))
+
+    def prefilled():
+        hybrid = model.new_cache(ids.shape[0])
+        with torch.no_grad():
+            model(ids[:, :-2], cache=hybrid)
+        return StaticCache.from_hybrid(model.config, hybrid, ids.shape[1] + 4, dtype=torch.float32)
+
+    monkeypatch.setenv("K3_CONV_STEP_BACKEND", "torch")
+    twin = prefilled()
+    with torch.no_grad():
+        expected = [decode_step(model, twin, ids[:, t:t + 1]) for t in (6, 7)]
+    monkeypatch.setenv("K3_CONV_STEP_BACKEND", "triton")
+    cache = prefilled()
+    step = torch.compile(decode_step, fullgraph=True, dynamic=False, backend="aot_eager")
+    with torch.no_grad():
+        for t, want in zip((6, 7), expected, strict=True):
+            torch.testing.assert_close(step(model, cache, ids[:, t:t + 1]), want, **TOL)
+    for got, want in zip(cache.layers, twin.layers, strict=True):
+        if hasattr(got, "conv_window"):
+            torch.testing.assert_close(got.conv_window, want.conv_window, **TOL)
+            torch.testing.assert_close(got.state, want.state, **TOL)
+    torch._dynamo.reset()
 
 
 def test_fusing_keeps_names_shapes_and_values_and_is_idempotent():
