@@ -101,7 +101,8 @@ def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
 # "mla" the router's logits are a matmul in the compiled step too; "logits" takes the compiled reduction for few
 # tokens (k3.layers.moe.COMPILED_LOGITS_MAX_TOKENS), as k3 does by default.
 _BEFORE = {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "auto",
-           "K3_MLA_DECODE": "einsum", "K3_FUSED_BACKEND": "fla", "K3_MOE_PAIR_LISTS": "0"}
+           "K3_MLA_DECODE": "einsum", "K3_FUSED_BACKEND": "fla", "K3_MOE_PAIR_LISTS": "0",
+           "K3_KDA_RECURRENT_LAUNCH": "fla", "K3_CONV_STEP_BACKEND": "torch"}
 MOE_VARIANTS = {
     "grouped": dict(_BEFORE, K3_MOE_BACKEND="grouped", K3_ROUTER_BACKEND="torch", K3_LINEAR_BACKEND="torch"),
     "triton": dict(_BEFORE, K3_ROUTER_BACKEND="torch", K3_LINEAR_BACKEND="torch"),
@@ -117,6 +118,15 @@ MOE_VARIANTS = {
     "skinny_rows": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_LINEAR_BACKEND="triton"),
     # logits_mla with the pair-order expert kernels sharing each expert's pair list (k3.ops.moe_triton)
     "pair_lists": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_MOE_PAIR_LISTS="1"),
+    # logits_mla with fla's recurrent KDA kernel launched by k3 with a tile fitted to the batch
+    # (k3/ops/kda/fla_launch.py), then with the shared pair lists as well
+    "kda_launch": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto"),
+    "kda_pairs": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
+                      K3_MOE_PAIR_LISTS="1"),
+    # kda_launch with the short convs' decode step as one kernel that slides the window in place
+    # (k3/ops/conv_step_triton.py): k3's defaults
+    "conv_step": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
+                      K3_CONV_STEP_BACKEND="auto"),
 }
 # "combo" also turns on Inductor's horizontal fusion of independent kernels (torch._inductor.config.combo_kernels,
 # off in k3 and by default) while its graph compiles: the step's 72 conv-window copies at batch 1 (about 1 us
@@ -124,7 +134,8 @@ MOE_VARIANTS = {
 INDUCTOR_CONFIG = {"combo": {"combo_kernels": True}}
 DEFAULT_LOGITS_MAX_TOKENS = moe_layers.COMPILED_LOGITS_MAX_TOKENS
 LOGITS_MAX_TOKENS = {name: DEFAULT_LOGITS_MAX_TOKENS
-                     for name in ("logits", "logits_mla", "combo", "skinny_rows", "pair_lists")}  # else 0
+                     for name in ("logits", "logits_mla", "combo", "skinny_rows", "pair_lists", "kda_launch",
+                                  "kda_pairs", "conv_step")}  # else 0
 
 
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,
