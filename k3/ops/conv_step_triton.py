@@ -80,7 +80,7 @@ def conv_step_inplace_triton(x: torch.Tensor, weight_CW: torch.Tensor, window: t
             (batch, triton.cdiv(channels, block_c))](
             x, weight_CW, window, rows, out, batch, channels, channels // parts, x.stride(0), x.stride(2),
             weight_CW.stride(0), weight_CW.stride(1), window.stride(0), window.stride(1), window.stride(2),
-            TAPS=weight_CW.shape[1], BLOCK_C=block_c, num_warps=num_warps)
+            rows.stride(0), TAPS=weight_CW.shape[1], BLOCK_C=block_c, num_warps=num_warps)
     return out
 
 

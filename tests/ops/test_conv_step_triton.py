@@ -73,6 +73,23 @@ def test_dispatch_forced_kernel_equals_twin_in_bf16(monkeypatch):
     assert torch.equal(pool_triton, pool_torch)
 
 
+@interpreted
+def test_kernel_reads_strided_rows_and_a_window_in_another_dtype_like_the_twin():
+    """Rows as every other entry of a longer tensor; an fp32 window under bf16 x: the taps go through x's dtype on
+    the way in and on the shift, as in the twin (short_conv_step casts the tail to x's dtype)."""
+    x, weight, _, _ = case(3, 48, 4, seed=9, dtype=torch.bfloat16)
+    window = torch.randn(SLOTS, 3, 48, generator=torch.Generator().manual_seed(10))
+    rows = torch.tensor([6, 0, 2, 5, 4, 1])[::2]
+    assert not rows.is_contiguous()
+    before, twin_window = window.clone(), window.clone()
+    y = conv_step_inplace_triton(x, weight, window, rows, parts=3, block_c=32)
+    want = conv_step_inplace_torch(x, weight, twin_window, rows, parts=3)
+    torch.testing.assert_close(y.float(), want.float(), rtol=1e-2, atol=1e-2)
+    # To a unit of bf16's last place: the interpreter's fp32 -> bf16 cast need not round to nearest as torch does.
+    torch.testing.assert_close(window, twin_window, rtol=1e-2, atol=1e-2)
+    assert not torch.allclose(window[rows], before[rows])  # the rows' windows did move
+
+
 def test_the_op_declares_its_write_to_the_window_and_nothing_else():
     """Under torch.compile functionalisation orders the window's readers after the op only if it says so."""
     import k3.ops.conv_step_triton  # noqa: F401  (registers the op)
