@@ -16,9 +16,9 @@ from k3.config import ModelConfig
 from k3.layers.conv import ShortConv
 from k3.layers.norm import GatedRMSNorm
 from k3.layers.fused_weights import fused, linear_group
+from k3.ops.conv_step_triton import short_conv_step_inplace
 from k3.ops.linear_triton import project
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
-from k3.ops.conv_step_triton import short_conv_step_inplace
 from k3.ops.short_conv import short_conv
 
 # Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.

@@ -20,23 +20,18 @@ the two equal.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.short_conv import short_conv_step
-from k3.ops.triton_support import interpreting, kernel_module, triton_importable
+from k3.ops.triton_support import interpreting, kernel_backend, kernel_module, triton_importable
 
 _ENV = "K3_CONV_STEP_BACKEND"
 BLOCK_C = 512
 
 
 def conv_step_backend() -> str:
-    backend = os.environ.get(_ENV, "auto")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{_ENV}={backend!r}; use auto, torch or triton")
-    return backend
+    return kernel_backend(_ENV)
 
 
 def check_conv_step(x: torch.Tensor, weight_CW: torch.Tensor, window: torch.Tensor, rows: torch.Tensor,

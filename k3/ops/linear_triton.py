@@ -19,13 +19,11 @@ held equal by tests/ops/test_linear_triton.py (through Triton's CPU interpreter 
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
 from k3.ops.fused_backend import with_torch_fallback
-from k3.ops.triton_support import interpreting, kernel_module, triton_importable
+from k3.ops.triton_support import interpreting, kernel_backend, kernel_module, triton_importable
 
 SKINNY_MAX_ROWS = 64
 # Auto-selection bounds (bench/moe_decode.py --dense, one H200). At one row the kernel won up to the 2M-element
@@ -98,10 +96,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_backend() -> str:
-    backend = os.environ.get(_ENV, "auto")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{_ENV}={backend!r}; use auto, torch or triton")
-    return backend
+    return kernel_backend(_ENV)
 
 
 def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -19,12 +19,10 @@ Triton's CPU interpreter without a GPU). Under torch.compile the launcher is the
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from k3.ops.moe_triton import TRITON_MAX_ROWS, kernels
-from k3.ops.triton_support import interpreting, triton_importable
+from k3.ops.triton_support import interpreting, kernel_backend, triton_importable
 
 _ENV = "K3_ROUTER_BACKEND"
 # Tokens per program and warps: 4 tokens on 2 warps took 2.6 us per layer against 3.3 for 16 on 4 (Triton's
@@ -34,10 +32,7 @@ NUM_WARPS = 2
 
 
 def router_backend() -> str:
-    backend = os.environ.get(_ENV, "auto")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{_ENV}={backend!r}; use auto, torch or triton")
-    return backend
+    return kernel_backend(_ENV)
 
 
 def route_triton_eager(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,

@@ -20,6 +20,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def kernel_backend(env: str) -> str:
+    """The backend an env switch of one of k3's own kernels names: "auto" (its default), "torch" or "triton"."""
+    backend = os.environ.get(env, "auto")
+    if backend not in ("auto", "torch", "triton"):
+        raise ValueError(f"{env}={backend!r}; use auto, torch or triton")
+    return backend
+
+
 @functools.lru_cache(maxsize=1)
 def triton_available() -> bool:
     try:

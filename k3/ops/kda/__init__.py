@@ -18,8 +18,8 @@ import os
 import torch
 
 from k3.ops.fused_backend import opaque_under_compile
-from k3.ops.kda.fla_launch import InplaceRecurrentLauncher, find_fla_recurrent_kernel
 from k3.ops.kda.chunk import chunk_kda_torch
+from k3.ops.kda.fla_launch import InplaceRecurrentLauncher, find_fla_recurrent_kernel
 from k3.ops.kda.inplace import (check_state_pool, find_fla_inplace_fwd, fused_recurrent_kda_inplace_fla,
                                 fused_recurrent_kda_inplace_torch)
 from k3.ops.kda.naive import naive_recurrent_kda
