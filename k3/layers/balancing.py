@@ -29,12 +29,13 @@ import torch
 QB_AGGREGATES = ("gather", "histogram")
 
 
-def expert_load(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+def expert_load(topk_ids_TK: torch.Tensor, num_experts: int, ones: torch.Tensor | None = None) -> torch.Tensor:
     """Tokens per expert [E] (float) from the chosen ids. A scatter-add rather than torch.bincount, which reads the
-    ids' min and max back to the host on CUDA (a sync per call, and QB's solver calls this once per update)."""
+    ids' min and max back to the host on CUDA (a sync per call, and QB's solver calls this once per update).
+    `ones`: fp32 ones of the ids' count, for a caller that counts many times (one op fewer each)."""
     ids = topk_ids_TK.reshape(-1)
     return torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
-        0, ids, torch.ones_like(ids, dtype=torch.float32))
+        0, ids, torch.ones_like(ids, dtype=torch.float32) if ones is None else ones)
 
 
 def maxvio(load_E: torch.Tensor) -> float:
@@ -91,7 +92,7 @@ def quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
     # The (q+1)-th smallest is the smallest value above the q-th (ties with it count as the q-th): a masked
     # min instead of a second selection.
     above_ET = torch.where(required_ET > qth_E[:, None], required_ET, torch.full_like(required_ET, float("inf")))
-    upper_E = above_ET.min(dim=1).values
+    upper_E = above_ET.amin(dim=1)
     upper_E = torch.where(torch.isinf(upper_E), qth_E + 1.0, upper_E)
     new_bias = 0.5 * (qth_E + upper_E)
     return new_bias - new_bias.mean() if center else new_bias
@@ -263,9 +264,11 @@ def _solve_on_device(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, 
     upper = max(math.ceil(quota), math.floor(quota * (1 + tolerance)))
     lower = min(math.floor(quota), math.ceil(quota * (1 - tolerance)))
 
+    ones = torch.ones(num_tokens * top_k, dtype=torch.float32, device=scores.device)
+
     def routed(bias):
         top = (scores + bias).topk(top_k + 1, dim=-1)
-        low, peak = torch.aminmax(expert_load(top.indices[:, :top_k], num_experts))
+        low, peak = torch.aminmax(expert_load(top.indices[:, :top_k], num_experts, ones))
         return top, (peak <= upper) & (low >= lower), peak
 
     bias = bias_E.float()
@@ -280,13 +283,15 @@ def _solve_on_device(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, 
         candidate = update if step % 2 == 1 else 0.5 * (bias + update)  # the half steps of solve_batch_bias
         bias = candidate
         top, balanced, peak = routed(bias)
-        newly = balanced & ~done
+        # On bools a > b is a & ~b: fewer small ops per update (the eager trainer launches each of them).
+        newly = balanced > done
+        settled = done | balanced
+        better = (peak < best_peak) > settled
         result = torch.where(newly, bias, result)
         used = torch.where(newly, step, used)
-        better = ~done & ~balanced & (peak < best_peak)
         best = torch.where(better, bias, best)
         best_peak = torch.where(better, peak, best_peak)
-        done = done | newly
+        done = settled
         if sync_every is not None and step % sync_every == 0 and step < updates and bool(done):
             break
     return torch.where(done, result, best), torch.where(done, used, updates)
