@@ -102,7 +102,7 @@ def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
 # tokens (k3.layers.moe.COMPILED_LOGITS_MAX_TOKENS), as k3 does by default.
 _BEFORE = {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "auto",
            "K3_MLA_DECODE": "einsum", "K3_FUSED_BACKEND": "fla", "K3_MOE_PAIR_LISTS": "0",
-           "K3_KDA_RECURRENT_LAUNCH": "fla", "K3_CONV_STEP_BACKEND": "torch"}
+           "K3_KDA_RECURRENT_LAUNCH": "fla", "K3_CONV_STEP_BACKEND": "torch", "K3_MOE_COMBINE": "auto"}
 MOE_VARIANTS = {
     "grouped": dict(_BEFORE, K3_MOE_BACKEND="grouped", K3_ROUTER_BACKEND="torch", K3_LINEAR_BACKEND="torch"),
     "triton": dict(_BEFORE, K3_ROUTER_BACKEND="torch", K3_LINEAR_BACKEND="torch"),
@@ -127,6 +127,10 @@ MOE_VARIANTS = {
     # (k3/ops/conv_step_triton.py): k3's defaults
     "conv_step": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
                       K3_CONV_STEP_BACKEND="auto"),
+    # conv_step with the MoE combine as a product and a sum over K for Inductor to fuse, instead of the bmm that
+    # stays a cuBLAS batched gemv (k3.ops.moe_combine.combine_pairs_sum)
+    "combine_sum": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
+                        K3_CONV_STEP_BACKEND="auto", K3_MOE_COMBINE="sum"),
 }
 # "combo" also turns on Inductor's horizontal fusion of independent kernels (torch._inductor.config.combo_kernels,
 # off in k3 and by default) while its graph compiles: the step's 72 conv-window copies at batch 1 (about 1 us
@@ -135,7 +139,7 @@ INDUCTOR_CONFIG = {"combo": {"combo_kernels": True}}
 DEFAULT_LOGITS_MAX_TOKENS = moe_layers.COMPILED_LOGITS_MAX_TOKENS
 LOGITS_MAX_TOKENS = {name: DEFAULT_LOGITS_MAX_TOKENS
                      for name in ("logits", "logits_mla", "combo", "skinny_rows", "pair_lists", "kda_launch",
-                                  "kda_pairs", "conv_step")}  # else 0
+                                  "kda_pairs", "conv_step", "combine_sum")}  # else 0
 
 
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,

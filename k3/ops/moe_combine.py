@@ -12,7 +12,12 @@ Two interchangeable paths, held equal by tests/ops/test_moe_combine.py:
   (bench/results/train_profile_small_round3_h200.txt). The kernels also keep the gate weights in fp32, where the
   bmm rounds them to y's dtype first.
 
-`K3_MOE_COMBINE=auto|bmm|triton` forces one; auto takes Triton for CUDA tensors outside torch.compile, when
+- `combine_pairs_sum`: a product and a sum over K in fp32, for a compiled decode step. Inside torch.compile on a
+  GPU the bmm stays a cuBLAS batched gemv of its own (`gemv2N_kernel`, 2.4 us a MoE layer in `small`'s batch-64
+  step on one H200, bench/results/decode_round12_h200/), where a sum over K is elementwise work Inductor can fuse
+  with its neighbours. Not yet timed on a GPU, so only on request.
+
+`K3_MOE_COMBINE=auto|bmm|triton|sum` forces one; auto takes Triton for CUDA tensors outside torch.compile, when
 triton imports. A Triton compile failure of an auto-selected kernel warns once and runs the twin from then on.
 Shape suffixes: T tokens, K routed experts per token, L expert output width.
 """
@@ -26,7 +31,7 @@ import torch
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.triton_support import interpreting, kernel_module, triton_importable
 
-_BACKENDS = ("auto", "bmm", "triton")
+_BACKENDS = ("auto", "bmm", "triton", "sum")
 
 
 def combine_backend() -> str:
@@ -39,6 +44,11 @@ def combine_backend() -> str:
 def combine_pairs_bmm(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """The twin: a batched matmul in y's dtype (fp32 accumulation inside the matmul for bf16)."""
     return torch.bmm(weights_TK.to(y_TKL.dtype).unsqueeze(1), y_TKL).squeeze(1)
+
+
+def combine_pairs_sum(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+    """sum_k w[t, k] y[t, k, :] as products and a sum over K in fp32 (the gate weights unrounded), in y's dtype."""
+    return (y_TKL.float() * weights_TK.float().unsqueeze(-1)).sum(1).to(y_TKL.dtype)
 
 
 def _kernels():
@@ -101,6 +111,8 @@ def weighted_sum_over_k(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.
     backend = combine_backend()
     if backend == "triton":
         return combine_pairs_triton(y_TKL, weights_TK)
+    if backend == "sum":
+        return combine_pairs_sum(y_TKL, weights_TK)
     if backend == "auto" and y_TKL.is_cuda and not torch.compiler.is_compiling() and triton_importable():
         variant = ("moe_combine_triton", y_TKL.shape[1], y_TKL.dtype, weights_TK.dtype)
         return with_torch_fallback(variant, lambda: combine_pairs_triton(y_TKL, weights_TK),

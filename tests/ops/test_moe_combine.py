@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from k3.ops import moe_combine
-from k3.ops.moe_combine import combine_pairs_bmm, combine_pairs_triton, weighted_sum_over_k
+from k3.ops.moe_combine import combine_pairs_bmm, combine_pairs_sum, combine_pairs_triton, weighted_sum_over_k
 
 
 def oracle(y_TKL, weights_TK):
@@ -49,6 +49,22 @@ def test_equals_the_bmm_twin_in_fp32():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sum_form_matches_the_oracle_eager_and_compiled(dtype):
+    """The product-and-sum combine (K3_MOE_COMBINE=sum, for compiled decode): fp32 sums of the given inputs, the
+    same through Inductor, and the bmm twin's result in fp32."""
+    generator = torch.Generator().manual_seed(3)
+    y = torch.randn(19, 6, 72, generator=generator).to(dtype)
+    w = torch.rand(19, 6, generator=generator)
+    want = oracle(y, w)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    for fn in (combine_pairs_sum, torch.compile(combine_pairs_sum, fullgraph=True)):
+        out = fn(y, w)
+        assert out.dtype == dtype and relative(out, want) < tol
+    if dtype == torch.float32:
+        torch.testing.assert_close(combine_pairs_sum(y, w), combine_pairs_bmm(y, w), rtol=1e-5, atol=1e-5)
+
+
 def test_every_output_is_written_and_nans_stay_in_their_rows():
     """torch.empty is NaN-filled in tests (conftest): an unwritten element would show. A NaN in one token's pair
     output reaches that token's row and its weight gradients only."""
@@ -84,8 +100,11 @@ def test_switch(monkeypatch):
     monkeypatch.setenv("K3_MOE_COMBINE", "triton")
     torch.testing.assert_close(weighted_sum_over_k(y, w), combine_pairs_bmm(y, w), rtol=1e-5, atol=1e-5)
     assert calls == [1]
+    monkeypatch.setenv("K3_MOE_COMBINE", "sum")
+    torch.testing.assert_close(weighted_sum_over_k(y, w), combine_pairs_bmm(y, w), rtol=1e-5, atol=1e-5)
+    assert calls == [1]
     monkeypatch.setenv("K3_MOE_COMBINE", "einsum")
-    with pytest.raises(ValueError, match="auto, bmm, triton|'auto', 'bmm', 'triton'"):
+    with pytest.raises(ValueError, match="'auto', 'bmm', 'triton', 'sum'"):
         weighted_sum_over_k(y, w)
 
 
