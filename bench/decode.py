@@ -127,7 +127,7 @@ MOE_VARIANTS = {
     # (k3/ops/conv_step_triton.py): k3's defaults
     "conv_step": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
                       K3_CONV_STEP_BACKEND="auto"),
-    # conv_step with the MoE combine as a product and a sum over K for Inductor to fuse, instead of the bmm that
+    # conv_step with the MoE combine as products and additions over K for Inductor to fuse, instead of the bmm that
     # stays a cuBLAS batched gemv (k3.ops.moe_combine.combine_pairs_sum)
     "combine_sum": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
                         K3_CONV_STEP_BACKEND="auto", K3_MOE_COMBINE="sum"),

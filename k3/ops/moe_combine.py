@@ -12,7 +12,7 @@ Two interchangeable paths, held equal by tests/ops/test_moe_combine.py:
   (bench/results/train_profile_small_round3_h200.txt). The kernels also keep the gate weights in fp32, where the
   bmm rounds them to y's dtype first.
 
-- `combine_pairs_sum`: a product and a sum over K in fp32, for a compiled decode step. Inside torch.compile on a
+- `combine_pairs_sum`: products and additions over K in fp32, for a compiled decode step. Inside torch.compile on a
   GPU the bmm stays a cuBLAS batched gemv of its own (`gemv2N_kernel`, 2.4 us a MoE layer in `small`'s batch-64
   step on one H200, bench/results/decode_round12_h200/), where a sum over K is elementwise work Inductor can fuse
   with its neighbours. Not yet timed on a GPU, so only on request.
@@ -47,8 +47,14 @@ def combine_pairs_bmm(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Te
 
 
 def combine_pairs_sum(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-    """sum_k w[t, k] y[t, k, :] as products and a sum over K in fp32 (the gate weights unrounded), in y's dtype."""
-    return (y_TKL.float() * weights_TK.float().unsqueeze(-1)).sum(1).to(y_TKL.dtype)
+    """sum_k w[t, k] y[t, k, :] in fp32 (the gate weights unrounded), in y's dtype, written as K - 1 additions:
+    a sum over a dimension of K would be a reduction kernel of its own in Inductor, where additions stay
+    elementwise and can be computed inside the kernel that reads the result (the latent MoE's norm)."""
+    weights = weights_TK.float()
+    out = y_TKL[:, 0].float() * weights[:, 0:1]
+    for k in range(1, y_TKL.shape[1]):
+        out = out + y_TKL[:, k].float() * weights[:, k:k + 1]
+    return out.to(y_TKL.dtype)
 
 
 def _kernels():
