@@ -17,9 +17,9 @@ order). All layers
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -37,19 +37,10 @@ LAUNCHES = ("fla", "auto", (32, 4, 2), (16, 4, 2), (64, 4, 2), (32, 2, 2), (32, 
             (8, 1, 1))
 
 
-@contextlib.contextmanager
 def launched_as(launch: str):
     """k3's in-place decode KDA under K3_KDA_RECURRENT_LAUNCH=launch: "fla" (fla's own launcher), "auto" (k3's
     pick) or "BV,warps,stages" (k3 launching fla's kernel so)."""
-    saved = os.environ.get(ENV)
-    os.environ[ENV] = launch
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(ENV)
-        else:
-            os.environ[ENV] = saved
+    return mock.patch.dict(os.environ, {ENV: launch})
 
 
 def bench_batch(batch: int, layers: int, bandwidth: float) -> dict:
