@@ -102,7 +102,9 @@ def step_bytes(model, config, static, first, batch: int, context: int) -> dict:
 # tokens (k3.layers.moe.COMPILED_LOGITS_MAX_TOKENS), as k3 does by default.
 _BEFORE = {"K3_MOE_BACKEND": "triton", "K3_ROUTER_BACKEND": "triton", "K3_LINEAR_BACKEND": "auto",
            "K3_MLA_DECODE": "einsum", "K3_FUSED_BACKEND": "fla", "K3_MOE_PAIR_LISTS": "0",
-           "K3_KDA_RECURRENT_LAUNCH": "fla", "K3_CONV_STEP_BACKEND": "torch", "K3_MOE_COMBINE": "auto"}
+           "K3_KDA_RECURRENT_LAUNCH": "fla", "K3_CONV_STEP_BACKEND": "torch", "K3_MOE_COMBINE": "bmm"}
+# K3_MOE_COMBINE=bmm: the compiled step's combine before "combine_sum" (the uncompiled graphs' combine was Triton's
+# kernel under auto until then; with bmm their rows run cuBLAS's batched matmul in its place).
 MOE_VARIANTS = {
     "grouped": dict(_BEFORE, K3_MOE_BACKEND="grouped", K3_ROUTER_BACKEND="torch", K3_LINEAR_BACKEND="torch"),
     "triton": dict(_BEFORE, K3_ROUTER_BACKEND="torch", K3_LINEAR_BACKEND="torch"),
@@ -124,22 +126,30 @@ MOE_VARIANTS = {
     "kda_pairs": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
                       K3_MOE_PAIR_LISTS="1"),
     # kda_launch with the short convs' decode step as one kernel that slides the window in place
-    # (k3/ops/conv_step_triton.py): k3's defaults
+    # (k3/ops/conv_step_triton.py)
     "conv_step": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
                       K3_CONV_STEP_BACKEND="auto"),
     # conv_step with the MoE combine as products and additions over K for Inductor to fuse, instead of the bmm that
-    # stays a cuBLAS batched gemv (k3.ops.moe_combine.combine_pairs_sum)
+    # stays a cuBLAS batched gemv (k3.ops.moe_combine.combine_pairs_sum): k3's defaults (auto)
     "combine_sum": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
-                        K3_CONV_STEP_BACKEND="auto", K3_MOE_COMBINE="sum"),
+                        K3_CONV_STEP_BACKEND="auto", K3_MOE_COMBINE="auto"),
+    # conv_step and combine_sum compiled without Inductor's padding of wide row strides (INDUCTOR_CONFIG below)
+    "no_padding": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
+                       K3_CONV_STEP_BACKEND="auto"),
+    "sum_no_padding": dict(_BEFORE, K3_FUSED_BACKEND="auto", K3_MLA_DECODE="auto", K3_KDA_RECURRENT_LAUNCH="auto",
+                           K3_CONV_STEP_BACKEND="auto", K3_MOE_COMBINE="auto"),
 }
 # "combo" also turns on Inductor's horizontal fusion of independent kernels (torch._inductor.config.combo_kernels,
 # off in k3 and by default) while its graph compiles: the step's 72 conv-window copies at batch 1 (about 1 us
 # each) are independent kernels of equal shape.
-INDUCTOR_CONFIG = {"combo": {"combo_kernels": True}}
+# "no_padding" and "sum_no_padding" turn off its padding of row strides to 128 bytes (comprehensive_padding, on for
+# GPUs by default): a padded GEMM output reaches an op that needs the traced strides through a copy.
+INDUCTOR_CONFIG = {"combo": {"combo_kernels": True}, "no_padding": {"comprehensive_padding": False},
+                   "sum_no_padding": {"comprehensive_padding": False}}
 DEFAULT_LOGITS_MAX_TOKENS = moe_layers.COMPILED_LOGITS_MAX_TOKENS
 LOGITS_MAX_TOKENS = {name: DEFAULT_LOGITS_MAX_TOKENS
                      for name in ("logits", "logits_mla", "combo", "skinny_rows", "pair_lists", "kda_launch",
-                                  "kda_pairs", "conv_step", "combine_sum")}  # else 0
+                                  "kda_pairs", "conv_step", "combine_sum", "no_padding", "sum_no_padding")}  # else 0
 
 
 def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, device,

@@ -24,7 +24,7 @@ import torch
 
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.short_conv import short_conv_step
-from k3.ops.triton_support import interpreting, kernel_backend, kernel_module, triton_importable
+from k3.ops.triton_support import ANY_STRIDES, interpreting, kernel_backend, kernel_module, triton_importable
 
 _ENV = "K3_CONV_STEP_BACKEND"
 BLOCK_C = 512
@@ -79,7 +79,7 @@ def conv_step_inplace_triton(x: torch.Tensor, weight_CW: torch.Tensor, window: t
     return out
 
 
-@torch.library.custom_op("k3::conv_step_inplace", mutates_args=("window",))
+@torch.library.custom_op("k3::conv_step_inplace", mutates_args=("window",), tags=ANY_STRIDES)
 def conv_step_inplace_op(x: torch.Tensor, weight_CW: torch.Tensor, window: torch.Tensor, rows: torch.Tensor,
                          parts: int) -> torch.Tensor:
     return conv_step_inplace_triton(x, weight_CW, window, rows, parts)

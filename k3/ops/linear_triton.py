@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from k3.ops.fused_backend import with_torch_fallback
-from k3.ops.triton_support import interpreting, kernel_backend, kernel_module, triton_importable
+from k3.ops.triton_support import ANY_STRIDES, interpreting, kernel_backend, kernel_module, triton_importable
 
 SKINNY_MAX_ROWS = 64
 # Auto-selection bounds (bench/moe_decode.py --dense, one H200). At one row the kernel won up to the 2M-element
@@ -78,7 +78,7 @@ def skinny_linear_eager(x: torch.Tensor, weight: torch.Tensor, block_n: int | No
     return out.view(*x.shape[:-1], out_width)
 
 
-@torch.library.custom_op("k3::skinny_linear", mutates_args=())
+@torch.library.custom_op("k3::skinny_linear", mutates_args=(), tags=ANY_STRIDES)
 def skinny_linear_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return skinny_linear_eager(x, weight)
 

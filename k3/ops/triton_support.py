@@ -16,6 +16,14 @@ from dataclasses import dataclass
 import torch
 
 
+# Tags for a custom op whose kernel reads its inputs through their strides. Inductor's default for custom ops is
+# to hand them the exact strides seen while tracing; on a GPU it pads the row stride of wide GEMM outputs (e.g.
+# 4232 -> 4288 columns, a multiple of 128 bytes), so a column slice of one then reaches such an op through a copy
+# kernel of its own (12 per `small` decode step for the conv step, 12 for KDA's f_b projection; on one H200,
+# bench/results/decode_round12_h200/). With a flexible layout the op takes the padded slice as it lies.
+ANY_STRIDES = (torch._C.Tag.flexible_layout,)
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

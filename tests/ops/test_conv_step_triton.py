@@ -97,6 +97,12 @@ def test_the_op_declares_its_write_to_the_window_and_nothing_else():
     assert writes == ["window"]
 
 
+def test_the_op_takes_its_inputs_in_any_strides():
+    """The kernel reads x, the window and the rows through their strides (the case above slices x out of a wider
+    output), so the op tells Inductor so: a padded GEMM output then needs no copy on its way in."""
+    assert torch._C.Tag.flexible_layout in torch.ops.k3.conv_step_inplace.default.tags
+
+
 def test_bad_inputs_say_what_fits(monkeypatch):
     x, weight, window, rows = case(3, 48, 4, seed=1)
     monkeypatch.setenv("K3_CONV_STEP_BACKEND", "torch")

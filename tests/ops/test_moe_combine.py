@@ -108,6 +108,30 @@ def test_switch(monkeypatch):
         weighted_sum_over_k(y, w)
 
 
+def test_auto_takes_the_sum_form_in_compiled_inference_only(monkeypatch):
+    """auto: the product-and-sum form when torch.compile traces without autograd (a compiled decode step), the bmm
+    when it traces a training step, and the bmm eagerly on CPU."""
+    taken = []
+    for name in ("combine_pairs_sum", "combine_pairs_bmm"):
+        real = getattr(moe_combine, name)
+        monkeypatch.setattr(moe_combine, name, lambda *a, real=real, name=name: taken.append(name) or real(*a))
+    monkeypatch.setenv("K3_MOE_COMBINE", "auto")
+    y, w = torch.randn(5, 3, 24), torch.rand(5, 3)
+    want = combine_pairs_bmm(y, w)
+    compiled = torch.compile(weighted_sum_over_k, fullgraph=True, backend="aot_eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(y, w), want, rtol=1e-5, atol=1e-5)
+    assert taken == ["combine_pairs_sum"]
+    torch._dynamo.reset()
+    taken.clear()
+    out = compiled(y.requires_grad_(True), w)
+    out.sum().backward()
+    assert taken == ["combine_pairs_bmm"]
+    taken.clear()
+    weighted_sum_over_k(y, w)
+    assert taken == ["combine_pairs_bmm"]
+
+
 def test_latent_moe_trains_the_same_through_the_kernels(monkeypatch):
     """A LatentMoE layer's output and parameter gradients with the combine on the kernels equal the twin's."""
     from k3.config import ModelConfig
