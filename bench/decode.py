@@ -27,6 +27,7 @@ import argparse
 import os
 import time
 import traceback
+from unittest import mock
 
 import torch
 
@@ -199,31 +200,25 @@ def bench_k3(model, config, batch: int, prompt: int, new: int, max_real: int, de
             suffix = f"_{backend}" if backend else ""
             variants += [(f"fused_graph{suffix}", False, True, backend)]
             variants += [(f"fused_compiled_graph{suffix}", True, True, backend)] if compile else []
-    defaults = {key: os.environ.get(key) for key in MOE_VARIANTS["grouped"]}
-    for name, compiled, fused, backend in variants:
-        if fused:
-            fuse_model_weights(model)
-        if backend:
-            os.environ.update(MOE_VARIANTS[backend])
-            moe_layers.COMPILED_LOGITS_MAX_TOKENS = LOGITS_MAX_TOKENS.get(backend, 0)
-            torch._dynamo.reset()  # the backend is read while tracing: a graph compiled for another must go
-        path = f"{profile_dir}/{label}_{batch}x{prompt}_{name}.txt" if profile_dir else None
-        inductor = INDUCTOR_CONFIG.get(backend, {}) if compiled else {}
-        try:
-            with torch._inductor.config.patch(inductor):
-                result.update(time_greedy(model, static, first, new, compiled, eager_logits, name, path))
-        except Exception as exc:  # one variant failing (a compile error) leaves the others to run
-            traceback.print_exc()
-            result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-        static.restore(saved)
-        if progress:
-            progress(result)
-    moe_layers.COMPILED_LOGITS_MAX_TOKENS = DEFAULT_LOGITS_MAX_TOKENS
-    for key, value in defaults.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with mock.patch.dict(os.environ), mock.patch.object(moe_layers, "COMPILED_LOGITS_MAX_TOKENS"):
+        for name, compiled, fused, backend in variants:
+            if fused:
+                fuse_model_weights(model)
+            if backend:
+                os.environ.update(MOE_VARIANTS[backend])
+                moe_layers.COMPILED_LOGITS_MAX_TOKENS = LOGITS_MAX_TOKENS.get(backend, 0)
+                torch._dynamo.reset()  # the backend is read while tracing: a graph compiled for another must go
+            path = f"{profile_dir}/{label}_{batch}x{prompt}_{name}.txt" if profile_dir else None
+            inductor = INDUCTOR_CONFIG.get(backend, {}) if compiled else {}
+            try:
+                with torch._inductor.config.patch(inductor):
+                    result.update(time_greedy(model, static, first, new, compiled, eager_logits, name, path))
+            except Exception as exc:  # one variant failing (a compile error) leaves the others to run
+                traceback.print_exc()
+                result[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+            static.restore(saved)
+            if progress:
+                progress(result)
     unfuse_model_weights(model)
     graph_ms = result["graph_step_ms"]
     if floor:
