@@ -143,8 +143,9 @@ MOE_VARIANTS = {
 # "combo" also turns on Inductor's horizontal fusion of independent kernels (torch._inductor.config.combo_kernels,
 # off in k3 and by default) while its graph compiles: the step's 72 conv-window copies at batch 1 (about 1 us
 # each) are independent kernels of equal shape.
-# "no_padding" and "sum_no_padding" turn off its padding of row strides to 128 bytes (comprehensive_padding, on for
-# GPUs by default): a padded GEMM output reaches an op that needs the traced strides through a copy.
+# "no_padding" and "sum_no_padding" turn off Inductor's padding of row strides to 128 bytes (comprehensive_padding,
+# on for GPUs by default), under which a padded GEMM output reached an op that takes the traced strides through a copy
+# (measured: no change once k3's strided-input ops were tagged to take any layout, BENCHMARKS.md round thirteen).
 INDUCTOR_CONFIG = {"combo": {"combo_kernels": True}, "no_padding": {"comprehensive_padding": False},
                    "sum_no_padding": {"comprehensive_padding": False}}
 DEFAULT_LOGITS_MAX_TOKENS = moe_layers.COMPILED_LOGITS_MAX_TOKENS
