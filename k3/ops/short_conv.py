@@ -67,9 +67,10 @@ def short_conv_step(x: torch.Tensor, weight_CW: torch.Tensor,
     or two kernels, where fla's causal_conv1d adds a window pad, a state kernel and a transpose copy around a
     kernel made for long inputs (15 us a call at batch 64 on one H200).
 
-    The W taps are summed as W - 1 explicit additions rather than a sum over a [B, W, C] product: Inductor
-    makes a sum over a dimension of 4 a reduction kernel of its own (3.9 us a KDA layer at batch 64, `small`,
-    one H200), where additions stay pointwise and fuse with the silu and the writes of q, k and v."""
+    The W taps are summed as W - 1 explicit additions rather than a sum over a [B, W, C] product, which
+    Inductor makes a reduction kernel of its own. Measured on one H200 (`small`, batch 64, BENCHMARKS.md round
+    twelve) the compiled step kept a kernel for the sum all the same, its result having three users, and was
+    no faster; the one-token step with an in-place cache now takes k3.ops.conv_step_triton instead."""
     full = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, W, C]
     weight = weight_CW.float()
     acc = full[:, 0].float() * weight[:, 0]

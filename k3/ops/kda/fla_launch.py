@@ -79,16 +79,17 @@ class InplaceRecurrentLauncher:
                  output_final_state=False, inplace_final_state=True, ssm_state_indices=None,
                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                  lower_bound=None, **rest):
-        options = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, scale=scale,
-                       output_final_state=output_final_state, inplace_final_state=inplace_final_state,
-                       ssm_state_indices=ssm_state_indices, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                       use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                       lower_bound=lower_bound)
         ours = (inplace_final_state and ssm_state_indices is not None and initial_state is not None
                 and not any(value is not None and value is not False for value in rest.values()))
         launch = launch_from_env(q.shape[0]) if ours else None
         if launch is None:
-            return self.fla_fwd(q, k, v, g, beta, **options, **rest)
+            return self.fla_fwd(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                                scale=scale, output_final_state=output_final_state,
+                                inplace_final_state=inplace_final_state, ssm_state_indices=ssm_state_indices,
+                                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                use_gate_in_kernel=use_gate_in_kernel,
+                                use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound,
+                                **rest)
         return self.launch(q, k, v, g, beta, A_log, dt_bias, initial_state, ssm_state_indices, scale,
                            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound,
                            launch)
