@@ -32,7 +32,7 @@ from unittest import mock
 import torch
 
 from common import (device_name, peak_memory_gib, print_table, relative_error, reset_peak_memory, synchronize, time_ms,
-                    write_json)
+                    write_json, write_kernel_sources)
 from train import k3_matched_config, peer_model
 
 from k3 import K3ForCausalLM, ModelConfig
@@ -293,37 +293,6 @@ def graph_kernel_count(replay, profile_path: str | None = None) -> int | None:
     if profile_path:
         write_kernel_table(device, profile_path)
     return sum(1 for e in device if not e.name.lower().startswith(("memcpy", "memset")))
-
-
-def write_kernel_sources(run, path: str) -> None:
-    """One call of the step outside its CUDA graph (the same compiled or eager function the graph captured), under
-    the profiler with input shapes: for each device kernel, the op that launched it (an aten op such as mm with its
-    shapes for cuBLAS kernels, a k3:: custom op, or Inductor's kernel launch). Tells which projection a cuBLAS
-    kernel of the replay's table is. Printed and skipped on any failure: the timing does not depend on it."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    from k3.checkpoint.native import atomic_write_bytes
-
-    try:
-        synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-            run()
-            synchronize()
-        rows: dict[tuple[str, str, str], list[float]] = {}
-        for event in prof.events():
-            if event.device_type != DeviceType.CPU or not event.kernels:
-                continue
-            for kernel in event.kernels:
-                key = (kernel.name[:100], event.name[:60], str(event.input_shapes)[:160])
-                rows.setdefault(key, []).append(kernel.duration)
-        lines = [f"{'launches':>8} {'total us':>9}  kernel  <-  launching op  input shapes"]
-        for (kernel, op, shapes), times in sorted(rows.items(), key=lambda kv: -sum(kv[1])):
-            lines.append(f"{len(times):8d} {sum(times):9.1f}  {kernel}  <-  {op}  {shapes}")
-        atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
-        print(f"  kernels and the ops that launched them (one uncaptured call): {path}", flush=True)
-    except Exception as exc:  # noqa: BLE001 (a profiler quirk must not cost the run)
-        print(f"  kernel sources not written: {type(exc).__name__}: {exc}", flush=True)
 
 
 def write_kernel_table(events, path: str) -> None:

@@ -1,6 +1,6 @@
 """The LM head + cross-entropy (k3.ops.linear_ce): each path against the plain one, in one run.
 
-Usage: python bench/linear_ce.py [--tokens 16384] [--hidden 1024] [--vocab 32768] [--paths plain chunked fla]
+Usage: python bench/linear_ce.py [--tokens 16384] [--hidden 1024] [--vocab 32768] [--paths plain fused chunked fla]
                                  [--chunk-rows 4096] [--device cuda] [--out linear_ce.json]
 
 Each path runs forward + backward of the mean loss over `tokens` rows ([tokens, hidden] activations, a
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--vocab", type=int, default=32768)
-    parser.add_argument("--paths", nargs="+", default=["plain", "chunked", "fla"])
+    parser.add_argument("--paths", nargs="+", default=["plain", "fused", "chunked", "fla"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--chunk-rows", type=int, default=linear_ce.CHUNK_ROWS, help="rows per chunk (chunked)")
@@ -73,7 +73,7 @@ def main() -> None:
         return
     results = {}
     for path in args.paths:
-        if path == "fla" and args.device != "cuda":
+        if path in ("fla", "fused") and args.device != "cuda":
             continue
         if args.device == "cuda":
             results[path] = run_path(path, *shape)

@@ -15,6 +15,8 @@ Variants of k3-small / k3-matched: `-unfused` (PyTorch short conv and norms inst
 K3_FUSED_BACKEND=torch: the state before those kernels), `-eager-attnres` (eager AttnRes mix instead of the
 compiled one), `-compiled` (torch.compile on the dense/shared MLPs and norms), `-chunked-ce` / `-fla-ce` (the LM
 head and loss as one op, K3_LINEAR_CE=chunked / fla: no [tokens, vocab] logits held; k3.ops.linear_ce),
+`-plain-ce` (F.cross_entropy on fp32 logits, K3_LINEAR_CE=plain, instead of the default fla cross-entropy
+kernels on the bf16 logits; the default before them),
 `-graphed-kda` (each KDA attention sublayer replayed as CUDA graphs, forward and backward, through
 torch.cuda.make_graphed_callables: an experiment on how much of the step is host time in fla's launchers),
 `-graphed-step` (the whole forward + backward captured as one CUDA graph, k3.train.graphed_step, QB solved on the
@@ -31,7 +33,8 @@ the trainer's eager step.
 Also reported: the wall time of the first step (kernel compile/autotune included) and the number of frames
 torch.compile compiled during the timed steps (0 means no recompilation per step).
 --profile DIR writes torch.profiler's kernel table of one step by self CUDA time to DIR/train_profile_<variant>.txt
-for each variant named in --profile-variants (default k3-small).
+for each variant named in --profile-variants (default k3-small), and for variants that are not graphed
+DIR/train_sources_<variant>.txt: each kernel with the op (and input shapes) that launched it.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import traceback
 import torch
 
 from common import (H200_BF16_PEAK_FLOPS, device_name, hf_train_flops_per_token, k3_train_flops_per_token,
-                    peak_memory_gib, print_table, reset_peak_memory, time_ms, write_json)
+                    peak_memory_gib, print_table, reset_peak_memory, time_ms, write_json, write_kernel_sources)
 
 from k3 import K3ForCausalLM, ModelConfig
 from k3.layers import mlp
@@ -210,7 +213,7 @@ def variant_settings(name: str):
     attn_res = next((b for b in ("eager", "compiled") if has_flag(name, f"{b}-attnres")), None)
     set_attn_res_backend(attn_res)
     set_fused_backend("torch" if has_flag(name, "unfused") else None)
-    os.environ["K3_LINEAR_CE"] = next((b for b in ("chunked", "fla") if has_flag(name, f"{b}-ce")), "plain")
+    os.environ["K3_LINEAR_CE"] = next((b for b in ("plain", "chunked", "fla") if has_flag(name, f"{b}-ce")), "auto")
     os.environ["K3_MOE_COMBINE"] = "bmm" if has_flag(name, "bmm-combine") else "auto"
     os.environ["K3_RMS_NORM"] = "fla" if has_flag(name, "fla-norm") else "auto"
     compiled_pays = mlp._compiled_pays
@@ -313,6 +316,8 @@ def main() -> None:
             os.makedirs(args.profile, exist_ok=True)
             profile_step(step, os.path.join(args.profile, f"train_profile_{name}.txt"),
                          f"{name} training step, B={args.batch} x T={args.seq}, bf16, on {device_name()}")
+            if not has_flag(name, "graphed-step"):  # a graph replay's kernels have no launching op to name
+                write_kernel_sources(step, os.path.join(args.profile, f"train_sources_{name}.txt"))
         model = step = None
         torch.cuda.empty_cache()
     base = results.get("peer", {}).get("tokens_per_s")

@@ -2,11 +2,15 @@
 
     loss = mean over labels != ignore_index of ( logsumexp(h W^T) - (h W^T)[label] ),  logits in fp32
 
-Three interchangeable paths, held equal by tests/ops/test_linear_ce.py (K3_LINEAR_CE picks one):
-- `plain` (the default: on one H200 at `small`'s head it was the fastest, 10.7 ms against 16.1 chunked and
-  27.7 fla, and the training step's peak memory lies elsewhere): F.linear then F.cross_entropy on fp32 logits,
-  what K3ForCausalLM always did. A `small` step at 4 x 4096 tokens holds bf16 logits, their fp32 copy and its
-  gradient: 16K x 32K x 10 bytes = 5.4 GB.
+Four interchangeable paths, held equal by tests/ops/test_linear_ce.py (K3_LINEAR_CE picks one; `auto`, the
+default, takes `fused` for CUDA tensors when fla imports and `plain` elsewhere):
+- `plain`: F.linear then F.cross_entropy on fp32 logits, what K3ForCausalLM always did. A `small` step at
+  4 x 4096 tokens holds bf16 logits, their fp32 copy and its gradient: 16K x 32K x 10 bytes = 5.4 GB, and its
+  casts, log-softmax and their backwards are six passes over [tokens, vocab] (6.4 ms of a 177 ms `small` step on
+  one H200, besides the head's GEMMs).
+- `fused`: F.linear to bf16 logits, then fla's Triton cross-entropy over them (fp32 arithmetic inside, one
+  read in the forward) whose backward writes the logits' gradient over the logits in place: no fp32 copy, two
+  passes. Same GEMMs as plain; the logits are the op's own, so nothing else reads them after the overwrite.
 - `chunked`: rows in chunks; each chunk's logits live only inside the forward, which also forms that chunk's
   gradients for h and W (softmax - one-hot), so backward is a scale. Peak extra memory is one chunk's fp32
   logits, and the same GEMMs run (one forward, two gradient GEMMs per chunk).
@@ -21,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-BACKENDS = ("plain", "chunked", "fla")
+BACKENDS = ("auto", "plain", "fused", "chunked", "fla")
 CHUNK_ROWS = 4096
 
 
@@ -84,10 +88,33 @@ def linear_cross_entropy_fla(hidden: torch.Tensor, weight: torch.Tensor, labels:
     return fused_linear_cross_entropy_loss(hidden, labels, weight, ignore_index=ignore_index)
 
 
-def linear_cross_entropy_backend() -> str:
-    backend = os.environ.get("K3_LINEAR_CE", "plain")
+def linear_cross_entropy_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               ignore_index: int = -100) -> torch.Tensor:
+    """The plain path's loss and gradients with fla's cross-entropy kernels on the logits (CUDA only); the
+    logits' gradient overwrites them in place."""
+    from fla.modules.fused_cross_entropy import cross_entropy_loss
+
+    loss_N, _ = cross_entropy_loss(F.linear(hidden, weight), labels, ignore_index=ignore_index,
+                                   inplace_backward=True)
+    # F.cross_entropy's mean: over the rows that count (ignored rows' losses are zero), NaN when none does.
+    return loss_N.sum() / (labels != ignore_index).sum()
+
+
+def _fla_importable() -> bool:
+    try:
+        import fla.modules.fused_cross_entropy  # noqa: F401
+    except Exception:  # noqa: BLE001 (absent, or present without a usable Triton: take the plain path)
+        return False
+    return True
+
+
+def linear_cross_entropy_backend(on_cuda: bool = False) -> str:
+    """The path K3_LINEAR_CE names, with `auto` resolved for tensors on CUDA (`on_cuda`) or not."""
+    backend = os.environ.get("K3_LINEAR_CE", "auto")
     if backend not in BACKENDS:
         raise ValueError(f"K3_LINEAR_CE={backend!r}; use one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "fused" if on_cuda and _fla_importable() else "plain"
     return backend
 
 
@@ -95,13 +122,15 @@ def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: to
                          ignore_index: int = -100) -> torch.Tensor:
     """hidden [..., D], head: the LM head (weight [V, D], no bias), labels [...] -> mean cross-entropy over
     labels != ignore_index, by the K3_LINEAR_CE path (`fla` needs CUDA tensors and falls back to `chunked`
-    elsewhere). A head sharded by FSDP (a DTensor weight, gathered only by the module's own forward hook) takes
-    the plain path through the module."""
+    elsewhere, `fused` falls back to `plain`). A head sharded by FSDP (a DTensor weight, gathered only by the
+    module's own forward hook) takes the plain path through the module."""
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    backend = linear_cross_entropy_backend()
+    backend = linear_cross_entropy_backend(hidden.is_cuda)
     weight = head.weight
-    if backend == "plain" or isinstance(weight, DTensor):
+    if backend == "plain" or isinstance(weight, DTensor) or (backend == "fused" and not hidden.is_cuda):
         return F.cross_entropy(head(hidden).float(), labels, ignore_index=ignore_index)
+    if backend == "fused":
+        return linear_cross_entropy_fused(hidden, weight, labels, ignore_index)
     if backend == "fla" and hidden.is_cuda:
         return linear_cross_entropy_fla(hidden, weight, labels, ignore_index)
     return linear_cross_entropy_chunked(hidden, weight, labels, ignore_index)

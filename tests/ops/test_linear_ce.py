@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.ops.linear_ce import linear_cross_entropy_chunked, linear_cross_entropy_plain
+from k3.ops.linear_ce import (_fla_importable, linear_cross_entropy_backend, linear_cross_entropy_chunked,
+                              linear_cross_entropy_plain)
+
+needs_cuda_fla = pytest.mark.skipif(not (torch.cuda.is_available() and _fla_importable()), reason="needs CUDA and fla")
 
 
 def inputs(n=37, d=24, v=50, dtype=torch.float32, ignored=(3, 4, 20), seed=0):
@@ -62,9 +65,10 @@ def test_no_gradient_wanted_computes_the_loss_only():
         torch.testing.assert_close(got, linear_cross_entropy_plain(hidden, weight, labels))
 
 
-@pytest.mark.parametrize("backend", ["chunked", "fla"])
+@pytest.mark.parametrize("backend", ["chunked", "fla", "fused", "auto"])
 def test_model_loss_by_backend_equals_the_plain_loss(backend, monkeypatch):
-    """K3ForCausalLM(..., return_logits=False) takes the K3_LINEAR_CE path (fla falls back to chunked on CPU)."""
+    """K3ForCausalLM(..., return_logits=False) takes the K3_LINEAR_CE path (fla falls back to chunked on CPU,
+    fused and auto to plain)."""
     torch.manual_seed(0)
     model = K3ForCausalLM(ModelConfig.from_preset("debug"))
     ids = torch.randint(0, model.config.vocab_size, (2, 9))
@@ -86,7 +90,42 @@ def test_unknown_backend_is_refused(monkeypatch):
     from k3.ops.linear_ce import linear_cross_entropy
 
     monkeypatch.setenv("K3_LINEAR_CE", "fast")
-    with pytest.raises(ValueError, match="K3_LINEAR_CE='fast'; use one of plain, chunked, fla"):
+    with pytest.raises(ValueError, match="K3_LINEAR_CE='fast'; use one of auto, plain, fused, chunked, fla"):
         hidden, weight, labels = inputs()
         head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear_cross_entropy(hidden, head, labels)
+
+
+def test_auto_takes_the_fused_path_on_cuda_only(monkeypatch):
+    monkeypatch.delenv("K3_LINEAR_CE", raising=False)
+    assert linear_cross_entropy_backend(on_cuda=False) == "plain"
+    assert linear_cross_entropy_backend(on_cuda=True) == ("fused" if _fla_importable() else "plain")
+    monkeypatch.setenv("K3_LINEAR_CE", "chunked")
+    assert linear_cross_entropy_backend(on_cuda=True) == "chunked"
+
+
+@needs_cuda_fla
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_equals_plain_on_cuda(dtype):
+    """fla's cross-entropy on the logits, gradient in place, against F.cross_entropy on fp32 logits: the loss and
+    both gradients, with ignored rows and a vocabulary that is not a power of two."""
+    from k3.ops.linear_ce import linear_cross_entropy_fused
+
+    hidden, weight, labels = inputs(n=300, d=64, v=5000, dtype=dtype)
+    hidden, weight, labels = (t.detach().cuda() for t in (hidden, weight, labels))
+    expected = loss_and_grads(linear_cross_entropy_plain, hidden, weight, labels)
+    got = loss_and_grads(linear_cross_entropy_fused, hidden, weight, labels)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-3)
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+@needs_cuda_fla
+def test_fused_loss_is_nan_when_every_label_is_ignored_as_plains_is():
+    from k3.ops.linear_ce import linear_cross_entropy_fused
+
+    hidden, weight, labels = inputs(n=8, d=16, v=100, ignored=range(8))
+    hidden, weight, labels = (t.detach().cuda() for t in (hidden, weight, labels))
+    assert linear_cross_entropy_plain(hidden, weight, labels).isnan()
+    assert linear_cross_entropy_fused(hidden, weight, labels).isnan()
