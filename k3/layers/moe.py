@@ -29,6 +29,7 @@ from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.linear_triton import linear, project
 from k3.ops.moe import count_per_expert, experts_in_pair_order, inverse_permutation, unpermute_rows
 from k3.ops.moe_combine import weighted_sum_over_k
+from k3.ops.qb_triton import topk_with_load
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
 
 
@@ -123,6 +124,7 @@ class Router(nn.Module):
         if self.force_balanced:
             t = torch.arange(x_TD.shape[0], device=x_TD.device)
             topk_ids_TK = (t[:, None] * self.top_k + torch.arange(self.top_k, device=x_TD.device)) % self.num_experts
+            load_E = count_per_expert(topk_ids_TK, self.num_experts).float()
         else:
             if self.training and self.balancing == "quantile":
                 # QB balances the batch being routed: the bias is solved from this batch's scores before the
@@ -142,13 +144,14 @@ class Router(nn.Module):
                             gather=self.gather, reduce=self.reduce, tolerance=self.qb_tolerance,
                             sync_every=QB_SYNC_EVERY if scores_TE.is_cuda else 1)
                     self.e_score_correction_bias.copy_(new_bias)
-            topk_ids_TK = (scores_TE.detach() + self.e_score_correction_bias.float()).topk(self.top_k, dim=-1).indices
+            # The selection and its load in one call (one kernel on CUDA, k3.ops.qb_triton), counted on the
+            # device without a host sync.
+            top = topk_with_load(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.top_k)
+            topk_ids_TK, load_E = top.indices, top.load_E
         weights_TK = scores_TE.gather(1, topk_ids_TK)
         if self.renormalize:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
         weights_TK = weights_TK * self.scale
-        # Counted on the device without a host sync (torch.bincount syncs on CUDA), as expert_load would.
-        load_E = count_per_expert(topk_ids_TK.detach(), self.num_experts).float()
         self._last_load_E, self._last_ids_TK = load_E, None
         self.aux_loss = None
         if self.training and self.aux_loss_coef > 0:
