@@ -17,9 +17,7 @@ compiled one), `-compiled` (torch.compile on the dense/shared MLPs and norms), `
 head and loss as one op, K3_LINEAR_CE=chunked / fla: no [tokens, vocab] logits held; k3.ops.linear_ce),
 `-plain-ce` (F.cross_entropy on fp32 logits, K3_LINEAR_CE=plain, instead of the default fla cross-entropy
 kernels on the bf16 logits; the default before them), `-torch-qb` (the QB solver's selections through torch.topk,
-kthvalue and scatter-adds, K3_QB_BACKEND=torch, instead of k3.ops.qb_triton's kernels), `-triton-conv` (q/k/v's
-short convs through k3.ops.short_conv_triton, K3_SHORT_CONV=triton, writing q, k, v as contiguous planes, instead
-of fla's causal_conv1d),
+kthvalue and scatter-adds, K3_QB_BACKEND=torch, instead of k3.ops.qb_triton's kernels),
 `-graphed-kda` (each KDA attention sublayer replayed as CUDA graphs, forward and backward, through
 torch.cuda.make_graphed_callables: an experiment on how much of the step is host time in fla's launchers),
 `-graphed-step` (the whole forward + backward captured as one CUDA graph, k3.train.graphed_step, QB solved on the
@@ -220,7 +218,6 @@ def variant_settings(name: str):
     os.environ["K3_MOE_COMBINE"] = "bmm" if has_flag(name, "bmm-combine") else "auto"
     os.environ["K3_RMS_NORM"] = "fla" if has_flag(name, "fla-norm") else "auto"
     os.environ["K3_QB_BACKEND"] = "torch" if has_flag(name, "torch-qb") else "auto"
-    os.environ["K3_SHORT_CONV"] = "triton" if has_flag(name, "triton-conv") else "fla"
     compiled_pays = mlp._compiled_pays
     if has_flag(name, "eager-glu"):
         mlp._compiled_pays = lambda gate, up: False
@@ -233,7 +230,6 @@ def variant_settings(name: str):
         os.environ.pop("K3_MOE_COMBINE", None)
         os.environ.pop("K3_RMS_NORM", None)
         os.environ.pop("K3_QB_BACKEND", None)
-        os.environ.pop("K3_SHORT_CONV", None)
         mlp._compiled_pays = compiled_pays
 
 

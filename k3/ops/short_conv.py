@@ -8,12 +8,6 @@ applies SiLU as a separate kernel; fla's `causal_conv1d` reads [B, T, C] in plac
 the taps, SiLU and packed-document boundaries in one kernel, and returns the cache state it needs.
 Which one runs follows k3.ops.fused_backend (K3_FUSED_BACKEND): fla on CUDA when it imports.
 
-K3_SHORT_CONV picks the kernel for calls without a tail (training, cache-less or first-chunk prefill): "fla" (the
-default, also when unset or empty) or "triton", k3's own kernels (k3.ops.short_conv_triton), which also run on
-CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, the tests) and can write a joined q|k|v output as
-three contiguous planes. K3_FUSED_BACKEND=torch keeps the PyTorch twin everywhere; calls inside torch.compile keep
-the path above. "triton" stays opt-in until it is measured on a GPU.
-
 Cache layouts: k3 keeps the last W-1 inputs as a tail [B, W-1, C]; fla keeps a window [N, C, W] whose last W-1
 columns are those inputs (column 0 is unused on input and holds the oldest input on output).
 """
@@ -21,17 +15,11 @@ columns are those inputs (column 0 is unused on input and holds the oldest input
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
 from k3.ops.fused_backend import fused_backend, opaque_under_compile, with_torch_fallback
-from k3.ops.short_conv_triton import DTYPES as TRITON_DTYPES, short_conv_train
-from k3.ops.triton_support import interpreting, triton_importable
-
-SHORT_CONV_ENV = "K3_SHORT_CONV"
-SHORT_CONV_CHOICES = ("fla", "triton")
 
 
 @functools.lru_cache(maxsize=1)
@@ -133,68 +121,21 @@ def _(x, weight_CW, state):
     return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[2], weight_CW.shape[1])
 
 
-def short_conv_choice() -> str:
-    """K3_SHORT_CONV: "fla" (also when unset or empty) or "triton" (module docstring)."""
-    name = os.environ.get(SHORT_CONV_ENV, "").strip().lower() or "fla"
-    if name not in SHORT_CONV_CHOICES:
-        raise ValueError(f"{SHORT_CONV_ENV}={name!r}; use one of {SHORT_CONV_CHOICES} (or leave it unset)")
-    return name
-
-
-def triton_conv_chosen(x: torch.Tensor, tail: torch.Tensor | None) -> bool:
-    """Whether short_conv on x (with this tail) runs k3's Triton kernels: K3_SHORT_CONV=triton, no tail, eager,
-    x in fp32/bf16/fp16 on CUDA (or on the CPU under Triton's interpreter), K3_FUSED_BACKEND not torch."""
-    if tail is not None or torch.compiler.is_compiling() or short_conv_choice() != "triton":
-        return False
-    if fused_backend() == "torch" or x.dtype not in TRITON_DTYPES:
-        return False
-    return (x.is_cuda and triton_importable()) or (x.device.type == "cpu" and interpreting())
-
-
-def _positions(x: torch.Tensor, cu_seqlens: torch.Tensor | None,
-               position_in_doc: torch.Tensor | None) -> torch.Tensor | None:
-    """position_in_doc [T], derived from cu_seqlens when only they are given (no host sync: the length is known)."""
-    if position_in_doc is not None or cu_seqlens is None:
-        return position_in_doc
-    starts = cu_seqlens[:-1].repeat_interleave(cu_seqlens.diff(), output_size=x.shape[1])
-    return torch.arange(x.shape[1], device=x.device) - starts
-
-
-def _last_inputs(x: torch.Tensor, width: int) -> torch.Tensor:
-    """The tail a cache keeps after x, as the twin returns it: the last W-1 inputs [B, W-1, C], zeros before x.
-    A copy, not a view: a cache holding a view of x would keep all of x (often a wide GEMM output) alive."""
-    tail = x[:, x.shape[1] - min(width - 1, x.shape[1]):]
-    return F.pad(tail, (0, 0, width - 1 - tail.shape[1], 0)) if tail.shape[1] < width - 1 else tail.clone()
-
-
-def _as_planes(y: torch.Tensor, planes: int) -> torch.Tensor:
-    """[B, T, C] -> [P, B, T, C / P], one contiguous copy (P = 1: y as it is)."""
-    return y if planes == 1 else y.unflatten(-1, (planes, y.shape[-1] // planes)).movedim(-2, 0).contiguous()
-
-
 def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None = None,
-               cu_seqlens: torch.Tensor | None = None, position_in_doc: torch.Tensor | None = None,
-               planes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch: k3's Triton kernels when triton_conv_chosen; else fla for CUDA inputs when the fused backend
-    resolves to fla (packed input must then come with cu_seqlens and without a tail), PyTorch otherwise (packed
-    input by position_in_doc). planes = P > 1 returns y as one contiguous [P, B, T, C / P] (plane p: channels
-    p*C/P .. (p+1)*C/P), which the Triton kernels write directly and the other paths copy into."""
-    if triton_conv_chosen(x, tail):
-        y = short_conv_train(x, weight_CW, _positions(x, cu_seqlens, position_in_doc), planes)
-        return y, _last_inputs(x, weight_CW.shape[1])
-    y, new_tail = _short_conv_untriton(x, weight_CW, tail, cu_seqlens, position_in_doc)
-    return _as_planes(y, planes), new_tail
-
-
-def _short_conv_untriton(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | None,
-                         cu_seqlens: torch.Tensor | None,
-                         position_in_doc: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+               cu_seqlens: torch.Tensor | None = None,
+               position_in_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch: fla for CUDA inputs when the fused backend resolves to fla (packed input must then come with
+    cu_seqlens and without a tail), PyTorch otherwise (packed input by position_in_doc)."""
     packed = cu_seqlens is not None or position_in_doc is not None
     fla_ok = (fused_backend(x, available=_fla_conv_available()) == "fla"
               and not (packed and (cu_seqlens is None or tail is not None)))
 
     def torch_call():
-        return short_conv_torch(x, weight_CW, tail, _positions(x, cu_seqlens, position_in_doc))
+        positions = position_in_doc
+        if positions is None and cu_seqlens is not None:
+            starts = cu_seqlens[:-1].repeat_interleave(cu_seqlens.diff())
+            positions = torch.arange(x.shape[1], device=x.device) - starts
+        return short_conv_torch(x, weight_CW, tail, positions)
 
     if tail is not None and x.shape[1] == 1 and not packed and torch.compiler.is_compiling():
         return short_conv_step(x, weight_CW, tail)
