@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import torch
 
+from k3.ops.route_triton import check_selection
 from k3.ops.triton_support import interpreting, kernel_backend, kernel_module, triton_importable
 
 _ENV = "K3_QB_BACKEND"
@@ -92,11 +93,7 @@ def topk_with_load_triton(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int,
     import triton
 
     num_tokens, num_experts = scores_TE.shape
-    if bias_E.shape != (num_experts,):
-        raise ValueError(f"bias {tuple(bias_E.shape)} does not fit scores over {num_experts} experts: expected "
-                         f"[{num_experts}]")
-    if not 0 < k <= num_experts:
-        raise ValueError(f"k={k} must lie in 1..{num_experts} (the number of experts)")
+    check_selection(bias_E, num_experts, k, "scores")
     if not 0 <= counted <= k:
         raise ValueError(f"counted={counted} must lie in 0..k={k}")
     _no_grad(scores_TE, bias_E)

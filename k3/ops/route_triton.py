@@ -35,6 +35,16 @@ def router_backend() -> str:
     return kernel_backend(_ENV)
 
 
+def check_selection(bias_E: torch.Tensor, num_experts: int, k: int, what: str, k_name: str = "k") -> None:
+    """A top-k over `what` [T, E] with a bias [E]: the bias must have E entries and k (called `k_name` in the
+    caller's signature) lie in 1..E."""
+    if bias_E.shape != (num_experts,):
+        raise ValueError(f"bias {tuple(bias_E.shape)} does not fit {what} over {num_experts} experts: expected "
+                         f"[{num_experts}]")
+    if not 0 < k <= num_experts:
+        raise ValueError(f"{k_name}={k} must lie in 1..{num_experts} (the number of experts)")
+
+
 def route_triton_eager(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, renormalize: bool,
                        scale: float, block_t: int = BLOCK_T,
                        num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -44,11 +54,7 @@ def route_triton_eager(logits_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int
     import triton
 
     num_tokens, num_experts = logits_TE.shape
-    if bias_E.shape != (num_experts,):
-        raise ValueError(f"bias {tuple(bias_E.shape)} does not fit logits over {num_experts} experts: expected "
-                         f"[{num_experts}]")
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k={top_k} must lie in 1..{num_experts} (the number of experts)")
+    check_selection(bias_E, num_experts, top_k, "logits", "top_k")
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=logits_TE.device)
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits_TE.device)
     scores = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=logits_TE.device)
