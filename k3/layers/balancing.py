@@ -31,13 +31,12 @@ from k3.ops.qb_triton import kth_smallest_and_next, topk_with_load
 QB_AGGREGATES = ("gather", "histogram")
 
 
-def expert_load(topk_ids_TK: torch.Tensor, num_experts: int, ones: torch.Tensor | None = None) -> torch.Tensor:
+def expert_load(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Tokens per expert [E] (float) from the chosen ids. A scatter-add rather than torch.bincount, which reads the
-    ids' min and max back to the host on CUDA (a sync per call, and QB's solver calls this once per update).
-    `ones`: fp32 ones of the ids' count, for a caller that counts many times (one op fewer each)."""
+    ids' min and max back to the host on CUDA (a sync per call)."""
     ids = topk_ids_TK.reshape(-1)
     return torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
-        0, ids, torch.ones_like(ids, dtype=torch.float32) if ones is None else ones)
+        0, ids, torch.ones_like(ids, dtype=torch.float32))
 
 
 def maxvio(load_E: torch.Tensor) -> float:
