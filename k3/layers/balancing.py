@@ -24,19 +24,11 @@ from typing import Callable
 
 import torch
 
-from k3.ops.qb_triton import kth_smallest_and_next, topk_with_load
+from k3.ops.qb_triton import expert_load, kth_smallest_and_next, topk_with_load
 
 
 # How QB pools its statistics over data-parallel ranks: the exact [T, E] gather or histograms (k3.distributed).
 QB_AGGREGATES = ("gather", "histogram")
-
-
-def expert_load(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Tokens per expert [E] (float) from the chosen ids. A scatter-add rather than torch.bincount, which reads the
-    ids' min and max back to the host on CUDA (a sync per call)."""
-    ids = topk_ids_TK.reshape(-1)
-    return torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
-        0, ids, torch.ones_like(ids, dtype=torch.float32))
 
 
 def maxvio(load_E: torch.Tensor) -> float:

@@ -19,6 +19,7 @@ default, takes `fused` for CUDA tensors when fla imports and `plain` elsewhere):
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -88,24 +89,31 @@ def linear_cross_entropy_fla(hidden: torch.Tensor, weight: torch.Tensor, labels:
     return fused_linear_cross_entropy_loss(hidden, labels, weight, ignore_index=ignore_index)
 
 
+@functools.lru_cache(maxsize=1)
+def _load_fla_cross_entropy():
+    """fla's cross_entropy_loss, or the import error as text; imported once, lazily (pulls triton)."""
+    try:
+        from fla.modules.fused_cross_entropy import cross_entropy_loss
+    except Exception as exc:  # absent, or present without a usable Triton: a broken install raises more
+        return f"{type(exc).__name__}: {exc}"
+    return cross_entropy_loss
+
+
+def _fla_importable() -> bool:
+    return not isinstance(_load_fla_cross_entropy(), str)
+
+
 def linear_cross_entropy_fused(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                ignore_index: int = -100) -> torch.Tensor:
     """The plain path's loss and gradients with fla's cross-entropy kernels on the logits (CUDA only); the
     logits' gradient overwrites them in place."""
-    from fla.modules.fused_cross_entropy import cross_entropy_loss
-
+    cross_entropy_loss = _load_fla_cross_entropy()
+    if isinstance(cross_entropy_loss, str):
+        raise RuntimeError(f"fla's cross_entropy_loss is not importable ({cross_entropy_loss})")
     loss_N, _ = cross_entropy_loss(F.linear(hidden, weight), labels, ignore_index=ignore_index,
                                    inplace_backward=True)
     # F.cross_entropy's mean: over the rows that count (ignored rows' losses are zero), NaN when none does.
     return loss_N.sum() / (labels != ignore_index).sum()
-
-
-def _fla_importable() -> bool:
-    try:
-        import fla.modules.fused_cross_entropy  # noqa: F401
-    except Exception:  # noqa: BLE001 (absent, or present without a usable Triton: take the plain path)
-        return False
-    return True
 
 
 def linear_cross_entropy_backend(on_cuda: bool = False) -> str:

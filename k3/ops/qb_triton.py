@@ -77,14 +77,18 @@ def _no_grad(*tensors: torch.Tensor) -> None:
                            "tensors (or set K3_QB_BACKEND=torch)")
 
 
+def expert_load(topk_ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert [E] (float) from the chosen ids. A scatter-add rather than torch.bincount, which reads the
+    ids' min and max back to the host on CUDA (a sync per call)."""
+    ids = topk_ids_TK.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.float32, device=ids.device).scatter_add_(
+        0, ids, torch.ones_like(ids, dtype=torch.float32))
+
+
 def topk_with_load_torch(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int, counted: int) -> TopkLoad:
     """The PyTorch twin of topk_with_load_triton."""
     top = (scores_TE.float() + bias_E.float()).topk(k, dim=-1)
-    ids = top.indices[:, :counted].reshape(-1)
-    # A scatter-add rather than torch.bincount, which reads the ids' min and max back to the host on CUDA.
-    load_E = torch.zeros(scores_TE.shape[1], dtype=torch.float32, device=ids.device).scatter_add_(
-        0, ids, torch.ones_like(ids, dtype=torch.float32))
-    return TopkLoad(top.values, top.indices, load_E)
+    return TopkLoad(top.values, top.indices, expert_load(top.indices[:, :counted], scores_TE.shape[1]))
 
 
 def topk_with_load_triton(scores_TE: torch.Tensor, bias_E: torch.Tensor, k: int,
