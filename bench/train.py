@@ -22,8 +22,9 @@ kthvalue and scatter-adds, K3_QB_BACKEND=torch, instead of k3.ops.qb_triton's ke
 torch.cuda.make_graphed_callables: an experiment on how much of the step is host time in fla's launchers),
 `-graphed-step` (the whole forward + backward captured as one CUDA graph, k3.train.graphed_step, QB solved on the
 device with a fixed update count; the optimizer step eager; the first step includes the capture),
-`-eager-glu` (the GLU activation as eager PyTorch ops instead of the compiled elementwise kernel that training on
-CUDA takes, k3.layers.mlp), `-compiled-attnres` (the AttnRes mix through torch.compile, the CUDA default before its
+`-eager-glu` (the GLU activation as eager PyTorch ops, K3_GLU_BACKEND=torch, instead of the Triton kernels
+that training on CUDA takes, k3.ops.glu_triton), `-compiled-glu` (the formula through Inductor,
+K3_GLU_BACKEND=compiled: the CUDA default before those kernels), `-compiled-attnres` (the AttnRes mix through torch.compile, the CUDA default before its
 Triton kernels), `-bmm-combine` (the MoE combine as the batched matmul, K3_MOE_COMBINE=bmm, instead of its Triton
 kernels), `-fla-norm` (RMSNorm through fla's kernels, K3_RMS_NORM=fla, the default before k3's own Triton kernels; KDA's
 gated norm is fla's either way), `-packed` (the batch as `k3 train` feeds it: one row of batch x seq tokens holding
@@ -52,7 +53,6 @@ from common import (H200_BF16_PEAK_FLOPS, device_name, hf_train_flops_per_token,
                     peak_memory_gib, print_table, reset_peak_memory, time_ms, write_json, write_kernel_sources)
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.layers import mlp
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.attn_res import set_attn_res_backend
@@ -218,9 +218,8 @@ def variant_settings(name: str):
     os.environ["K3_MOE_COMBINE"] = "bmm" if has_flag(name, "bmm-combine") else "auto"
     os.environ["K3_RMS_NORM"] = "fla" if has_flag(name, "fla-norm") else "auto"
     os.environ["K3_QB_BACKEND"] = "torch" if has_flag(name, "torch-qb") else "auto"
-    compiled_pays = mlp._compiled_pays
-    if has_flag(name, "eager-glu"):
-        mlp._compiled_pays = lambda gate, up: False
+    os.environ["K3_GLU_BACKEND"] = next((b for b, flag in (("torch", "eager-glu"), ("compiled", "compiled-glu"))
+                                         if has_flag(name, flag)), "auto")
     try:
         yield
     finally:
@@ -230,7 +229,7 @@ def variant_settings(name: str):
         os.environ.pop("K3_MOE_COMBINE", None)
         os.environ.pop("K3_RMS_NORM", None)
         os.environ.pop("K3_QB_BACKEND", None)
-        mlp._compiled_pays = compiled_pays
+        os.environ.pop("K3_GLU_BACKEND", None)
 
 
 def build_variant(name: str, batch: int, seq: int, device):

@@ -8,6 +8,7 @@ SiTU is SiLU with both branches soft-capped by tanh, which keeps expert outputs 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import torch
@@ -17,7 +18,9 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.layers.fused_weights import fused, linear_group
 from k3.ops.linear_triton import project
-from k3.ops.fused_backend import fused_backend
+from k3.ops.fused_backend import fused_backend, with_torch_fallback
+from k3.ops.glu_triton import DTYPES as GLU_TRITON_DTYPES, glu_triton
+from k3.ops.triton_support import triton_available
 
 GLU_KINDS = ("silu", "situ")
 
@@ -40,22 +43,49 @@ def compiled_glu():
 
 
 _compile_failed: list[str] = []
+_GLU_ENV = "K3_GLU_BACKEND"
+GLU_BACKENDS = ("auto", "torch", "compiled", "triton")
 
 
-def _compiled_pays(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Training on CUDA, outside any compiled graph (inside one, Inductor fuses the formula itself), unless
-    K3_FUSED_BACKEND=torch asks for the twin. Inference keeps the formula: its decode steps are CUDA graphs,
-    or compiled whole (K3_COMPILE_DECODE)."""
-    return (gate.is_cuda and not _compile_failed and torch.is_grad_enabled()
-            and (gate.requires_grad or up.requires_grad) and not torch.compiler.is_compiling()
-            and fused_backend() != "torch")
+def glu_backend() -> str:
+    backend = os.environ.get(_GLU_ENV, "auto").strip().lower()
+    if backend not in GLU_BACKENDS:
+        raise ValueError(f"{_GLU_ENV}={backend!r}; use one of {', '.join(GLU_BACKENDS)}")
+    return backend
+
+
+def glu_path(gate: torch.Tensor, up: torch.Tensor) -> str:
+    """Which implementation a call takes: "triton" (k3.ops.glu_triton), "compiled" (compiled_glu) or "formula".
+
+    K3_GLU_BACKEND=auto (the default): training on CUDA outside any compiled graph takes the Triton kernels
+    (the compiled formula where triton does not import or gate and up differ in dtype), unless
+    K3_FUSED_BACKEND=torch asks for the twin. Inference keeps the formula: its decode steps are CUDA graphs, or
+    compiled whole (K3_COMPILE_DECODE). Inside a compiled graph Inductor fuses the formula itself, whatever the
+    switch. `torch` forces the formula, `compiled` the compiled formula for every training call, `triton` the
+    kernels for every call (CPU tensors through Triton's interpreter)."""
+    backend = glu_backend()
+    if torch.compiler.is_compiling() or backend == "torch":
+        return "formula"
+    if backend == "triton":
+        return "triton"
+    training = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+    if not training or (backend == "auto" and (not gate.is_cuda or fused_backend() == "torch")):
+        return "formula"
+    if backend == "auto" and triton_available() and gate.dtype == up.dtype and gate.dtype in GLU_TRITON_DTYPES:
+        return "triton"
+    return "formula" if _compile_failed else "compiled"
 
 
 def glu_activation(gate: torch.Tensor, up: torch.Tensor, kind: str, beta_gate: float = 4.0,
                    beta_up: float = 25.0) -> torch.Tensor:
     if kind not in GLU_KINDS:
         raise ValueError(f"unknown GLU activation {kind!r}; use 'silu' or 'situ'")
-    if _compiled_pays(gate, up):
+    path = glu_path(gate, up)
+    if path == "triton":  # a kernel variant Triton cannot compile runs the formula from then on
+        return with_torch_fallback(("glu_triton", kind, gate.dtype, gate.shape[-1]),
+                                   lambda: glu_triton(gate, up, kind, beta_gate, beta_up),
+                                   lambda: glu_formula(gate, up, kind, beta_gate, beta_up))
+    if path == "compiled":
         try:
             return compiled_glu()(gate, up, kind, beta_gate, beta_up)
         except Exception as exc:  # Inductor unable to build the kernel here: the twin computes the same

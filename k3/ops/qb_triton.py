@@ -9,7 +9,8 @@ Why: in `small`'s training step on one H200 (16,384 tokens, 64 experts, top-6, 1
 layer) the solver spent about 11 ms of a 177 ms step in torch.topk (gatherTopK + a bitonic sort, 69 us a call),
 kthvalue over the transposed [E, T] (62 us, after a 9 us transposing copy) and the scatter-add that counts the
 load (27 us a call). These kernels do a top-7 of 64 values per token by argmax rounds with the count folded in,
-and a radix select per expert that reads the [T, E] matrix through its strides.
+and a radix select per expert that reads the [T, E] matrix through its strides, each column cut into slices
+over many programs.
 
 Ties: the kernel picks the lowest expert id first among equal biased scores (as k3.ops.route_triton does);
 torch.topk leaves their order unspecified (on CPU it does not take the lowest id). Values agree either way; ids,
@@ -33,15 +34,18 @@ from typing import NamedTuple
 import torch
 
 from k3.ops.route_triton import check_selection
-from k3.ops.triton_support import interpreting, kernel_backend, kernel_module, triton_importable
+from k3.ops.triton_support import interpreting, kernel_backend, kernel_module, multiprocessors, triton_importable
 
 _ENV = "K3_QB_BACKEND"
 # Not swept: a top-k tile of about 2K scores (32 tokens of 64 experts); 1,024 values per radix pass. In `small`'s
-# graphed training step on one H200 the top-k took 8.6 us a call and the radix select 74.6 us (64 programs, one
-# per expert, each reading 16K values four times: splitting a column over programs is what would speed it up).
+# graphed training step on one H200 the top-k took 8.6 us a call, and the radix select with one program per
+# expert (64 programs, each reading 16K values four times) 74.6 us: columns are now cut into slices, about
+# KTH_PROGRAMS_PER_SM programs per multiprocessor.
 TOPK_TILE = 2048
 KTH_BLOCK_T = 1024
 KTH_NUM_WARPS = 8
+KTH_PROGRAMS_PER_SM = 4
+KTH_MAX_SLICES = 64
 
 
 class TopkLoad(NamedTuple):
@@ -137,24 +141,56 @@ def kth_block(num_tokens: int) -> int:
     return min(KTH_BLOCK_T, max(32 * KTH_NUM_WARPS, 1 << max(0, num_tokens - 1).bit_length()))
 
 
-def kth_smallest_and_next_triton(required_TE: torch.Tensor, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+def kth_slices(num_tokens: int, num_experts: int, device: torch.device) -> int:
+    """Slices each column is split into: about KTH_PROGRAMS_PER_SM programs per multiprocessor in all, each at
+    least one block of rows (one slice per column on CPU, where programs run one after another)."""
+    if device.type != "cuda":
+        return 1
+    wanted = -(-KTH_PROGRAMS_PER_SM * multiprocessors(device.index) // max(1, num_experts))
+    return max(1, min(wanted, -(-num_tokens // KTH_BLOCK_T), KTH_MAX_SLICES))
+
+
+def kth_smallest_and_next_triton(required_TE: torch.Tensor, q: int,
+                                 slices: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """required [T, E] fp32 (any strides), 1 <= q <= T -> (qth [E], upper [E]) fp32: each column's q-th smallest
-    value and the smallest value above it, or qth + 1.0 when there is none (or only +inf)."""
+    value and the smallest value above it, or qth + 1.0 when there is none (or only +inf).
+
+    Four radix passes over columns cut into `slices` (kth_slices when None) row ranges, one program per (column,
+    slice), then one program per column for the result: each pass's programs replay the digits chosen so far
+    from the earlier passes' per-slice histograms, so the passes need no atomics and no zeroed buffer."""
+    import triton
+
     num_tokens, num_experts = required_TE.shape
     if required_TE.dtype != torch.float32:
         raise ValueError(f"required_TE is {required_TE.dtype}; the kernel selects over fp32")
     if not 1 <= q <= num_tokens:
         raise ValueError(f"q={q} must lie in 1..{num_tokens} (the number of rows)")
+    if slices is not None and not 1 <= slices <= KTH_MAX_SLICES:
+        raise ValueError(f"slices={slices} must lie in 1..{KTH_MAX_SLICES}")
     _no_grad(required_TE)
     device = required_TE.device
     qth_E = torch.empty(num_experts, dtype=torch.float32, device=device)
     upper_E = torch.empty(num_experts, dtype=torch.float32, device=device)
-    keys_ET = torch.empty(num_experts, num_tokens, dtype=torch.int32, device=device)  # the kernel's scratch
     if num_experts == 0:
         return qth_E, upper_E
-    kernels(interpreting()).kth_smallest_and_next[(num_experts,)](
-        required_TE, keys_ET, qth_E, upper_E, num_tokens, required_TE.stride(0), required_TE.stride(1), q,
-        BLOCK_T=kth_block(num_tokens), num_warps=KTH_NUM_WARPS)
+    slices = slices or kth_slices(num_tokens, num_experts, device)
+    chunk = -(-num_tokens // slices)
+    block_t = kth_block(chunk)
+    chunk = -(-chunk // block_t) * block_t  # whole blocks per slice; the last slice may be short or empty
+    slices = -(-num_tokens // chunk)
+    # The kernels' scratch: keys [E, T], per-slice histograms of the 4 passes, pass 3's least key above.
+    keys_ET = torch.empty(num_experts, num_tokens, dtype=torch.int32, device=device)
+    hist = torch.empty(4, num_experts, slices, 256, dtype=torch.int32, device=device)
+    least_ES = torch.empty(num_experts, slices, dtype=torch.int32, device=device)
+    slices_pow2 = triton.next_power_of_2(slices)
+    module = kernels(interpreting())
+    for radix_pass in range(4):
+        module.kth_radix_pass[(num_experts, slices)](
+            required_TE, keys_ET, hist, least_ES, num_tokens, num_experts, slices, chunk, required_TE.stride(0),
+            required_TE.stride(1), q, PASS=radix_pass, SLICES_POW2=slices_pow2, BLOCK_T=block_t,
+            num_warps=KTH_NUM_WARPS)
+    module.kth_finish[(num_experts,)](hist, least_ES, qth_E, upper_E, num_experts, slices, q,
+                                      SLICES_POW2=slices_pow2, num_warps=4)
     return qth_E, upper_E
 
 

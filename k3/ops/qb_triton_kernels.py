@@ -76,58 +76,74 @@ def _select_digit(hist, rank):
 
 
 @triton.jit
-def _next_digit(keys_row, num_rows, prefix, rank, SHIFT: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One more digit of the selected key: prefix = its key >> (SHIFT + 8) -> key >> SHIFT, and its rank among
-    the keys with that prefix."""
-    offs = tl.arange(0, BLOCK_T)
-    hist = tl.zeros((256,), dtype=tl.int32)
-    for t0 in range(0, num_rows, BLOCK_T):
-        t = t0 + offs
-        ok = t < num_rows
-        key = tl.load(keys_row + t, mask=ok, other=0)
-        hist += tl.histogram((key >> SHIFT) & 255, 256, mask=ok & ((key >> (SHIFT + 8)) == prefix))
-    digit, rank = _select_digit(hist, rank)
-    return prefix * 256 + digit, rank
+def _replayed(hist_ptr, expert, num_experts, num_slices, q, PASSES: tl.constexpr, SLICES_POW2: tl.constexpr):
+    """The digits chosen by the first PASSES passes, from their per-slice histograms hist [4, E, S, 256]: the
+    selected key's prefix (key >> (32 - 8 * PASSES), signed) and its rank among the keys with that prefix."""
+    bins = tl.arange(0, 256)
+    slices = tl.arange(0, SLICES_POW2)
+    prefix = tl.full((), 0, tl.int32)
+    rank = q
+    for j in tl.static_range(PASSES):
+        rows = (j * num_experts + expert) * num_slices + slices
+        hist = tl.sum(tl.load(hist_ptr + rows[:, None] * 256 + bins[None, :], mask=(slices < num_slices)[:, None],
+                              other=0), axis=0)
+        digit, rank = _select_digit(hist, rank)
+        if j == 0:
+            prefix = digit - 128  # key >> 24 of the q-th, as a signed (arithmetic) shift gives it
+        else:
+            prefix = prefix * 256 + digit
+    return prefix, rank
 
 
 @triton.jit
-def kth_smallest_and_next(x_ptr, keys_ptr, qth_ptr, upper_ptr, num_rows, stride_xt, stride_xe, q,
-                          BLOCK_T: tl.constexpr):
-    """For column e = program_id of x [T, E] fp32: qth[e] = its q-th smallest value (1-based), upper[e] = the
-    smallest value above that, or qth + 1.0 when there is none but +inf.
-
-    A radix select over order-preserving int32 keys, one 8-bit digit per pass from the top: each pass counts
-    the keys that match the digits chosen so far in a 256-bin histogram and keeps the bin holding the q-th.
-    The first pass reads the column through its strides (T values E apart) and stores its keys in the row
-    keys[e] [T] int32; the three passes after it read those contiguously. The last pass also finds the next
-    larger key: in a later bin of the last digit, or else the least key above the 24-bit prefix."""
+def kth_radix_pass(x_ptr, keys_ptr, hist_ptr, least_ptr, num_rows, num_experts, num_slices, chunk, stride_xt,
+                   stride_xe, q, PASS: tl.constexpr, SLICES_POW2: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Pass PASS (0-3) of the radix select for column e = program_id(0), over its rows slice * chunk onwards
+    (slice = program_id(1)): the 256-bin histogram of digit PASS (bits 31-24 first) of the keys whose higher
+    digits match the ones chosen so far (replayed from the earlier passes' histograms), into hist[PASS, e, slice].
+    Pass 0 reads the column through its strides and stores its keys in keys[e] [T] int32, which the later
+    passes read contiguously; pass 3 also writes the least key above the 24-bit prefix to least[e, slice]."""
     expert = tl.program_id(0).to(tl.int64)
+    piece = tl.program_id(1)
+    prefix, _ = _replayed(hist_ptr, expert, num_experts, num_slices, q, PASS, SLICES_POW2)
     offs = tl.arange(0, BLOCK_T)
-    bins = tl.arange(0, 256)
-    column = x_ptr + expert * stride_xe
     keys_row = keys_ptr + expert * num_rows
-    hist = tl.zeros((256,), dtype=tl.int32)
-    for t0 in range(0, num_rows, BLOCK_T):
-        t = t0 + offs
-        ok = t < num_rows
-        key = _order_key(tl.load(column + t.to(tl.int64) * stride_xt, mask=ok, other=0.0))
-        tl.store(keys_row + t, key, mask=ok)
-        hist += tl.histogram(((key >> 24) & 255) ^ 128, 256, mask=ok)  # the sign bit flipped: unsigned order
-    digit, rank = _select_digit(hist, q)
-    prefix = digit - 128  # key >> 24 of the q-th, as a signed (arithmetic) shift gives it
-    # The keys were stored by other threads of this program: a barrier orders those stores before the loads.
-    tl.debug_barrier()
-    prefix, rank = _next_digit(keys_row, num_rows, prefix, rank, 16, BLOCK_T)
-    prefix, rank = _next_digit(keys_row, num_rows, prefix, rank, 8, BLOCK_T)
+    end = tl.minimum(num_rows, (piece + 1) * chunk)
+    shift: tl.constexpr = 24 - 8 * PASS
     hist = tl.zeros((256,), dtype=tl.int32)
     least_above = tl.full((), _INT32_MAX, tl.int32)
-    for t0 in range(0, num_rows, BLOCK_T):
+    for t0 in range(piece * chunk, end, BLOCK_T):
         t = t0 + offs
-        ok = t < num_rows
-        key = tl.load(keys_row + t, mask=ok, other=0)
-        hist += tl.histogram(key & 255, 256, mask=ok & ((key >> 8) == prefix))
-        above = tl.where(ok & ((key >> 8) > prefix), key, _INT32_MAX)
-        least_above = tl.minimum(least_above, tl.min(above, axis=0))
+        ok = t < end
+        if PASS == 0:
+            key = _order_key(tl.load(x_ptr + expert * stride_xe + t.to(tl.int64) * stride_xt, mask=ok, other=0.0))
+            tl.store(keys_row + t, key, mask=ok)
+            hist += tl.histogram(((key >> 24) & 255) ^ 128, 256, mask=ok)  # the sign bit flipped: unsigned order
+        else:
+            key = tl.load(keys_row + t, mask=ok, other=0)
+            hist += tl.histogram((key >> shift) & 255, 256, mask=ok & ((key >> (shift + 8)) == prefix))
+            if PASS == 3:
+                least_above = tl.minimum(least_above, tl.min(tl.where(ok & ((key >> 8) > prefix), key, _INT32_MAX),
+                                                             axis=0))
+    row = (PASS * num_experts + expert) * num_slices + piece
+    tl.store(hist_ptr + row * 256 + tl.arange(0, 256), hist)
+    if PASS == 3:
+        tl.store(least_ptr + expert * num_slices + piece, least_above)
+
+
+@triton.jit
+def kth_finish(hist_ptr, least_ptr, qth_ptr, upper_ptr, num_experts, num_slices, q, SLICES_POW2: tl.constexpr):
+    """For column e = program_id: qth[e] = its q-th smallest value (1-based), upper[e] = the smallest value above
+    that, or qth + 1.0 when there is none but +inf. The last digit comes from pass 3's histograms; the next larger
+    key lies in a later bin of that digit, or else it is the least key above the 24-bit prefix."""
+    expert = tl.program_id(0).to(tl.int64)
+    bins = tl.arange(0, 256)
+    slices = tl.arange(0, SLICES_POW2)
+    prefix, rank = _replayed(hist_ptr, expert, num_experts, num_slices, q, 3, SLICES_POW2)
+    rows = (3 * num_experts + expert) * num_slices + slices
+    in_range = slices < num_slices
+    hist = tl.sum(tl.load(hist_ptr + rows[:, None] * 256 + bins[None, :], mask=in_range[:, None], other=0), axis=0)
+    least_above = tl.min(tl.load(least_ptr + expert * num_slices + slices, mask=in_range, other=_INT32_MAX), axis=0)
     digit, rank = _select_digit(hist, rank)
     next_digit = tl.min(tl.where((bins > digit) & (hist > 0), bins, 256), axis=0)
     qth = _key_value(prefix * 256 + digit)

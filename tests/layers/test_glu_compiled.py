@@ -1,4 +1,4 @@
-"""The compiled GLU activation (training on CUDA) against its PyTorch twin, run here through Inductor on the CPU:
+"""The compiled GLU activation (K3_GLU_BACKEND=compiled; training on CUDA before k3.ops.glu_triton) against its PyTorch twin, run here through Inductor on the CPU:
 same outputs and gradients, strided gate/up halves of one GEMM output included, and one graph for any row count."""
 
 from __future__ import annotations
@@ -47,18 +47,19 @@ def test_one_graph_serves_every_row_count():
 
 def test_dispatch_keeps_the_formula_off_cuda_and_rejects_unknown_kinds():
     _, gate, up = halves(8, 16, seed=0)
-    assert not mlp._compiled_pays(gate, up)  # CPU: the twin, bit for bit
+    assert mlp.glu_path(gate, up) == "formula"  # CPU: the twin, bit for bit
     assert torch.equal(glu_activation(gate, up, "situ"), glu_formula(gate, up, "situ"))
     with pytest.raises(ValueError, match="use 'silu' or 'situ'"):
         glu_activation(gate, up, "gelu")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled path runs for CUDA tensors")
-def test_training_on_cuda_takes_the_compiled_glu_and_matches_fp32():
+def test_training_on_cuda_takes_the_compiled_glu_when_asked_and_matches_fp32(monkeypatch):
+    monkeypatch.setenv("K3_GLU_BACKEND", "compiled")  # auto takes k3.ops.glu_triton (tests/ops/test_glu_triton.py)
     both, gate, up = halves(4096, 256, seed=1)
     both_cuda = both.detach().cuda().bfloat16().requires_grad_(True)
     g, u = both_cuda.chunk(2, dim=-1)
-    assert mlp._compiled_pays(g, u)
+    assert mlp.glu_path(g, u) == "compiled"
     fast = glu_activation(g, u, "situ")
     reference = glu_formula(gate, up, "situ")
     assert rel(fast.float().cpu(), reference) < 1e-2

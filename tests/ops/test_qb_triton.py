@@ -100,8 +100,8 @@ def test_topk_bad_arguments_say_what_was_expected():
         topk_with_load_triton(scores.requires_grad_(), torch.zeros(8), 2, 2)
 
 
-def _check_kth(required, q):
-    qth, upper = kth_smallest_and_next_triton(required, q)
+def _check_kth(required, q, slices=None):
+    qth, upper = kth_smallest_and_next_triton(required, q, slices)
     want_qth, want_upper = kth_smallest_and_next_torch(required, q)
     assert torch.equal(qth, want_qth), (qth, want_qth)
     assert torch.equal(upper, want_upper), (upper, want_upper)
@@ -113,7 +113,22 @@ def test_kth_and_next_equal_torch(tokens, experts):
     g = torch.Generator().manual_seed(tokens)
     required = torch.randn(tokens, experts, generator=g) * torch.logspace(-3, 1, experts)  # both signs, many scales
     for q in sorted({1, (tokens + 1) // 2, tokens}):
-        _check_kth(required, q)
+        for slices in (None, 2):
+            _check_kth(required, q, slices)
+
+
+@interpreted
+def test_kth_and_next_over_columns_cut_into_slices():
+    """1,000 rows in slices of 256 (the last one short) and in 64 requested slices (rounded to whole blocks):
+    the digits found from summed per-slice histograms and the least key above taken across slices, ties at the
+    q-th and the next larger value in another slice than the q-th included."""
+    g = torch.Generator().manual_seed(5)
+    required = torch.cat([torch.randn(1000, 3, generator=g),
+                          torch.randint(-3, 4, (1000, 2), generator=g).float() / 8], dim=1)
+    required[:, 2] = torch.where(torch.arange(1000) < 900, -1.0, 2.0 ** -20)  # the next larger in the last slice
+    for q in (1, 143, 500, 900, 901, 1000):
+        for slices in (4, 64):
+            _check_kth(required, q, slices)
 
 
 @interpreted
@@ -140,6 +155,8 @@ def test_kth_and_next_read_strides():
 
 
 def test_kth_bad_arguments_say_what_was_expected():
+    with pytest.raises(ValueError, match="slices=0"):
+        kth_smallest_and_next_triton(torch.zeros(4, 3), 2, 0)
     with pytest.raises(ValueError, match="q=5"):
         kth_smallest_and_next_triton(torch.zeros(4, 3), 5)
     with pytest.raises(ValueError, match="fp32"):
