@@ -2,7 +2,7 @@
 training default before them) and the eager formula, forward and forward + backward, against the bytes' floor.
 
 Usage: python bench/glu.py [--shapes 98304x1024 16384x1024 16384x4096] [--kinds situ silu] [--sweep]
-       [--device cuda|cpu] [--out FILE]
+       [--model-loss PRESET] [--device cuda|cpu] [--out FILE]
 
 Shapes are `small`'s at B=4 x 4096 in bf16: the routed experts (16,384 tokens x top-6 pairs, width 1024), the shared
 expert (width 1024) and the dense first layer (width 4096). Paths:
@@ -13,6 +13,9 @@ Times are GPU time per call (the profiler's kernel times summed, bench/attn_res.
 over the copy bandwidth measured in the same run: forward gate and up read and h written, backward dh, gate and up
 read and dgate and dup written. Before timing, every path is checked against the formula in fp32 on the same bf16
 inputs (relative error of h, dgate, dup); the script exits 1 when triton's is above 1e-2.
+--model-loss PRESET also prints that preset's training loss at initialisation (seed 0, one row of 4,096 random
+tokens, training mode so that the training paths run) with K3_GLU_BACKEND=torch / compiled / triton, with fp32 and
+with bf16 weights: in fp32 the three agree to rounding; in bf16 their spread is what rounding alone moves the loss.
 On CPU (--device cpu with TRITON_INTERPRET=1) it is a smoke test at tiny shapes (--shapes 64x32); its times mean
 nothing.
 """
@@ -20,6 +23,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -87,21 +91,45 @@ def bench_shape(rows: int, width: int, kind: str, device: str, bandwidth: float,
     return result
 
 
+def model_losses(preset: str, device: str, seq: int) -> dict:
+    from k3 import K3ForCausalLM, ModelConfig
+
+    config = ModelConfig.from_preset(preset)
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for backend in ("torch", "compiled", "triton"):
+            os.environ["K3_GLU_BACKEND"] = backend
+            torch.manual_seed(0)
+            with torch.device(device):
+                model = K3ForCausalLM(config)
+            model = model.to(dtype).train()
+            ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
+            loss = float(model(ids, labels=ids, return_logits=False).loss.detach())
+            losses[f"{str(dtype)[6:]} {backend}"] = loss
+            print(f"{preset} {str(dtype)[6:]:8s} K3_GLU_BACKEND={backend:8s} loss {loss:.6f}", flush=True)
+            del model
+    os.environ.pop("K3_GLU_BACKEND", None)
+    return losses
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["98304x1024", "16384x1024", "16384x4096"])
     parser.add_argument("--kinds", nargs="+", default=["situ"], choices=["situ", "silu"])
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--model-loss", default=None, metavar="PRESET")
+    parser.add_argument("--model-seq", type=int, default=4096)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--out", "--json", dest="json", default=None)
     args = parser.parse_args()
     bandwidth = kernel_bench_bandwidth("bench/glu.py", args.device, True)
+    losses = model_losses(args.model_loss, args.device, args.model_seq) if args.model_loss else None
     results = []
     for shape in args.shapes:
         rows, width = (int(v) for v in shape.split("x"))
         for kind in args.kinds:
             results.append(bench_shape(rows, width, kind, args.device, bandwidth, args.sweep))
-            write_json(args.json, dict(bandwidth_bytes_per_s=bandwidth, results=results))
+            write_json(args.json, dict(bandwidth_bytes_per_s=bandwidth, model_losses=losses, results=results))
     table = []
     for r in results:
         for name, t in r["paths"].items():

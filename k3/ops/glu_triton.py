@@ -5,8 +5,10 @@
 Why: in `small`'s graphed training step on one H200 (bench/results/train_profile_small_graphed_round14_final_h200.txt)
 the Inductor-compiled formula (k3.layers.mlp.compiled_glu) took 8.1 ms forward and 8.9 ms backward over 31 calls:
 about 11 GB read and written forward in 8.1 ms is 1.4 TB/s, a third of the card's copy bandwidth. These kernels read
-gate and up once (and dh, gate, up once backward, recomputing the activation), with tanh and sigmoid from one
-exp(-|x|) each: no overflow, and 1 - tanh^2 without the cancellation near the caps.
+gate and up once (and dh, gate, up once backward, recomputing the activation), with tanh and sigmoid from
+exp(-|x|) (no overflow, and 1 - tanh^2 without the cancellation near the caps), two exponentials and one
+approximate reciprocal an element (the first version's three exponentials and three IEEE divisions left the
+forward at 1.9x the bytes' time, bound by the special-function units).
 
 The forward keeps gate and up for the backward (nothing under no_grad). The PyTorch twin is
 k3.layers.mlp.glu_formula, held equal by tests/ops/test_glu_triton.py (through Triton's CPU interpreter,
@@ -24,9 +26,10 @@ from k3.ops.triton_support import Blocks, interpreting, kernel_module, pow2_widt
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KINDS = ("silu", "situ")
-# A tile of about 4K elements (4 rows of F = 1024): 32 values of each tensor per thread at 4 warps; chosen by
-# bench/glu.py --sweep on one H200 (see BENCHMARKS.md).
-TILE_ELEMENTS = 4096
+# A tile of 2K elements (2 rows of F = 1024): 16 values of each tensor per thread at 4 warps. On one H200
+# (bench/glu.py --sweep, the kernels of the first version) 2 x 1024 took 0.571 ms forward + backward at the routed
+# shape (98,304 x 1024) where 4 x 1024 took 0.747 and 1 x 1024 0.589.
+TILE_ELEMENTS = 2048
 MAX_BLOCK_F = 1024
 
 
@@ -71,8 +74,8 @@ def glu_forward(gate_NF: torch.Tensor, up_NF: torch.Tensor, kind: str, beta_gate
     if h_NF.numel():
         kernels(interpreting()).glu_forward[_grid(num_rows, width, blocks)](
             gate_NF, up_NF, h_NF, num_rows, gate_NF.stride(0), up_NF.stride(0), F=width, SITU=kind == "situ",
-            beta_gate=float(beta_gate), beta_up=float(beta_up), BLOCK_N=blocks.block_n, BLOCK_F=blocks.block_d,
-            num_warps=blocks.num_warps)
+            beta_gate=float(beta_gate), beta_up=float(beta_up), GATE_BETA_4=float(beta_gate) == 4.0,
+            BLOCK_N=blocks.block_n, BLOCK_F=blocks.block_d, num_warps=blocks.num_warps)
     return h_NF
 
 
@@ -87,7 +90,8 @@ def glu_backward(dh_NF: torch.Tensor, gate_NF: torch.Tensor, up_NF: torch.Tensor
         kernels(interpreting()).glu_backward[_grid(num_rows, width, blocks)](
             dh_NF, gate_NF, up_NF, dgate_NF, dup_NF, num_rows, dh_NF.stride(0), gate_NF.stride(0),
             up_NF.stride(0), F=width, SITU=kind == "situ", beta_gate=float(beta_gate), beta_up=float(beta_up),
-            BLOCK_N=blocks.block_n, BLOCK_F=blocks.block_d, num_warps=blocks.num_warps)
+            GATE_BETA_4=float(beta_gate) == 4.0, BLOCK_N=blocks.block_n, BLOCK_F=blocks.block_d,
+            num_warps=blocks.num_warps)
     return dgate_NF, dup_NF
 
 

@@ -75,6 +75,15 @@ def test_fp32_kernels_equal_the_oracle(kind, blocks):
         assert _rel(a, o) < 2e-6, name
 
 
+def test_other_betas_take_the_general_exponentials():
+    """beta_g = 4 shares one exponential between tanh and the sigmoid; any other beta computes both."""
+    gate, up, upstream = _inputs((21, 40), torch.float32, seed=8)
+    h = glu_triton(gate, up, "situ", 3.0, 10.0, SMALL_TILES, SMALL_TILES)
+    got = [h, *torch.autograd.grad(h, [gate, up], upstream)]
+    for name, a, o in zip(["h", "dgate", "dup"], got, _oracle(gate, up, upstream, "situ", 3.0, 10.0)):
+        assert _rel(a, o) < 2e-6, name
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["situ", "silu"])
 def test_half_precision_kernels_are_as_close_to_the_oracle_as_the_twin(kind, dtype):
@@ -91,7 +100,9 @@ def test_half_precision_kernels_are_as_close_to_the_oracle_as_the_twin(kind, dty
 @pytest.mark.parametrize("kind", ["situ", "silu"])
 def test_values_far_out_on_the_caps_stay_finite_and_exact(kind):
     """|g| up to 1e4 (exp(-|g|) underflows to 0, exp(+|g|) would overflow) and |u| up to 1e4: sigmoid, tanh and
-    1 - tanh^2 from exp(-|x|) keep every value finite and equal to fp64, the derivative's small tails included."""
+    1 - tanh^2 from exp(-|x|) keep every value finite and equal to fp64, the derivative's small tails included.
+    On a GPU exp(-y) for y ~ 150 carries the rounding of y * log2(e) in fp32 (~1e-5 relative), and its
+    approximate reciprocal ~1 ulp: the tolerance there is 3e-5."""
     values = torch.tensor([-1e4, -300.0, -90.0, -30.0, -8.0, -1.0, -1e-3, 0.0, 1e-3, 1.0, 8.0, 30.0, 90.0, 300.0, 1e4])
     gate = values.repeat_interleave(len(values)).view(len(values), len(values)).to(DEVICE).requires_grad_()
     up = values.repeat(len(values)).view(len(values), len(values)).to(DEVICE).requires_grad_()
@@ -99,7 +110,7 @@ def test_values_far_out_on_the_caps_stay_finite_and_exact(kind):
     got = _run(glu_triton, gate, up, upstream, kind, blocks=SMALL_TILES, backward_blocks=SMALL_TILES)
     for name, a, o in zip(["h", "dgate", "dup"], got, _oracle(gate, up, upstream, kind)):
         assert torch.isfinite(a).all(), name
-        torch.testing.assert_close(a.double(), o, rtol=2e-6, atol=1e-30, msg=name)
+        torch.testing.assert_close(a.double(), o, rtol=2e-6 if DEVICE == "cpu" else 3e-5, atol=1e-30, msg=name)
 
 
 def test_strided_halves_and_three_d_inputs():
