@@ -8,6 +8,7 @@ Checks (relative error ||fast - twin|| / ||twin||, every output and gradient):
   moe_grouped    torch._grouped_mm experts vs the per-expert loop (bf16; some experts get no tokens)
   attn_res       the AttnRes mix's Triton kernels vs eager (and the forcible torch.compile-fused mix vs eager)
   rms_norm       k3's RMSNorm Triton kernels (the CUDA default) vs the twin, at D 1024 and 9000 (chunked rows)
+  glu            the GLU activation's Triton kernels (training on CUDA) vs the eager formula, SiTU and SiLU
   moe_combine    the MoE combine's Triton kernels vs the batched matmul (output, pair-output and gate-weight grads)
   mla_flash      MLA prefill with SDPA forced to the flash kernel vs the math kernel
   model          whole model (debug preset x4 widths, bf16) under the fast run's expert choices: all fast
@@ -31,6 +32,7 @@ import torch
 from common import print_table, relative_error, write_json
 
 from k3 import K3ForCausalLM, ModelConfig
+from k3.layers.mlp import glu_activation
 from k3.ops.attn_res import attn_res_mix, set_attn_res_backend
 from k3.ops.fused_backend import set_fused_backend
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_backend, set_kda_backend
@@ -223,6 +225,27 @@ def check_rms_norm(device, rows) -> None:
         compare(f"rms_norm_{width}", fast, twin, ["y", "dx", "dweight"], BF16_TOL, rows)
 
 
+def check_glu(device, rows) -> None:
+    """The GLU activation's Triton kernels (training on CUDA) against the eager formula (K3_FUSED_BACKEND=torch
+    keeps it), SiTU and SiLU, gate and up as the strided halves of one fused output."""
+    for kind in ("situ", "silu"):
+        torch.manual_seed(16)
+        both = (torch.randn(3000, 2048, device=device) * 4).to(torch.bfloat16).requires_grad_()
+        gate, up = both.chunk(2, dim=-1)
+
+        def run():
+            h = glu_activation(gate, up, kind)
+            return [h] + grads_of([h], [both], seed=17)
+
+        fast = run()
+        with twins(("fused",)):
+            twin = run()
+        triton_ran = graph_has(fast[0], "_GLU")
+        rows.append([f"glu_{kind}", "path (fast)", "triton" if triton_ran else "other", "-",
+                     "ok" if triton_ran or device.type != "cuda" else "FAIL"])
+        compare(f"glu_{kind}", fast, twin, ["h", "d(gate|up)"], BF16_TOL, rows)
+
+
 def check_moe_combine(device, rows) -> None:
     torch.manual_seed(12)
     y = torch.randn(3000, 6, 512, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -400,8 +423,8 @@ def check_static_decode(device, rows) -> None:
     compare("static_decode", [compiled], [eager], ["compiled cuda graph vs eager steps"], BF16_TOL, rows)
 
 
-CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_moe_combine, check_mla_flash,
-          check_model, check_static_decode]
+CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_glu, check_moe_combine,
+          check_mla_flash, check_model, check_static_decode]
 
 
 def main() -> int:
