@@ -93,6 +93,12 @@ def graph_has(output: torch.Tensor, node_name: str) -> bool:
     return False
 
 
+def path_row(name: str, fast_ran: bool, fast: str, other: str, device, rows: list) -> None:
+    """The row naming the path the fast side took: FAIL on CUDA unless it is the fast one."""
+    rows.append([name, "path (fast)", fast if fast_ran else other, "-",
+                 "ok" if fast_ran or device.type != "cuda" else "FAIL"])
+
+
 def compare(name: str, fast: list[torch.Tensor], twin: list[torch.Tensor], labels: list[str], tol: float,
             rows: list) -> None:
     for label, a, b in zip(labels, fast, twin):
@@ -192,9 +198,8 @@ def check_attn_res(device, rows) -> None:
     with twins(True):
         twin = run()
     labels = ["mix"] + [f"d_source{i}" for i in range(5)] + ["d_norm_w", "d_query"]
-    triton_ran = graph_has(fast[0], "AttnResMix")  # the kernels' autograd node (k3.ops.attn_res_triton)
-    rows.append(["attn_res", "path (fast)", "triton" if triton_ran else "other", "-",
-                 "ok" if triton_ran or device.type != "cuda" else "FAIL"])
+    # The kernels' autograd node (k3.ops.attn_res_triton).
+    path_row("attn_res", graph_has(fast[0], "AttnResMix"), "triton", "other", device, rows)
     compare("attn_res", fast, twin, labels, BF16_TOL, rows)
     set_attn_res_backend("compiled")
     try:
@@ -219,9 +224,7 @@ def check_rms_norm(device, rows) -> None:
         fast = run()
         with twins(("fused",)):
             twin = run()
-        triton_ran = graph_has(fast[0], "_RMSNorm")
-        rows.append([f"rms_norm_{width}", "path (fast)", "triton" if triton_ran else "other", "-",
-                     "ok" if triton_ran or device.type != "cuda" else "FAIL"])
+        path_row(f"rms_norm_{width}", graph_has(fast[0], "_RMSNorm"), "triton", "other", device, rows)
         compare(f"rms_norm_{width}", fast, twin, ["y", "dx", "dweight"], BF16_TOL, rows)
 
 
@@ -240,9 +243,7 @@ def check_glu(device, rows) -> None:
         fast = run()
         with twins(("fused",)):
             twin = run()
-        triton_ran = graph_has(fast[0], "_GLU")
-        rows.append([f"glu_{kind}", "path (fast)", "triton" if triton_ran else "other", "-",
-                     "ok" if triton_ran or device.type != "cuda" else "FAIL"])
+        path_row(f"glu_{kind}", graph_has(fast[0], "_GLU"), "triton", "other", device, rows)
         compare(f"glu_{kind}", fast, twin, ["h", "d(gate|up)"], BF16_TOL, rows)
 
 
@@ -258,9 +259,7 @@ def check_moe_combine(device, rows) -> None:
     fast = run()
     with twins(("moe",)):
         twin = run()
-    triton_ran = graph_has(fast[0], "CombinePairs")
-    rows.append(["moe_combine", "path (fast)", "triton" if triton_ran else "bmm", "-",
-                 "ok" if triton_ran or device.type != "cuda" else "FAIL"])
+    path_row("moe_combine", graph_has(fast[0], "CombinePairs"), "triton", "bmm", device, rows)
     # The kernels keep the gate weights in fp32 where the bmm rounds them to bf16: dw differs by that rounding.
     compare("moe_combine", fast, twin, ["out", "dy", "dw"], BF16_TOL, rows)
 
