@@ -4,6 +4,7 @@ the debug model (the bench itself needs a GPU)."""
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,14 @@ def test_packed_step_keeps_documents_apart(train_bench):
     assert first == pytest.approx(float(packed), rel=1e-6) and float(step()) != first  # the step updates weights
     with pytest.raises(ValueError, match="unpacked rows"):
         train_bench.step_fn(model, ids, True, graphed=True, extra={"cu_seqlens": cu})
+
+
+@pytest.mark.parametrize("name, backend", [("k3-small-graphed-step", "auto"), ("k3-small-eager-glu", "torch"),
+                                           ("k3-small-graphed-step-compiled-glu", "compiled")])
+def test_variant_suffixes_pick_the_glu_path_and_restore_it(train_bench, monkeypatch, name, backend):
+    from k3.layers.mlp import glu_backend
+
+    monkeypatch.delenv("K3_GLU_BACKEND", raising=False)
+    with train_bench.variant_settings(name):
+        assert glu_backend() == backend
+    assert "K3_GLU_BACKEND" not in os.environ
