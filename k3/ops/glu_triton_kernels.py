@@ -48,7 +48,7 @@ def _situ_parts(g, u, inv_beta_gate, inv_beta_up, GATE_BETA_4: tl.constexpr):
     cancels where |tanh| nears 1, the soft cap's whole range); sigmoid|g| = 1 / (1 + exp(-|g|)). No exp of a
     positive argument, so nothing overflows. The three reciprocals come from one (the denominators lie in [1, 2]
     each), and for beta_g = 4 (GATE_BETA_4) exp(-|g|) is the square of tanh's exp(-|g|/2): two exponentials and
-    one reciprocal an element, which keeps the kernels memory-bound on a GPU's special-function units."""
+    one reciprocal an element, so that memory bounds the kernels rather than the GPU's special-function units."""
     a = g * inv_beta_gate
     b = u * inv_beta_up
     e_g = tl.exp(-2.0 * tl.abs(a))
