@@ -1,6 +1,6 @@
 """Check every CUDA fast path against its PyTorch twin, on fresh random inputs, in one run.
 
-Usage: python bench/gpu_check.py [--out results.json] [--device cuda]
+Usage: python bench/gpu_check.py [--checks NAME ...] [--out results.json] [--device cuda]
 
 Checks (relative error ||fast - twin|| / ||twin||, every output and gradient):
   kda_chunk      fla chunk_kda (in-kernel safe gate, beta sigmoid, L2 norm; packed cu_seqlens) vs PyTorch chunk
@@ -430,10 +430,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None, help="write the table as JSON here")
+    names = [check.__name__.removeprefix("check_") for check in CHECKS]
+    parser.add_argument("--checks", nargs="+", default=names, choices=names, metavar="NAME",
+                        help=f"run only these checks (default: all of {', '.join(names)})")
     args = parser.parse_args()
     device = torch.device(args.device)
     rows: list = []
-    for check in CHECKS:
+    for check in [c for c in CHECKS if c.__name__.removeprefix("check_") in args.checks]:
         try:
             check(device, rows)
         except Exception as exc:  # report and go on: one broken path must not hide the others
