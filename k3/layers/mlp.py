@@ -19,10 +19,8 @@ from k3.config import ModelConfig
 from k3.layers.fused_weights import fused, linear_group
 from k3.ops.linear_triton import project
 from k3.ops.fused_backend import fused_backend, with_torch_fallback
-from k3.ops.glu_triton import DTYPES as GLU_TRITON_DTYPES, glu_triton
+from k3.ops.glu_triton import DTYPES as GLU_TRITON_DTYPES, KINDS as GLU_KINDS, glu_triton
 from k3.ops.triton_support import triton_available
-
-GLU_KINDS = ("silu", "situ")
 
 
 def glu_formula(gate: torch.Tensor, up: torch.Tensor, kind: str, beta_gate: float = 4.0,
@@ -68,11 +66,13 @@ def glu_path(gate: torch.Tensor, up: torch.Tensor) -> str:
         return "formula"
     if backend == "triton":
         return "triton"
-    training = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
-    if not training or (backend == "auto" and (not gate.is_cuda or fused_backend() == "torch")):
+    if not (torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)):
         return "formula"
-    if backend == "auto" and triton_available() and gate.dtype == up.dtype and gate.dtype in GLU_TRITON_DTYPES:
-        return "triton"
+    if backend == "auto":
+        if not gate.is_cuda or fused_backend() == "torch":
+            return "formula"
+        if triton_available() and gate.dtype == up.dtype and gate.dtype in GLU_TRITON_DTYPES:
+            return "triton"
     return "formula" if _compile_failed else "compiled"
 
 

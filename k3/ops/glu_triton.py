@@ -2,13 +2,13 @@
 
     SiTU:  h = beta_g*tanh(g/beta_g)*sigmoid(g) * beta_u*tanh(u/beta_u)      SiLU:  h = silu(g) * u
 
-Why: in `small`'s graphed training step on one H200 (bench/results/train_profile_small_graphed_round14_final_h200.txt)
-the Inductor-compiled formula (k3.layers.mlp.compiled_glu) took 8.1 ms forward and 8.9 ms backward over 31 calls:
-about 11 GB read and written forward in 8.1 ms is 1.4 TB/s, a third of the card's copy bandwidth. These kernels read
-gate and up once (and dh, gate, up once backward, recomputing the activation), with tanh and sigmoid from
-exp(-|x|) (no overflow, and 1 - tanh^2 without the cancellation near the caps), two exponentials and one
-approximate reciprocal an element (the first version's three exponentials and three IEEE divisions left the
-forward at 1.9x the bytes' time, bound by the special-function units).
+Why: the Inductor-compiled formula (k3.layers.mlp.compiled_glu, the CUDA training default before these kernels) ran
+at 1.98x its bytes' time forward and 1.84x forward + backward at `small`'s routed shape (98,304 x 1024, bf16, one
+H200, bench/glu.py): 0.284 / 0.702 ms, bound by its transcendentals rather than by memory. These kernels read gate
+and up once (and dh, gate, up once backward, recomputing the activation), with tanh and sigmoid from exp(-|x|) (no
+overflow, and 1 - tanh^2 without the cancellation near the caps), two exponentials and one approximate reciprocal
+an element: 0.205 / 0.524 ms there, 1.43x / 1.37x the floor (a first version with three exponentials and three
+IEEE divisions ran at the compiled formula's speed).
 
 The forward keeps gate and up for the backward (nothing under no_grad). The PyTorch twin is
 k3.layers.mlp.glu_formula, held equal by tests/ops/test_glu_triton.py (through Triton's CPU interpreter,
@@ -27,8 +27,9 @@ from k3.ops.triton_support import Blocks, interpreting, kernel_module, pow2_widt
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KINDS = ("silu", "situ")
 # A tile of 2K elements (2 rows of F = 1024): 16 values of each tensor per thread at 4 warps. On one H200
-# (bench/glu.py --sweep, the kernels of the first version) 2 x 1024 took 0.571 ms forward + backward at the routed
-# shape (98,304 x 1024) where 4 x 1024 took 0.747 and 1 x 1024 0.589.
+# (bench/glu.py --sweep) the first version's kernels took 0.571 ms forward + backward at the routed shape with
+# 2 x 1024 where 4 x 1024 took 0.747; the final kernels take 0.525 with it, and 0.497 with 4 x 1024 at 8 warps
+# (5% less at every swept shape; not yet timed inside the training step).
 TILE_ELEMENTS = 2048
 MAX_BLOCK_F = 1024
 
@@ -62,7 +63,9 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _grid(num_rows: int, width: int, blocks: Blocks) -> tuple[int, int]:
-    return (-(-num_rows // blocks.block_n), -(-width // blocks.block_d))
+    import triton
+
+    return (triton.cdiv(num_rows, blocks.block_n), triton.cdiv(width, blocks.block_d))
 
 
 def glu_forward(gate_NF: torch.Tensor, up_NF: torch.Tensor, kind: str, beta_gate: float, beta_up: float,

@@ -174,10 +174,9 @@ def kth_smallest_and_next_triton(required_TE: torch.Tensor, q: int,
     if num_experts == 0:
         return qth_E, upper_E
     slices = slices or kth_slices(num_tokens, num_experts, device)
-    chunk = -(-num_tokens // slices)
-    block_t = kth_block(chunk)
-    chunk = -(-chunk // block_t) * block_t  # whole blocks per slice; the last slice may be short or empty
-    slices = -(-num_tokens // chunk)
+    block_t = kth_block(triton.cdiv(num_tokens, slices))
+    chunk = triton.cdiv(triton.cdiv(num_tokens, slices), block_t) * block_t  # whole blocks per slice
+    slices = triton.cdiv(num_tokens, chunk)  # none empty after the rounding; the last one may be short
     # The kernels' scratch: keys [E, T], per-slice histograms of the 4 passes, pass 3's least key above.
     keys_ET = torch.empty(num_experts, num_tokens, dtype=torch.int32, device=device)
     hist = torch.empty(4, num_experts, slices, 256, dtype=torch.int32, device=device)
