@@ -9,6 +9,7 @@ Checks (relative error ||fast - twin|| / ||twin||, every output and gradient):
   attn_res       the AttnRes mix's Triton kernels vs eager (and the forcible torch.compile-fused mix vs eager)
   rms_norm       k3's RMSNorm Triton kernels (the CUDA default) vs the twin, at D 1024 and 9000 (chunked rows)
   glu            the GLU activation's Triton kernels (training on CUDA) vs the eager formula, SiTU and SiLU
+  router_logits  the router's logits as bf16 GEMMs with fp32 output vs the fp32 form (logits and both grads)
   moe_combine    the MoE combine's Triton kernels vs the batched matmul (output, pair-output and gate-weight grads)
   mla_flash      MLA prefill with SDPA forced to the flash kernel vs the math kernel
   model          whole model (debug preset x4 widths, bf16) under the fast run's expert choices: all fast
@@ -39,6 +40,7 @@ from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_backend, set_kda_back
 from k3.ops.moe import count_per_expert, run_experts
 from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.norm import rms_norm
+from k3.ops.router_logits import router_logits
 from k3.rl.routing import RoutingReplay
 
 BF16_TOL = 2e-2  # bf16 operands (METHOD: 1e-3..1e-2), with margin for long recurrences
@@ -53,12 +55,13 @@ def twins(on: bool | tuple[str, ...]):
     """Inside: the named switches (every one for on=True, none for on=False) set to the PyTorch twin, the rest
     to auto."""
     names = PATHS if on is True else (() if on is False else on)
-    old_env = {name: os.environ.get(name) for name in ("K3_MOE_BACKEND", "K3_MOE_COMBINE")}
+    old_env = {name: os.environ.get(name) for name in ("K3_MOE_BACKEND", "K3_MOE_COMBINE", "K3_ROUTER_LOGITS")}
     set_kda_backend("torch" if "kda" in names else None)
     set_fused_backend("torch" if "fused" in names else None)
     set_attn_res_backend("eager" if "attn_res" in names else None)
     os.environ["K3_MOE_BACKEND"] = "loop" if "moe" in names else "auto"
     os.environ["K3_MOE_COMBINE"] = "bmm" if "moe" in names else "auto"
+    os.environ["K3_ROUTER_LOGITS"] = "fp32" if "moe" in names else "auto"
     try:
         yield
     finally:
@@ -247,6 +250,25 @@ def check_glu(device, rows) -> None:
         compare(f"glu_{kind}", fast, twin, ["h", "d(gate|up)"], BF16_TOL, rows)
 
 
+def check_router_logits(device, rows) -> None:
+    """The router's logits as bf16 GEMMs with fp32 output against the fp32 form, at `small`'s router shape."""
+    torch.manual_seed(18)
+    x = torch.randn(4096, 1024, device=device).to(torch.bfloat16).requires_grad_()
+    w = (0.02 * torch.randn(64, 1024, device=device)).to(torch.bfloat16).requires_grad_()
+
+    def run():
+        logits = router_logits(x, w)
+        return [logits] + grads_of([logits], [x, w], seed=19)
+
+    fast = run()
+    with twins(("moe",)):
+        twin = run()
+    path_row("router_logits", graph_has(fast[0], "RouterLogitsBF16"), "bf16 gemms", "fp32", device, rows)
+    compare("router_logits", fast, twin, ["logits", "dx", "dw"], BF16_TOL, rows)
+    # The forward differs from the fp32 form only in the order of its fp32 sums.
+    compare("router_logits", fast[:1], twin[:1], ["logits (fp32 tol)"], 1e-5, rows)
+
+
 def check_moe_combine(device, rows) -> None:
     torch.manual_seed(12)
     y = torch.randn(3000, 6, 512, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -422,8 +444,8 @@ def check_static_decode(device, rows) -> None:
     compare("static_decode", [compiled], [eager], ["compiled cuda graph vs eager steps"], BF16_TOL, rows)
 
 
-CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_glu, check_moe_combine,
-          check_mla_flash, check_model, check_static_decode]
+CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_glu, check_router_logits,
+          check_moe_combine, check_mla_flash, check_model, check_static_decode]
 
 
 def main() -> int:

@@ -31,6 +31,7 @@ from k3.ops.moe import count_per_expert, experts_in_pair_order, inverse_permutat
 from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.qb_triton import topk_with_load
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
+from k3.ops.router_logits import router_logits
 
 
 # Inside a compiled step, up to this many tokens take the router's fp32 logits as a product and a sum over the
@@ -113,14 +114,14 @@ class Router(nn.Module):
         if torch.compiler.is_compiling() and x_TD.shape[0] <= COMPILED_LOGITS_MAX_TOKENS:
             logits_TE = logits_as_reduction(x_TD, self.weight)  # (see COMPILED_LOGITS_MAX_TOKENS)
         else:
-            logits_TE = x_TD.float() @ self.weight.float().t()  # as _route computes them
+            logits_TE = router_logits(x_TD, self.weight)  # as _route computes them
         ids_TK, weights_TK, scores_TE = route_triton(logits_TE, self.e_score_correction_bias, self.top_k,
                                                      self.renormalize, self.scale)
         self._last_ids_TK, self._last_load_E, self.aux_loss = ids_TK, None, None
         return Routing(ids_TK, weights_TK, scores_TE)
 
     def _route(self, x_TD: torch.Tensor) -> Routing:
-        scores_TE = torch.sigmoid(x_TD.float() @ self.weight.float().t())
+        scores_TE = torch.sigmoid(router_logits(x_TD, self.weight))
         if self.force_balanced:
             t = torch.arange(x_TD.shape[0], device=x_TD.device)
             topk_ids_TK = (t[:, None] * self.top_k + torch.arange(self.top_k, device=x_TD.device)) % self.num_experts
