@@ -26,11 +26,12 @@ from k3.ops.triton_support import Blocks, interpreting, kernel_module, pow2_widt
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KINDS = ("silu", "situ")
-# A tile of 2K elements (2 rows of F = 1024): 16 values of each tensor per thread at 4 warps. On one H200
-# (bench/glu.py --sweep) the first version's kernels took 0.571 ms forward + backward at the routed shape with
-# 2 x 1024 where 4 x 1024 took 0.747; the final kernels take 0.525 with it, and 0.497 with 4 x 1024 at 8 warps
-# (5% less at every swept shape; not yet timed inside the training step).
-TILE_ELEMENTS = 2048
+# A tile of 4K elements (4 rows of F = 1024) at 8 warps: 16 values of each tensor per thread. On one H200
+# (bench/glu.py --sweep) the final kernels took 0.525 ms forward + backward at the routed shape with 2 x 1024 at 4
+# warps and 0.497 with 4 x 1024 at 8 (5% less at every swept shape); the first version had been slower with the
+# larger tile (0.571 against 0.747 ms), when it was bound by its transcendentals.
+TILE_ELEMENTS = 4096
+TILE_WARPS = 8
 MAX_BLOCK_F = 1024
 
 
@@ -40,7 +41,7 @@ def kernels(interpret: bool):
 
 def default_blocks(width: int) -> Blocks:
     block_f = min(pow2_width(width), MAX_BLOCK_F)
-    return Blocks(block_n=max(1, TILE_ELEMENTS // block_f), block_d=block_f, num_warps=4)
+    return Blocks(block_n=max(1, TILE_ELEMENTS // block_f), block_d=block_f, num_warps=TILE_WARPS)
 
 
 def check_glu_inputs(gate: torch.Tensor, up: torch.Tensor, kind: str) -> None:
