@@ -27,7 +27,8 @@ from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import fused, linear_group
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.linear_triton import linear, project
-from k3.ops.moe import count_per_expert, experts_in_pair_order, inverse_permutation, unpermute_rows
+from k3.ops.moe import (combine_from_expert_order, count_per_expert, experts_in_either_order, inverse_permutation,
+                        unpermute_rows)
 from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.qb_triton import topk_with_load
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
@@ -219,8 +220,11 @@ class LatentMoE(nn.Module):
         num_tokens = h_TL.shape[0]
         ids_N = routing.topk_ids_TK.reshape(-1)
         w13 = fused(self, "w13")  # w1 and w3 in one buffer when fused at load (k3.layers.fused_weights)
-        y_NL = experts_in_pair_order(h_TL, ids_N, self.top_k, self.w1, self.w3, self.w2, self.act, self.betas,
-                                     w13.buffer if w13 is not None else None)
+        y_NL, expert_order = experts_in_either_order(h_TL, ids_N, self.top_k, self.w1, self.w3, self.w2, self.act,
+                                                     self.betas, w13.buffer if w13 is not None else None)
+        if expert_order is not None:  # the sorted path: combined from expert order, no copy back to pair order
+            return combine_from_expert_order(y_NL, expert_order.inverse_N, routing.topk_weights_TK,
+                                             expert_order.order_N)
         # The width spelled out (not -1): with no tokens, a view of 0 elements cannot infer it.
         y_TKL = y_NL.view(num_tokens, self.top_k, y_NL.shape[-1])
         return weighted_sum_over_k(y_TKL, routing.topk_weights_TK)

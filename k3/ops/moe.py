@@ -9,9 +9,11 @@ Three interchangeable paths, held equal by tests/ops/test_moe_ops.py:
   counts back to the host, which breaks the graph. It copies N expert weights, so it suits decode-sized N.
 - `experts_triton` (k3.ops.moe_triton): two Triton kernels that read only the touched experts' weights, for
   decode-sized N in inference.
-`experts_in_pair_order` is what LatentMoE calls: with the Triton kernels it skips the sort altogether (they
-take the pairs in pair order and each expert's program finds its own), else it sorts, runs one of the paths above
-and puts the rows back in pair order.
+`experts_in_pair_order`: with the Triton kernels it skips the sort altogether (they take the pairs in pair order
+and each expert's program finds its own), else it sorts, runs one of the paths above and puts the rows back in
+pair order. LatentMoE calls `experts_in_either_order`, the same without that last step: after the sorted path it
+gets the rows in expert order and the sort, and `combine_from_expert_order` reads them through the inverse
+permutation in the combine itself (k3.ops.moe_combine's kernels), with no pair-order copy forward or backward.
 `K3_MOE_BACKEND=loop|grouped|triton|auto` forces one; auto takes the Triton kernels for inference on CUDA up to
 TRITON_MAX_ROWS rows, else the grouped GEMM for bf16 CUDA tensors whose widths meet its 16-byte alignment rule,
 else the loop (eager) or the gathered path (under torch.compile).
@@ -20,6 +22,8 @@ back to the host), so the grouped path can be captured in a CUDA graph.
 `gather_pairs` and `unpermute_rows` move rows between token order and expert order. Both are permutations (each
 pair row is read exactly once), so their backwards are gathers by the inverse permutation too, deterministic and
 free of the scatter-adds (index_put_ with accumulate, index_add_) that autograd would run for plain indexing.
+gather_pairs' backward (each token's K rows of the gradient summed) runs as one Triton kernel where the combine's
+kernels run (K3_MOE_COMBINE, k3.ops.moe_combine): it was a row gather into pair order and a sum over K.
 
 Shape suffixes: N routed pairs (tokens*top_k), E experts, F expert width, D expert input width.
 """
@@ -27,11 +31,14 @@ Shape suffixes: N routed pairs (tokens*top_k), E experts, F expert width, D expe
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
 from k3.layers.mlp import glu_activation
 from k3.ops.fused_backend import with_torch_fallback
+from k3.ops.moe_combine import (auto_takes_triton, combine_backend, combine_from_expert_order_triton,
+                                sum_pairs_from_expert_order_triton, weighted_sum_over_k)
 from k3.ops.moe_triton import experts_by_ids, experts_triton, triton_pays
 
 
@@ -70,11 +77,32 @@ class _GatherPairs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_NL: torch.Tensor):
         (inverse_N,) = ctx.saved_tensors
-        # Pair t*K + k of token t sits at row inverse_N[t*K + k]: gathering rows back into pair order puts a
-        # token's K copies next to each other, and a sum over K (fp32 accumulation inside torch's reduction
-        # for bf16) replaces the scatter-add over tokens.
-        grad_TKL = grad_NL.index_select(0, inverse_N).view(ctx.num_tokens, ctx.top_k, grad_NL.shape[-1])
-        return grad_TKL.sum(1), None, None, None
+        return sum_pairs_per_token(grad_NL, inverse_N, ctx.num_tokens, ctx.top_k), None, None, None
+
+
+def sum_pairs_per_token_twin(grad_NL: torch.Tensor, inverse_N: torch.Tensor, num_tokens: int,
+                             top_k: int) -> torch.Tensor:
+    # Pair t*K + k of token t sits at row inverse_N[t*K + k]: gathering rows back into pair order puts a token's K
+    # copies next to each other, and a sum over K (fp32 accumulation inside torch's reduction for bf16) replaces
+    # the scatter-add over tokens.
+    grad_TKL = grad_NL.index_select(0, inverse_N).view(num_tokens, top_k, grad_NL.shape[-1])
+    return grad_TKL.sum(1)
+
+
+def sum_pairs_per_token(grad_NL: torch.Tensor, inverse_N: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """gather_pairs' backward: dh[t] = sum_k grad_NL[inverse_N[t * top_k + k]] -> [T, L] in grad's dtype (fp32
+    sums), for grad_NL [N, L] in expert order. One Triton kernel where K3_MOE_COMBINE takes the combine's kernels
+    (auto: CUDA, eager), else the gather and sum of the twin. A double backward (grad mode on inside the backward)
+    keeps the twin, which autograd can differentiate."""
+    if torch.is_grad_enabled() and grad_NL.requires_grad:
+        return sum_pairs_per_token_twin(grad_NL, inverse_N, num_tokens, top_k)
+    if combine_backend() == "triton":
+        return sum_pairs_from_expert_order_triton(grad_NL, inverse_N, top_k)
+    if auto_takes_triton(grad_NL):
+        variant = ("moe_sum_pairs_per_token_triton", top_k, grad_NL.dtype)
+        return with_torch_fallback(variant, lambda: sum_pairs_from_expert_order_triton(grad_NL, inverse_N, top_k),
+                                   lambda: sum_pairs_per_token_twin(grad_NL, inverse_N, num_tokens, top_k))
+    return sum_pairs_per_token_twin(grad_NL, inverse_N, num_tokens, top_k)
 
 
 class _UnpermuteRows(torch.autograd.Function):
@@ -103,6 +131,33 @@ def unpermute_rows(y_NL: torch.Tensor, order_N: torch.Tensor, inverse_N: torch.T
     """Rows computed in `order_N` order (y_NL[i] belongs to pair order_N[i]) back in pair order [N, L]:
     equals y_NL[inverse_N]; the backward is the gather grad[order_N]."""
     return _UnpermuteRows.apply(y_NL, order_N, inverse_N)
+
+
+def combine_from_expert_order_twin(y_NL: torch.Tensor, inverse_N: torch.Tensor, weights_TK: torch.Tensor,
+                                   order_N: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows put back in pair order, then the pair-order combine (K3_MOE_COMBINE's bmm or sum form)."""
+    if order_N is None:
+        order_N = inverse_permutation(inverse_N)
+    num_tokens, top_k = weights_TK.shape
+    y_TKL = unpermute_rows(y_NL, order_N, inverse_N).view(num_tokens, top_k, y_NL.shape[-1])
+    return weighted_sum_over_k(y_TKL, weights_TK)
+
+
+def combine_from_expert_order(y_NL: torch.Tensor, inverse_N: torch.Tensor, weights_TK: torch.Tensor,
+                              order_N: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = sum_k weights_TK[t, k] * y_NL[inverse_N[t * K + k]] -> [T, L] in y's dtype, for y_NL [N, L] the
+    experts' rows in expert order (as run_experts returns them), inverse_N [N] the inverse of the sort
+    (sort_pairs_by_expert) and weights_TK [T, K] the gate weights. Equals weighted_sum_over_k of
+    unpermute_rows(y_NL, order_N, inverse_N) viewed [T, K, L]; where K3_MOE_COMBINE takes the Triton kernels
+    (auto: CUDA, eager) the kernels read the rows through the inverse and write y's gradient straight into expert
+    order. order_N, the sort itself, is what the twin's backward gathers by (computed from inverse_N if None)."""
+    if combine_backend() == "triton":
+        return combine_from_expert_order_triton(y_NL, inverse_N, weights_TK)
+    if auto_takes_triton(y_NL):
+        variant = ("moe_combine_expert_order_triton", weights_TK.shape[1], y_NL.dtype, weights_TK.dtype)
+        return with_torch_fallback(variant, lambda: combine_from_expert_order_triton(y_NL, inverse_N, weights_TK),
+                                   lambda: combine_from_expert_order_twin(y_NL, inverse_N, weights_TK, order_N))
+    return combine_from_expert_order_twin(y_NL, inverse_N, weights_TK, order_N)
 
 
 def count_per_expert(ids_N: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -202,6 +257,13 @@ def moe_backend() -> str:
 PAIR_ORDER_MAX_PAIRS = 512
 
 
+class ExpertOrder(NamedTuple):
+    """The routed pairs sorted by expert: order_N lists the pairs by expert, inverse_N is its inverse (pair p sits
+    at row inverse_N[p]), both as sort_pairs_by_expert returns them."""
+    order_N: torch.Tensor
+    inverse_N: torch.Tensor
+
+
 def experts_in_pair_order(h_TL: torch.Tensor, ids_N: torch.Tensor, top_k: int, w1_EFL: torch.Tensor,
                           w3_EFL: torch.Tensor, w2_ELF: torch.Tensor, act: str, betas: tuple[float, float],
                           w13_E2FL: torch.Tensor | None = None) -> torch.Tensor:
@@ -211,15 +273,25 @@ def experts_in_pair_order(h_TL: torch.Tensor, ids_N: torch.Tensor, top_k: int, w
     Up to PAIR_ORDER_MAX_PAIRS pairs, where the Triton kernels run (K3_MOE_BACKEND, run_experts' rule), they take
     the pairs as they are (k3.ops.moe_triton.experts_by_ids: each expert's program finds its own pairs).
     Otherwise the pairs are sorted by expert, gathered, run by run_experts and put back in pair order."""
+    y_NL, expert_order = experts_in_either_order(h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL)
+    return y_NL if expert_order is None else unpermute_rows(y_NL, *expert_order)
+
+
+def experts_in_either_order(h_TL: torch.Tensor, ids_N: torch.Tensor, top_k: int, w1_EFL: torch.Tensor,
+                            w3_EFL: torch.Tensor, w2_ELF: torch.Tensor, act: str, betas: tuple[float, float],
+                            w13_E2FL: torch.Tensor | None = None) -> tuple[torch.Tensor, ExpertOrder | None]:
+    """experts_in_pair_order's rows in the order the path that ran left them: (y_NL, None) with y_NL [N, L] in pair
+    order after the pair-order kernels, (y_NL, the sort) with y_NL in expert order after the sorted path. The
+    second goes to combine_from_expert_order, which needs no pair-order copy of the rows."""
     backend = moe_backend()
     num_pairs = ids_N.numel()
     if num_pairs <= PAIR_ORDER_MAX_PAIRS:
         if backend == "triton":
-            return experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas)
+            return experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas), None
         if backend == "auto" and triton_pays(h_TL, w1_EFL, w3_EFL, w2_ELF, num_rows=num_pairs):
             variant = ("moe_experts_by_ids_triton", act, tuple(w1_EFL.shape[1:]), h_TL.dtype)
             return with_torch_fallback(
-                variant, lambda: experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas),
+                variant, lambda: (experts_by_ids(h_TL, ids_N, w1_EFL, w3_EFL, w2_ELF, act, betas), None),
                 lambda: _sorted_by_expert(h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL))
     return _sorted_by_expert(h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL)
 
@@ -229,7 +301,7 @@ def _sorted_by_expert(h_TL, ids_N, top_k, w1_EFL, w3_EFL, w2_ELF, act, betas, w1
     order_N, inverse_N, counts_E = sort_pairs_by_expert(ids_N, w1_EFL.shape[0])
     x_NL = gather_pairs(h_TL, order_N, top_k, inverse_N)
     y_NL = run_experts(x_NL, counts_E, w1_EFL, w3_EFL, w2_ELF, act, betas, w13_E2FL)
-    return unpermute_rows(y_NL, order_N, inverse_N)
+    return y_NL, ExpertOrder(order_N, inverse_N)
 
 
 def run_experts(x_ND: torch.Tensor, counts_E: torch.Tensor, w1_EFD: torch.Tensor, w3_EFD: torch.Tensor,

@@ -18,11 +18,22 @@ Two interchangeable paths, held equal by tests/ops/test_moe_combine.py:
   work that Inductor computes inside the kernel reading the result (the latent norm). Measured side by side on one
   H200, `small` at batch 64: 2.656 -> 2.583 ms a step, 369 -> 339 kernels (bench/results/decode_round13_h200/).
 
+Expert order. The sorted path (k3.ops.moe) runs the experts on rows sorted by expert, y_NL [N, L], and the pairs
+of token t sit at rows inverse_N[t * K + k]. Putting them back in pair order and then combining them cost, per MoE
+layer of that `small` step, a [98,304, 512] bf16 row gather forward and another backward (~61 us each), and
+gather_pairs' backward (the sum of each token's K rows) a third gather and a sum over K (61 + 56 us).
+`combine_from_expert_order_triton` reads the expert-order rows through the inverse in the combine's own kernels
+(forward out[t] = sum_k w[t, k] y[inverse[t * K + k]]; backward dy written straight into expert order, each row
+once, and dw), and `sum_pairs_from_expert_order_triton` is gather_pairs' backward as one kernel (the forward
+kernel with unit weights). Their twins, and the switch between the two, are in k3.ops.moe (they use its
+permutations).
+
 `K3_MOE_COMBINE=auto|bmm|triton|sum` forces one; auto takes Triton for CUDA tensors outside torch.compile, when
 triton imports, the sum form inside torch.compile without autograd, else the bmm (compiled training keeps the bmm:
-the sum form's backward is unmeasured). A Triton compile failure of an auto-selected kernel warns once and runs
-the twin from then on.
-Shape suffixes: T tokens, K routed experts per token, L expert output width.
+the sum form's backward is unmeasured). The expert-order kernels follow the same switch: Triton where auto or
+triton takes the combine kernels, the twin otherwise (bmm, sum). A Triton compile failure of an auto-selected
+kernel warns once and runs the twin from then on.
+Shape suffixes: T tokens, K routed experts per token, L expert output width, N = T * K routed pairs.
 """
 
 from __future__ import annotations
@@ -42,6 +53,12 @@ def combine_backend() -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"K3_MOE_COMBINE={backend!r}; use one of {_BACKENDS}")
     return backend
+
+
+def auto_takes_triton(x: torch.Tensor) -> bool:
+    """Whether K3_MOE_COMBINE=auto picks the Triton kernels for a combine over x: CUDA, eager, triton imports."""
+    return (combine_backend() == "auto" and x.is_cuda and not torch.compiler.is_compiling()
+            and triton_importable())
 
 
 def combine_pairs_bmm(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
@@ -122,8 +139,83 @@ def weighted_sum_over_k(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.
         return combine_pairs_triton(y_TKL, weights_TK)
     if backend == "sum" or (backend == "auto" and torch.compiler.is_compiling() and not torch.is_grad_enabled()):
         return combine_pairs_sum(y_TKL, weights_TK)
-    if backend == "auto" and y_TKL.is_cuda and not torch.compiler.is_compiling() and triton_importable():
+    if auto_takes_triton(y_TKL):
         variant = ("moe_combine_triton", y_TKL.shape[1], y_TKL.dtype, weights_TK.dtype)
         return with_torch_fallback(variant, lambda: combine_pairs_triton(y_TKL, weights_TK),
                                    lambda: combine_pairs_bmm(y_TKL, weights_TK))
     return combine_pairs_bmm(y_TKL, weights_TK)
+
+
+def _permute_kernels():
+    return kernel_module("k3.ops.moe_permute_kernels", interpreting())
+
+
+def _check_pairs(rows_NL: torch.Tensor, inverse_N: torch.Tensor, num_tokens: int, top_k: int) -> None:
+    if rows_NL.dim() != 2 or inverse_N.shape != (rows_NL.shape[0],) or rows_NL.shape[0] != num_tokens * top_k:
+        raise ValueError(f"expert-order rows [N, L] with inverse [N], N = tokens * top_k = {num_tokens} * {top_k}; "
+                         f"got rows {tuple(rows_NL.shape)} and inverse {tuple(inverse_N.shape)}")
+
+
+def _launch_expert_order_fwd(rows_NL: torch.Tensor, inverse_N: torch.Tensor, weights_TK: torch.Tensor | None,
+                             num_tokens: int, top_k: int) -> torch.Tensor:
+    import triton
+
+    width = rows_NL.shape[1]
+    out_TL = rows_NL.new_empty(num_tokens, width)
+    if num_tokens == 0 or width == 0:
+        return out_TL
+    block_l = min(512, triton.next_power_of_2(width))
+    block_t = _block_tokens(width)
+    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_l))
+    weighted = weights_TK is not None
+    _permute_kernels().combine_expert_order_fwd[grid](
+        rows_NL, inverse_N, weights_TK if weighted else rows_NL, out_TL, num_tokens, width, TOP_K=top_k,
+        WEIGHTED=weighted, BLOCK_T=block_t, BLOCK_L=block_l)
+    return out_TL
+
+
+class _CombineFromExpertOrder(torch.autograd.Function):
+    @staticmethod
+    def forward(y_NL: torch.Tensor, inverse_N: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+        return _launch_expert_order_fwd(y_NL, inverse_N, weights_TK, *weights_TK.shape)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad_TL: torch.Tensor):
+        import triton
+
+        y_NL, inverse_N, weights_TK = ctx.saved_tensors
+        num_tokens, top_k = weights_TK.shape
+        width = y_NL.shape[1]
+        grad_TL = grad_TL.contiguous()
+        grad_y = torch.empty_like(y_NL)  # every row written once: inverse_N is a permutation
+        grad_w = torch.empty_like(weights_TK)
+        if num_tokens and width:
+            block_t = _block_tokens(width)
+            _permute_kernels().combine_expert_order_bwd[(triton.cdiv(num_tokens, block_t),)](
+                y_NL, inverse_N, weights_TK, grad_TL, grad_y, grad_w, num_tokens, width, TOP_K=top_k,
+                K_POW2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_L=min(256, triton.next_power_of_2(width)))
+        elif num_tokens:
+            grad_w.zero_()
+        return grad_y, None, grad_w
+
+
+def combine_from_expert_order_triton(y_NL: torch.Tensor, inverse_N: torch.Tensor,
+                                     weights_TK: torch.Tensor) -> torch.Tensor:
+    """out[t] = sum_k weights[t, k] * y_NL[inverse_N[t * K + k]] -> [T, L] in y's dtype, for y_NL [N, L] the expert
+    outputs in expert order and inverse_N [N] the inverse of the sort (a permutation of 0..N-1). Equals the
+    combine of the rows put back in pair order (the gate weights kept in their own precision), with a backward
+    for y_NL (in expert order, as y_NL came) and for the weights."""
+    _check_pairs(y_NL, inverse_N, *weights_TK.shape)
+    return _CombineFromExpertOrder.apply(y_NL.contiguous(), inverse_N.contiguous(), weights_TK.contiguous())
+
+
+def sum_pairs_from_expert_order_triton(rows_NL: torch.Tensor, inverse_N: torch.Tensor, top_k: int) -> torch.Tensor:
+    """out[t] = sum_k rows_NL[inverse_N[t * top_k + k]] -> [N / top_k, L] in rows' dtype (fp32 sums): each token's
+    top_k rows of an expert-order tensor added up, no autograd (k3.ops.moe.gather_pairs' backward)."""
+    num_tokens = rows_NL.shape[0] // top_k
+    _check_pairs(rows_NL, inverse_N, num_tokens, top_k)
+    return _launch_expert_order_fwd(rows_NL.contiguous(), inverse_N.contiguous(), None, num_tokens, top_k)
