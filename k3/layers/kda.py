@@ -19,7 +19,7 @@ from k3.layers.fused_weights import fused, linear_group
 from k3.ops.conv_step_triton import short_conv_step_inplace
 from k3.ops.linear_triton import project
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
-from k3.ops.short_conv import short_conv
+from k3.ops.short_conv import short_conv, short_conv_parts
 
 # Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.
 RECURRENT_MAX_TOKENS = 16
@@ -176,7 +176,9 @@ class KimiDeltaAttention(nn.Module):
         planar: a joined output comes back as three contiguous tensors (one [3, B, T, width] block) rather than
         three column slices, for fla's in-place decode kernel, which takes its inputs contiguous: one copy where
         its launcher made three (an uncompiled batch-64 graph of `small` went from 784 to 760 kernels on one
-        H200; compiled, Inductor still writes q, k and v one kernel each, as it did the slices' copies)."""
+        H200; compiled, Inductor still writes q, k and v one kernel each, as it did the slices' copies). Where
+        k3's Triton conv runs (training, prefill from empty: k3.ops.short_conv.short_conv_parts) the three come
+        contiguous from the kernel itself, planar or not, and their gradients go back without a cat."""
         convs = self.short_convs()
         joined = isinstance(tails, torch.Tensor)
         if isinstance(qkv, (list, tuple)):
@@ -187,6 +189,6 @@ class KimiDeltaAttention(nn.Module):
         width = qkv.shape[-1] // 3
         weight_CW = self._joined_conv_weight()
         tail = tails if joined else None if tails[0] is None else torch.cat(tails, dim=-1)
-        y, new_tail = short_conv(qkv, weight_CW, tail, cu_seqlens=cu_seqlens, position_in_doc=position_in_doc)
-        parts = y.unflatten(-1, (3, width)).movedim(-2, 0).contiguous().unbind(0) if planar else y.split(width, -1)
-        return list(parts), new_tail if joined else tuple(new_tail.split(width, dim=-1))
+        parts, new_tail = short_conv_parts(qkv, weight_CW, 3, tail, cu_seqlens=cu_seqlens,
+                                           position_in_doc=position_in_doc, planar=planar, conv=short_conv)
+        return parts, new_tail if joined else tuple(new_tail.split(width, dim=-1))
