@@ -11,6 +11,9 @@ Checks (relative error ||fast - twin|| / ||twin||, every output and gradient):
   glu            the GLU activation's Triton kernels (training on CUDA) vs the eager formula, SiTU and SiLU
   router_logits  the router's logits as bf16 GEMMs with fp32 output vs the fp32 form (logits and both grads)
   moe_combine    the MoE combine's Triton kernels vs the batched matmul (output, pair-output and gate-weight grads)
+  short_conv     KDA's short conv through k3's Triton kernels (joined and planar q/k/v, dense and packed) vs the twin
+  adamw          SplitAdamW (Triton kernel for tensors >= TRITON_MIN_NUMEL) vs torch.optim.AdamW(fused=True),
+                 bf16 and fp32, per step from equal states: error / (1 ulp + 1e-6 x the step's terms), tol 1
   mla_flash      MLA prefill with SDPA forced to the flash kernel vs the math kernel
   model          whole model (debug preset x4 widths, bf16) under the fast run's expert choices: all fast
                  paths, then each fast path alone, against an fp32 run of the twins, next to the bf16 twin's
@@ -286,6 +289,100 @@ def check_moe_combine(device, rows) -> None:
     compare("moe_combine", fast, twin, ["out", "dy", "dw"], BF16_TOL, rows)
 
 
+def check_short_conv(device, rows) -> None:
+    """KDA's short conv (W = 4, SiLU) through k3's Triton kernels (the training path on CUDA) against the twin
+    (K3_FUSED_BACKEND=torch), at `small`'s joined q/k/v width: the joined output and the planar parts KDA takes,
+    over a batch of rows and over packed documents (cu_seqlens, B = 1). x is a column slice of a wider tensor, as
+    it comes from the fused projection."""
+    from k3.ops.short_conv import short_conv, short_conv_parts
+
+    for packed in (False, True):
+        torch.manual_seed(22)
+        batch, length = (1, 2100) if packed else (2, 1000)
+        wide = torch.randn(batch, length, 3072 + 256, device=device).to(torch.bfloat16).requires_grad_()
+        x = wide[..., :3072]
+        weight = (0.5 * torch.randn(3072, 4, device=device)).to(torch.bfloat16).requires_grad_()
+        cu = torch.tensor([0, 63, 700, 1501, 2100], device=device) if packed else None
+
+        def run():
+            y, _ = short_conv(x, weight, cu_seqlens=cu)
+            parts, _ = short_conv_parts(x, weight, 3, cu_seqlens=cu)
+            return [y, *parts] + grads_of([y, *parts], [wide, weight], seed=23)
+
+        fast = run()
+        with twins(("fused",)):
+            twin = run()
+        name = f"short_conv{'_packed' if packed else ''}"
+        path_row(name, graph_has(fast[0], "_ShortConv"), "triton", "other", device, rows)
+        compare(name, fast, twin, ["y", "q", "k", "v", "dx", "dweight"], BF16_TOL, rows)
+
+
+def check_adamw(device, rows) -> None:
+    """SplitAdamW against torch.optim.AdamW(fused=True) over the same tensors: two above TRITON_MIN_NUMEL (the
+    kernel's, one with a ragged last block) and two below (torch's fused kernel inside SplitAdamW too), in bf16 and
+    fp32, a decayed group and an undecayed one, three steps with lr changing between them. After each step the
+    twin takes SplitAdamW's values, so that each step is compared from equal states.
+
+    The tolerance of an element: one ulp of its dtype at the larger of the two values, plus 1e-6 (8 fp32 ulps) of
+    the step's terms (the largest of the value before, after, and its change; for a parameter at least lr). Why:
+    torch's fused kernel blends the moments and applies the weight decay in fp64, the kernel in fp32, so their
+    fp32 results differ by a few fp32 roundings of the terms; each is then rounded once to the storage dtype, and
+    two values that close round to the same value or to neighbours (one ulp) unless the terms cancel, where the
+    fp32 part of the bound takes over. The row's value is the worst error over that tolerance."""
+    from k3.train.optim import TRITON_MIN_NUMEL, SplitAdamW
+
+    shapes = {"kernel": [(TRITON_MIN_NUMEL // 1024 + 3, 1024), (TRITON_MIN_NUMEL // 999 + 1, 999)],
+              "torch": [(TRITON_MIN_NUMEL // 1024 - 1, 1024), (777,)]}
+    lrs, betas = (1e-3, 5e-4, 2e-4), (0.9, 0.95)
+    for dtype in (torch.bfloat16, torch.float32):
+        gen = torch.Generator(device=device).manual_seed(21)
+        sizes = [shape for route in ("kernel", "torch") for shape in shapes[route]]
+        values = [torch.randn(shape, device=device, generator=gen).mul_(0.02).to(dtype) for shape in sizes]
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        twin_params = [torch.nn.Parameter(v.clone()) for v in values]
+
+        def groups(ps):  # the large pair and the small pair each split over a decayed and an undecayed group
+            return [{"params": [ps[0], ps[2]], "weight_decay": 0.1}, {"params": [ps[1], ps[3]], "weight_decay": 0.0}]
+
+        split = SplitAdamW(groups(params), lr=lrs[0], betas=betas, fused=True)
+        twin = torch.optim.AdamW(groups(twin_params), lr=lrs[0], betas=betas, fused=True)
+        worst: dict[tuple[str, str], float] = {}
+        for lr in lrs:
+            for p, q in zip(params, twin_params):
+                p.grad = torch.randn(p.shape, device=device, generator=gen).mul_(1e-3).to(dtype)
+                q.grad = p.grad.clone()
+            before = [(p.detach().clone(), *(split.state[p][k].clone() if p in split.state else torch.zeros_like(p)
+                                             for k in ("exp_avg", "exp_avg_sq"))) for p in params]
+            for opt in (split, twin):
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+            for i, (p, q) in enumerate(zip(params, twin_params)):
+                route = "kernel" if i < 2 else "torch"
+                got = (p.detach(), split.state[p]["exp_avg"], split.state[p]["exp_avg_sq"])
+                want = (q.detach(), twin.state[q]["exp_avg"], twin.state[q]["exp_avg_sq"])
+                for name, a, b, was in zip(("param", "exp_avg", "exp_avg_sq"), got, want, before[i]):
+                    a64, b64, was64 = a.double(), b.double(), was.double()
+                    terms = torch.maximum(torch.maximum(b64.abs(), was64.abs()), (b64 - was64).abs())
+                    if name == "param":
+                        terms = terms.clamp_min(lr)
+                    finfo = torch.finfo(dtype)
+                    _, exponent = torch.frexp(torch.maximum(a64.abs(), b64.abs()).clamp_min(finfo.tiny))
+                    ulp = finfo.eps * torch.pow(2.0, exponent.double() - 1)
+                    ratio = float(((a64 - b64).abs() / (ulp + 1e-6 * terms)).max())
+                    worst[(route, name)] = max(worst.get((route, name), 0.0), ratio)
+            with torch.no_grad():  # the twin goes on from SplitAdamW's state: every step starts equal
+                for p, q in zip(params, twin_params):
+                    q.copy_(p)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        twin.state[q][key].copy_(split.state[p][key])
+        label = str(dtype).removeprefix("torch.")
+        path_row(f"adamw_{label}", split.triton_stepped == 2, "triton (2 tensors)",
+                 f"{split.triton_stepped} tensors through the kernel", device, rows)
+        for (route, name), ratio in worst.items():
+            rows.append([f"adamw_{label}", f"{name} ({route})", ratio, 1.0, "ok" if ratio <= 1.0 else "FAIL"])
+
+
 def check_mla_flash(device, rows) -> None:
     if device.type != "cuda":
         return
@@ -444,8 +541,9 @@ def check_static_decode(device, rows) -> None:
     compare("static_decode", [compiled], [eager], ["compiled cuda graph vs eager steps"], BF16_TOL, rows)
 
 
-CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_glu, check_router_logits,
-          check_moe_combine, check_mla_flash, check_model, check_static_decode]
+CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_glu,
+          check_router_logits, check_moe_combine, check_short_conv, check_adamw, check_mla_flash, check_model,
+          check_static_decode]
 
 
 def main() -> int:

@@ -27,7 +27,10 @@ that training on CUDA takes, k3.ops.glu_triton), `-compiled-glu` (the formula th
 K3_GLU_BACKEND=compiled: the CUDA default before those kernels), `-compiled-attnres` (the AttnRes mix through torch.compile, the CUDA default before its
 Triton kernels), `-bmm-combine` (the MoE combine as the batched matmul, K3_MOE_COMBINE=bmm, instead of its Triton
 kernels), `-fla-norm` (RMSNorm through fla's kernels, K3_RMS_NORM=fla, the default before k3's own Triton kernels; KDA's
-gated norm is fla's either way), `-packed` (the batch as `k3 train` feeds it: one row of batch x seq tokens holding
+gated norm is fla's either way), `-torch-adamw` (torch's fused AdamW for every tensor, K3_ADAMW=torch, instead
+of k3's Triton kernel for the large ones, k3.train.optim.SplitAdamW), `-fla-conv` (the KDA short convs through
+fla's causal_conv1d, K3_CONV_BACKEND=fla, instead of k3's Triton kernels), `-packed` (the batch as `k3 train`
+feeds it: one row of batch x seq tokens holding
 documents of 256-4096 tokens, drawn with a fixed seed, with their cu_seqlens, so KDA, the short convs and MLA run
 their varlen paths), `-autocast` (fp32 weights under bf16 autocast, as `k3 train` trains, instead of bf16 weights).
 Suffixes combine: k3-small-bmm-combine-compiled-attnres is the step before both kernels; k3-small-packed-autocast is
@@ -57,6 +60,7 @@ from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.ops.attn_res import set_attn_res_backend
 from k3.ops.fused_backend import set_fused_backend
+from k3.train.optim import build_optimizer
 
 PEER = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=12, intermediate_size=4096,
             linear_num_heads=8, linear_head_dim=128, num_attention_heads=8, num_key_value_heads=8,
@@ -155,7 +159,13 @@ def packed_documents(batch: int, seq: int, vocab: int, device, seed: int = 0) ->
 
 def step_fn(model, ids, is_k3: bool, graphed: bool = False, extra: dict | None = None):
     """extra: k3_loss's other batch entries (cu_seqlens, autocast)."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    # k3's models take the optimizer `k3 train` builds, through the same build_optimizer (K3_ADAMW: on CUDA,
+    # SplitAdamW with k3's Triton kernel for the large tensors; torch's fused AdamW under -torch-adamw), with the
+    # trainer's default weight decay; the peer keeps torch's fused AdamW. The step's bytes are the same either way.
+    if is_k3:
+        optimizer = build_optimizer(model, 1e-5, 0.1)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     extra = extra or {}
     if graphed:
         from k3.train.graphed_step import GraphedTrainStep
@@ -171,6 +181,7 @@ def step_fn(model, ids, is_k3: bool, graphed: bool = False, extra: dict | None =
             optimizer.zero_grad(set_to_none=True)
             model.update_balancers()
             return loss
+        replayed.optimizer = optimizer
         return replayed
 
     def step():
@@ -184,6 +195,7 @@ def step_fn(model, ids, is_k3: bool, graphed: bool = False, extra: dict | None =
         if is_k3:
             model.update_balancers()
         return loss.detach()
+    step.optimizer = optimizer  # the result row names its class
     return step
 
 
@@ -218,6 +230,8 @@ def variant_settings(name: str):
     os.environ["K3_MOE_COMBINE"] = "bmm" if has_flag(name, "bmm-combine") else "auto"
     os.environ["K3_RMS_NORM"] = "fla" if has_flag(name, "fla-norm") else "auto"
     os.environ["K3_QB_BACKEND"] = "torch" if has_flag(name, "torch-qb") else "auto"
+    os.environ["K3_ADAMW"] = "torch" if has_flag(name, "torch-adamw") else "auto"
+    os.environ["K3_CONV_BACKEND"] = "fla" if has_flag(name, "fla-conv") else "auto"
     os.environ["K3_GLU_BACKEND"] = next((b for b, flag in (("torch", "eager-glu"), ("compiled", "compiled-glu"))
                                          if has_flag(name, flag)), "auto")
     try:
@@ -229,6 +243,8 @@ def variant_settings(name: str):
         os.environ.pop("K3_MOE_COMBINE", None)
         os.environ.pop("K3_RMS_NORM", None)
         os.environ.pop("K3_QB_BACKEND", None)
+        os.environ.pop("K3_ADAMW", None)
+        os.environ.pop("K3_CONV_BACKEND", None)
         os.environ.pop("K3_GLU_BACKEND", None)
 
 
@@ -295,7 +311,8 @@ def main() -> None:
             results[name] = dict(step_ms=ms, first_step_s=first_s, tokens_per_s=tps, mfu=flops * tps / H200_BF16_PEAK_FLOPS,
                                  flops_per_token=flops, params=params, peak_gib=peak_memory_gib(),
                                  compiles_during_timing=recompiles, first_loss=first_loss, last_loss=last_loss,
-                                 maxvio=maxvio)
+                                 maxvio=maxvio, optimizer=type(step.optimizer).__name__,
+                                 optimizer_kernel_tensors=getattr(step.optimizer, "triton_stepped", 0))
             print(name, results[name], flush=True)
             write_json(args.out, {"bench": "train", "batch": args.batch, "seq": args.seq, "partial": True,
                                   "results": results})

@@ -66,3 +66,21 @@ def test_variant_suffixes_pick_the_glu_path_and_restore_it(train_bench, monkeypa
     with train_bench.variant_settings(name):
         assert glu_backend() == backend
     assert "K3_GLU_BACKEND" not in os.environ
+
+
+@pytest.mark.parametrize("name, expected", [("k3-small", "SplitAdamW"), ("k3-small-torch-adamw", "AdamW"),
+                                            ("k3-small-torch-adamw-packed", "AdamW")])
+def test_torch_adamw_suffix_picks_the_optimizer_and_restores_it(train_bench, monkeypatch, name, expected):
+    """-torch-adamw sets K3_ADAMW=torch for its variant: the optimizer build_optimizer picks where torch's fused
+    AdamW pays (on CUDA; forced here, the test being on CPU) is torch's, else SplitAdamW. The step bench/train.py
+    times records its optimizer."""
+    pytest.importorskip("triton")
+    from k3.train import optim
+
+    monkeypatch.delenv("K3_ADAMW", raising=False)
+    monkeypatch.setattr(optim, "fused_pays", lambda params: True)
+    model = torch.nn.Linear(4, 4)
+    with train_bench.variant_settings(name):
+        step = train_bench.step_fn(model, torch.zeros(1, 4, dtype=torch.long), True)
+    assert type(step.optimizer).__name__ == expected
+    assert "K3_ADAMW" not in os.environ
