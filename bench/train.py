@@ -29,7 +29,9 @@ Triton kernels), `-bmm-combine` (the MoE combine as the batched matmul, K3_MOE_C
 kernels), `-fla-norm` (RMSNorm through fla's kernels, K3_RMS_NORM=fla, the default before k3's own Triton kernels; KDA's
 gated norm is fla's either way), `-torch-adamw` (torch's fused AdamW for every tensor, K3_ADAMW=torch, instead
 of k3's Triton kernel for the large ones, k3.train.optim.SplitAdamW), `-fla-conv` (the KDA short convs through
-fla's causal_conv1d, K3_CONV_BACKEND=fla, instead of k3's Triton kernels), `-packed` (the batch as `k3 train`
+fla's causal_conv1d, K3_CONV_BACKEND=fla, instead of k3's Triton kernels), `-attnres-adds` (autograd adds
+the gradients of a finished AttnRes source from each mix that reads it, K3_ATTN_RES_ACCUMULATE=0, instead of the
+mixes' backward summing them in place), `-packed` (the batch as `k3 train`
 feeds it: one row of batch x seq tokens holding
 documents of 256-4096 tokens, drawn with a fixed seed, with their cu_seqlens, so KDA, the short convs and MLA run
 their varlen paths), `-autocast` (fp32 weights under bf16 autocast, as `k3 train` trains, instead of bf16 weights).
@@ -232,6 +234,7 @@ def variant_settings(name: str):
     os.environ["K3_QB_BACKEND"] = "torch" if has_flag(name, "torch-qb") else "auto"
     os.environ["K3_ADAMW"] = "torch" if has_flag(name, "torch-adamw") else "auto"
     os.environ["K3_CONV_BACKEND"] = "fla" if has_flag(name, "fla-conv") else "auto"
+    os.environ["K3_ATTN_RES_ACCUMULATE"] = "0" if has_flag(name, "attnres-adds") else "1"
     os.environ["K3_GLU_BACKEND"] = next((b for b, flag in (("torch", "eager-glu"), ("compiled", "compiled-glu"))
                                          if has_flag(name, flag)), "auto")
     try:
@@ -245,6 +248,7 @@ def variant_settings(name: str):
         os.environ.pop("K3_QB_BACKEND", None)
         os.environ.pop("K3_ADAMW", None)
         os.environ.pop("K3_CONV_BACKEND", None)
+        os.environ.pop("K3_ATTN_RES_ACCUMULATE", None)
         os.environ.pop("K3_GLU_BACKEND", None)
 
 

@@ -87,9 +87,9 @@ class DecoderLayer(nn.Module):
     def forward_attn_res(self, stream: AttnResStream, cache=None, packed: PackedDocs | None = None) -> None:
         """Block-AttnRes form: both sublayers read a softmax mixture of the stream's sources."""
         stream.start_layer(self.index)
-        x = self.self_attention_res(stream.sources())
+        x = self.self_attention_res(stream.sources(), stream.finished)
         stream.add(self.attend(self.input_layernorm(x), cache, packed))
-        x = self.mlp_res(stream.sources())
+        x = self.mlp_res(stream.sources(), stream.finished)
         stream.add(self.feed_forward(self.post_attention_layernorm(x)))
 
 
@@ -110,7 +110,7 @@ class K3Model(nn.Module):
             stream = AttnResStream(h, self.config.attn_res_block_size)
             for i, layer in enumerate(self.layers):
                 layer.forward_attn_res(stream, cache[i] if cache is not None else None, packed)
-            h = self.output_attn_res(stream.sources())
+            h = self.output_attn_res(stream.sources(), stream.finished)
         else:
             for i, layer in enumerate(self.layers):
                 h = layer(h, cache[i] if cache is not None else None, packed)

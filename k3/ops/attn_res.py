@@ -29,7 +29,7 @@ import torch._dynamo.decorators
 
 from k3.ops.attn_res_triton import DTYPES as TRITON_DTYPES
 from k3.ops.attn_res_triton import MAX_SOURCES as TRITON_MAX_SOURCES
-from k3.ops.attn_res_triton import attn_res_mix_triton
+from k3.ops.attn_res_triton import FinishedSources, attn_res_mix_triton
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.triton_support import interpreting, triton_importable
 
@@ -94,9 +94,11 @@ def attn_res_backend(x: torch.Tensor | None = None) -> str:
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+                 eps: float, finished: FinishedSources | None = None) -> torch.Tensor:
     """Dispatching entry point; same arguments and result as attn_res_mix_eager. Inside a torch.compile'd
-    caller (a compiled decode step) the eager form is traced into the caller's graph and fused there."""
+    caller (a compiled decode step) the eager form is traced into the caller's graph and fused there.
+    `finished` (an AttnResStream's registered sources) lets the Triton backward sum their gradients in place;
+    the other paths take the sources as they are."""
     if torch.compiler.is_compiling():
         return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)
     backend = attn_res_backend(sources[0])
@@ -108,12 +110,13 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query
             raise ValueError("the triton AttnRes backend runs CPU tensors only in Triton's interpreter "
                              "(TRITON_INTERPRET=1); use the eager backend for them")
         if attn_res_backend() != "auto":
-            return attn_res_mix_triton(sources, norm_weight_D, query_D, eps)
+            return attn_res_mix_triton(sources, norm_weight_D, query_D, eps, finished=finished)
         if len(sources) > TRITON_MAX_SOURCES:  # see MAX_SOURCES
             return attn_res_mix_compiled(sources, norm_weight_D, query_D, eps)
         # Chosen, not forced: a kernel variant Triton cannot compile here runs the twin from then on.
         variant = ("attn_res_triton", len(sources), sources[0].shape[-1], sources[0].dtype)
-        return with_torch_fallback(variant, lambda: attn_res_mix_triton(sources, norm_weight_D, query_D, eps),
+        return with_torch_fallback(variant, lambda: attn_res_mix_triton(sources, norm_weight_D, query_D, eps,
+                                                                        finished=finished),
                                    lambda: attn_res_mix_eager(sources, norm_weight_D, query_D, eps))
     return attn_res_mix_compiled(sources, norm_weight_D, query_D, eps)
 

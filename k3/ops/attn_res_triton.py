@@ -24,6 +24,8 @@ Shape suffixes: S sources, N tokens (B*T), D hidden.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from k3.ops.triton_support import Blocks, interpreting, kernel_module, multiprocessors, pow2_width
@@ -109,15 +111,21 @@ def mix_forward(sources_ND: tuple[torch.Tensor, ...], q_D: torch.Tensor, eps: fl
 
 def mix_backward(grad_ND: torch.Tensor, sources_ND: tuple[torch.Tensor, ...], q_D: torch.Tensor,
                  alpha_NS: torch.Tensor, inv_rms_NS: torch.Tensor, dot_NS: torch.Tensor,
-                 blocks: Blocks | None = None) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+                 blocks: Blocks | None = None, into: tuple[torch.Tensor | None, ...] | None = None,
+                 accumulate: int = 0) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """dmix [N, D] (rows D apart) and the forward's saved statistics -> (one gradient [N, D] per source in its
-    dtype, dq [D] fp32)."""
+    dtype, dq [D] fp32). `into[i]`, where given, is the [N, D] tensor source i's gradient is written to (else a
+    new one); with bit i of `accumulate` set it is added to what that tensor holds."""
     import triton
 
     num_rows, dim = sources_ND[0].shape
     count = len(sources_ND)
     blocks = blocks or default_backward_blocks(count, dim)
-    grads = tuple(torch.empty_like(s) for s in sources_ND)
+    into = into or (None,) * count
+    grads = tuple(t if t is not None else torch.empty_like(s) for s, t in zip(sources_ND, into))
+    for i, g in enumerate(grads):
+        if (accumulate >> i) & 1 and into[i] is None:
+            raise ValueError(f"bit {i} of accumulate is set but into[{i}] is None: there is nothing to add to")
     num_blocks = triton.cdiv(num_rows, blocks.block_n)
     programs = blocks.programs
     if programs is None:
@@ -128,44 +136,125 @@ def mix_backward(grad_ND: torch.Tensor, sources_ND: tuple[torch.Tensor, ...], q_
     if programs:
         kernels(interpreting()).attn_res_backward[(programs,)](
             tuple(sources_ND), grads, grad_ND, q_D, alpha_NS, inv_rms_NS, dot_NS, dq_PD, num_rows, per_program,
-            D=dim, S=count, S_PAD=triton.next_power_of_2(count), BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d,
-            num_warps=blocks.num_warps)
+            D=dim, S=count, S_PAD=triton.next_power_of_2(count), ACC=accumulate, BLOCK_N=blocks.block_n,
+            BLOCK_D=blocks.block_d, num_warps=blocks.num_warps)
     return grads, dq_PD.sum(0)
 
 
-class _AttnResMix(torch.autograd.Function):
+class SourceGradient:
+    """Where the mixes that read one finished source sum its gradient, in the backward (see FinishedSources)."""
+
+    def __init__(self, source: torch.Tensor) -> None:
+        self.source = source
+        self.grad_ND: torch.Tensor | None = None
+
+
+class _Collect(torch.autograd.Function):
+    """source -> an empty token. Mixes take the token instead of the source, so the source has one consumer in
+    autograd's graph; the engine runs this backward only after every mix holding the token has run its own, and
+    it hands the source the gradient they summed."""
+
     @staticmethod
-    def forward(ctx, norm_weight_D, query_D, eps, blocks, backward_blocks, *sources_ND):
+    def forward(ctx, source: torch.Tensor, slot: SourceGradient) -> torch.Tensor:
+        ctx.slot = slot
+        return source.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token_grad):
+        slot = ctx.slot
+        grad_ND, slot.grad_ND = slot.grad_ND, None  # released: a second backward (retain_graph) starts afresh
+        return (grad_ND.view(slot.source.shape) if grad_ND is not None else None), None
+
+
+class FinishedSources:
+    """The finished sources of an AttnRes stream (the embedding, the closed blocks), each read by every later mix.
+
+    Left to autograd, a source read by n mixes gets n gradient tensors and n - 1 additions of them (about 80
+    [tokens, D] additions in `small`'s step: 3.2 GB of traffic at 16K tokens). Registered here, the Triton
+    backward of each mix adds its share into the source's one gradient tensor in place (the first writes it), and
+    a _Collect node passes the sum on once. Other backends ignore the registration (they take the sources
+    themselves), so a stream may register whatever its mixes end up running."""
+
+    def __init__(self) -> None:
+        self.slots: list[SourceGradient] = []
+        self.tokens: list[torch.Tensor] = []
+
+    def add(self, source: torch.Tensor) -> None:
+        """Register the next finished source (a source without a gradient is recorded, never summed into)."""
+        slot = SourceGradient(source)
+        self.slots.append(slot)
+        self.tokens.append(_Collect.apply(source, slot) if torch.is_grad_enabled() and source.requires_grad
+                           else None)
+
+    def leading(self, sources: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> int:
+        """How many of `sources`, from the first, are this object's sources in order (the ones a mix may sum
+        in place)."""
+        count = 0
+        for source, slot, token in zip(sources, self.slots, self.tokens):
+            if source is not slot.source or token is None:
+                break
+            count += 1
+        return count
+
+
+def accumulate_finished() -> bool:
+    """K3_ATTN_RES_ACCUMULATE=0 turns the in-place sums off (autograd adds the mixes' gradients, as before)."""
+    return os.environ.get("K3_ATTN_RES_ACCUMULATE", "1") != "0"
+
+
+class _AttnResMix(torch.autograd.Function):
+    """Inputs after the options: one token per slot (FinishedSources), then the sources; the first len(slots)
+    sources come detached, their gradients summed into the slots instead of returned."""
+
+    @staticmethod
+    def forward(ctx, norm_weight_D, query_D, eps, blocks, backward_blocks, slots, *inputs):
+        sources_ND = inputs[len(slots):]
         q_D = norm_weight_D.float() * query_D.float()
         out_ND, alpha_NS, inv_rms_NS, dot_NS = mix_forward(sources_ND, q_D, eps, True, blocks)
         ctx.save_for_backward(norm_weight_D, query_D, q_D, alpha_NS, inv_rms_NS, dot_NS, *sources_ND)
-        ctx.backward_blocks = backward_blocks
+        ctx.backward_blocks, ctx.slots = backward_blocks, slots
         return out_ND
 
     @staticmethod
     def backward(ctx, grad_ND):
         norm_weight_D, query_D, q_D, alpha_NS, inv_rms_NS, dot_NS, *sources_ND = ctx.saved_tensors
+        slots = ctx.slots
+        accumulate = 0
+        for i, slot in enumerate(slots):
+            if slot.grad_ND is None:
+                slot.grad_ND = torch.empty_like(sources_ND[i])
+            else:
+                accumulate |= 1 << i
+        into = tuple(slot.grad_ND for slot in slots) + (None,) * (len(sources_ND) - len(slots))
         grads, dq_D = mix_backward(grad_ND.contiguous(), tuple(sources_ND), q_D, alpha_NS, inv_rms_NS, dot_NS,
-                                   ctx.backward_blocks)
+                                   ctx.backward_blocks, into, accumulate)
         d_norm_weight = (dq_D * query_D.float()).to(norm_weight_D.dtype) if ctx.needs_input_grad[0] else None
         d_query = (dq_D * norm_weight_D.float()).to(query_D.dtype) if ctx.needs_input_grad[1] else None
-        grads = [g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[5:])]
-        return d_norm_weight, d_query, None, None, None, *grads
+        needed = ctx.needs_input_grad[6 + 2 * len(slots):]  # after the tokens and the detached sources
+        grads = [None] * len(slots) + [g if n else None for g, n in zip(grads[len(slots):], needed)]
+        return d_norm_weight, d_query, None, None, None, None, *([None] * len(slots)), *grads
 
 
 def attn_res_mix_triton(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query_D: torch.Tensor,
-                        eps: float, blocks: Blocks | None = None,
-                        backward_blocks: Blocks | None = None) -> torch.Tensor:
+                        eps: float, blocks: Blocks | None = None, backward_blocks: Blocks | None = None,
+                        finished: FinishedSources | None = None) -> torch.Tensor:
     """Same arguments and result as k3.ops.attn_res.attn_res_mix_eager: S sources [B, T, D] (fp32, bf16 or fp16,
     all alike), norm_weight_D and query_D [D] -> the mix [B, T, D] in the sources' dtype, with gradients for
     every source, norm_weight and query. `blocks` (forward) and `backward_blocks` are the benchmark's to sweep
-    (default_blocks and default_backward_blocks when None)."""
+    (default_blocks and default_backward_blocks when None). Leading sources registered in `finished` get their
+    gradients summed in place (FinishedSources)."""
     _check(sources, norm_weight_D, query_D)
     shape = sources[0].shape
     sources_ND = tuple(_rows(s) for s in sources)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*sources, norm_weight_D, query_D))
     if needs_grad:
-        out_ND = _AttnResMix.apply(norm_weight_D, query_D, float(eps), blocks, backward_blocks, *sources_ND)
+        count = finished.leading(sources) if finished is not None and accumulate_finished() else 0
+        # A source read through a copy (_rows) is not the registered tensor: it and those after it go to autograd.
+        count = next((i for i in range(count) if sources_ND[i].data_ptr() != sources[i].data_ptr()), count)
+        slots = tuple(finished.slots[:count]) if count else ()
+        tokens = finished.tokens[:count] if count else []
+        inputs = (*tokens, *(s.detach() for s in sources_ND[:count]), *sources_ND[count:])
+        out_ND = _AttnResMix.apply(norm_weight_D, query_D, float(eps), blocks, backward_blocks, slots, *inputs)
     else:  # no statistics to keep
         q_D = norm_weight_D.float() * query_D.float()
         out_ND = mix_forward(sources_ND, q_D, eps, False, blocks)[0]

@@ -69,11 +69,13 @@ def attn_res_forward(srcs, q_ptr, out_ptr, alpha_ptr, inv_rms_ptr, dot_ptr, num_
 @triton.jit
 def attn_res_backward(srcs, grads, g_ptr, q_ptr, alpha_ptr, inv_rms_ptr, dot_ptr, dq_ptr, num_rows,
                       blocks_per_program, D: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      ACC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """g = dmix. Per row, with alpha, r = 1/rms and dot = v.q saved by the forward:
         da_i = g . v_i,   ds_i = alpha_i (da_i - sum_j alpha_j da_j)
         dv_i = alpha_i g + ds_i (r_i q - dot_i r_i^3 v_i / D)        (written to grads[i] in its dtype)
         dq  += sum over rows and sources of ds_i r_i v_i
+    Bit i of ACC set: grads[i] already holds a gradient of source i (from later mixes), and dv_i is added to it
+    in fp32 and rounded once, where autograd would round dv_i and add the two in a kernel of its own.
     A program takes blocks_per_program consecutive blocks of BLOCK_N rows and sums its share of dq into its own
     row of dq_ptr ([programs, D] fp32, zeroed by the launcher, summed by it): no atomics, so dq is deterministic,
     and few programs keep that buffer small."""
@@ -110,6 +112,8 @@ def attn_res_backward(srcs, grads, g_ptr, q_ptr, alpha_ptr, inv_rms_ptr, dot_ptr
                 v = tl.load(srcs[i] + row_off + (d0 + ds)[None, :], mask=mask, other=0.0).to(tl.float32)
                 c_q = _column(coef_q, cols, i)
                 dv = _column(alpha, cols, i) * g + c_q * q + _column(coef_v, cols, i) * v
+                if (ACC >> i) & 1:
+                    dv += tl.load(grads[i] + row_off + (d0 + ds)[None, :], mask=mask, other=0.0).to(tl.float32)
                 tl.store(grads[i] + row_off + (d0 + ds)[None, :], _cast(dv, grads[i].dtype.element_ty), mask=mask)
                 dq += c_q * v
             # This program's own row of the buffer; the barrier orders its threads' store of the previous block's

@@ -229,7 +229,7 @@ def test_auto_selected_kernel_that_fails_to_compile_falls_back_to_the_twin(monke
 
     calls = []
 
-    def failing(*args):
+    def failing(*args, **kwargs):
         calls.append(1)
         raise CompilationError("PassManager::run failed")
 
@@ -253,7 +253,7 @@ def test_auto_leaves_more_sources_than_the_kernels_unroll_to_the_compiled_mix(mo
 
     taken = []
     monkeypatch.setattr(dispatch, "attn_res_backend", lambda x=None: "auto" if x is None else "triton")
-    monkeypatch.setattr(dispatch, "attn_res_mix_triton", lambda *a: taken.append("triton"))
+    monkeypatch.setattr(dispatch, "attn_res_mix_triton", lambda *a, **k: taken.append("triton"))
     monkeypatch.setattr(dispatch, "attn_res_mix_compiled", lambda *a: taken.append("compiled"))
     norm_w, query = torch.rand(8), torch.randn(8)
     for count in (MAX_SOURCES, MAX_SOURCES + 1):
