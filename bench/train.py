@@ -31,7 +31,9 @@ gated norm is fla's either way), `-torch-adamw` (torch's fused AdamW for every t
 of k3's Triton kernel for the large ones, k3.train.optim.SplitAdamW), `-fla-conv` (the KDA short convs through
 fla's causal_conv1d, K3_CONV_BACKEND=fla, instead of k3's Triton kernels), `-attnres-adds` (autograd adds
 the gradients of a finished AttnRes source from each mix that reads it, K3_ATTN_RES_ACCUMULATE=0, instead of the
-mixes' backward summing them in place), `-packed` (the batch as `k3 train`
+mixes' backward summing them in place), `-split-projections` (a latent MoE's down projection and its shared expert's
+gate and up, and a GLU MLP's gate and up, as one GEMM each with autograd adding their input gradients,
+K3_JOIN_PROJECTIONS=0, instead of one GEMM and an accumulating backward, k3.ops.shared_input_linear), `-packed` (the batch as `k3 train`
 feeds it: one row of batch x seq tokens holding
 documents of 256-4096 tokens, drawn with a fixed seed, with their cu_seqlens, so KDA, the short convs and MLA run
 their varlen paths), `-autocast` (fp32 weights under bf16 autocast, as `k3 train` trains, instead of bf16 weights).
@@ -235,6 +237,7 @@ def variant_settings(name: str):
     os.environ["K3_ADAMW"] = "torch" if has_flag(name, "torch-adamw") else "auto"
     os.environ["K3_CONV_BACKEND"] = "fla" if has_flag(name, "fla-conv") else "auto"
     os.environ["K3_ATTN_RES_ACCUMULATE"] = "0" if has_flag(name, "attnres-adds") else "1"
+    os.environ["K3_JOIN_PROJECTIONS"] = "0" if has_flag(name, "split-projections") else "1"
     os.environ["K3_GLU_BACKEND"] = next((b for b, flag in (("torch", "eager-glu"), ("compiled", "compiled-glu"))
                                          if has_flag(name, flag)), "auto")
     try:
@@ -249,6 +252,7 @@ def variant_settings(name: str):
         os.environ.pop("K3_ADAMW", None)
         os.environ.pop("K3_CONV_BACKEND", None)
         os.environ.pop("K3_ATTN_RES_ACCUMULATE", None)
+        os.environ.pop("K3_JOIN_PROJECTIONS", None)
         os.environ.pop("K3_GLU_BACKEND", None)
 
 

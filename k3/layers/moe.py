@@ -22,7 +22,7 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.layers.balancing import (QB_MAX_ITERS, QB_SYNC_EVERY, QB_TOLERANCE, loss_free_bias, maxvio,
                                   solve_batch_bias, solve_batch_bias_on_device)
-from k3.layers.mlp import GLUMLP, glu_activation
+from k3.layers.mlp import GLUMLP, glu_activation, joins_projections
 from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import fused, linear_group
 from k3.ops.fused_backend import with_torch_fallback
@@ -31,6 +31,7 @@ from k3.ops.moe import (combine_from_expert_order, count_per_expert, experts_in_
                         unpermute_rows)
 from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.qb_triton import topk_with_load
+from k3.ops.shared_input_linear import linears_of_one_input
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
 from k3.ops.router_logits import router_logits
 
@@ -239,10 +240,30 @@ class LatentMoE(nn.Module):
         groups = self._fused_projections()
         if groups is not None:
             return self._forward_fused(x_TD, routing, *groups).view(x.shape)
+        if self._joins_input_projections(x_TD):
+            return self._forward_joined_input(x_TD, routing).view(x.shape)
         out = self.routed(x_TD, routing).view(x.shape)
         # The result must not be a view: FSDP2 hooks a unit's output for backward, and an in-place op on a
         # view would drop that hook. Adding the shared experts makes a new tensor; without them, a copy does.
         return out + self.shared_experts(x) if self.shared_experts is not None else out.clone()
+
+    def _joins_input_projections(self, x_TD: torch.Tensor) -> bool:
+        """Training over many tokens: the latent down projection and the shared expert's gate and up as one GEMM
+        with an accumulating backward (k3.ops.shared_input_linear), where autograd would add three dx."""
+        shared = self.shared_experts
+        if not self.latent or shared is None or not joins_projections(x_TD):
+            return False
+        modules = (self.routed_expert_down_proj, shared, shared.gate_proj, shared.up_proj)
+        weights = (self.routed_expert_down_proj.weight, shared.gate_proj.weight, shared.up_proj.weight)
+        return (not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+                and all(w.dtype == x_TD.dtype and w.device == x_TD.device for w in weights))
+
+    def _forward_joined_input(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
+        shared = self.shared_experts
+        h_TL, gate, up = linears_of_one_input(
+            x_TD, [self.routed_expert_down_proj.weight, shared.gate_proj.weight, shared.up_proj.weight])
+        out_TD = project(self.routed_expert_up_proj, self._latent_norm(self.routed_latent(h_TL, routing)))
+        return out_TD + project(shared.down_proj, glu_activation(gate, up, shared.act, *shared.betas))
 
     def fusable_projections(self) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]] | None:
         """(input, output) weight groups of the projections around the experts (k3.layers.fused_weights):
