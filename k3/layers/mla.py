@@ -21,6 +21,7 @@ from k3.config import ModelConfig
 from k3.layers.fused_weights import fused, linear_group
 from k3.layers.norm import RMSNorm
 from k3.ops.linear_triton import project
+from k3.ops.shared_input_linear import joins_projections, linears_of_one_input
 from k3.ops.mla_decode import latent_attention, latent_attention_paged
 
 # Packed documents give per-document attention a new (length, length) shape at nearly every call, and cuDNN's
@@ -66,7 +67,13 @@ class GatedMLA(nn.Module):
     def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The outputs of _input_projections (one GEMM when their weights were fused at load)."""
         group = fused(self, "input")
-        return linear_group(x, group) if group is not None else [p(x) for p in self._input_projections()]
+        if group is not None:
+            return linear_group(x, group)
+        projections = self._input_projections()
+        if joins_projections(x, projections):
+            # Training: one GEMM, and one dgrad chain instead of autograd adding three dx (shared_input_linear).
+            return linears_of_one_input(x, [p.weight for p in projections])
+        return [p(x) for p in projections]
 
     def _query(self, q_first: torch.Tensor) -> torch.Tensor:
         q = q_first if self.q_lora_rank is None else project(self.q_b_proj, self.q_a_layernorm(q_first))

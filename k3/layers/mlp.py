@@ -19,7 +19,7 @@ from k3.config import ModelConfig
 from k3.layers.fused_weights import fused, linear_group
 from k3.ops.linear_triton import project
 from k3.ops.fused_backend import fused_backend, with_torch_fallback
-from k3.ops.shared_input_linear import linears_of_one_input
+from k3.ops.shared_input_linear import joins_projections, linears_of_one_input
 from k3.ops.glu_triton import DTYPES as GLU_TRITON_DTYPES, KINDS as GLU_KINDS, glu_triton
 from k3.ops.triton_support import triton_available
 
@@ -96,18 +96,6 @@ def glu_activation(gate: torch.Tensor, up: torch.Tensor, kind: str, beta_gate: f
     return glu_formula(gate, up, kind, beta_gate, beta_up)
 
 
-# Training calls over at least this many tokens run projections that share their input as one GEMM with an
-# accumulating backward (k3.ops.shared_input_linear); fewer tokens (decode-sized) keep one GEMM per projection.
-JOIN_MIN_TOKENS = 17
-
-
-def joins_projections(x: torch.Tensor) -> bool:
-    """Whether a module should run its projections of x through linears_of_one_input: gradients on, many
-    tokens, no autocast (whose fp32 weights and bf16 activations the joined GEMM would have to cast itself)."""
-    return (torch.is_grad_enabled() and x.numel() >= JOIN_MIN_TOKENS * x.shape[-1]
-            and not torch.is_autocast_enabled(x.device.type) and os.environ.get("K3_JOIN_PROJECTIONS", "1") != "0")
-
-
 class GLUMLP(nn.Module):
     """down(act(gate(x), up(x))); used for the dense layers and the shared experts."""
 
@@ -123,13 +111,8 @@ class GLUMLP(nn.Module):
         group = fused(self, "gate_up")  # one GEMM when fused at load (k3.layers.fused_weights)
         if group is not None:
             gate, up = linear_group(x, group)
-        elif self._joins(x):
+        elif joins_projections(x, (self.gate_proj, self.up_proj)):
             gate, up = linears_of_one_input(x, [self.gate_proj.weight, self.up_proj.weight])
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return project(self.down_proj, glu_activation(gate, up, self.act, *self.betas))
-
-    def _joins(self, x: torch.Tensor) -> bool:
-        projections = (self.gate_proj, self.up_proj)
-        return (joins_projections(x) and not any(p._forward_hooks or p._forward_pre_hooks for p in projections)
-                and all(p.weight.dtype == x.dtype and p.weight.device == x.device for p in projections))

@@ -22,7 +22,7 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.layers.balancing import (QB_MAX_ITERS, QB_SYNC_EVERY, QB_TOLERANCE, loss_free_bias, maxvio,
                                   solve_batch_bias, solve_batch_bias_on_device)
-from k3.layers.mlp import GLUMLP, glu_activation, joins_projections
+from k3.layers.mlp import GLUMLP, glu_activation
 from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import fused, linear_group
 from k3.ops.fused_backend import with_torch_fallback
@@ -31,7 +31,7 @@ from k3.ops.moe import (combine_from_expert_order, count_per_expert, experts_in_
                         unpermute_rows)
 from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.qb_triton import topk_with_load
-from k3.ops.shared_input_linear import linears_of_one_input
+from k3.ops.shared_input_linear import joins_projections, linears_of_one_input
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
 from k3.ops.router_logits import router_logits
 
@@ -251,12 +251,9 @@ class LatentMoE(nn.Module):
         """Training over many tokens: the latent down projection and the shared expert's gate and up as one GEMM
         with an accumulating backward (k3.ops.shared_input_linear), where autograd would add three dx."""
         shared = self.shared_experts
-        if not self.latent or shared is None or not joins_projections(x_TD):
+        if not self.latent or shared is None:
             return False
-        modules = (self.routed_expert_down_proj, shared, shared.gate_proj, shared.up_proj)
-        weights = (self.routed_expert_down_proj.weight, shared.gate_proj.weight, shared.up_proj.weight)
-        return (not any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-                and all(w.dtype == x_TD.dtype and w.device == x_TD.device for w in weights))
+        return joins_projections(x_TD, (self.routed_expert_down_proj, shared.gate_proj, shared.up_proj), (shared,))
 
     def _forward_joined_input(self, x_TD: torch.Tensor, routing: Routing) -> torch.Tensor:
         shared = self.shared_experts

@@ -20,8 +20,29 @@ Shape suffixes: T rows (any leading dims flattened), D input width, O_i output w
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+# Training calls over at least this many tokens run projections that share their input as one GEMM with an
+# accumulating backward; fewer tokens (decode-sized) keep one GEMM per projection.
+JOIN_MIN_TOKENS = 17
+
+
+def joins_projections(x: torch.Tensor, projections: tuple[nn.Linear, ...] | list[nn.Linear] = (),
+                      others: tuple[nn.Module, ...] = ()) -> bool:
+    """Whether a layer should run `projections` of x through linears_of_one_input: gradients on, many tokens,
+    no autocast (whose fp32 weights and bf16 activations the joined GEMM would have to cast itself), no bias,
+    weights in x's dtype and device, and no hooks on them or on `others` (a hook must see its module run).
+    K3_JOIN_PROJECTIONS=0 turns it off."""
+    if not (torch.is_grad_enabled() and x.numel() >= JOIN_MIN_TOKENS * x.shape[-1]
+            and not torch.is_autocast_enabled(x.device.type) and os.environ.get("K3_JOIN_PROJECTIONS", "1") != "0"):
+        return False
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (*projections, *others)):
+        return False
+    return all(p.bias is None and p.weight.dtype == x.dtype and p.weight.device == x.device for p in projections)
 
 
 def linears_of_one_input_twin(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,7 +1,7 @@
 """k3.ops.shared_input_linear against one F.linear per weight: outputs, dx and every weight's gradient, in fp32
 (the joined forward and the accumulating dgrad chain reorder no sums within an element's dot product, but the
 GEMMs' blocking may differ, so the comparison allows fp32 rounding), and in a MoE layer and a GLU MLP against
-K3_JOIN_PROJECTIONS=0."""
+K3_JOIN_PROJECTIONS=0 (a MoE layer, a GLU MLP and MLA's input projections)."""
 
 import pytest
 import torch
@@ -53,16 +53,18 @@ def test_bad_weights_are_named():
         linears_of_one_input(x, [])
 
 
-@pytest.mark.parametrize("preset_layer", ["moe", "mlp"])
+@pytest.mark.parametrize("preset_layer", ["moe", "mlp", "mla"])
 def test_layers_train_the_same_with_joined_projections(monkeypatch, preset_layer):
     import k3.ops.shared_input_linear as joined
     from k3.config import ModelConfig
     from k3.layers.mlp import GLUMLP
+    from k3.layers.mla import GatedMLA
     from k3.layers.moe import LatentMoE
 
     config = ModelConfig.from_preset("debug")
     torch.manual_seed(0)
-    layer = LatentMoE(config) if preset_layer == "moe" else GLUMLP(config, config.hidden_size, 48)
+    layer = {"moe": lambda: LatentMoE(config), "mlp": lambda: GLUMLP(config, config.hidden_size, 48),
+             "mla": lambda: GatedMLA(config, 1)}[preset_layer]()
     for p in layer.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.2)
@@ -92,7 +94,7 @@ def test_layers_train_the_same_with_joined_projections(monkeypatch, preset_layer
 
 
 def test_decode_sized_inputs_no_grad_and_autocast_keep_one_gemm_per_projection(monkeypatch):
-    from k3.layers.mlp import joins_projections
+    from k3.ops.shared_input_linear import joins_projections
 
     x = torch.randn(2, 16, 8)
     assert joins_projections(x)
