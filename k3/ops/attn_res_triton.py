@@ -122,10 +122,10 @@ def mix_backward(grad_ND: torch.Tensor, sources_ND: tuple[torch.Tensor, ...], q_
     count = len(sources_ND)
     blocks = blocks or default_backward_blocks(count, dim)
     into = into or (None,) * count
-    grads = tuple(t if t is not None else torch.empty_like(s) for s, t in zip(sources_ND, into))
-    for i, g in enumerate(grads):
-        if (accumulate >> i) & 1 and into[i] is None:
+    for i, target in enumerate(into):
+        if (accumulate >> i) & 1 and target is None:
             raise ValueError(f"bit {i} of accumulate is set but into[{i}] is None: there is nothing to add to")
+    grads = tuple(t if t is not None else torch.empty_like(s) for s, t in zip(sources_ND, into))
     num_blocks = triton.cdiv(num_rows, blocks.block_n)
     programs = blocks.programs
     if programs is None:
