@@ -203,20 +203,70 @@ def step_fn(model, ids, is_k3: bool, graphed: bool = False, extra: dict | None =
     return step
 
 
+# Kernel families for the profile's summary, first match wins: the kernel table lists 60 names, this sums all.
+KERNEL_FAMILIES = (
+    ("GEMM (cuBLAS nvjet, cutlass grouped)", r"nvjet|cutlass|gemm|xmma|cublas"),
+    ("KDA (fla kernels)", r"chunk_|kda|recompute_w_u|l2norm|layer_norm_gated|solve_tril"),
+    ("attention (cuDNN SDPA)", r"sdpa|flash|fmha"),
+    ("AdamW", r"adamw|multi_tensor_apply"),
+    ("GLU activation (k3 Triton)", r"^glu_"),
+    ("AttnRes mix (k3 Triton)", r"attn_res"),
+    ("RMSNorm (k3 Triton)", r"rms_norm"),
+    ("short conv (k3 Triton)", r"short_conv"),
+    ("MoE routing and token order", r"kth_radix|topk|combine_expert|radix_sort|sort|gather|scatter|index|bincount"),
+    ("LM head cross-entropy", r"cross_entropy"),
+    ("PyTorch elementwise, reductions, copies", r"elementwise|reduce_kernel|CatArray|copy|fill"),
+)
+
+
+def kernel_families(kernels: list[tuple[str, float, int]]) -> list[tuple[str, float, int]]:
+    """(family, self device us, kernel launches) from (kernel name, self device us, launches), largest first;
+    names no family claims are summed as "other"."""
+    import re
+
+    totals: dict[str, list] = {}
+    for name, us, count in kernels:
+        family = next((f for f, pattern in KERNEL_FAMILIES if re.search(pattern, name)), "other")
+        row = totals.setdefault(family, [0.0, 0])
+        row[0] += us
+        row[1] += count
+    return sorted(((f, us, n) for f, (us, n) in totals.items()), key=lambda r: -r[1])
+
+
+def families_table(kernels: list[tuple[str, float, int]], step_ms: float | None = None) -> str:
+    rows = kernel_families(kernels)
+    total = sum(us for _, us, _ in rows)
+    lines = [f"{'kernel family':<42} {'ms':>8} {'share':>7} {'launches':>9}"]
+    lines += [f"{f:<42} {us / 1e3:>8.2f} {us / total:>7.1%} {n:>9,d}" for f, us, n in rows]
+    lines.append(f"{'all kernels':<42} {total / 1e3:>8.2f} {1:>7.1%} {sum(n for *_, n in rows):>9,d}")
+    if step_ms is not None:
+        lines.append(f"{'the profiled step (wall, GPU synchronized)':<42} {step_ms:>8.2f}")
+    return "\n".join(lines)
+
+
 def profile_step(step, path: str, title: str) -> None:
-    """One profiled step; the kernel table sorted by self CUDA time, written atomically to `path`."""
+    """One profiled step; the kernel table sorted by self CUDA time and the time per kernel family, written
+    atomically to `path`."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
         step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=70)
+        step_ms = (time.perf_counter() - start) * 1e3
+    events = prof.key_averages()
+    table = events.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=70)
+    # GPU time of user annotations (Optimizer.step#...) spans kernels that are listed too: leave it out.
+    kernels = [(e.key, e.self_device_time_total, e.count) for e in events
+               if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
+    families = families_table(kernels, step_ms)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        f.write(f"{title}\n\n{table}\n")
+        f.write(f"{title}\n\n{families}\n\n{table}\n")
     os.replace(tmp, path)
-    print(f"profile written to {path}", flush=True)
+    print(f"{families}\nprofile written to {path}", flush=True)
 
 
 def has_flag(name: str, flag: str) -> bool:

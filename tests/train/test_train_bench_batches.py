@@ -84,3 +84,21 @@ def test_torch_adamw_suffix_picks_the_optimizer_and_restores_it(train_bench, mon
         step = train_bench.step_fn(model, torch.zeros(1, 4, dtype=torch.long), True)
     assert type(step.optimizer).__name__ == expected
     assert "K3_ADAMW" not in os.environ
+
+
+def test_kernel_families_sum_every_kernel_once_into_its_first_matching_family(train_bench):
+    kernels = [("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 6000.0, 90),
+               ("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x", 9000.0, 45),
+               ("chunk_kda_bwd_kernel_wy_dqkg_fused", 9300.0, 12),
+               ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::nat", 700.0, 8),
+               ("glu_backward", 6200.0, 31),
+               ("kth_radix_pass", 3000.0, 240),
+               ("some_new_kernel", 50.0, 1)]
+    rows = {family: (us, n) for family, us, n in train_bench.kernel_families(kernels)}
+    assert rows["GEMM (cuBLAS nvjet, cutlass grouped)"] == (15000.0, 135)
+    assert rows["KDA (fla kernels)"] == (9300.0, 12)  # not the "chunk" of the copy kernel's name
+    assert rows["PyTorch elementwise, reductions, copies"] == (700.0, 8)
+    assert rows["other"] == (50.0, 1)
+    assert sum(us for us, _ in rows.values()) == sum(us for _, us, _ in kernels)
+    table = train_bench.families_table(kernels, step_ms=35.0)
+    assert "all kernels" in table and "34.25" in table and "35.00" in table
