@@ -3,6 +3,12 @@
     rstd = rsqrt(mean_D(x^2) + eps),   y = x * rstd * w                  (fp32 arithmetic, y in x's dtype)
     dx = rstd * (dy*w - x_hat * mean_D(dy*w*x_hat)),   dw = sum_rows dy * x_hat,   x_hat = x * rstd
 
+and the gated norm of KDA's output, y = x * rstd * w * sigmoid(g), through the same kernels (GATED): the gate's
+gradient is dy * x_hat * w * s * (1 - s) and dy * s stands for dy above. Why the gated one: fla's gated norm
+autotunes per bucket of 65,536 rows, so k3.ops.norm kept it to training and short inputs and sent long
+no-grad calls (prefill) to the eager twin, five elementwise kernels and fp32 copies: on one H100 that made k3's
+KDA layer forward at B=4, T=8K 11.3 ms against 8.3 with autograd on (fla's layer: 8.3).
+
 Why: in `small`'s training step on one H200 (16,384 tokens, D 1024, bf16) fla's RMSNorm backward took 9.3 ms of
 GPU time over 56 calls, about 170 us a call where its bytes (x and dy read, dx written: 96 MB) take about 25 us
 at 4 TB/s, and its Python side cost about 430 us of host time a call under the profiler, in a step that is partly
@@ -49,7 +55,7 @@ def programs_per_sm(blocks: Blocks) -> int:
     return max(2, 32 // blocks.num_warps)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, gate: torch.Tensor | None = None) -> None:
     if x.dim() == 0:
         raise ValueError("rms_norm_triton needs x [..., D] with at least one dimension, got a scalar")
     if x.dtype not in DTYPES or weight.dtype not in DTYPES:
@@ -60,6 +66,13 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
                          f"(x is {tuple(x.shape)})")
     if weight.device != x.device:
         raise ValueError(f"x is on {x.device} and weight on {weight.device}; they must share a device")
+    if gate is not None:
+        if gate.shape != x.shape:
+            raise ValueError(f"gate is {tuple(gate.shape)}; it must have x's shape {tuple(x.shape)}")
+        if gate.dtype not in DTYPES:
+            raise ValueError(f"gate is {gate.dtype}; the kernels take {DTYPES}")
+        if gate.device != x.device:
+            raise ValueError(f"x is on {x.device} and gate on {gate.device}; they must share a device")
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -69,8 +82,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def norm_forward(x_ND: torch.Tensor, weight_D: torch.Tensor, eps: float, save: bool,
-                 blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """x [N, D] (rows D apart), weight [D] -> (y [N, D] in x's dtype, rstd [N] fp32 with save, else None)."""
+                 blocks: Blocks | None = None, gate_ND: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [N, D] (rows D apart), weight [D], optional gate [N, D] (rows D apart) -> (y [N, D] in x's dtype,
+    rstd [N] fp32 with save, else None)."""
     import triton
 
     num_rows, dim = x_ND.shape
@@ -79,22 +94,25 @@ def norm_forward(x_ND: torch.Tensor, weight_D: torch.Tensor, eps: float, save: b
     rstd_N = torch.empty(num_rows, dtype=torch.float32, device=x_ND.device) if save else None
     if num_rows and dim:
         kernels(interpreting()).rms_norm_forward[(triton.cdiv(num_rows, blocks.block_n),)](
-            x_ND, weight_D, y_ND, rstd_N if save else y_ND, num_rows, float(eps), D=dim, SAVE=save,
-            BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d, num_warps=blocks.num_warps)
+            x_ND, weight_D, gate_ND if gate_ND is not None else x_ND, y_ND, rstd_N if save else y_ND, num_rows,
+            float(eps), D=dim, SAVE=save, GATED=gate_ND is not None, BLOCK_N=blocks.block_n,
+            BLOCK_D=blocks.block_d, num_warps=blocks.num_warps)
     elif save:
         rstd_N.fill_(0.0)  # D = 0: nothing to normalise; keeps the buffer defined
     return y_ND, rstd_N
 
 
 def norm_backward(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight_D: torch.Tensor, rstd_N: torch.Tensor,
-                  blocks: Blocks | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """dy [N, D] and x [N, D] (rows D apart), weight [D], the forward's rstd [N] -> (dx [N, D] in x's dtype,
-    dw [D] fp32)."""
+                  blocks: Blocks | None = None, gate_ND: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dy [N, D] and x [N, D] (rows D apart), weight [D], the forward's rstd [N], its gate [N, D] if any ->
+    (dx [N, D] in x's dtype, dw [D] fp32, dgate [N, D] in the gate's dtype or None)."""
     import triton
 
     num_rows, dim = x_ND.shape
     blocks = blocks or default_blocks(dim)
     dx_ND = torch.empty_like(x_ND)
+    dg_ND = torch.empty_like(gate_ND) if gate_ND is not None else None
     num_blocks = triton.cdiv(num_rows, blocks.block_n)
     programs = blocks.programs
     if programs is None:
@@ -103,39 +121,48 @@ def norm_backward(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight_D: torch.Tenso
     programs = triton.cdiv(num_blocks, per_program) if num_blocks and dim else 0
     dw_PD = torch.zeros(programs, dim, dtype=torch.float32, device=x_ND.device)
     if programs:
+        gated = gate_ND is not None
         kernels(interpreting()).rms_norm_backward[(programs,)](
-            x_ND, weight_D, dy_ND, rstd_N, dx_ND, dw_PD, num_rows, per_program, D=dim, BLOCK_N=blocks.block_n,
-            BLOCK_D=blocks.block_d, num_warps=blocks.num_warps)
-    return dx_ND, dw_PD.sum(0)
+            x_ND, weight_D, gate_ND if gated else x_ND, dy_ND, rstd_N, dx_ND, dg_ND if gated else dx_ND, dw_PD,
+            num_rows, per_program, D=dim, GATED=gated, BLOCK_N=blocks.block_n, BLOCK_D=blocks.block_d,
+            num_warps=blocks.num_warps)
+    elif dg_ND is not None:
+        dg_ND.zero_()  # D = 0 or no rows: nothing flows to the gate
+    return dx_ND, dw_PD.sum(0), dg_ND
 
 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_ND, weight_D, eps, blocks, backward_blocks):
-        y_ND, rstd_N = norm_forward(x_ND, weight_D, eps, True, blocks)
-        ctx.save_for_backward(x_ND, weight_D, rstd_N)
+    def forward(ctx, x_ND, weight_D, gate_ND, eps, blocks, backward_blocks):
+        y_ND, rstd_N = norm_forward(x_ND, weight_D, eps, True, blocks, gate_ND)
+        ctx.save_for_backward(x_ND, weight_D, rstd_N, gate_ND)
         ctx.backward_blocks = backward_blocks
         return y_ND
 
     @staticmethod
     def backward(ctx, dy_ND):
-        x_ND, weight_D, rstd_N = ctx.saved_tensors
-        dx_ND, dw_D = norm_backward(dy_ND.contiguous(), x_ND, weight_D, rstd_N, ctx.backward_blocks)
+        x_ND, weight_D, rstd_N, gate_ND = ctx.saved_tensors
+        dx_ND, dw_D, dg_ND = norm_backward(dy_ND.contiguous(), x_ND, weight_D, rstd_N, ctx.backward_blocks, gate_ND)
         dx_ND = dx_ND if ctx.needs_input_grad[0] else None
         dw_D = dw_D.to(weight_D.dtype) if ctx.needs_input_grad[1] else None
-        return dx_ND, dw_D, None, None, None
+        dg_ND = dg_ND if ctx.needs_input_grad[2] else None
+        return dx_ND, dw_D, dg_ND, None, None, None
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, blocks: Blocks | None = None,
-                    backward_blocks: Blocks | None = None) -> torch.Tensor:
+                    backward_blocks: Blocks | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Same arguments and result as k3.ops.norm.rms_norm_torch: x [..., D] (fp32, bf16 or fp16), weight [D]
     (any of those) -> [..., D] in x's dtype, with gradients for x (x's dtype) and weight (weight's dtype).
+    With `gate` (x's shape, any of those dtypes) the result is k3.ops.norm.rms_norm_gated_torch's, RMSNorm(x) *
+    sigmoid(gate), and the gate gets its gradient in its own dtype.
     `blocks` (forward) and `backward_blocks` are the benchmark's to sweep (default_blocks when None)."""
-    _check(x, weight)
+    _check(x, weight, gate)
     x_ND = _rows(x)
+    gate_ND = _rows(gate) if gate is not None else None
     weight = weight if weight.is_contiguous() else weight.contiguous()
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        y_ND = _RMSNorm.apply(x_ND, weight, float(eps), blocks, backward_blocks)
+    tracked = (x, weight) if gate is None else (x, weight, gate)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tracked):
+        y_ND = _RMSNorm.apply(x_ND, weight, gate_ND, float(eps), blocks, backward_blocks)
     else:  # no rstd to keep
-        y_ND = norm_forward(x_ND, weight, eps, False, blocks)[0]
+        y_ND = norm_forward(x_ND, weight, eps, False, blocks, gate_ND)[0]
     return y_ND.view(x.shape)

@@ -127,9 +127,9 @@ def test_no_grad_keeps_no_statistics(monkeypatch):
     saved = []
     forward = launcher.norm_forward
 
-    def recorded(x_ND, weight_D, eps, save, blocks=None):
+    def recorded(x_ND, weight_D, eps, save, blocks=None, gate_ND=None):
         saved.append(save)
-        return forward(x_ND, weight_D, eps, save, blocks)
+        return forward(x_ND, weight_D, eps, save, blocks, gate_ND)
 
     monkeypatch.setattr(launcher, "norm_forward", recorded)
     x, weight, _ = _inputs((3, 5, 40), torch.float32, seed=2)
