@@ -33,6 +33,7 @@ import torch
 
 from common import (device_name, peak_memory_gib, print_table, relative_error, reset_peak_memory, synchronize, time_ms,
                     write_json, write_kernel_sources)
+from long import chunked_prefill
 from train import k3_matched_config, peer_model
 
 from k3 import K3ForCausalLM, ModelConfig
@@ -42,13 +43,14 @@ from k3.layers.fused_weights import fuse_model_weights, unfuse_model_weights
 import k3.layers.moe as moe_layers
 
 
-@torch.no_grad()
-def prefill(model, ids: torch.Tensor, chunk_rows: int = 8):
+# Tokens per prefill forward (batch x chunk length). 64 x 8K in one forward ran out of memory on an 80 GB H100
+# (the MoE intermediate of 524K tokens); in chunks the cache carries KDA states and MLA latents across them.
+PREFILL_TOKEN_BUDGET = 65536
+
+
+def prefill(model, ids: torch.Tensor):
     """HybridCache prefill without materialising logits for every position: returns (cache, last logits)."""
-    cache = model.new_cache(ids.shape[0])
-    hidden = model.model(ids, cache)
-    cache.seen_tokens += ids.shape[1]
-    return cache, model.lm_head(hidden[:, -1])
+    return chunked_prefill(model, ids, max(1, PREFILL_TOKEN_BUDGET // ids.shape[0]))
 
 
 def synthetic_static(config: ModelConfig, batch: int, filled: int, capacity: int, device) -> StaticCache:

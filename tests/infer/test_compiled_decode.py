@@ -232,6 +232,27 @@ def test_bench_decode_compile_runs_on_cpu(model, monkeypatch):
     assert result["graph_vs_eager_max_abs_diff"] == 0.0 and result["compiled_graph_vs_eager_argmax_agree"] == 1.0
 
 
+def test_bench_decode_prefills_a_batch_in_chunks_equal_to_one_forward(model, monkeypatch):
+    """bench/decode.py prefills batch x prompt in forwards of PREFILL_TOKEN_BUDGET tokens (64 x 8K at once ran out
+    of memory on an 80 GB GPU): the last logits and the cache equal one forward's, for a batch."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    bench = importlib.import_module("decode")
+    ids = torch.randint(0, model.config.vocab_size, (3, 20), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(bench, "PREFILL_TOKEN_BUDGET", 1 << 20)
+    whole, whole_logits = bench.prefill(model, ids)
+    monkeypatch.setattr(bench, "PREFILL_TOKEN_BUDGET", 3 * 6)  # chunks of 6, 6, 6 and 2 positions
+    lengths = []
+    hook = model.model.register_forward_hook(lambda module, args, out: lengths.append(args[0].shape[1]))
+    try:
+        chunked, chunked_logits = bench.prefill(model, ids)
+    finally:
+        hook.remove()
+    assert lengths == [6, 6, 6, 2]
+    assert chunked.seen_tokens == whole.seen_tokens == 20
+    torch.testing.assert_close(chunked_logits, whole_logits, rtol=1e-5, atol=1e-5)
+    assert chunked.nbytes("kda") == whole.nbytes("kda") and chunked.nbytes("mla") == whole.nbytes("mla")
+
+
 def test_engine_compiles_its_decode_forward_twice_for_every_batch_size_and_context(model, monkeypatch):
     """The engine's compiled decode forward with the runner's compile options: one graph for a batch of one, one
     for every larger batch, over growing contexts (page tables of 1, 2, 4 and 8 pages) and a second engine of
