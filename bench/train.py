@@ -27,7 +27,8 @@ that training on CUDA takes, k3.ops.glu_triton), `-compiled-glu` (the formula th
 K3_GLU_BACKEND=compiled: the CUDA default before those kernels), `-compiled-attnres` (the AttnRes mix through torch.compile, the CUDA default before its
 Triton kernels), `-bmm-combine` (the MoE combine as the batched matmul, K3_MOE_COMBINE=bmm, instead of its Triton
 kernels), `-fla-norm` (RMSNorm through fla's kernels, K3_RMS_NORM=fla, the default before k3's own Triton kernels; KDA's
-gated norm is fla's either way), `-torch-adamw` (torch's fused AdamW for every tensor, K3_ADAMW=torch, instead
+gated norm is fla's either way in training), `-triton-norm` (K3_RMS_NORM=triton: KDA's gated norm through k3's
+kernels too, which training under auto leaves to fla until timed), `-torch-adamw` (torch's fused AdamW for every tensor, K3_ADAMW=torch, instead
 of k3's Triton kernel for the large ones, k3.train.optim.SplitAdamW), `-fla-conv` (the KDA short convs through
 fla's causal_conv1d, K3_CONV_BACKEND=fla, instead of k3's Triton kernels), `-attnres-adds` (autograd adds
 the gradients of a finished AttnRes source from each mix that reads it, K3_ATTN_RES_ACCUMULATE=0, instead of the
@@ -282,7 +283,7 @@ def variant_settings(name: str):
     set_fused_backend("torch" if has_flag(name, "unfused") else None)
     os.environ["K3_LINEAR_CE"] = next((b for b in ("plain", "chunked", "fla") if has_flag(name, f"{b}-ce")), "auto")
     os.environ["K3_MOE_COMBINE"] = "bmm" if has_flag(name, "bmm-combine") else "auto"
-    os.environ["K3_RMS_NORM"] = "fla" if has_flag(name, "fla-norm") else "auto"
+    os.environ["K3_RMS_NORM"] = next((b for b in ("fla", "triton") if has_flag(name, f"{b}-norm")), "auto")
     os.environ["K3_QB_BACKEND"] = "torch" if has_flag(name, "torch-qb") else "auto"
     os.environ["K3_ADAMW"] = "torch" if has_flag(name, "torch-adamw") else "auto"
     os.environ["K3_CONV_BACKEND"] = "fla" if has_flag(name, "fla-conv") else "auto"

@@ -23,10 +23,11 @@ fla's RMSNorm backward took 9.3 ms of GPU time over 56 calls (~170 us each again
 4 TB/s) and ~430 us of host time a call under the profiler. Measured on one H200 (bench/rms_norm.py, 16,384
 rows, forward + backward): 0.040 / 0.058 / 0.128 ms against fla's 0.286 / 0.125 / 0.184 ms at D = 512 / 1024 /
 2304; the `small` step 299 ms against 316 (bench/train.py, -triton-norm, one process). A kernel variant Triton
-cannot compile falls back to the path above. KDA's gated norm (rms_norm_gated) follows the same switch through
-the same kernels with the gate fused in: fla's gated norm autotunes per bucket of 65,536 rows, so long calls
-without autograd (prefill) took the eager twin here, which made k3's KDA layer forward 37% slower than fla's at
-B=4, T=8K on one H100 (11.3 ms against 8.3).
+cannot compile falls back to the path above. KDA's gated norm (rms_norm_gated) runs the same kernels with the gate
+fused in: under "auto" for calls without autograd (prefill, eval), under "triton" for every call; training under
+"auto" keeps fla's gated norm until the kernels are timed in a training step on a GPU. Why: fla's gated norm
+autotunes per bucket of 65,536 rows, so long calls without autograd took the eager twin here, which made k3's KDA
+layer forward 37% slower than fla's at B=4, T=8K on one H100 (11.3 ms against 8.3; 8.3 with autograd on).
 """
 
 from __future__ import annotations
@@ -149,6 +150,10 @@ def _rms_norm_untriton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm(x) * sigmoid(gate) over the last dimension (x, gate [..., D], weight [D]); x's dtype out."""
     path = k3_triton_path(x, weight) if gate.dtype in TRITON_DTYPES else None
+    if path == "chosen" and torch.is_grad_enabled() and any(t.requires_grad for t in (x, gate, weight)):
+        # Training keeps fla's gated norm under auto until k3's gated kernels are timed in the training step on a
+        # GPU (bench/train.py -triton-norm forces them); without autograd the alternative was the eager twin.
+        path = None
     if path == "forced":
         return rms_norm_triton(x, weight, eps, gate=gate)
     if path == "chosen":

@@ -165,3 +165,26 @@ def test_kda_layer_output_norm_through_the_kernels_equals_the_twin(monkeypatch):
     torch.testing.assert_close(out, twin_out, rtol=1e-5, atol=1e-5)
     for (name, _), a, t in zip([("x", None), *layer.named_parameters()], grads, twin_grads):
         torch.testing.assert_close(a, t, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_auto_takes_the_kernels_without_autograd_and_leaves_training_to_fla(monkeypatch):
+    """Under auto ("chosen", as on CUDA) the gated norm takes k3's kernels for calls without autograd and the other
+    path for training calls (fla's kernel on a GPU, here the twin), until the kernels are timed in training."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("gate") is not None)
+        return rms_norm_triton(*args, **kwargs)
+
+    monkeypatch.setattr(norm_ops, "rms_norm_triton", counted)
+    monkeypatch.setattr(norm_ops, "k3_triton_path", lambda x, weight: "chosen")
+    x, gate, weight, upstream = _inputs((2, 5, 40), torch.float32, torch.float32, seed=6)
+    with torch.no_grad():
+        plain = rms_norm_gated(x, gate, weight, EPS)
+    assert calls == [True]
+    trained = _run(rms_norm_gated, x, gate, weight, upstream)
+    assert calls == [True]
+    torch.testing.assert_close(plain, trained[0].detach(), rtol=1e-5, atol=1e-6)
+    for name, a, t in zip(["y", "dx", "dgate", "dweight"], trained,
+                          _run(rms_norm_gated_torch, x, gate, weight, upstream)):
+        torch.testing.assert_close(a, t, rtol=0, atol=0, msg=name)
