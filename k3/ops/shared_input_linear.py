@@ -31,18 +31,27 @@ from torch import nn
 JOIN_MIN_TOKENS = 17
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype autocast would run a linear of x in (None when autocast is off on x's device)."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
 def joins_projections(x: torch.Tensor, projections: tuple[nn.Linear, ...] | list[nn.Linear] = (),
                       others: tuple[nn.Module, ...] = ()) -> bool:
     """Whether a layer should run `projections` of x through linears_of_one_input: gradients on, many tokens,
-    no autocast (whose fp32 weights and bf16 activations the joined GEMM would have to cast itself), no bias,
-    weights in x's dtype and device, and no hooks on them or on `others` (a hook must see its module run).
+    no bias, weights on x's device in x's dtype (or floating point of any width under autocast, which casts
+    them as F.linear would), and no hooks on them or on `others` (a hook must see its module run).
     K3_JOIN_PROJECTIONS=0 turns it off."""
     if not (torch.is_grad_enabled() and x.numel() >= JOIN_MIN_TOKENS * x.shape[-1]
-            and not torch.is_autocast_enabled(x.device.type) and os.environ.get("K3_JOIN_PROJECTIONS", "1") != "0"):
+            and os.environ.get("K3_JOIN_PROJECTIONS", "1") != "0"):
         return False
     if any(m._forward_hooks or m._forward_pre_hooks for m in (*projections, *others)):
         return False
-    return all(p.bias is None and p.weight.dtype == x.dtype and p.weight.device == x.device for p in projections)
+    cast = autocast_dtype(x) if x.is_floating_point() else None
+    return all(p.bias is None and p.weight.device == x.device
+               and (p.weight.dtype == x.dtype or (cast is not None and p.weight.is_floating_point()))
+               for p in projections)
 
 
 def linears_of_one_input_twin(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -82,9 +91,17 @@ class _SharedInputLinear(torch.autograd.Function):
 
 def linears_of_one_input(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """[x @ W^T for W in weights], [..., D] -> [..., O_i] each; every weight [O_i, D] in x's dtype. With
-    gradients on, the one-GEMM forward and the accumulating backward above; without, the same single GEMM."""
+    gradients on, the one-GEMM forward and the accumulating backward above; without, the same single GEMM.
+    Under autocast x and the weights are first cast to its dtype, as autocast casts F.linear's inputs (the
+    trainer's bf16 autocast over fp32 weights: the fp32 gradients come back through those casts)."""
     if not weights:
         raise ValueError("linears_of_one_input needs at least one weight")
+    cast = autocast_dtype(x) if x.is_floating_point() else None
+    if cast is not None:
+        x = x.to(cast)
+        weights = [w.to(cast) if w.is_floating_point() else w for w in weights]
+        with torch.autocast(x.device.type, enabled=False):
+            return linears_of_one_input(x, weights)
     for i, w in enumerate(weights):
         if w.dim() != 2 or w.shape[1] != x.shape[-1] or w.dtype != x.dtype or w.device != x.device:
             raise ValueError(f"weight {i} is {tuple(w.shape)} {w.dtype} on {w.device}; each must be [out, "

@@ -93,7 +93,7 @@ def test_layers_train_the_same_with_joined_projections(monkeypatch, preset_layer
         torch.testing.assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_decode_sized_inputs_no_grad_and_autocast_keep_one_gemm_per_projection(monkeypatch):
+def test_decode_sized_inputs_and_no_grad_keep_one_gemm_per_projection_and_autocast_admits_fp32_weights(monkeypatch):
     from k3.ops.shared_input_linear import joins_projections
 
     x = torch.randn(2, 16, 8)
@@ -101,7 +101,53 @@ def test_decode_sized_inputs_no_grad_and_autocast_keep_one_gemm_per_projection(m
     assert not joins_projections(x[:, :1])  # one decode token a row
     with torch.no_grad():
         assert not joins_projections(x)
+    fp32 = torch.nn.Linear(8, 4, bias=False)
+    assert not joins_projections(x.bfloat16(), (fp32,))  # weights in another dtype than x
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not joins_projections(x)
+        assert joins_projections(x.bfloat16(), (fp32,))  # autocast casts them, as F.linear's would be
     monkeypatch.setenv("K3_JOIN_PROJECTIONS", "0")
     assert not joins_projections(x)
+
+
+@pytest.mark.parametrize("preset_layer", ["moe", "mlp", "mla"])
+def test_layers_under_autocast_join_their_projections_like_autocast_runs_them(monkeypatch, preset_layer):
+    """The trainer's CUDA default, bf16 autocast over fp32 weights, here on CPU: the joined path runs, its outputs
+    and gradients are autocast's own within bf16 rounding, and the weights' gradients come back in fp32."""
+    import k3.ops.shared_input_linear as joined
+    from k3.config import ModelConfig
+    from k3.layers.mlp import GLUMLP
+    from k3.layers.mla import GatedMLA
+    from k3.layers.moe import LatentMoE
+
+    config = ModelConfig.from_preset("debug")
+    torch.manual_seed(0)
+    layer = {"moe": lambda: LatentMoE(config), "mlp": lambda: GLUMLP(config, config.hidden_size, 48),
+             "mla": lambda: GatedMLA(config, 1)}[preset_layer]()
+    for p in layer.parameters():
+        if p.dim() > 1:
+            torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 16, config.hidden_size, generator=torch.Generator().manual_seed(1)).requires_grad_()
+    calls = []
+    monkeypatch.setattr(joined._SharedInputLinear, "apply",
+                        staticmethod(lambda *a, _f=joined._SharedInputLinear.apply: calls.append(a[0].dtype) or _f(*a)))
+    results = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("K3_JOIN_PROJECTIONS", flag)
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+        (out.float() * torch.linspace(-1, 1, out.numel()).view(out.shape)).sum().backward()
+        results[flag] = (out.detach().float(), x.grad.clone(),
+                         {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None})
+    assert calls == [torch.bfloat16]  # joined once, in autocast's dtype, and not with the switch off
+    (out1, dx1, g1), (out0, dx0, g0) = results["1"], results["0"]
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+    assert rel(out1, out0) < 1e-3 and rel(dx1, dx0) < 1e-2
+    assert g1.keys() == g0.keys()
+    for name in g0:
+        assert g1[name].dtype == torch.float32, name
+        assert rel(g1[name], g0[name]) < 1e-2, (name, rel(g1[name], g0[name]))
