@@ -53,8 +53,9 @@ def test_bad_weights_are_named():
         linears_of_one_input(x, [])
 
 
-@pytest.mark.parametrize("preset_layer", ["moe", "mlp", "mla"])
-def test_layers_train_the_same_with_joined_projections(monkeypatch, preset_layer):
+def _layer_input_and_joined_calls(monkeypatch, preset_layer, record):
+    """A debug-preset layer with weights large enough to matter, an input of 32 tokens, and the list that
+    record(args) appends to on each call of the joined projections' autograd function."""
     import k3.ops.shared_input_linear as joined
     from k3.config import ModelConfig
     from k3.layers.mlp import GLUMLP
@@ -71,7 +72,13 @@ def test_layers_train_the_same_with_joined_projections(monkeypatch, preset_layer
     x = torch.randn(2, 16, config.hidden_size, generator=torch.Generator().manual_seed(1)).requires_grad_()
     calls = []
     monkeypatch.setattr(joined._SharedInputLinear, "apply",
-                        staticmethod(lambda *a, _f=joined._SharedInputLinear.apply: calls.append(1) or _f(*a)))
+                        staticmethod(lambda *a, _f=joined._SharedInputLinear.apply: calls.append(record(a)) or _f(*a)))
+    return layer, x, calls
+
+
+@pytest.mark.parametrize("preset_layer", ["moe", "mlp", "mla"])
+def test_layers_train_the_same_with_joined_projections(monkeypatch, preset_layer):
+    layer, x, calls = _layer_input_and_joined_calls(monkeypatch, preset_layer, lambda args: 1)
     results = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("K3_JOIN_PROJECTIONS", flag)
@@ -113,23 +120,7 @@ def test_decode_sized_inputs_and_no_grad_keep_one_gemm_per_projection_and_autoca
 def test_layers_under_autocast_join_their_projections_like_autocast_runs_them(monkeypatch, preset_layer):
     """The trainer's CUDA default, bf16 autocast over fp32 weights, here on CPU: the joined path runs, its outputs
     and gradients are autocast's own within bf16 rounding, and the weights' gradients come back in fp32."""
-    import k3.ops.shared_input_linear as joined
-    from k3.config import ModelConfig
-    from k3.layers.mlp import GLUMLP
-    from k3.layers.mla import GatedMLA
-    from k3.layers.moe import LatentMoE
-
-    config = ModelConfig.from_preset("debug")
-    torch.manual_seed(0)
-    layer = {"moe": lambda: LatentMoE(config), "mlp": lambda: GLUMLP(config, config.hidden_size, 48),
-             "mla": lambda: GatedMLA(config, 1)}[preset_layer]()
-    for p in layer.parameters():
-        if p.dim() > 1:
-            torch.nn.init.normal_(p, std=0.2)
-    x = torch.randn(2, 16, config.hidden_size, generator=torch.Generator().manual_seed(1)).requires_grad_()
-    calls = []
-    monkeypatch.setattr(joined._SharedInputLinear, "apply",
-                        staticmethod(lambda *a, _f=joined._SharedInputLinear.apply: calls.append(a[0].dtype) or _f(*a)))
+    layer, x, calls = _layer_input_and_joined_calls(monkeypatch, preset_layer, lambda args: args[0].dtype)
     results = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("K3_JOIN_PROJECTIONS", flag)
