@@ -703,6 +703,7 @@ class Trainer:
         self.step += 1
         elapsed = time.perf_counter() - t0
         per_layer = self.model.moe_maxvio()
+        qb_updates = [int(router.last_qb_iters) for _, router in self.model.routers()]
         return {
             "step": self.step,
             "loss": float(logged_loss),
@@ -713,6 +714,12 @@ class Trainer:
             "step_seconds": round(elapsed, 4),  # the first one includes kernel compiles (and a graph capture)
             "maxvio": max(per_layer.values()) if per_layer else 0.0,
             "maxvio_per_layer": {str(k): round(v, 4) for k, v in per_layer.items()},
+            # QB's solver iterates until the batch is balanced: its updates grow as routing sharpens, and on a
+            # GPU each few of them waits on the device, so they explain much of an eager step's time.
+            "qb_updates_max": max(qb_updates, default=0),
+            "qb_updates_mean": round(sum(qb_updates) / len(qb_updates), 2) if qb_updates else 0.0,
+            # Packed documents in this rank's batch: the full-attention layers run one SDPA call per document.
+            "documents": int(batch.cu_seqlens.numel()) - 1,
             "epoch": round(self.train_stream.epoch, 4),
             "seq_len": self.seq_len,
         }

@@ -22,7 +22,8 @@ def losses(run: Path) -> dict[int, float]:
 
 def test_run_writes_metrics_plot_checkpoint_and_learns(tmp_path, corpus_dir, small_config):
     run = tmp_path / "run"
-    summary = Trainer(small_config(run, corpus_dir, max_steps=12, eval_every=12), show_progress=False).train()
+    config = small_config(run, corpus_dir, max_steps=12, eval_every=12)
+    summary = Trainer(config, show_progress=False).train()
     records = read_metrics(run / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 13))
@@ -30,6 +31,11 @@ def test_run_writes_metrics_plot_checkpoint_and_learns(tmp_path, corpus_dir, sma
         assert key in steps[0]
     assert all(r["step_seconds"] > 0 for r in steps) and summary["first_step_s"] == steps[0]["step_seconds"]
     assert set(steps[0]["maxvio_per_layer"]) == {"1", "2", "3"}  # debug: layers 1..3 are MoE
+    # QB solves each batch's bias (debug routes with quantile balancing), so some step takes an update; the
+    # mean over the 3 MoE layers lies within [0, max]; a packed batch holds at least one document per row.
+    assert any(r["qb_updates_max"] >= 1 for r in steps)
+    assert all(0 <= r["qb_updates_mean"] <= r["qb_updates_max"] <= config.qb_iters for r in steps)
+    assert all(r["documents"] >= config.batch_size for r in steps)
     assert records[0] == {"step": 0, "val_loss": summary["first_val_loss"]}
     assert summary["last_val_loss"] < summary["first_val_loss"] - 0.5
     assert (run / "metrics.png").stat().st_size > 1000
