@@ -34,7 +34,10 @@ def train_command(args: argparse.Namespace) -> int:
         if args.seq_len_schedule:
             fields["seq_len_schedule"] = parse_seq_len_schedule(args.seq_len_schedule)
         config = TrainConfig(**fields)
-    trainer = Trainer(config, resume=args.resume, resume_overrides=overrides, profile=args.profile)
+    if args.profile_at is not None and args.profile is None:
+        raise SystemExit(f"--profile-at {args.profile_at} sets where the --profile window starts; add --profile DIR")
+    trainer = Trainer(config, resume=args.resume, resume_overrides=overrides, profile=args.profile,
+                      profile_at=args.profile_at)
     summary = trainer.train()
     if trainer.dist is not None:
         from k3.distributed import shutdown
@@ -121,6 +124,10 @@ def register(subparsers) -> None:
                             f"the first ones, which compile kernels) with torch.profiler and write "
                             f"DIR/profile_steps_A-B.txt: wall vs kernel vs host time per step, host syncs per step, "
                             f"the kernel and op tables")
+    train.add_argument("--profile-at", type=int, metavar="STEP", dest="profile_at",
+                       help=f"with --profile: the window's first step, counted from the run's start (default: "
+                            f"{PROFILE_AFTER + 1} steps into this session); later steps show the step after the "
+                            f"router has sharpened, when Quantile Balancing takes more updates")
     train.add_argument("--checkpoint-format", choices=["full", "sharded"], dest="checkpoint_format",
                        help="full (default): DIR/checkpoint.pt, gathered on rank 0; sharded: DIR/checkpoint/, "
                             "every rank writes its own shards (for models too large to gather); both resume under "

@@ -201,9 +201,15 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, resume: bool = False, log: Callable[[str], None] = print,
                  show_progress: bool = True, resume_overrides: dict[str, Any] | None = None,
-                 profile: str | Path | None = None) -> None:
+                 profile: str | Path | None = None, profile_at: int | None = None) -> None:
         self.log = log
         self.profile_dir = profile  # k3.train.profile: a torch.profiler report of a few steps, written there
+        if profile_at is not None and (profile is None or profile_at < 1):
+            raise ValueError(f"profile_at={profile_at}: the first profiled step needs a profile directory "
+                             f"(--profile DIR) and counts from 1")
+        # The window's first step (counted from the run's start); None: PROFILE_AFTER steps after this session's
+        # first. A later window shows a step after the router has sharpened (QB's updates grow with it).
+        self.profile_at = profile_at
         self.show_progress = show_progress
         self.out = Path(config.out)
         found = saved_format(self.out)
@@ -618,10 +624,15 @@ class Trainer:
                    disable=not self.show_progress, dynamic_ncols=True)
         profiler = None
         if self.profile_dir is not None:
-            profiler = StepProfiler(self.profile_dir, self.step + PROFILE_AFTER + 1, self.device)
+            first = self.step + PROFILE_AFTER + 1 if self.profile_at is None else self.profile_at
+            if first <= self.step:
+                raise ValueError(f"--profile-at {first}: this run resumes after step {self.step}; profile a later step")
+            profiler = StepProfiler(self.profile_dir, first, self.device)
             if profiler.first > config.max_steps:
+                why = (f"it skips the first {PROFILE_AFTER} steps, which compile kernels" if self.profile_at is None
+                       else "--profile-at")
                 self.log(f"--profile: the run ends before step {profiler.first}, where the profile would start "
-                         f"(it skips the first {PROFILE_AFTER} steps, which compile kernels); nothing profiled")
+                         f"({why}); nothing profiled")
         try:
             while self.step < config.max_steps:
                 if stop_at is not None and self.step >= stop_at:

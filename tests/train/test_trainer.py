@@ -178,6 +178,22 @@ def test_profile_of_a_run_that_stops_inside_the_window_is_still_written(tmp_path
     assert "steps 4-5 (2 steps)" in Path(summary["profile"]).read_text()
 
 
+def test_profile_at_moves_the_window_to_a_later_step(tmp_path, corpus_dir, small_config):
+    run = tmp_path / "run"
+    summary = Trainer(small_config(run, corpus_dir, max_steps=8, eval_every=8), show_progress=False,
+                      profile=tmp_path / "prof", profile_at=6).train()
+    assert summary["profile"].endswith("profile_steps_6-8.txt")
+    assert "steps 6-8 (3 steps)" in Path(summary["profile"]).read_text()
+    with pytest.raises(ValueError, match="needs a profile directory"):
+        Trainer(small_config(tmp_path / "other", corpus_dir), show_progress=False, profile_at=6)
+
+
+def test_profile_at_needs_profile_on_the_command_line(tmp_path, corpus_dir):
+    with pytest.raises(SystemExit, match="add --profile DIR"):
+        main(["train", "--preset", "debug", "--data", str(corpus_dir), "--out", str(tmp_path / "run"),
+              "--max-steps", "1", "--profile-at", "3"])
+
+
 def test_optimizer_is_fused_only_for_plain_cuda_parameters():
     from k3.train.optim import build_optimizer, fused_pays
 
