@@ -48,3 +48,27 @@ def test_every_results_file_named_in_benchmarks_exists() -> None:
     assert named, "BENCHMARKS.md names no results file"
     missing = sorted(path for path in named if not (ROOT / path).is_file())
     assert not missing, f"BENCHMARKS.md names results files that do not exist: {missing}"
+
+
+README = ROOT / "README.md"
+MAX_README_CELL = 120
+
+
+def test_readme_opens_with_five_lines_then_the_two_commands() -> None:
+    text = README.read_text()
+    intro = text.split("```", 1)[0].splitlines()[1:]
+    assert 0 < len([line for line in intro if line.strip()]) <= 5, "what k3 is, in five lines, before the commands"
+    blocks = re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
+    assert len(blocks) >= 2 and blocks[0].endswith("k3 demo") and blocks[1].endswith("python -m pytest -q")
+
+
+def test_ci_runs_the_readme_second_command_exactly() -> None:
+    second = re.findall(r"```bash\n(.*?)\n```", README.read_text(), flags=re.S)[1]
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert second in ci_lines, ".ci/run must run the README's second command as written"
+
+
+def test_readme_table_cells_fit_one_line() -> None:
+    long = [cell[:60] for line in README.read_text().splitlines() if line.startswith("|")
+            for cell in table_cells(line) if len(cell) > MAX_README_CELL]
+    assert not long, f"README table cells over {MAX_README_CELL} characters (move the detail to docs/): {long}"
