@@ -8,7 +8,8 @@ bitmasks on the device and masks those rows only, so constrained and free reques
 that has reached the grammar's end stops its sequence (finish_reason "stop").
 
 JSON is generated without free whitespace (llguidance's whitespace_flexible off), so a model cannot spend its
-tokens on blanks.
+tokens on blanks, and an object schema that lists properties without saying otherwise takes no others
+(additionalProperties false, as vLLM's strict default).
 """
 
 from __future__ import annotations
@@ -126,8 +127,22 @@ def allowed_rows(matchers: list[Matcher], vocab: int, device: torch.device) -> t
 
 
 # --- grammars of requests -------------------------------------------------------------------------------
+def _closed(schema: Any) -> Any:
+    """The schema with additionalProperties false wherever an object lists its properties and says nothing
+    (as vLLM's default strict mode does): otherwise a model may add keys without end."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed(value) if key not in ("enum", "const", "default", "examples") else value
+           for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _schema_text(schema: dict[str, Any]) -> str:
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    schema = {**_closed(schema), "x-guidance": {"whitespace_flexible": False}}
     text = json.dumps(schema)
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"the JSON schema has {len(text)} characters; at most {MAX_SCHEMA_CHARS} are accepted")

@@ -199,8 +199,7 @@ POINT = {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9
          "required": ["x", "y"], "additionalProperties": False}
 
 
-@pytest.mark.slow  # about a minute on two shared CPU cores
-def test_50_constrained_requests_all_parse_and_validate(served):
+def _constrained_requests(served, count):
     """Constrained and free requests in one batch: every constrained reply is valid JSON under its schema."""
     import asyncio
 
@@ -217,15 +216,25 @@ def test_50_constrained_requests_all_parse_and_validate(served):
                                                       temperature=1.0, response_format=fmt)
             free = [client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, seed=i)
                     for i in range(4)]
-            return await asyncio.gather(*[constrained(i) for i in range(50)], *free)
+            return await asyncio.gather(*[constrained(i) for i in range(count)], *free)
 
     results = asyncio.run(main())
-    for i, out in enumerate(results[:50]):
+    for i, out in enumerate(results[:count]):
         value = json.loads(out.choices[0].message.content)
         assert isinstance(value, dict), out
         jsonschema.validate(value, PERSON if i % 2 else POINT)
         assert out.choices[0].finish_reason == "stop"
-    assert all(len(out.choices[0].message.content) > 0 for out in results[50:])
+    assert all(len(out.choices[0].message.content) > 0 for out in results[count:])
+
+
+
+@pytest.mark.slow  # 24 s on two shared CPU cores
+def test_50_constrained_requests_all_parse_and_validate(served):
+    _constrained_requests(served, 50)
+
+
+def test_8_constrained_requests_parse_and_validate(served):
+    _constrained_requests(served, 8)
 
 
 def test_echo_logprobs_equal_score_and_a_plain_forward(served):
