@@ -59,7 +59,8 @@ def test_good_requests_parse():
     ({"model": "m", "prompt": 5}, "prompt", "a list of token ids"),
     ({"model": "m", "prompt": []}, "prompt", "the list is empty"),
     ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "stop", "non-empty strings"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"model": "m", "prompt": "x", "echo": True, "stream": True}, "echo", "without streaming only"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "only with \"echo\": true"),
     ({"model": "m"}, "prompt", "'prompt' is required"),
     ({"prompt": "x"}, "model", "'model' is required"),
 ])
