@@ -6,6 +6,7 @@
     eos_token_id: int | None            ends a document (the packer appends it) and stops generation
     bos_token_id: int | None
     save(directory) -> None             writes files that load_tokenizer(directory) reads back
+    chat_template: str | None           the model's chat format (k3.chat), saved as chat_template.jinja
 
 `load_tokenizer(path)` accepts a directory (tokenizer.json or tiktoken.model, as written by `save` or by a
 Hugging Face model), a tokenizer.json file, or a tiktoken rank file (*.tiktoken / tiktoken.model).
@@ -45,6 +46,7 @@ class BPETokenizer:
         self.eos_token, self.bos_token = eos_token, bos_token
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        self.chat_template: str | None = None
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
@@ -63,6 +65,7 @@ class BPETokenizer:
         atomic_write_bytes(directory / "tokenizer.json", self.backend.to_str().encode("utf-8"))
         config = {"eos_token": self.eos_token, "bos_token": self.bos_token}
         atomic_write_bytes(directory / "tokenizer_config.json", json.dumps(config, indent=2).encode("utf-8"))
+        _save_chat_template(self, directory)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = True) -> BPETokenizer:
@@ -96,7 +99,23 @@ def _tokenizer_json(path: Path) -> BPETokenizer:
     bos = config.get("bos_token")
     if isinstance(bos, dict):
         bos = bos.get("content")
-    return BPETokenizer(backend, eos, bos)
+    tokenizer = BPETokenizer(backend, eos, bos)
+    tokenizer.chat_template = _read_chat_template(path.parent, config)
+    return tokenizer
+
+
+def _read_chat_template(directory: Path, config: dict) -> str | None:
+    from k3.checkpoint.hf_tokenizer import _read_chat_template as read
+
+    return read(directory, config)
+
+
+def _save_chat_template(tokenizer, directory: Path) -> None:
+    """The chat format travels with the tokenizer files (k3.chat), as transformers stores it."""
+    from k3.checkpoint.native import atomic_write_bytes
+
+    if getattr(tokenizer, "chat_template", None):
+        atomic_write_bytes(Path(directory) / "chat_template.jinja", tokenizer.chat_template.encode("utf-8"))
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
@@ -137,6 +156,7 @@ class TiktokenTokenizer:
         self.eos_token_id = max(ranks.values()) + 1
         self.bos_token_id = None
         self.vocab_size = self.eos_token_id + 1
+        self.chat_template: str | None = None
         self.encoding = tiktoken.Encoding(name=source.stem, pat_str=KIMI_PATTERN, mergeable_ranks=ranks,
                                           special_tokens={EOS_TOKEN: self.eos_token_id})
 
@@ -154,9 +174,13 @@ class TiktokenTokenizer:
         lines = [f"{base64.b64encode(t).decode('ascii')} {r}" for t, r in sorted(self.ranks.items(),
                                                                                   key=lambda item: item[1])]
         atomic_write_bytes(Path(directory) / "tiktoken.model", ("\n".join(lines) + "\n").encode("utf-8"))
+        _save_chat_template(self, Path(directory))
 
 
 def _tiktoken_file(path: Path) -> TiktokenTokenizer:
     from k3.checkpoint.hf_tokenizer import read_tiktoken_ranks
 
-    return TiktokenTokenizer(read_tiktoken_ranks(path), path)
+    tokenizer = TiktokenTokenizer(read_tiktoken_ranks(path), path)
+    template = path.parent / "chat_template.jinja"
+    tokenizer.chat_template = template.read_text(encoding="utf-8") if template.is_file() else None
+    return tokenizer

@@ -142,7 +142,13 @@ def generate_command(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=min(len(prompts), 32),
                     prefix_cache=False)
-    ids = [tokenizer.encode(p) for p in prompts]
+    if args.chat:  # each prompt is one user message, in the model's chat format
+        fmt = chat_format_for(args, tokenizer)
+        params = _chat_params(args, tokenizer, fmt)
+        ids = [fmt.encode([{"role": "user", "content": p}], tokenizer) for p in prompts]
+        prompts = [tokenizer.decode(i) for i in ids]
+    else:
+        ids = [tokenizer.encode(p) for p in prompts]
     # Validate every prompt before printing anything (a long prompt would otherwise be echoed, then refused).
     for i, prompt_ids in enumerate(ids):
         engine.check_prompt(prompt_ids, params, name=f"prompt {i}" if len(ids) > 1 else "the prompt")
@@ -158,16 +164,33 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def chat_format_for(args: argparse.Namespace, tokenizer):
+    """The model's chat format (k3.chat): its tokenizer's template, else the plain "User:/Assistant:" lines."""
+    from k3.infer.chat_template import load_chat_template
+    from k3.infer.serve_cli import _tokenizer_directory
+
+    return load_chat_template(tokenizer, _tokenizer_directory(args.run, args.model))
+
+
+def _chat_params(args: argparse.Namespace, tokenizer, fmt) -> SamplingParams:
+    params = _sampling(args, tokenizer)
+    stop_ids, stop_strings = fmt.stops(tokenizer)
+    params.stop_token_ids += stop_ids
+    params.stop = stop_strings
+    return params
+
+
 def chat_command(args: argparse.Namespace) -> int:
-    """A plain-text conversation with a base model: each turn is `User: ...` then `Assistant:`; the reply
-    stops at a newline. Each turn sends the whole conversation; the engine's prefix cache starts it from the
+    """A conversation on the terminal in the model's chat format (k3.chat; a model trained on plain text talks
+    in "User: ..." / "Assistant:" lines and its reply stops at a newline). Each turn sends the whole
+    conversation, built message by message as in training; the engine's prefix cache starts it from the
     previous turn's saved state, so little is recomputed."""
     model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
     engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_slots=4)
-    params = _sampling(args, tokenizer)
-    params.stop = ["\n"]
-    print("k3 chat: type a message, empty line or Ctrl-D to quit", file=sys.stderr)
-    conversation: list[int] = []
+    fmt = chat_format_for(args, tokenizer)
+    params = _chat_params(args, tokenizer, fmt)
+    print(f"k3 chat ({fmt.name} format): type a message, empty line or Ctrl-D to quit", file=sys.stderr)
+    messages: list[dict] = []
     turn = 0
     while True:
         try:
@@ -176,7 +199,8 @@ def chat_command(args: argparse.Namespace) -> int:
             break
         if not line.strip():
             break
-        conversation += tokenizer.encode(("" if not conversation else "\n") + f"User: {line}\nAssistant:")
+        messages.append({"role": "user", "content": line})
+        conversation = fmt.encode(messages, tokenizer)
         if params.seed is not None:
             params.seed = args.seed + turn
         params.max_new_tokens = min(args.max_new_tokens, engine.max_context - len(conversation))
@@ -186,7 +210,7 @@ def chat_command(args: argparse.Namespace) -> int:
         engine.check_prompt(conversation, params, name="the conversation")
         streamer = _Streamer(tokenizer, engine.stop_ids(params))
         reply = engine.generate_ids([conversation], params, on_token=lambda _, token: streamer(token))[0]
-        conversation += reply
+        messages.append({"role": "assistant", "content": engine.text_of(reply, params)})
         turn += 1
         if not tokenizer.decode(streamer.ids).endswith("\n"):
             sys.stdout.write("\n")
@@ -219,11 +243,13 @@ def register(subparsers) -> None:
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--escapes", action="store_true", help="interpret backslash escapes (\\n, \\t) in prompts")
     gen.add_argument("--no-stream", action="store_true", help="print a single prompt's output only at the end")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message through the model's "
+                                                         "chat format (its tokenizer's chat template)")
     gen.add_argument("--image", action="append", help="an image file the prompt follows (multimodal --model "
                                                       "directories only); repeatable")
     gen.set_defaults(func=generate_command)
 
     chat = subparsers.add_parser("chat", help="talk to a trained run or an HF model on the terminal",
-                                 description="A plain-text chat loop; the cache keeps the conversation.")
+                                 description="A chat loop in the model's chat format; the cache keeps the conversation.")
     _add_common(chat)
     chat.set_defaults(func=chat_command)

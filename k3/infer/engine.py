@@ -173,6 +173,8 @@ class Engine:
                 router.register_forward_hook(self._route_hook(index))
             self._num_moe = len(model.routers())
         self.stats_counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0}
+        # Callables (rows, logits [B, V]) -> logits run before sampling, in order (tests force outputs with one).
+        self.logits_processors: list = []
 
     # --- requests -----------------------------------------------------------------------------------
     def stop_ids(self, params: SamplingParams) -> set[int]:
@@ -302,7 +304,27 @@ class Engine:
             self.stats_counters["finished"] += 1
         return events
 
+    def _constrain(self, rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
+        """Rows under a grammar keep only the tokens their matcher allows (one mask for all of them, applied
+        on the device); the other rows are untouched."""
+        for processor in self.logits_processors:
+            logits = processor(rows, logits)
+        index = [row for row, seq in enumerate(rows) if seq.params.grammar is not None]
+        if not index:
+            return logits
+        from k3.infer.structured import allowed_rows
+
+        for row in index:
+            if rows[row].matcher is None:
+                rows[row].matcher = rows[row].params.grammar.matcher()
+        allowed = allowed_rows([rows[row].matcher for row in index], logits.shape[-1], logits.device)
+        logits = logits.clone()
+        picked = torch.tensor(index, device=logits.device)
+        logits[picked] = logits[picked].masked_fill(~allowed, float("-inf"))
+        return logits
+
     def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+        logits = self._constrain(rows, logits)
         vocab = logits.shape[-1]
         # One pass over the rows gathers what sample_rows takes (it runs once per row per step, so at large
         # batches the separate list comprehensions and repeated property reads added up).
@@ -336,6 +358,8 @@ class Engine:
             seq.first_token_time = seq.first_token_time or now
             if seq.output_counts is not None:
                 seq.output_counts[token] += 1
+            if seq.matcher is not None:
+                seq.matcher.advance(token)
             event = TokenEvent(seq.request_id, seq.index, token)
             k = p.logprobs
             if k is not None:
@@ -357,6 +381,8 @@ class Engine:
         if token in seq.stop_ids:
             return "stop"
         if seq.params.stop and self._hits_stop_string(seq):
+            return "stop"
+        if seq.matcher is not None and seq.matcher.stopped:  # the grammar is complete
             return "stop"
         if len(seq.generated) >= seq.params.max_new_tokens or len(seq.tokens) >= self.max_context:
             return "length"

@@ -6,7 +6,7 @@ fields) with pydantic in strict mode, so `"max_tokens": "10"` or `"n": true` are
 The server then checks what needs the tokenizer and the engine's limits (`check_prompt`, `resolve_max_tokens`).
 Every refusal is an `APIError`, whose `body()` is OpenAI's error shape:
     {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
-Fields OpenAI defines but k3 does not implement (echo, suffix, best_of > n, logit_bias) are refused by name
+Fields OpenAI defines but k3 does not implement (suffix, best_of > n, logit_bias, streamed echo) are refused by name
 instead of silently ignored; fields nobody defines are ignored, as OpenAI's own server does.
 """
 
@@ -16,6 +16,8 @@ import json
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from k3.infer.tool_protocol import MAX_TOOLS, TOOLS_ALLOWED, ResponseFormat, Tool, ToolCallInMessage, ToolChoice
 
 # What each field accepts, in words; appended to every error about that field.
 ALLOWED = {
@@ -42,6 +44,8 @@ ALLOWED = {
     "stream": "true or false",
     "stream_options": "{\"include_usage\": true|false}",
     "return_token_ids": "true or false",
+    "echo": "true or false (with max_tokens 0 and logprobs: the prompt's own logprobs)",
+    **TOOLS_ALLOWED,
 }
 MAX_N = 64
 MAX_LOGPROBS = 20
@@ -93,6 +97,9 @@ class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[Union[TextPart, ImagePart]], None] = None
     name: str | None = None
+    tool_calls: list[ToolCallInMessage] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's reasoning, for formats with a thinking region
 
     def text(self) -> str:
         """The message's text, with IMAGE_MARKER where each image part was."""
@@ -151,6 +158,7 @@ class _SamplingRequest(_Strict):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0 only with echo (score the prompt, generate nothing)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -158,8 +166,11 @@ class CompletionRequest(_SamplingRequest):
 
     def check(self) -> None:
         self._check_common()
-        if self.echo:
-            raise APIError("'echo' is not supported by this server; leave it out or set it to false", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("invalid 'max_tokens': 0 is allowed only with \"echo\": true (the prompt scored, "
+                           f"nothing generated); allowed: {ALLOWED['max_tokens']}", param="max_tokens")
+        if self.echo and self.stream:
+            raise APIError("'echo' is supported without streaming only; set \"stream\": false", param="echo")
         if self.suffix:
             raise APIError("'suffix' (insertion) is not supported by this server; leave it out", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -185,6 +196,10 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
 
     def check(self) -> None:
         self._check_common()

@@ -29,6 +29,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # None = off; 0 = the sampled token's logprob; k > 0 = also the top k
     n: int = 1  # samples of one prompt (prefilled once, cache forked)
+    grammar: object | None = None  # k3.infer.structured.Grammar: only tokens it allows are sampled
 
     def __post_init__(self) -> None:
         def need(ok: bool, message: str) -> None:

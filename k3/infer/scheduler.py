@@ -56,6 +56,7 @@ class Sequence:
     prompt_embeds: torch.Tensor | None = None  # [prompt_len, D] input embeddings (images) instead of ids
     routing: list[list[torch.Tensor]] | None = None  # per MoE layer, the [T, K] expert ids of each forward
     stop_ids: frozenset[int] = frozenset()
+    matcher: object | None = None  # its grammar's state (k3.infer.structured.Matcher) when params.grammar is set
 
     @property
     def generated(self) -> list[int]:

@@ -80,11 +80,15 @@ def serve_command(args: argparse.Namespace) -> int:
                     prefix_cache=not args.no_prefix_cache)
     template = load_chat_template(tokenizer, _tokenizer_directory(args.run, args.model))
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
-    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template, images)
+    import os
+
+    api_key = args.api_key or os.environ.get("K3_API_KEY") or None  # the environment is read here, at the edge
+    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template, images, api_key=api_key)
 
     def listening(url: str) -> None:
         print(f"k3 serve: {name} on {url} (OpenAI-compatible: {url}/v1; device {engine.device}, max batch "
-              f"{args.max_batch}, context {args.max_context}, chat template: {template.source}"
+              f"{args.max_batch}, context {args.max_context}, chat format: {template.name} ({template.source})"
+              f"{', API key required' if api_key else ''}"
               f"{', images: yes' if images is not None else ''}); Ctrl-C stops", flush=True)
 
     try:
@@ -111,6 +115,8 @@ def register(subparsers) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
                                                            "only; 0.0.0.0 = every interface)")
     http.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    http.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes (default: the "
+                                        "K3_API_KEY environment variable; none = open)")
     http.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                       help="uvicorn's log level (default warning)")
     engine = serve.add_argument_group("engine")

@@ -28,8 +28,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.infer.async_engine import EngineDead, QueueFull
+from k3.chat.reply import ReplyParser
+from k3.infer.chat_request import plan_chat
 from k3.infer.chat_template import ChatTemplate, load_chat_template
 from k3.infer.detokenize import TextAssembler
+from k3.infer.echo import join_logprobs, prompt_logprobs, score_prompts
 from k3.infer.metrics import ServerMetrics
 from k3.infer.protocol import (IMAGE_MARKER, APIError, ChatCompletionRequest, CompletionRequest, check_model,
                                check_prompt, parse_request, resolve_max_tokens, sampling_params)
@@ -74,6 +77,15 @@ class _Server:
         self.created = int(time.time())
         self.active: set[_Generation] = set()
         self._token_text: dict[int, str] = {}
+        self._grammar_tokenizer = None
+
+    def grammar_tokenizer(self):
+        """The vocabulary as the grammar library reads it (k3.infer.structured), built on first use."""
+        if self._grammar_tokenizer is None:
+            from k3.infer.structured import GrammarTokenizer
+
+            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size)
+        return self._grammar_tokenizer
 
     def abort_all(self) -> None:
         """End every request now (shutdown): streams finish with finish_reason "abort" and [DONE]."""
@@ -243,6 +255,8 @@ class _Format:
 
     def __init__(self, server: _Server, top_logprobs: int | None, return_token_ids: bool) -> None:
         self.server, self.top, self.return_token_ids = server, top_logprobs, return_token_ids
+        self.echo: list[tuple[str, dict | None]] | None = None  # completions with echo: see k3.infer.echo
+        self.n = 1
 
     def logprobs(self, choice: Choice, first: int, last: int) -> dict | None:
         if self.top is None:
@@ -258,8 +272,11 @@ class _Format:
                 "text_offset": offsets}
 
     def choice(self, choice: Choice, prompt: list[int]) -> dict:
-        out = {"index": choice.index, "text": choice.text, "logprobs": self.logprobs(choice, 0, len(choice.token_ids)),
-               "finish_reason": choice.finish_reason}
+        text, logprobs = choice.text, self.logprobs(choice, 0, len(choice.token_ids))
+        if self.echo is not None:  # (prompt text, prompt logprobs or None) per prompt
+            prompt_text, prompt_logprobs = self.echo[choice.index // self.n]
+            text, logprobs = prompt_text + text, join_logprobs(prompt_logprobs, logprobs, len(prompt_text))
+        out = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason}
         return self._with_ids(out, choice, prompt, 0)
 
     def chunk_choice(self, update: Update, prompt: list[int]) -> dict:
@@ -297,19 +314,56 @@ class _ChatFormat(_Format):
             content.append(entry)
         return {"content": content}
 
+    def __init__(self, server: _Server, top_logprobs: int | None, return_token_ids: bool, plan=None) -> None:
+        super().__init__(server, top_logprobs, return_token_ids)
+        self.plan = plan  # k3.infer.chat_request.ChatPlan: how replies are read (reasoning, tool calls)
+        self.parsers: dict[int, Any] = {}
+        self.calls_sent: dict[int, int] = {}
+
+    def _parser(self, choice: Choice):
+        if choice.index not in self.parsers:
+            self.parsers[choice.index] = self.plan.parser() if self.plan is not None else ReplyParser()
+        return self.parsers[choice.index]
+
+    def _finish_reason(self, choice: Choice, parser) -> str | None:
+        return "tool_calls" if parser.calls and choice.finish_reason == "stop" else choice.finish_reason
+
     def choice(self, choice: Choice, prompt: list[int]) -> dict:
-        out = {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-               "logprobs": self.logprobs(choice, 0, len(choice.token_ids)), "finish_reason": choice.finish_reason}
+        parser = self._parser(choice)
+        parser.push(choice.text)
+        parser.finish()
+        message: dict[str, Any] = {"role": "assistant", "content": parser.content}
+        if parser.reasoning:
+            message["reasoning_content"] = parser.reasoning
+        if parser.calls:
+            message["tool_calls"] = [call.as_openai() for call in parser.calls]
+            message["content"] = parser.content or None
+        out = {"index": choice.index, "message": message,
+               "logprobs": self.logprobs(choice, 0, len(choice.token_ids)),
+               "finish_reason": self._finish_reason(choice, parser)}
         return self._with_ids(out, choice, prompt, 0)
 
     def chunk_choice(self, update: Update, prompt: list[int]) -> dict:
         choice = update.choice
-        delta = {"content": update.text}
+        parser = self._parser(choice)
+        parsed = parser.push(update.text)
+        if update.finished:
+            last = parser.finish()
+            parsed.content += last.content
+            parsed.reasoning += last.reasoning
+            parsed.calls += last.calls
+        delta: dict[str, Any] = {"content": parsed.content}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.calls:
+            first = self.calls_sent.get(choice.index, 0)
+            delta["tool_calls"] = [{"index": first + i, **call.as_openai()} for i, call in enumerate(parsed.calls)]
+            self.calls_sent[choice.index] = first + len(parsed.calls)
         if update.first == 0:
             delta["role"] = "assistant"
         out = {"index": choice.index, "delta": delta,
                "logprobs": self.logprobs(choice, update.first, len(choice.token_ids)),
-               "finish_reason": choice.finish_reason if update.finished else None}
+               "finish_reason": self._finish_reason(choice, parser) if update.finished else None}
         return self._with_ids(out, choice, prompt, update.first)
 
 
@@ -384,15 +438,20 @@ async def _respond(request: Request, server: _Server, fmt: _Format, prompts: lis
 
 
 def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_queue: int,
-               chat_template: ChatTemplate | None = None, images=None) -> "FastAPI":
+               chat_template: ChatTemplate | None = None, images=None, api_key: str | None = None) -> "FastAPI":
     """The FastAPI application. async_engine: k3.infer.AsyncEngine (its engine's tokenizer must be
     `tokenizer`); max_context: longest prompt + generation; max_queue: as given to the AsyncEngine (shown in
     errors and /health); images: k3.infer.image_inputs.ImageInputs when the model has a vision tower (chat
-    messages may then carry image_url parts with data: URLs)."""
+    messages may then carry image_url parts with data: URLs); api_key: when given, every /v1/ route needs
+    `Authorization: Bearer <api_key>` (k3.infer.auth)."""
     server = _Server(async_engine, model_name, tokenizer, max_context, max_queue,
                      chat_template or load_chat_template(tokenizer), images)
     app = FastAPI(title="k3", description="OpenAI-compatible inference for K3-architecture models")
     app.state.k3 = server
+    if api_key:
+        from k3.infer.auth import require_api_key
+
+        require_api_key(app, api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -448,38 +507,55 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
         max_tokens = resolve_max_tokens(body.max_tokens, max(map(len, prompts)), server.max_context,
                                         DEFAULT_COMPLETION_TOKENS)
         stops = body.stop_strings()
-        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
         fmt = _Format(server, body.top_logprobs_count(), body.return_token_ids)
+        if body.echo:
+            top = body.top_logprobs_count()
+            scored = await score_prompts(async_engine, prompts, top or 0) if top is not None else [None] * len(prompts)
+            fmt.echo = [(tokenizer.decode(ids), None if s is None else prompt_logprobs(ids, s, top, server.token_text))
+                        for ids, s in zip(prompts, scored)]
+            fmt.n = body.n
+            if body.max_tokens == 0:  # nothing to generate: the prompts alone
+                choices = [{"index": p * body.n + i, "text": fmt.echo[p][0], "logprobs": fmt.echo[p][1],
+                            "finish_reason": "length"} for p in range(len(prompts)) for i in range(body.n)]
+                used = sum(map(len, prompts))
+                return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                                     "created": int(time.time()), "model": server.model_name, "choices": choices,
+                                     "usage": {"prompt_tokens": used, "completion_tokens": 0, "total_tokens": used}})
+        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
         return await _respond(request, server, fmt, prompts, params, stops, body.stream, body.include_usage())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body = parse_request(await request.body(), ChatCompletionRequest)
         check_model(body.model, server.model_name)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        plan = plan_chat(body, server.chat_template, tokenizer, server.grammar_tokenizer)
+        messages = plan.messages
         urls = [url for m in body.messages for url in m.image_urls()]
         if urls and server.images is None:
             raise APIError(f"this model has no vision tower, so messages cannot carry image_url parts (got "
                            f"{len(urls)}); serve a multimodal K3 directory (one with a vision_config) for images",
                            param="messages")
+        embeds = None
         try:
-            text = server.chat_template.render(messages)
+            if urls:
+                text = server.chat_template.render(messages, plan.tools)
+            else:  # message by message, as the model was trained (k3.chat)
+                ids = server.chat_template.encode(messages, tokenizer, plan.tools)
         except ValueError as error:
             raise APIError(f"the messages could not be put through the chat template "
                            f"({server.chat_template.source}): {error}", param="messages") from error
-        embeds = None
         if urls:
             try:
                 ids, embeds = await asyncio.to_thread(server.images.prompt, text, IMAGE_MARKER, urls, tokenizer)
             except ValueError as error:
                 raise APIError(f"invalid image_url: {error}", param="messages") from error
-        else:
-            ids = tokenizer.encode(text)
         check_prompt(ids, server.max_context, server.vocab_size, "messages")
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_context, None)
-        stops = body.stop_strings() + [s for s in server.chat_template.stop if s not in body.stop_strings()]
+        stops = body.stop_strings() + [s for s in plan.stops if s not in body.stop_strings()]
         params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
-        fmt = _ChatFormat(server, body.top_logprobs_count(), body.return_token_ids)
+        params.stop_token_ids += [t for t in plan.stop_token_ids if t not in params.stop_token_ids]
+        params.grammar = plan.grammar
+        fmt = _ChatFormat(server, body.top_logprobs_count(), body.return_token_ids, plan)
         return await _respond(request, server, fmt, [ids], params, stops, body.stream, body.include_usage(),
                               [embeds])
 

@@ -17,6 +17,10 @@ needs no special tokens for them, and a tokenizer that has them as special token
 A tool call is ``<tool_call>`` + one JSON object {"name": str, "arguments": {...}} + ``</tool_call>``;
 an assistant turn may hold several, run in order. ``arguments`` may also be a JSON string holding the
 object (some models write it so). What a turn holds besides its calls is free text.
+
+Rendering goes through the model's chat format (k3.chat): the tokenizer's own chat template when it carries
+one (a run saves it as tokenizer/chat_template.jinja), else the built-in "k3" format, which writes exactly the
+text above.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from k3.chat import ChatFormat, Segment, load_chat_format
 
 ROLE_MARKERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>", "tool": "<|tool|>"}
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -39,14 +45,6 @@ class ToolCall:
     arguments: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     raw: str = ""
-
-
-@dataclass
-class Segment:
-    """Token ids of one piece of a conversation; ``trainable`` marks ids the policy produced."""
-
-    ids: list[int]
-    trainable: bool
 
 
 def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
@@ -66,8 +64,13 @@ def _check_message(index: int, message: Any) -> tuple[str, str]:
 
 
 def render_message_text(role: str, content: str) -> str:
-    """The text of a message except the EOS that closes an assistant turn."""
+    """The text of a message in the built-in k3 format, except the EOS that closes an assistant turn."""
     return ROLE_MARKERS[role] + content + ("" if role == "assistant" else "\n")
+
+
+def chat_format_of(tokenizer) -> ChatFormat:
+    """The tokenizer's chat format, or the built-in k3 one (the format this module's parser reads)."""
+    return load_chat_format(tokenizer, default="k3")
 
 
 def render_segments(messages: list[dict[str, Any]], tokenizer, add_generation_prompt: bool = False,
@@ -78,20 +81,12 @@ def render_segments(messages: list[dict[str, Any]], tokenizer, add_generation_pr
     Each message is encoded on its own, so the ids of a conversation are the concatenation of its messages'
     ids: a later turn never changes how an earlier one was tokenized (an RL context stays exactly the tokens
     the policy saw and produced)."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
+    if tokenizer.eos_token_id is None:
         raise ValueError("the chat format ends assistant turns with EOS, but this tokenizer has no eos_token")
-    segments: list[Segment] = []
     for index, message in enumerate(messages):
-        role, content = _check_message(index, message)
-        if role == "assistant":
-            segments.append(Segment(tokenizer.encode(GENERATION_PROMPT), False))
-            segments.append(Segment(tokenizer.encode(content) + [eos], train_on == "assistant"))
-        else:
-            segments.append(Segment(tokenizer.encode(render_message_text(role, content)), False))
-    if add_generation_prompt:
-        segments.append(Segment(tokenizer.encode(GENERATION_PROMPT), False))
-    return segments
+        _check_message(index, message)
+    return chat_format_of(tokenizer).segments(messages, tokenizer, add_generation_prompt=add_generation_prompt,
+                                              train_on=train_on)
 
 
 def render_ids(messages: list[dict[str, Any]], tokenizer, add_generation_prompt: bool = False
@@ -107,7 +102,7 @@ def render_ids(messages: list[dict[str, Any]], tokenizer, add_generation_prompt:
 
 def tool_message_ids(content: str, tokenizer) -> list[int]:
     """Ids of a tool observation followed by the next assistant prompt (what is fed after a tool turn)."""
-    return tokenizer.encode(render_message_text("tool", content)) + tokenizer.encode(GENERATION_PROMPT)
+    return chat_format_of(tokenizer).continuation_ids([{"role": "tool", "content": content}], tokenizer)
 
 
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)

@@ -59,6 +59,11 @@ def start_or_restore(out: Path, state: dict | None, optimizer, tokenizer, settin
         _set_rng_state(state["rng"])
         return int(state["step"])
     out.mkdir(parents=True, exist_ok=True)
+    from k3.chat import attach_chat_format
+    from k3.rl.chat_format import chat_format_of
+
+    # The chat format the run trains in is saved with its tokenizer (chat_template.jinja): serve reads it back.
+    attach_chat_format(tokenizer, chat_format_of(tokenizer))
     tokenizer.save(out / "tokenizer")
     for name, payload in ((settings_file, settings), ("config.json", model_config)):
         atomic_write_bytes(out / name, (json.dumps(payload, indent=2) + "\n").encode())

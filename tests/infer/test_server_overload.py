@@ -51,7 +51,7 @@ def server(model_dir):
 def test_the_directorys_chat_template_is_used(server, model_dir):
     from k3.data.tokenizer import load_tokenizer
 
-    assert "chat template: tokenizer" in server.log()
+    assert "chat format: custom (tokenizer)" in server.log()
     body = {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
                                           {"role": "user", "content": "hi"}],
             "max_tokens": 3, "temperature": 0, "return_token_ids": True}

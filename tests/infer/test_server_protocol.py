@@ -59,7 +59,8 @@ def test_good_requests_parse():
     ({"model": "m", "prompt": 5}, "prompt", "a list of token ids"),
     ({"model": "m", "prompt": []}, "prompt", "the list is empty"),
     ({"model": "m", "prompt": "x", "stop": ["a", ""]}, "stop", "non-empty strings"),
-    ({"model": "m", "prompt": "x", "echo": True}, "echo", "not supported"),
+    ({"model": "m", "prompt": "x", "echo": True, "stream": True}, "echo", "without streaming only"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens", "only with \"echo\": true"),
     ({"model": "m"}, "prompt", "'prompt' is required"),
     ({"prompt": "x"}, "model", "'model' is required"),
 ])
@@ -161,7 +162,7 @@ def test_default_chat_template():
     assert render_default(messages) == "System: Be terse.\nUser: hi\nAssistant: hello\nUser: and?\nAssistant:"
     template = ChatTemplate()
     assert template.render(messages[1:2], add_generation_prompt=False) == "User: hi"
-    assert template.stop == ["\n"] and template.source == "default"
+    assert template.stop == ["\n"] and template.source == "built-in plain"
     with pytest.raises(ValueError, match="unknown chat role 'robot'"):
         template.render([{"role": "robot", "content": "x"}])
 
@@ -169,7 +170,7 @@ def test_default_chat_template():
 def test_chat_template_from_a_tokenizer_directory(tokenizer, tmp_path):
     pytest.importorskip("jinja2")
     tokenizer.save(tmp_path)
-    assert load_chat_template(tokenizer, tmp_path).source == "default"  # no template file: the default
+    assert load_chat_template(tokenizer, tmp_path).source == "built-in plain"  # no template file: the default
     (tmp_path / "chat_template.jinja").write_text(
         "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}")

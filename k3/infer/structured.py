@@ -1,0 +1,187 @@
+"""Grammar-constrained decoding (structured output) with llguidance: response_format json_object /
+json_schema, and forced tool calls (tool_choice "required" or a named function) in the chat format's syntax.
+
+A `Grammar` (a Lark grammar for llguidance, compiled once per request) travels in SamplingParams.grammar; each
+sequence that samples under it gets its own matcher (`Grammar.matcher()`), which the engine asks for the
+allowed tokens before every sample and tells the sampled token after. The engine unpacks the matchers'
+bitmasks on the device and masks those rows only, so constrained and free requests share a batch. A matcher
+that has reached the grammar's end stops its sequence (finish_reason "stop").
+
+JSON is generated without free whitespace (llguidance's whitespace_flexible off), so a model cannot spend its
+tokens on blanks, and an object schema that lists properties without saying otherwise takes no others
+(additionalProperties false, as vLLM's strict default).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from k3.chat.reply import (K3_CALL_CLOSE, K3_CALL_OPEN, KIMI_CALL_ARGS, KIMI_CALL_CLOSE, KIMI_CALL_OPEN,
+                           KIMI_SECTION_CLOSE, KIMI_SECTION_OPEN)
+
+MAX_SCHEMA_CHARS = 100_000
+
+
+def available() -> bool:
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.torch  # noqa: F401
+    except ImportError as error:
+        raise RuntimeError("structured output and forced tool calls need llguidance: pip install 'k3[serve]' "
+                           "(or pip install llguidance)") from error
+    return llguidance
+
+
+class GrammarTokenizer:
+    """The tokenizer as llguidance sees it (built once per served model: a vocabulary scan)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        llg = _llguidance()
+        self.vocab_size = vocab_size
+        eos = getattr(tokenizer, "eos_token_id", None)
+        backend = getattr(tokenizer, "backend", None)
+        if hasattr(backend, "to_str"):  # the `tokenizers` library (k3's BPE, HF tokenizer.json)
+            self.ll = llg.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos if eos is not None else 0)
+        elif hasattr(tokenizer, "encoding") or getattr(tokenizer, "kind", None) == "tiktoken":
+            from llguidance.tiktoken import lltokenizer_from_encoding
+
+            encoding = tokenizer.encoding if hasattr(tokenizer, "encoding") else tokenizer.backend
+            self.ll = lltokenizer_from_encoding(encoding, n_vocab=vocab_size, eos_token=eos)
+        else:
+            raise ValueError(f"structured output does not know how to read a {type(tokenizer).__name__}'s "
+                             f"vocabulary (it reads `tokenizers` and tiktoken tokenizers)")
+        self.special = set(getattr(tokenizer, "special_tokens", {}) or {})
+
+    def literal(self, text: str) -> str:
+        """A Lark literal for marker text: the special token itself where the tokenizer has one, else the text."""
+        return text if text in self.special else json.dumps(text)
+
+
+@dataclass
+class Grammar:
+    """A compiled grammar for one request; matcher() gives each sequence its own state."""
+
+    tokenizer: GrammarTokenizer
+    lark: str
+    description: str
+
+    def __post_init__(self) -> None:
+        llg = _llguidance()
+        self._grammar = llg.grammar_from("lark", self.lark)
+        probe = llg.LLMatcher(self.tokenizer.ll, self._grammar, log_level=0)
+        if probe.is_error():
+            raise ValueError(f"the {self.description} cannot be used: {probe.get_error()}")
+
+    def matcher(self) -> "Matcher":
+        return Matcher(self)
+
+
+class Matcher:
+    """One sequence's position in its grammar."""
+
+    def __init__(self, grammar: Grammar) -> None:
+        llg = _llguidance()
+        self.grammar = grammar
+        self.state = llg.LLMatcher(grammar.tokenizer.ll, grammar._grammar, log_level=0)
+        if self.state.is_error():
+            raise ValueError(f"the {grammar.description} cannot be used: {self.state.get_error()}")
+
+    @property
+    def stopped(self) -> bool:
+        return self.state.is_stopped() or self.state.is_error()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        import llguidance.torch as llt
+
+        llt.fill_next_token_bitmask(self.state, bitmask, row)
+
+    def advance(self, token: int) -> None:
+        if not self.state.is_stopped():
+            self.state.consume_token(token)
+
+
+def allowed_rows(matchers: list[Matcher], vocab: int, device: torch.device) -> torch.Tensor:
+    """[len(matchers), vocab] bool on the device: the tokens each matcher allows next. The bitmasks are filled
+    on the host (llguidance), then unpacked on the device."""
+    import llguidance.torch as llt
+
+    bitmask = llt.allocate_token_bitmask(len(matchers), vocab)
+    for row, matcher in enumerate(matchers):
+        matcher.fill(bitmask, row)
+    words = bitmask.to(device, non_blocking=True)
+    shifts = torch.arange(32, device=device, dtype=torch.int32)
+    bits = (words[:, :, None] >> shifts) & 1
+    return bits.reshape(len(matchers), -1)[:, :vocab].bool()
+
+
+# --- grammars of requests -------------------------------------------------------------------------------
+def _closed(schema: Any) -> Any:
+    """The schema with additionalProperties false wherever an object lists its properties and says nothing
+    (as vLLM's default strict mode does): otherwise a model may add keys without end."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: _closed(value) if key not in ("enum", "const", "default", "examples") else value
+           for key, value in schema.items()}
+    if "properties" in out and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _schema_text(schema: dict[str, Any]) -> str:
+    schema = {**_closed(schema), "x-guidance": {"whitespace_flexible": False}}
+    text = json.dumps(schema)
+    if len(text) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"the JSON schema has {len(text)} characters; at most {MAX_SCHEMA_CHARS} are accepted")
+    return text
+
+
+def json_grammar(tokenizer: GrammarTokenizer, schema: dict[str, Any] | None) -> Grammar:
+    """Any JSON object (schema None), or JSON valid under `schema`."""
+    schema = schema if schema is not None else {"type": "object"}
+    return Grammar(tokenizer, f"start: %json {_schema_text(schema)}\n",
+                   "JSON schema" if schema != {"type": "object"} else "JSON object grammar")
+
+
+def tool_call_grammar(tokenizer: GrammarTokenizer, syntax: str, tools: list[dict[str, Any]],
+                      parallel: bool = True, end: str | None = None) -> Grammar:
+    """One or more calls (one if not parallel) to the given tools, in the chat format's syntax, each with
+    arguments valid under the tool's parameters schema; then `end` (the turn's end marker text) if given."""
+    lit = tokenizer.literal
+    rules, names = [], []
+    for index, tool in enumerate(tools):
+        function = tool["function"]
+        schema = function.get("parameters") or {"type": "object"}
+        name = function["name"]
+        if syntax == "kimi_k2":
+            rules.append(f'call{index}: {lit(KIMI_CALL_OPEN)} {json.dumps("functions." + name + ":")} /[0-9]{{1,2}}/ '
+                         f'{lit(KIMI_CALL_ARGS)} %json {_schema_text(schema)} {lit(KIMI_CALL_CLOSE)}')
+        elif syntax == "k3":
+            head = '{"name": ' + json.dumps(name) + ', "arguments": '
+            rules.append(f'call{index}: {lit(K3_CALL_OPEN)} {json.dumps(head)} %json {_schema_text(schema)} "}}" '
+                         f'{lit(K3_CALL_CLOSE)}')
+        else:
+            raise ValueError("this chat format has no tool-call syntax, so calls cannot be forced")
+        names.append(f"call{index}")
+    repeat = "+" if parallel else ""
+    calls = f"({' | '.join(names)}){repeat}"
+    if syntax == "kimi_k2":
+        body = f"{lit(KIMI_SECTION_OPEN)} {calls} {lit(KIMI_SECTION_CLOSE)}"
+    else:
+        body = calls
+    if end:
+        body += f" {lit(end)}"
+    return Grammar(tokenizer, f"start: {body}\n" + "\n".join(rules) + "\n", "tool-call grammar")
