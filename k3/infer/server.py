@@ -528,7 +528,8 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
     async def chat_completions(request: Request) -> Response:
         body = parse_request(await request.body(), ChatCompletionRequest)
         check_model(body.model, server.model_name)
-        plan = plan_chat(body, server.chat_template, tokenizer, server.grammar_tokenizer)
+        # Off the event loop: compiling a request's grammar (a large schema) takes a while.
+        plan = await asyncio.to_thread(plan_chat, body, server.chat_template, tokenizer, server.grammar_tokenizer)
         messages = plan.messages
         urls = [url for m in body.messages for url in m.image_urls()]
         if urls and server.images is None:

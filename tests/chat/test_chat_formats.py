@@ -151,3 +151,16 @@ def test_a_call_to_a_tool_not_offered_is_content():
     text = '<tool_call>{"name": "rm", "arguments": {}}</tool_call>'
     parsed = parse_reply(text, "k3", tool_names={"f"})
     assert parsed.calls == [] and parsed.content == text
+
+
+def test_serve_chat_template_flag_takes_a_builtin_or_a_file(tmp_path):
+    from k3.infer.chat_template import ChatTemplate
+    from k3.infer.serve_cli import _check_args, chosen_chat_template
+
+    loaded = ChatTemplate()
+    assert chosen_chat_template("kimi_k2", loaded).name == "kimi_k2"
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert chosen_chat_template(str(tmp_path / "t.jinja"), loaded).render([{"role": "user", "content": "a"}]) == "a"
+    args = argparse.Namespace(port=0, max_batch=1, max_context=8, max_queue=0, chat_template="nope")
+    with pytest.raises(FileNotFoundError, match="not a built-in format"):
+        _check_args(args)
