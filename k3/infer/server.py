@@ -318,7 +318,6 @@ class _ChatFormat(_Format):
         super().__init__(server, top_logprobs, return_token_ids)
         self.plan = plan  # k3.infer.chat_request.ChatPlan: how replies are read (reasoning, tool calls)
         self.parsers: dict[int, Any] = {}
-        self.calls_sent: dict[int, int] = {}
 
     def _parser(self, choice: Choice):
         if choice.index not in self.parsers:
@@ -352,13 +351,16 @@ class _ChatFormat(_Format):
             parsed.content += last.content
             parsed.reasoning += last.reasoning
             parsed.calls += last.calls
+            parsed.call_parts += last.call_parts
         delta: dict[str, Any] = {"content": parsed.content}
         if parsed.reasoning:
             delta["reasoning_content"] = parsed.reasoning
-        if parsed.calls:
-            first = self.calls_sent.get(choice.index, 0)
-            delta["tool_calls"] = [{"index": first + i, **call.as_openai()} for i, call in enumerate(parsed.calls)]
-            self.calls_sent[choice.index] = first + len(parsed.calls)
+        calls = [{"index": index, **({"id": call_id, "type": "function"} if call_id else {}),
+                  "function": {**({"name": name} if name else {}), "arguments": fragment}}
+                 for index, call_id, name, fragment in parsed.call_parts]
+        calls += [{"index": call.index, **call.as_openai()} for call in parsed.calls if not call.streamed]
+        if calls:
+            delta["tool_calls"] = calls
         if update.first == 0:
             delta["role"] = "assistant"
         out = {"index": choice.index, "delta": delta,
