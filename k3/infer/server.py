@@ -1,7 +1,9 @@
 """`k3 serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the AsyncEngine.
 
-    POST /v1/completions        prompt (text, texts, token ids), n, logprobs (int), stop, seed, stream
-    POST /v1/chat/completions   messages through the chat template, logprobs (bool) + top_logprobs (int)
+    POST /v1/completions        prompt (text, texts, token ids), n, logprobs (int), stop, seed, stream, echo
+    POST /v1/chat/completions   messages through the model's chat format (k3.chat), logprobs (bool) +
+                                top_logprobs (int), tools / tool_choice, response_format; replies read back
+                                into content, reasoning_content and tool_calls (k3.infer.chat_request)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 One HTTP request becomes one engine request per prompt (n samples each). Their token events are merged into
@@ -27,8 +29,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.infer.async_engine import EngineDead, QueueFull
 from k3.chat.reply import ReplyParser
+from k3.infer.async_engine import EngineDead, QueueFull
 from k3.infer.chat_request import plan_chat
 from k3.infer.chat_template import ChatTemplate, load_chat_template
 from k3.infer.detokenize import TextAssembler
