@@ -305,3 +305,22 @@ def test_an_api_key_is_required_when_set():
                 client.models.list()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("tools,words", [
+    ([WEATHER] * 129, "at most 128"),
+    ([{"type": "function", "function": {"name": "rm -rf /", "parameters": {}}}], "string should match pattern"),
+    ([WEATHER, WEATHER], "same name"),
+    ([{"type": "retrieval"}], "tools"),
+])
+def test_bad_tools_are_a_400_that_says_why(tools, words):
+    from k3.chat import ChatFormat, builtin_template
+    from k3.infer.chat_request import plan_chat
+    from k3.infer.protocol import APIError, ChatCompletionRequest, parse_request
+
+    with pytest.raises(APIError) as caught:
+        body = parse_request(json.dumps({"model": "m", "messages": ASK, "tools": tools}).encode(),
+                             ChatCompletionRequest)
+        plan_chat(body, ChatFormat(builtin_template("kimi_k2")), None, None)
+    assert caught.value.status == 400 and caught.value.param.startswith("tools")
+    assert words in caught.value.message.lower() or words in caught.value.message, caught.value.message
