@@ -16,6 +16,7 @@ That needs a template whose text for a conversation starts with its text for eve
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -28,6 +29,7 @@ BUILTIN = ("kimi_k2", "k3", "plain")
 KIMI_END = "<|im_end|>"
 
 
+@functools.lru_cache(maxsize=None)
 def builtin_template(name: str) -> str:
     if name not in BUILTIN:
         raise ValueError(f"unknown chat format {name!r}; built in: {', '.join(BUILTIN)}")

@@ -35,6 +35,8 @@ class ParsedCall:
     id: str
     name: str
     arguments: str  # the JSON text of an object, as OpenAI sends it
+    index: int = 0  # the call's place in the reply
+    streamed: bool = False  # sent in pieces (Delta.call_parts) as it came
 
     def as_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -47,9 +49,12 @@ class Delta:
     reasoning: str = ""
     content: str = ""
     calls: list[ParsedCall] = field(default_factory=list)
+    # With stream_arguments: pieces of calls as they stream, (call index, id or None, name or None, arguments
+    # text); the id and name come once, first, then the arguments in fragments.
+    call_parts: list[tuple[int, str | None, str | None, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
+        return bool(self.reasoning or self.content or self.calls or self.call_parts)
 
 
 def _held_back(text: str, markers: tuple[str, ...]) -> int:
@@ -69,12 +74,16 @@ class ReplyParser:
     the request offered (a call to another is malformed), None = any."""
 
     def __init__(self, tool_syntax: str | None = None, thinking: bool = False,
-                 tool_names: set[str] | None = None) -> None:
+                 tool_names: set[str] | None = None, stream_arguments: bool = False) -> None:
         self.syntax, self.tool_names = tool_syntax, tool_names
+        # Kimi-K2 calls only, and only where a grammar makes the arguments valid: send them as they come.
+        self.stream_arguments = stream_arguments and tool_syntax == "kimi_k2"
+        self.current: ParsedCall | None = None
         self.state = "start" if thinking else "content"
         self.buffer = ""
         self.calls: list[ParsedCall] = []
         self.reasoning = self.content = ""
+        self.parts_sent = 0
         if tool_syntax == "kimi_k2":
             self.open_marker = KIMI_SECTION_OPEN
         elif tool_syntax == "k3":
@@ -96,6 +105,10 @@ class ReplyParser:
         delta = Delta()
         while self._step(delta, final=True):
             pass
+        if self.state == "args":  # a streamed call cut short (max_tokens): it ends where the reply did
+            self._argument_fragment(self.buffer, delta)
+            delta.calls.append(self.current)
+            self.buffer, self.current, self.state = "", None, "tools"
         if self.buffer:  # whatever is left is text: an unclosed tool section is malformed
             if self.state in ("tools", "call"):
                 opened = "" if self.state == "tools" else \
@@ -154,7 +167,41 @@ class ReplyParser:
         return self._k3_step(delta)
 
     # --- the two syntaxes -------------------------------------------------------------------------
+    def _argument_fragment(self, text: str, delta: Delta) -> None:
+        if text:
+            self.current.arguments += text
+            delta.call_parts.append((self.parts_sent - 1, None, None, text))
+
+    def _kimi_streamed_step(self, delta: Delta) -> bool | None:
+        """A call's header, then its arguments as they arrive; None where the whole-call path must decide."""
+        if self.state == "call":
+            if KIMI_CALL_ARGS not in self.buffer:
+                return False if KIMI_CALL_CLOSE not in self.buffer else None
+            call_id, rest = self.buffer.split(KIMI_CALL_ARGS, 1)
+            match = _KIMI_ID.match(call_id)
+            if match is None or (self.tool_names is not None and match.group(1) not in self.tool_names):
+                return None
+            self.current = ParsedCall(call_id.strip(), match.group(1), "", self.parts_sent, streamed=True)
+            delta.call_parts.append((self.parts_sent, self.current.id, self.current.name, ""))
+            self.parts_sent += 1
+            self.buffer, self.state = rest, "args"
+            return True
+        end = self.buffer.find(KIMI_CALL_CLOSE)
+        if end < 0:
+            keep = _held_back(self.buffer, (KIMI_CALL_CLOSE,))
+            self._argument_fragment(self.buffer[:len(self.buffer) - keep], delta)
+            self.buffer = self.buffer[len(self.buffer) - keep:]
+            return False
+        self._argument_fragment(self.buffer[:end], delta)
+        delta.calls.append(self.current)
+        self.buffer, self.current, self.state = self.buffer[end + len(KIMI_CALL_CLOSE):], None, "tools"
+        return True
+
     def _kimi_step(self, delta: Delta) -> bool:
+        if self.stream_arguments and self.state in ("call", "args"):
+            moved = self._kimi_streamed_step(delta)
+            if moved is not None:
+                return moved
         stripped = self.buffer.lstrip()
         if self.state == "tools":
             if stripped.startswith(KIMI_SECTION_CLOSE):
@@ -222,7 +269,8 @@ class ReplyParser:
         if self.tool_names is not None and name not in self.tool_names:
             self._malformed(raw, f"no tool named {name!r} was offered", delta)
             return
-        delta.calls.append(ParsedCall(call_id, name, arguments.strip() or "{}"))
+        delta.calls.append(ParsedCall(call_id, name, arguments.strip() or "{}", self.parts_sent))
+        self.parts_sent += 1
 
     def _malformed(self, raw: str, why: str, delta: Delta) -> None:
         log.warning("a tool call in the reply could not be read (%s); it is returned as content: %.200r", why, raw)

@@ -25,7 +25,8 @@ class ChatPlan:
     thinking: bool
 
     def parser(self) -> ReplyParser:
-        return ReplyParser(self.tool_syntax, self.thinking, self.tool_names)
+        # A grammar makes forced calls valid, so their arguments can stream as they come.
+        return ReplyParser(self.tool_syntax, self.thinking, self.tool_names, stream_arguments=self.grammar is not None)
 
 
 def chat_messages(body: ChatCompletionRequest) -> list[dict[str, Any]]:

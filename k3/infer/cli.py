@@ -250,6 +250,7 @@ def register(subparsers) -> None:
     gen.set_defaults(func=generate_command)
 
     chat = subparsers.add_parser("chat", help="talk to a trained run or an HF model on the terminal",
-                                 description="A chat loop in the model's chat format; the cache keeps the conversation.")
+                                 description="A chat loop in the model's chat format; the cache keeps the "
+                                             "conversation.")
     _add_common(chat)
     chat.set_defaults(func=chat_command)

@@ -56,6 +56,26 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-context must be >= 2 (a prompt token and a new one), got {args.max_context}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    from k3.chat import BUILTIN
+
+    template = getattr(args, "chat_template", None)
+    if template and template not in BUILTIN and not Path(template).is_file():
+        raise FileNotFoundError(f"--chat-template {template}: no such file, and not a built-in format "
+                                f"({', '.join(BUILTIN)})")
+
+
+def chosen_chat_template(choice: str, loaded):
+    """--chat-template: a built-in format's name (kimi_k2, k3, plain) or a Jinja file, instead of the model's."""
+    from k3.chat import BUILTIN, builtin_template
+    from k3.infer.chat_template import ChatTemplate
+
+    if choice in BUILTIN:
+        return ChatTemplate(builtin_template(choice), f"built-in {choice}", loaded.bos_token, loaded.eos_token)
+    path = Path(choice)
+    if not path.is_file():
+        raise FileNotFoundError(f"--chat-template {choice}: no such file, and not a built-in format "
+                                f"({', '.join(BUILTIN)})")
+    return ChatTemplate(path.read_text(encoding="utf-8"), str(path), loaded.bos_token, loaded.eos_token)
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -79,6 +99,8 @@ def serve_command(args: argparse.Namespace) -> int:
     engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
                     prefix_cache=not args.no_prefix_cache)
     template = load_chat_template(tokenizer, _tokenizer_directory(args.run, args.model))
+    if args.chat_template:
+        template = chosen_chat_template(args.chat_template, template)
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
     import os
 
@@ -110,6 +132,8 @@ def register(subparsers) -> None:
     source.add_argument("--model", help="a Hugging Face-format model directory")
     source.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
     source.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+    source.add_argument("--chat-template", help="the chat format instead of the model's own: a built-in name "
+                                                "(kimi_k2, k3, plain) or a Jinja chat template file")
     source.add_argument("--served-model-name", help="the model name clients send (default: the directory's name)")
     http = serve.add_argument_group("server")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "

@@ -1,7 +1,9 @@
 """`k3 serve`: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over the AsyncEngine.
 
-    POST /v1/completions        prompt (text, texts, token ids), n, logprobs (int), stop, seed, stream
-    POST /v1/chat/completions   messages through the chat template, logprobs (bool) + top_logprobs (int)
+    POST /v1/completions        prompt (text, texts, token ids), n, logprobs (int), stop, seed, stream, echo
+    POST /v1/chat/completions   messages through the model's chat format (k3.chat), logprobs (bool) +
+                                top_logprobs (int), tools / tool_choice, response_format; replies read back
+                                into content, reasoning_content and tool_calls (k3.infer.chat_request)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 One HTTP request becomes one engine request per prompt (n samples each). Their token events are merged into
@@ -27,8 +29,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.infer.async_engine import EngineDead, QueueFull
 from k3.chat.reply import ReplyParser
+from k3.infer.async_engine import EngineDead, QueueFull
 from k3.infer.chat_request import plan_chat
 from k3.infer.chat_template import ChatTemplate, load_chat_template
 from k3.infer.detokenize import TextAssembler
@@ -318,7 +320,6 @@ class _ChatFormat(_Format):
         super().__init__(server, top_logprobs, return_token_ids)
         self.plan = plan  # k3.infer.chat_request.ChatPlan: how replies are read (reasoning, tool calls)
         self.parsers: dict[int, Any] = {}
-        self.calls_sent: dict[int, int] = {}
 
     def _parser(self, choice: Choice):
         if choice.index not in self.parsers:
@@ -352,13 +353,16 @@ class _ChatFormat(_Format):
             parsed.content += last.content
             parsed.reasoning += last.reasoning
             parsed.calls += last.calls
+            parsed.call_parts += last.call_parts
         delta: dict[str, Any] = {"content": parsed.content}
         if parsed.reasoning:
             delta["reasoning_content"] = parsed.reasoning
-        if parsed.calls:
-            first = self.calls_sent.get(choice.index, 0)
-            delta["tool_calls"] = [{"index": first + i, **call.as_openai()} for i, call in enumerate(parsed.calls)]
-            self.calls_sent[choice.index] = first + len(parsed.calls)
+        calls = [{"index": index, **({"id": call_id, "type": "function"} if call_id else {}),
+                  "function": {**({"name": name} if name else {}), "arguments": fragment}}
+                 for index, call_id, name, fragment in parsed.call_parts]
+        calls += [{"index": call.index, **call.as_openai()} for call in parsed.calls if not call.streamed]
+        if calls:
+            delta["tool_calls"] = calls
         if update.first == 0:
             delta["role"] = "assistant"
         out = {"index": choice.index, "delta": delta,
@@ -528,7 +532,8 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
     async def chat_completions(request: Request) -> Response:
         body = parse_request(await request.body(), ChatCompletionRequest)
         check_model(body.model, server.model_name)
-        plan = plan_chat(body, server.chat_template, tokenizer, server.grammar_tokenizer)
+        # Off the event loop: compiling a request's grammar (a large schema) takes a while.
+        plan = await asyncio.to_thread(plan_chat, body, server.chat_template, tokenizer, server.grammar_tokenizer)
         messages = plan.messages
         urls = [url for m in body.messages for url in m.image_urls()]
         if urls and server.images is None:

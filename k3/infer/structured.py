@@ -24,6 +24,7 @@ from k3.chat.reply import (K3_CALL_CLOSE, K3_CALL_OPEN, KIMI_CALL_ARGS, KIMI_CAL
                            KIMI_SECTION_CLOSE, KIMI_SECTION_OPEN)
 
 MAX_SCHEMA_CHARS = 100_000
+MAX_FORCED_CALLS = 8  # calls in one forced reply: a model cannot loop on calls until max_tokens
 
 
 def available() -> bool:
@@ -157,8 +158,8 @@ def json_grammar(tokenizer: GrammarTokenizer, schema: dict[str, Any] | None) -> 
 
 
 def tool_call_grammar(tokenizer: GrammarTokenizer, syntax: str, tools: list[dict[str, Any]],
-                      parallel: bool = True, end: str | None = None) -> Grammar:
-    """One or more calls (one if not parallel) to the given tools, in the chat format's syntax, each with
+                      parallel: bool = True, end: str | None = None, max_calls: int = MAX_FORCED_CALLS) -> Grammar:
+    """One to max_calls calls (one if not parallel) to the given tools, in the chat format's syntax, each with
     arguments valid under the tool's parameters schema; then `end` (the turn's end marker text) if given."""
     lit = tokenizer.literal
     rules, names = [], []
@@ -176,7 +177,7 @@ def tool_call_grammar(tokenizer: GrammarTokenizer, syntax: str, tools: list[dict
         else:
             raise ValueError("this chat format has no tool-call syntax, so calls cannot be forced")
         names.append(f"call{index}")
-    repeat = "+" if parallel else ""
+    repeat = f"{{1,{max_calls}}}" if parallel else ""
     calls = f"({' | '.join(names)}){repeat}"
     if syntax == "kimi_k2":
         body = f"{lit(KIMI_SECTION_OPEN)} {calls} {lit(KIMI_SECTION_CLOSE)}"

@@ -151,3 +151,31 @@ def test_a_call_to_a_tool_not_offered_is_content():
     text = '<tool_call>{"name": "rm", "arguments": {}}</tool_call>'
     parsed = parse_reply(text, "k3", tool_names={"f"})
     assert parsed.calls == [] and parsed.content == text
+
+
+def test_serve_chat_template_flag_takes_a_builtin_or_a_file(tmp_path):
+    from k3.infer.chat_template import ChatTemplate
+    from k3.infer.serve_cli import _check_args, chosen_chat_template
+
+    loaded = ChatTemplate()
+    assert chosen_chat_template("kimi_k2", loaded).name == "kimi_k2"
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert chosen_chat_template(str(tmp_path / "t.jinja"), loaded).render([{"role": "user", "content": "a"}]) == "a"
+    args = argparse.Namespace(port=0, max_batch=1, max_context=8, max_queue=0, chat_template="nope")
+    with pytest.raises(FileNotFoundError, match="not a built-in format"):
+        _check_args(args)
+
+
+def test_a_new_training_run_saves_its_chat_format_with_the_tokenizer(tmp_path):
+    """sft / rl / distill start a run through start_or_restore: the format they train in is saved with the
+    tokenizer, and what `k3 serve --run` loads from it is that format."""
+    from k3.data.tokenizer import load_tokenizer, train_bpe
+    from k3.infer.chat_template import load_chat_template
+    from k3.rl.run_dir import start_or_restore
+
+    tokenizer = train_bpe(["hello world"] * 4, vocab_size=270, show_progress=False)
+    assert tokenizer.chat_template is None
+    assert start_or_restore(tmp_path, None, None, tokenizer, "sft_config.json", {}, {}) == 0
+    assert (tmp_path / "tokenizer" / "chat_template.jinja").read_text() == builtin_template("k3")
+    served = load_chat_template(load_tokenizer(tmp_path / "tokenizer"), tmp_path / "tokenizer")
+    assert served.name == "k3" and served.tool_syntax == "k3"

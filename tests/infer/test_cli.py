@@ -51,6 +51,13 @@ def test_chat_keeps_the_conversation(run, capsys, monkeypatch):
     assert len(capsys.readouterr().out.splitlines()) == 2
 
 
+def test_generate_chat_renders_the_prompt_in_the_runs_chat_format(run, capsys):
+    """A `k3 train` run has no chat template: the plain format; the prompt printed is the rendered one."""
+    assert main(["generate", "--run", str(run), "--chat", "--prompt", "hi", "--max-new-tokens", "3",
+                 "--temperature", "0", "--no-stream"]) == 0
+    assert "User: hi\nAssistant:" in capsys.readouterr().out
+
+
 def test_generate_from_a_hugging_face_directory(run, tmp_path, capsys):
     from k3.checkpoint.hf import save_pretrained
     from k3.infer.cli import load_for_inference

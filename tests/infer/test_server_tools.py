@@ -138,6 +138,22 @@ def test_required_and_named_tool_choice_force_a_valid_call(served, client, choic
             assert call.function.name in ("get_weather", "get_time")
 
 
+def test_a_forced_call_streams_its_arguments_in_fragments(served, client):
+    """Under a grammar the arguments are valid as they come: id and name first, then argument fragments that
+    add up to the non-streamed call's arguments."""
+    kwargs = dict(model="tiny", messages=ASK, tools=[WEATHER, CLOCK], parallel_tool_calls=False, max_tokens=250,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    parts = [part for chunk in client.chat.completions.create(stream=True, **kwargs)
+             for part in chunk.choices[0].delta.tool_calls or []]
+    assert len(parts) > 2 and {part.index for part in parts} == {0}
+    assert (parts[0].id, parts[0].function.name) == (whole.message.tool_calls[0].id, "get_weather")
+    assert all(part.id is None and part.function.name is None for part in parts[1:])
+    arguments = "".join(part.function.arguments or "" for part in parts)
+    assert arguments == whole.message.tool_calls[0].function.arguments and "city" in json.loads(arguments)
+    assert whole.finish_reason == "tool_calls"
+
+
 def test_history_with_tool_calls_and_results_renders(served, client):
     server, tokenizer, force = served
     reply(tokenizer, force, "Sunny.<|im_end|>")
@@ -289,3 +305,22 @@ def test_an_api_key_is_required_when_set():
                 client.models.list()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("tools,words", [
+    ([WEATHER] * 129, "at most 128"),
+    ([{"type": "function", "function": {"name": "rm -rf /", "parameters": {}}}], "string should match pattern"),
+    ([WEATHER, WEATHER], "same name"),
+    ([{"type": "retrieval"}], "tools"),
+])
+def test_bad_tools_are_a_400_that_says_why(tools, words):
+    from k3.chat import ChatFormat, builtin_template
+    from k3.infer.chat_request import plan_chat
+    from k3.infer.protocol import APIError, ChatCompletionRequest, parse_request
+
+    with pytest.raises(APIError) as caught:
+        body = parse_request(json.dumps({"model": "m", "messages": ASK, "tools": tools}).encode(),
+                             ChatCompletionRequest)
+        plan_chat(body, ChatFormat(builtin_template("kimi_k2")), None, None)
+    assert caught.value.status == 400 and caught.value.param.startswith("tools")
+    assert words in caught.value.message.lower() or words in caught.value.message, caught.value.message
