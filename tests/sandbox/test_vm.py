@@ -1,0 +1,115 @@
+"""The microVM backend end to end: a process inside the guest (a shell loop counting in memory)
+goes on from exactly its snapshot state after restore, forks diverge without seeing each other,
+and a guest agent that stops answering makes the host call fail by its deadline.
+
+Slow: the first sandbox boots the guest kernel (under TCG on hosts without hardware KVM, a minute
+or more on a busy machine); later ones restore the boot snapshot."""
+
+import shutil
+
+import pytest
+
+from k3.sandbox.local import SandboxError
+
+pytestmark = pytest.mark.slow
+
+COUNTER = ("i=0; while true; do if [ -e /tmp/poke ]; then rm /tmp/poke; i=$((i+1)); "
+           "echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; fi; sleep 0.05; done")
+
+
+def _vm_missing() -> str | None:
+    from k3.sandbox.vm.config import VmConfig, VmUnavailable, qemu_path
+
+    try:
+        config = VmConfig().resolved()
+        qemu_path(config)
+    except VmUnavailable as error:
+        return str(error)
+    if shutil.which("mkfs.ext4") is None and shutil.which("mkfs.ext4", path="/sbin:/usr/sbin") is None:
+        return "mkfs.ext4 is missing (apt-get install e2fsprogs)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def vm(sandbox_home):
+    reason = _vm_missing()
+    if reason:
+        pytest.skip(f"no microVM here: {reason}")
+    from k3.sandbox import Limits, Sandbox
+
+    box = Sandbox(limits=Limits(memory_mb=256, cpus=1.0), backend="vm")
+    yield box
+    box.close()
+
+
+def _poke(box, expected: int) -> None:
+    """Ask the counting loop for one more step and wait (bounded) until it reports ``expected``."""
+    box.write_file("/tmp/poke", "")
+    result = box.exec(f"for n in $(seq 600); do [ \"$(cat /tmp/count 2>/dev/null)\" = {expected} ] && exit 0; "
+                      "sleep 0.05; done; cat /tmp/count; exit 1", timeout=120)
+    assert result.exit_code == 0, f"the counter did not reach {expected}: it says {result.stdout!r}"
+
+
+def test_vm_backend_runs_commands(vm):
+    assert vm.backend == "vm"
+    result = vm.exec("echo hello; uname -s")
+    assert result.ok and result.stdout == "hello\nLinux\n"
+    vm.write_file("/work/x.txt", b"data\x00bytes")
+    assert vm.read_file("/work/x.txt") == b"data\x00bytes"
+    with pytest.raises(FileNotFoundError):
+        vm.read_file("/work/none")
+
+
+def test_counting_process_resumes_from_its_snapshot_state(vm):
+    vm.exec(f"({COUNTER}) > /dev/null 2>&1 &")
+    for expected in (1, 2, 3):
+        _poke(vm, expected)
+    snap = vm.snapshot()
+    for expected in (4, 5):  # the original goes on past the snapshot
+        _poke(vm, expected)
+    vm.restore(snap)
+    # The same process, with i == 3 in its memory: its next step is 4, not 6 and not 1.
+    assert vm.read_file("/tmp/count") == b"3\n"
+    _poke(vm, 4)
+    assert vm.exec("ps -o comm= 2>/dev/null | grep -c sh || ls /proc | grep -c '^[0-9]'").ok
+
+
+def test_forks_diverge_without_seeing_each_other(vm):
+    snap = vm.snapshot()
+    first, second = vm.fork(snap, 2)
+    try:
+        _poke(first, int(vm.read_file("/tmp/count")) + 1)
+        _poke(first, int(vm.read_file("/tmp/count")) + 2)
+        _poke(second, int(vm.read_file("/tmp/count")) + 1)
+        first.write_file("/tmp/only-first", "1")
+        assert int(first.read_file("/tmp/count")) == int(second.read_file("/tmp/count")) + 1
+        assert not second.exec("test -e /tmp/only-first").ok
+        assert not vm.exec("test -e /tmp/only-first").ok
+    finally:
+        first.close()
+        second.close()
+
+
+def test_command_timeout_kills_its_tree(vm):
+    result = vm.exec("sleep 1000", timeout=1.0)
+    assert result.timed_out and not result.ok
+
+
+def test_agent_that_stops_answering_fails_by_its_deadline(vm):
+    from dataclasses import replace
+
+    from k3.sandbox.vm import VmSandbox
+
+    # A fresh guest (the boot snapshot), with a short margin over the command's own timeout.
+    box = VmSandbox(vm.image, vm.limits, home=vm.home, config=replace(vm.config, call_margin_s=3.0))
+    snap = box.snapshot()
+    try:
+        # The command stops the agent that runs it (its parent): no answer will ever come.
+        with pytest.raises(SandboxError, match="deadline"):
+            box.exec("kill -STOP $PPID; sleep 1000", timeout=1.0)
+        with pytest.raises(SandboxError, match="broken"):
+            box.exec("true")
+        box.restore(snap)  # a restore gives a fresh guest and channel
+        assert box.exec("echo back").stdout == "back\n"
+    finally:
+        box.close()
