@@ -43,8 +43,8 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
     results["vm_accel"] = box.config.accel
     taken: list[str] = []
     try:
-        made = box.exec(f"head -c {state_mb << 20} /dev/urandom > /tmp/state && ({COUNTER}) > /dev/null 2>&1 &",
-                        timeout=600)
+        made = box.exec(f"head -c {state_mb << 20} /dev/urandom > /tmp/state || exit 1; ({COUNTER}) > /dev/null 2>&1 & "
+                        "for n in $(seq 600); do [ -e /tmp/count ] && exit 0; sleep 0.1; done; exit 1", timeout=600)
         if not made.ok:
             raise RuntimeError(f"the benchmark guest could not hold {state_mb} MB: {made.stderr}")
         samples, dirty = [], []
@@ -59,7 +59,7 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
         results["vm_snapshot_written_mb_p50"] = round(statistics.median(dirty) / (1 << 20), 1)
         results["vm_snapshot_file_mb"] = round(box.store.meta(taken[-1])["memory_bytes"] / (1 << 20), 1)
         snapshot = taken[-1]
-        expected = int(box.read_file(f"/tmp/count").strip() or 0)
+        expected = int(box.read_file("/tmp/count").strip() or 0)
 
         samples = []
         for _ in range(iterations):
