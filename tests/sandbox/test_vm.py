@@ -113,3 +113,14 @@ def test_agent_that_stops_answering_fails_by_its_deadline(vm):
         assert box.exec("echo back").stdout == "back\n"
     finally:
         box.close()
+
+
+def test_pool_hands_out_vm_sandboxes_and_wipes_them(vm):
+    from k3.sandbox import SandboxPool
+
+    with SandboxPool(vm.image, warm=1, max_concurrency=2, limits=vm.limits, home=vm.home, backend="vm") as pool:
+        with pool.sandbox() as box:
+            assert box.backend == "vm"
+            box.write_file("/tmp/dirty", "x")
+        with pool.sandbox() as box:
+            assert not box.exec("test -e /tmp/dirty").ok  # released guests go back to the base snapshot

@@ -9,6 +9,7 @@ the sandbox must be restored or closed.
 from __future__ import annotations
 
 import json
+import math
 import select
 import socket
 import struct
@@ -111,4 +112,4 @@ class Channel:
 
 
 def _left_ms(deadline: float) -> int:
-    return max(0, int((deadline - time.monotonic()) * 1000))
+    return max(0, math.ceil((deadline - time.monotonic()) * 1000))  # never wake before the deadline

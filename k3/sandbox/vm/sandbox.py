@@ -62,7 +62,8 @@ class VmSandbox:
                                guest.root_disk(image, self.home), memory_mb, cpus)
         self.id = snapshots.new_id()
         self.run_dir = os.path.join(self.scratch, "vm", "run", self.id)
-        os.makedirs(self.run_dir)
+        os.makedirs(os.path.dirname(self.run_dir), mode=0o700, exist_ok=True)  # QMP and agent sockets: root's only
+        os.makedirs(self.run_dir, mode=0o700)
         self.closed = False
         self.paused = False
         self.parent: str | None = None  # the snapshot whose memory this guest maps private
