@@ -73,6 +73,7 @@ class VmSandbox:
         self._own_memory: str | None = None
         self._generation = 0
         self._reapers: list[threading.Thread] = []
+        self.last_pause_s = 0.0  # how long the last snapshot kept the guest stopped
         try:
             self._start_from(snapshot if snapshot is not None else self._boot_snapshot())
         except BaseException:
@@ -247,19 +248,24 @@ class VmSandbox:
     def _snapshot_as(self, snapshot: str) -> str:
         qemu = self._qemu
         staging = self.store.staging()
+        memory = os.path.join(staging, "memory")
         try:
             qemu.command("stop")
+            start = time.perf_counter()
             try:
                 qemu.save_device_state(os.path.join(staging, "state"))
-                memory = os.path.join(staging, "memory")
-                if self._own_memory is not None:  # the file is the RAM (shared): copy it
+                if self._own_memory is not None:  # the file is the RAM (shared): copy it now
                     dirty = snapshots.copy_sparse(self._own_memory, memory)
-                else:  # parent's file + the pages this guest wrote since, read from QEMU
-                    snapshots.clone_or_copy(qemu.memory, memory)
-                    dirty = snapshots.write_dirty_pages(qemu.pid, qemu.memory, memory)
+                else:  # only the pages this guest wrote since its restore need the guest stopped
+                    private = snapshots.read_private_pages(qemu.pid, qemu.memory)
             finally:
                 if not self.paused:
                     qemu.command("cont")
+                self.last_pause_s = time.perf_counter() - start
+            if self._own_memory is None:  # the parent's file never changes: copy it while the guest runs
+                snapshots.clone_or_copy(qemu.memory, memory)
+                dirty = snapshots.write_pages(memory, private)
+                del private
             meta = snapshots.meta_for(snapshot, self.parent, self.machine.key(), memory, dirty)
             self.store.commit(staging, snapshot, meta)
         finally:

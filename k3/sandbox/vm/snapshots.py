@@ -161,15 +161,13 @@ def private_mapping(pid: int, memory_path: str) -> tuple[int, int]:
     return best
 
 
-def write_dirty_pages(pid: int, memory_path: str, target: str) -> int:
-    """Copy the pages QEMU ``pid`` holds privately over its mapping of ``memory_path`` into
-    ``target`` at the same offsets; return the bytes written. The guest must be stopped."""
+def read_private_pages(pid: int, memory_path: str) -> list[tuple[int, bytes]]:
+    """The pages QEMU ``pid`` holds privately over its mapping of ``memory_path`` (the guest's
+    writes since restore), as (offset in the file, bytes) runs. The guest must be stopped."""
     start, length = private_mapping(pid, memory_path)
-    pages = length // PAGE
-    written = 0
-    with open(f"/proc/{pid}/pagemap", "rb") as pagemap_file, open(f"/proc/{pid}/mem", "rb") as mem, \
-            open(target, "r+b") as out:
-        raw = os.pread(pagemap_file.fileno(), pages * 8, (start // PAGE) * 8)
+    runs = []
+    with open(f"/proc/{pid}/pagemap", "rb") as pagemap_file, open(f"/proc/{pid}/mem", "rb") as mem:
+        raw = os.pread(pagemap_file.fileno(), (length // PAGE) * 8, (start // PAGE) * 8)
         entries = struct.unpack(f"<{len(raw) // 8}Q", raw)
         run_start = None
         for index in range(len(entries) + 1):
@@ -179,11 +177,17 @@ def write_dirty_pages(pid: int, memory_path: str, target: str) -> int:
                 run_start = index
             elif not private and run_start is not None:
                 offset, size = run_start * PAGE, (index - run_start) * PAGE
-                data = os.pread(mem.fileno(), size, start + offset)
-                os.pwrite(out.fileno(), data, offset)
-                written += len(data)
+                runs.append((offset, os.pread(mem.fileno(), size, start + offset)))
                 run_start = None
-    return written
+    return runs
+
+
+def write_pages(target: str, runs: list[tuple[int, bytes]]) -> int:
+    """Write ``runs`` from ``read_private_pages`` over ``target``; return the bytes written."""
+    with open(target, "r+b") as out:
+        for offset, data in runs:
+            os.pwrite(out.fileno(), data, offset)
+    return sum(len(data) for _, data in runs)
 
 
 def allocated_bytes(path: str) -> int:
