@@ -31,6 +31,8 @@ import struct
 import time
 import uuid
 
+import numpy as np
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 FICLONE = 0x40049409
 PAGEMAP_PRESENT, PAGEMAP_SWAPPED, PAGEMAP_FILE = 1 << 63, 1 << 62, 1 << 61
@@ -168,17 +170,12 @@ def read_private_pages(pid: int, memory_path: str) -> list[tuple[int, bytes]]:
     runs = []
     with open(f"/proc/{pid}/pagemap", "rb") as pagemap_file, open(f"/proc/{pid}/mem", "rb") as mem:
         raw = os.pread(pagemap_file.fileno(), (length // PAGE) * 8, (start // PAGE) * 8)
-        entries = struct.unpack(f"<{len(raw) // 8}Q", raw)
-        run_start = None
-        for index in range(len(entries) + 1):
-            entry = entries[index] if index < len(entries) else 0
-            private = bool(entry & (PAGEMAP_PRESENT | PAGEMAP_SWAPPED)) and not entry & PAGEMAP_FILE
-            if private and run_start is None:
-                run_start = index
-            elif not private and run_start is not None:
-                offset, size = run_start * PAGE, (index - run_start) * PAGE
-                runs.append((offset, os.pread(mem.fileno(), size, start + offset)))
-                run_start = None
+        entries = np.frombuffer(raw, dtype=np.uint64)
+        private = ((entries & np.uint64(PAGEMAP_PRESENT | PAGEMAP_SWAPPED)) != 0) & ((entries & np.uint64(PAGEMAP_FILE)) == 0)
+        edges = np.flatnonzero(np.diff(np.concatenate(([False], private, [False])).astype(np.int8)))
+        for first, end in zip(edges[0::2].tolist(), edges[1::2].tolist()):  # runs of private pages
+            offset, size = first * PAGE, (end - first) * PAGE
+            runs.append((offset, os.pread(mem.fileno(), size, start + offset)))
     return runs
 
 
