@@ -124,3 +124,47 @@ def test_pool_hands_out_vm_sandboxes_and_wipes_them(vm):
             box.write_file("/tmp/dirty", "x")
         with pool.sandbox() as box:
             assert not box.exec("test -e /tmp/dirty").ok  # released guests go back to the base snapshot
+
+
+def test_owner_killed_leaves_no_qemu_running(vm):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = ("from k3.sandbox import Limits; from k3.sandbox.vm import VmSandbox; import time\n"
+              "box = VmSandbox(limits=Limits(memory_mb=256, cpus=1.0))\n"
+              "print(box.pids()[0], flush=True)\ntime.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        line = owner.stdout.readline()  # the owner prints QEMU's pid once its guest runs
+        assert line.strip().isdigit(), f"the owner did not start a guest: {line!r}"
+        qemu_pid = int(line)
+        assert os.path.exists(f"/proc/{qemu_pid}")
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{qemu_pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # PDEATHSIG: QEMU dies with its owner (a zombie entry, if any, is reaped by init at once).
+    assert not os.path.exists(f"/proc/{qemu_pid}/exe") or not os.readlink(f"/proc/{qemu_pid}/exe").endswith("qemu-system-x86_64")
+    run_root = os.path.dirname(vm.run_dir)
+    orphaned = [name for name in os.listdir(run_root) if _owner(run_root, name) == owner.pid]
+    assert orphaned, "the killed owner's run directory should exist until the next sandbox sweeps it"
+    from k3.sandbox.vm import VmSandbox
+
+    VmSandbox(vm.image, vm.limits, home=vm.home, config=vm.config).close()
+    assert not any(_owner(run_root, name) == owner.pid for name in os.listdir(run_root))
+
+
+def _owner(run_root: str, name: str) -> int | None:
+    import os
+
+    try:
+        with open(os.path.join(run_root, name, "owner")) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None

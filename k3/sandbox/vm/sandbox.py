@@ -63,14 +63,18 @@ class VmSandbox:
         self.id = snapshots.new_id()
         self.run_dir = os.path.join(self.scratch, "vm", "run", self.id)
         os.makedirs(os.path.dirname(self.run_dir), mode=0o700, exist_ok=True)  # QMP and agent sockets: root's only
+        _sweep_orphaned_run_dirs(os.path.dirname(self.run_dir))
         os.makedirs(self.run_dir, mode=0o700)
+        with open(os.path.join(self.run_dir, "owner"), "w") as f:
+            f.write(str(os.getpid()))
         self.closed = False
         self.paused = False
         self.parent: str | None = None  # the snapshot whose memory this guest maps private
         self._lock = threading.Lock()
         self._qemu: Qemu | None = None
         self._channel = None
-        self._own_memory: str | None = None
+        self._own_memory: str | None = None  # a booting guest's RAM file (shared), as /proc/self/fd/N
+        self._own_memory_fd: int | None = None
         self._generation = 0
         self._reapers: list[threading.Thread] = []
         self.last_pause_s = 0.0  # how long the last snapshot kept the guest stopped
@@ -99,11 +103,15 @@ class VmSandbox:
         memory = os.path.join(self.config.ram_dir, f"{self.id}.ram")
         with open(memory, "wb") as f:
             f.truncate(self.machine.memory_mb << 20)
-        self._own_memory = memory
         generation_dir = self._next_generation_dir()
         deadline = time.monotonic() + self.config.boot_timeout_s
         self._qemu = Qemu(self.machine, generation_dir, memory, share=True, incoming=False,
                           serial_log=os.path.join(generation_dir, "console.log"))
+        # QEMU has mapped it: keep a descriptor and drop the name, so if this process is killed
+        # (and QEMU with it, by PDEATHSIG) the kernel frees the guest's RAM file too.
+        self._own_memory_fd = os.open(memory, os.O_RDONLY)
+        os.unlink(memory)
+        self._own_memory = f"/proc/self/fd/{self._own_memory_fd}"
         self._channel = self._qemu.connect_agent(deadline)
         try:
             hello = self._channel.receive(deadline)
@@ -138,8 +146,8 @@ class VmSandbox:
 
     def _stop_current(self) -> None:
         """Kill the current QEMU off the caller's path; ``close`` waits for it."""
-        qemu, channel, own = self._qemu, self._channel, self._own_memory
-        self._qemu = self._channel = self._own_memory = None
+        qemu, channel, own = self._qemu, self._channel, self._own_memory_fd
+        self._qemu = self._channel = self._own_memory = self._own_memory_fd = None
         if qemu is None:
             return
 
@@ -148,7 +156,7 @@ class VmSandbox:
                 channel.close()
             qemu.kill()
             if own is not None:
-                os.unlink(own)
+                os.close(own)
             shutil.rmtree(qemu.run_dir, ignore_errors=True)
 
         thread = threading.Thread(target=reap, name="k3-vm-reaper", daemon=True)
@@ -277,10 +285,10 @@ class VmSandbox:
         with self._lock:
             if self.closed:
                 raise SandboxError(f"VM sandbox {self.id} is closed")
-            old = self._qemu, self._channel, self._own_memory
+            old = self._qemu, self._channel, self._own_memory, self._own_memory_fd
             self._start_from(snapshot)
             new = self._qemu, self._channel, self.parent
-            self._qemu, self._channel, self._own_memory = old
+            self._qemu, self._channel, self._own_memory, self._own_memory_fd = old
             self._stop_current()
             self._qemu, self._channel, self.parent = new
             self.paused = False
@@ -341,6 +349,19 @@ class VmSandbox:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "paused" if self.paused else "running"
         return f"VmSandbox(id={self.id!r}, image={self.image.path!r}, parent={self.parent!r}, {state})"
+
+
+def _sweep_orphaned_run_dirs(run_root: str) -> None:
+    """Remove run directories whose owner process is gone (killed before ``close``): their QEMU
+    died with it (PDEATHSIG), only sockets and logs are left. A live pid, whoever has it, is kept."""
+    for name in os.listdir(run_root):
+        try:
+            with open(os.path.join(run_root, name, "owner")) as f:
+                owner = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if not os.path.exists(f"/proc/{owner}"):
+            shutil.rmtree(os.path.join(run_root, name), ignore_errors=True)
 
 
 def _b64(value) -> bytes:
