@@ -60,6 +60,17 @@ def test_vm_backend_runs_commands(vm):
         vm.read_file("/work/none")
 
 
+def test_upload_copies_a_host_tree(vm, tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "a.sh").write_text("echo from-a\n")
+    (tmp_path / "pkg" / "a.sh").chmod(0o755)
+    (tmp_path / "one.txt").write_text("one")
+    vm.upload(str(tmp_path / "pkg"), "/work/pkg")
+    vm.upload(str(tmp_path / "one.txt"), "/work/one.txt")
+    assert vm.exec("/work/pkg/a.sh").stdout == "from-a\n"
+    assert vm.read_file("/work/one.txt") == b"one"
+
+
 def test_counting_process_resumes_from_its_snapshot_state(vm):
     vm.exec(f"({COUNTER}) > /dev/null 2>&1 &")
     for expected in (1, 2, 3):

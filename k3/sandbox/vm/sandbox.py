@@ -236,6 +236,33 @@ class VmSandbox:
         entry = {"path": _check_path(path), "data": base64.b64encode(bytes(data)).decode(), "mode": mode}
         self._data(self._call({"op": "write", "entries": [entry]}, self.config.call_margin_s), path)
 
+    def upload(self, local_path: str, sandbox_path: str) -> None:
+        """Copy a host file or directory tree into the guest (modes kept, symlinks skipped)."""
+        local_path = os.path.abspath(local_path)
+        target = _check_path(sandbox_path)
+        entries = []
+        if os.path.isfile(local_path):
+            walk = [(os.path.dirname(local_path), [], [os.path.basename(local_path)])]
+            single = True
+        elif os.path.isdir(local_path):
+            walk, single = os.walk(local_path), False
+        else:
+            raise ValueError(f"upload needs an existing file or directory on the host, got {local_path!r}")
+        for directory, _, filenames in walk:
+            rel = os.path.relpath(directory, local_path)
+            base = target if single or rel == "." else os.path.join(target, rel)
+            if not single:
+                entries.append({"path": base, "dir": True, "mode": os.stat(directory).st_mode & 0o7777})
+            for name in filenames:
+                source = os.path.join(directory, name)
+                if os.path.islink(source) or not os.path.isfile(source):
+                    continue
+                with open(source, "rb") as f:
+                    entries.append({"path": base if single else os.path.join(base, name),
+                                    "data": base64.b64encode(f.read()).decode(),
+                                    "mode": os.stat(source).st_mode & 0o7777})
+        self._data(self._call({"op": "write", "entries": entries}, self.config.call_margin_s), sandbox_path)
+
     @staticmethod
     def _data(answer: dict, path: str) -> dict:
         if answer.get("ok"):
