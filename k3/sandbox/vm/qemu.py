@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import select
+import shlex
 import signal
 import socket
 import subprocess
@@ -174,7 +175,7 @@ class Qemu:
     def load_device_state(self, path: str, deadline: float) -> None:
         """Load state written by ``save_device_state`` into this ``incoming`` QEMU; RAM is the
         memory file it was started on. Leaves the guest paused."""
-        self.command("migrate-incoming", uri=f"exec:cat {_shell_quote(path)}")
+        self.command("migrate-incoming", uri=f"exec:cat {shlex.quote(path)}")
         while True:
             status = self.command("query-migrate", timeout=max(0.001, deadline - time.monotonic())).get("status")
             if status == "completed":
@@ -212,12 +213,6 @@ class Qemu:
                 return f.read().decode(errors="replace").strip()
         except OSError:
             return ""
-
-
-def _shell_quote(path: str) -> str:
-    import shlex
-
-    return shlex.quote(path)
 
 
 # -- a launcher thread: QEMU's PDEATHSIG follows the thread that forked it ----------------------

@@ -27,7 +27,6 @@ import fcntl
 import json
 import os
 import shutil
-import struct
 import time
 import uuid
 
