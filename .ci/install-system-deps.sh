@@ -2,12 +2,14 @@
 # System packages the sandbox backend (k3.sandbox) needs, installed with apt-get as root.
 # Required: unshare(1) and the util-linux tools, ldd (libc-bin), a python3 to build the default
 # image from. Optional: criu, probed by `k3 sandbox doctor` (where `criu check` fails, memory
-# snapshots use k3's own REPL checkpoint), and python3-doc, the HTML docs the offline web serves.
+# snapshots use k3's own REPL checkpoint), python3-doc, the HTML docs the offline web serves, and
+# the microVM backend (k3.sandbox.vm): QEMU, a Debian guest kernel with its modules, a static
+# busybox for the guest's initramfs and mkfs.ext4 for its root disk.
 # Idempotent: when everything is present it does nothing and returns at once.
 set -euo pipefail
 
 required=(util-linux libc-bin python3 coreutils grep sed findutils diffutils)
-optional=(criu python3-doc)
+optional=(criu python3-doc qemu-system-x86 linux-image-cloud-amd64 busybox-static e2fsprogs)
 
 missing=()
 for package in "${required[@]}" "${optional[@]}"; do

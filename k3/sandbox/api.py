@@ -81,6 +81,17 @@ class Sandbox:
     """
 
     SNAPSHOT_HOLDS_MEMORY = False
+    backend = "local"
+
+    def __new__(cls, *args, backend: str = "local", **kwargs):
+        # backend="vm": a microVM with the same API, whose snapshots hold the whole machine.
+        if backend == "vm":
+            from k3.sandbox.vm import VmSandbox
+
+            return VmSandbox(*args, **kwargs)
+        if backend != "local":
+            raise ValueError(f"backend must be 'local' (namespaces) or 'vm' (QEMU microVM), got {backend!r}")
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -90,10 +101,12 @@ class Sandbox:
         snapshot: str | None = None,
         hostname: str = "sandbox",
         home: str | None = None,
+        backend: str = "local",
         _supervisor: local.Supervisor | None = None,
     ) -> None:
         """Create and start a sandbox from ``image`` (default: ``default_image()``), or from
-        ``snapshot`` (a snapshot id; its image is used). ``limits`` default to ``Limits()``."""
+        ``snapshot`` (a snapshot id; its image is used). ``limits`` default to ``Limits()``.
+        ``backend="vm"`` returns a ``k3.sandbox.vm.VmSandbox`` instead (see docs/sandbox.md)."""
         self.home = home or sandbox_home()
         self.scratch = scratch_dir(self.home)
         self.store = LayerStore(self.scratch)

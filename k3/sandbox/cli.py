@@ -28,6 +28,12 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     results: dict = {}
     tables = []
+    if args.backend == "vm":  # the microVM backend, with the local backend's memory bench beside it
+        from k3.sandbox import bench_vm
+
+        results = bench_vm.run(iterations=args.iterations, state_mb=args.state_mb)
+        print(json.dumps(results, indent=2) if args.json else bench_vm.format_table(results))
+        return 0
     if "base" in parts:
         results.update(bench.run(iterations=args.iterations, edits=args.edits, image_mb=args.image_mb))
         tables.append(bench.format_table(results))
@@ -133,6 +139,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="which benchmarks: base (files-only ops), memory (a 50 MB REPL); default both")
     bench.add_argument("--memory-iterations", type=int, default=20, help="timed repetitions of memory ops (default 20)")
     bench.add_argument("--state-mb", type=int, default=50, help="MB of state the benchmark REPL holds (default 50)")
+    bench.add_argument("--backend", default="local", choices=("local", "vm"),
+                       help="vm: whole-machine snapshots of a microVM, beside the local memory bench")
     bench.add_argument("--pool", type=int, default=0, help="also fill a SandboxPool with this many sandboxes (e.g. 200)")
     bench.add_argument("--ray-episodes", type=int, default=0, help="also run this many episodes on a local Ray fleet")
     bench.add_argument("--ray-workers", type=int, default=4, help="Ray workers for --ray-episodes (default 4)")

@@ -106,6 +106,7 @@ class SandboxPool:
         max_concurrency: int = 8,
         limits: Limits | None = None,
         home: str | None = None,
+        backend: str = "local",
     ) -> None:
         if warm < 0 or max_concurrency < 1 or warm > max_concurrency:
             raise ValueError(f"need 0 <= warm <= max_concurrency and max_concurrency >= 1; got warm={warm}, "
@@ -113,6 +114,7 @@ class SandboxPool:
         self.home = home or sandbox_home()
         self.image = default_image(self.home) if image is None else image if isinstance(image, Image) else Image.from_dir(image)
         self.limits = limits or Limits()
+        self.backend = backend  # "local" or "vm" (see Sandbox); VM snapshots are not pinned in the layer store
         self.warm_target = warm
         self.max_concurrency = max_concurrency
         self.store = SnapshotStore(LayerStore(scratch_dir(self.home)))
@@ -128,11 +130,12 @@ class SandboxPool:
             self._warm.append(self._new())
         if self._warm:
             self.base_snapshot = self._warm[0].snapshot()  # the clean state returned sandboxes go back to
-            self.store.pin(self.base_snapshot)
+            if backend == "local":
+                self.store.pin(self.base_snapshot)
 
     def _new(self) -> Sandbox:
         with self._timer("create"):
-            return Sandbox(self.image, self.limits, home=self.home)
+            return Sandbox(self.image, self.limits, home=self.home, backend=self.backend)
 
     @contextlib.contextmanager
     def _timer(self, name: str):
@@ -211,7 +214,7 @@ class SandboxPool:
         """Snapshot ``sandbox`` and (by default) pin it in the store until ``store.unpin``."""
         with self._timer("snapshot"):
             snapshot = sandbox.snapshot()
-        if pin:
+        if pin and self.backend == "local":
             self.store.pin(snapshot)
         return snapshot
 

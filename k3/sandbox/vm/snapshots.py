@@ -1,0 +1,195 @@
+"""Whole-machine snapshots: device state plus a memory file, restored by mapping it privately.
+
+A snapshot is a directory ``<scratch>/vm/snapshots/<id>/``::
+
+    state        CPU and device state (QEMU ``xen-save-devices-state``: no RAM in it)
+    memory       the guest's RAM, byte for byte (sparse: pages the guest never touched are holes)
+    meta.json    {"id", "parent", "machine", "created", "memory_bytes", "dirty_bytes"}
+
+How the memory file is made, as Firecracker does it:
+
+- a guest that booted here runs on its own memory file, mapped shared: the file *is* its RAM, so
+  the snapshot is a copy of that file (holes skipped);
+- a guest restored from snapshot P runs on P's file mapped private (``share=off``): pages it
+  reads come from P's page cache, shared by every guest restored from P; pages it writes become
+  private copies in its QEMU process, and P's file is never written. Its snapshot is P's file
+  (a reflink where the filesystem has them, else a copy) with only those private pages written
+  over it, read from QEMU's memory through ``/proc/<pid>/pagemap`` and ``/proc/<pid>/mem``.
+
+Restore and fork start QEMU on the snapshot's memory file mapped private and load the device
+state: nothing of the RAM is read up front, pages fault in as the guest touches them.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+
+import numpy as np
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+FICLONE = 0x40049409
+PAGEMAP_PRESENT, PAGEMAP_SWAPPED, PAGEMAP_FILE = 1 << 63, 1 << 62, 1 << 61
+ID_CHARS = 24
+
+
+def check_id(snapshot: str) -> None:
+    if not isinstance(snapshot, str) or len(snapshot) != ID_CHARS or any(c not in "0123456789abcdef" for c in snapshot):
+        raise ValueError(f"a VM snapshot id is {ID_CHARS} lowercase hex digits, got {snapshot!r}")
+
+
+class SnapshotDir:
+    """The store of VM snapshots under ``<scratch>/vm/snapshots``."""
+
+    def __init__(self, scratch: str) -> None:
+        self.root = os.path.join(scratch, "vm", "snapshots")
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+
+    def path(self, snapshot: str) -> str:
+        check_id(snapshot)
+        return os.path.join(self.root, snapshot)
+
+    def exists(self, snapshot: str) -> bool:
+        return os.path.exists(os.path.join(self.path(snapshot), "meta.json"))
+
+    def meta(self, snapshot: str) -> dict:
+        try:
+            with open(os.path.join(self.path(snapshot), "meta.json")) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"unknown VM snapshot {snapshot!r}: none in {self.root}") from None
+
+    def staging(self) -> str:
+        path = os.path.join(self.root, f".staging-{uuid.uuid4().hex}")
+        os.mkdir(path)
+        return path
+
+    def commit(self, staging: str, snapshot: str, meta: dict) -> None:
+        with open(os.path.join(staging, "meta.json"), "w") as f:
+            json.dump(meta, f)
+        for name in ("state", "memory"):
+            os.chmod(os.path.join(staging, name), 0o400)  # never written again: guests map it private
+        try:
+            os.rename(staging, self.path(snapshot))
+        except OSError as error:
+            if error.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            shutil.rmtree(staging)  # another process made the same (deterministic) snapshot first
+
+    def list(self) -> list[str]:
+        return sorted(name for name in os.listdir(self.root) if not name.startswith("."))
+
+    def remove(self, snapshot: str) -> None:
+        """Delete a snapshot; guests running on its memory keep their mapping (the inode lives on)."""
+        path = self.path(snapshot)
+        try:
+            os.unlink(os.path.join(path, "meta.json"))
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex[:ID_CHARS]
+
+
+def copy_sparse(source: str, target: str) -> int:
+    """Copy ``source`` to a new ``target``, skipping holes; return the bytes of data copied."""
+    copied = 0
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        size = os.fstat(src.fileno()).st_size
+        offset = 0
+        while offset < size:
+            try:
+                start = os.lseek(src.fileno(), offset, os.SEEK_DATA)
+            except OSError as error:
+                if error.errno == errno.ENXIO:
+                    break  # only a hole is left
+                raise
+            end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
+            copied += _copy_range(src.fileno(), dst.fileno(), start, end - start)
+            offset = end
+        os.ftruncate(dst.fileno(), size)
+    return copied
+
+
+def _copy_range(src: int, dst: int, start: int, length: int) -> int:
+    done = 0
+    while done < length:
+        try:
+            n = os.copy_file_range(src, dst, length - done, start + done, start + done)
+        except OSError as error:
+            if error.errno not in (errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+            chunk = os.pread(src, min(length - done, 8 << 20), start + done)
+            n = os.pwrite(dst, chunk, start + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def clone_or_copy(source: str, target: str) -> bool:
+    """``target`` as a reflink of ``source`` (True) or, where the filesystem has none, a sparse copy."""
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        try:
+            fcntl.ioctl(dst.fileno(), FICLONE, src.fileno())
+            return True
+        except OSError:
+            pass
+    copy_sparse(source, target)
+    return False
+
+
+def private_mapping(pid: int, memory_path: str) -> tuple[int, int]:
+    """Start and length of the mapping of ``memory_path`` in process ``pid`` (QEMU's guest RAM)."""
+    wanted = os.path.realpath(memory_path)
+    with open(f"/proc/{pid}/maps") as f:
+        best = None
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == wanted:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if best is None or end - start > best[1]:
+                    best = (start, end - start)
+    if best is None:
+        raise RuntimeError(f"QEMU (pid {pid}) has no mapping of {wanted}")
+    return best
+
+
+def read_private_pages(pid: int, memory_path: str) -> list[tuple[int, bytes]]:
+    """The pages QEMU ``pid`` holds privately over its mapping of ``memory_path`` (the guest's
+    writes since restore), as (offset in the file, bytes) runs. The guest must be stopped."""
+    start, length = private_mapping(pid, memory_path)
+    runs = []
+    with open(f"/proc/{pid}/pagemap", "rb") as pagemap_file, open(f"/proc/{pid}/mem", "rb") as mem:
+        raw = os.pread(pagemap_file.fileno(), (length // PAGE) * 8, (start // PAGE) * 8)
+        entries = np.frombuffer(raw, dtype=np.uint64)
+        private = ((entries & np.uint64(PAGEMAP_PRESENT | PAGEMAP_SWAPPED)) != 0) & ((entries & np.uint64(PAGEMAP_FILE)) == 0)
+        edges = np.flatnonzero(np.diff(np.concatenate(([False], private, [False])).astype(np.int8)))
+        for first, end in zip(edges[0::2].tolist(), edges[1::2].tolist()):  # runs of private pages
+            offset, size = first * PAGE, (end - first) * PAGE
+            runs.append((offset, os.pread(mem.fileno(), size, start + offset)))
+    return runs
+
+
+def write_pages(target: str, runs: list[tuple[int, bytes]]) -> int:
+    """Write ``runs`` from ``read_private_pages`` over ``target``; return the bytes written."""
+    with open(target, "r+b") as out:
+        for offset, data in runs:
+            os.pwrite(out.fileno(), data, offset)
+    return sum(len(data) for _, data in runs)
+
+
+def allocated_bytes(path: str) -> int:
+    return os.stat(path).st_blocks * 512
+
+
+def meta_for(snapshot: str, parent: str | None, machine: dict, memory: str, dirty: int) -> dict:
+    return {"id": snapshot, "parent": parent, "machine": machine, "created": time.time(),
+            "memory_bytes": allocated_bytes(memory), "dirty_bytes": dirty}
