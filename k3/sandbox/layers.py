@@ -26,9 +26,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from k3.sandbox import untrusted
+
 OPAQUE_XATTR = "trusted.overlay.opaque"
 ID_CHARS = 24  # hex digits kept in a layer id: short names keep the overlay mount option short
 FRESH_NS = 50_000_000  # files changed this recently (ns) are not trusted to the freeze cache
+# Apparent size (holes included) of the largest file a snapshot takes; holes are stored as holes,
+# but hashing a hole costs as much as hashing data.
+MAX_FILE_BYTES = 4 << 30
 
 
 @dataclass
@@ -132,6 +137,10 @@ class LayerStore:
                 source = directory + "/" + name
                 st = os.lstat(source)
                 if stat.S_ISREG(st.st_mode):
+                    if st.st_size > MAX_FILE_BYTES:
+                        raise untrusted.UntrustedFileError(
+                            27, f"{st.st_size} bytes; a snapshot takes files up to {MAX_FILE_BYTES} bytes "
+                            f"(holes count: truncate or delete it first)", "/" + rel)
                     signature = _signature(st)
                     hit = known.get(rel)
                     if hit is not None and hit[0] == signature:
@@ -147,8 +156,10 @@ class LayerStore:
                 elif stat.S_ISLNK(st.st_mode):
                     content = os.readlink(source).encode()
                     entries.append((rel, st, "link", content))
-                elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) or stat.S_ISFIFO(st.st_mode):
-                    content = str(st.st_rdev).encode()  # whiteouts are char devices 0:0
+                elif _is_whiteout(st) or stat.S_ISFIFO(st.st_mode):
+                    # Whiteouts are char devices 0:0; no other device node is kept (none can be
+                    # made without CAP_MKNOD, and a layer must never carry one).
+                    content = str(st.st_rdev).encode()
                     entries.append((rel, st, "node", None))
                 else:
                     continue  # sockets do not survive a snapshot
@@ -174,6 +185,7 @@ class LayerStore:
                 if os.path.exists(final):  # a half-written layer from a crash: replace it
                     shutil.rmtree(final)
                 os.rename(scan.upper, final)
+                _tame_adopted(final, scan.entries)
             else:
                 self._write_layer(scan.upper, final, scan.entries)
             meta = LayerInfo(layer_id, scan.parent, scan.image, time.time(), scan.total_bytes, scan.files)
@@ -357,7 +369,7 @@ def _signature(st: os.stat_result) -> tuple:
 
 
 def _entry(rel: str, st: os.stat_result, content: bytes) -> bytes:
-    head = f"{rel}\0{st.st_mode:o}\0{st.st_uid}\0{st.st_gid}\0{len(content)}\0".encode()
+    head = f"{rel}\0{_stored_mode(st):o}\0{st.st_uid}\0{st.st_gid}\0{len(content)}\0".encode()
     return head + content + b"\n"
 
 
@@ -367,7 +379,7 @@ SMALL = 1 << 20  # files up to this size are held in memory between the two pass
 def _read_small(path: str, size: int) -> bytes | None:
     if size > SMALL:
         return None
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd, _ = _open_source(path)
     try:
         # No writer runs during a freeze, so the size from lstat is the size: stop there rather
         # than spend one more read per file on seeing EOF.
@@ -382,34 +394,63 @@ def _read_small(path: str, size: int) -> bytes | None:
     return data
 
 
+def _stored_mode(st: os.stat_result) -> int:
+    """The mode a layer keeps: a regular file loses setuid and setgid (see ``untrusted.safe_mode``)."""
+    if stat.S_ISREG(st.st_mode):
+        return stat.S_IFMT(st.st_mode) | untrusted.safe_mode(st.st_mode)
+    return st.st_mode
+
+
+def _open_source(path: str) -> tuple[int, os.stat_result]:
+    # The upper directory was written by the sandbox: no link followed, no FIFO opened blocking.
+    directory, name = os.path.split(path)
+    return untrusted.open_beneath(directory, name, MAX_FILE_BYTES)
+
+
 def _hash_file(path: str) -> bytes:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(SMALL):
-            digest.update(chunk)
-    return digest.digest()
+    fd, st = _open_source(path)
+    try:
+        return bytes.fromhex(untrusted.hash_fd(fd, st.st_size))
+    finally:
+        os.close(fd)
 
 
 def _write_file(source: str, target: str, payload: bytes | None, st: os.stat_result) -> None:
-    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    if payload is None:
+        source_fd, source_st = _open_source(source)
+        try:
+            untrusted.copy_fd(source_fd, source_st.st_size, target, want_hash=False)  # holes stay holes
+        finally:
+            os.close(source_fd)
+        fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW)
+    else:
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        if payload is None:
-            with open(source, "rb") as src:
-                while chunk := src.read(SMALL):
-                    os.write(fd, chunk)
-        else:
+        if payload is not None:
             view = memoryview(payload)
             while view:
                 view = view[os.write(fd, view) :]
         os.fchown(fd, st.st_uid, st.st_gid)
-        os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        os.fchmod(fd, untrusted.safe_mode(st.st_mode))
         os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
     finally:
         os.close(fd)
 
 
+def _tame_adopted(final: str, entries: list) -> None:
+    """Drop setuid/setgid from the regular files of an upper adopted as a layer."""
+    for entry in entries:
+        rel, st, kind = entry[0], entry[1], entry[2]
+        if kind == "file" and st.st_mode & (stat.S_ISUID | stat.S_ISGID):
+            fd, _ = untrusted.open_beneath(final, rel, MAX_FILE_BYTES)
+            try:
+                os.fchmod(fd, untrusted.safe_mode(st.st_mode))
+            finally:
+                os.close(fd)
+
+
 def _copy_meta(st: os.stat_result, target: str) -> None:
     os.chown(target, st.st_uid, st.st_gid, follow_symlinks=False)
     if not stat.S_ISLNK(st.st_mode):
-        os.chmod(target, stat.S_IMODE(st.st_mode))
+        os.chmod(target, stat.S_IMODE(_stored_mode(st)))
     os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
