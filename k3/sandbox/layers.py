@@ -18,8 +18,10 @@ Store layout under the sandbox home (see ``paths.py``)::
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import tarfile
 import shutil
 import stat
 import time
@@ -267,9 +269,6 @@ class LayerStore:
 
     def export(self, layer_id: str) -> dict:
         """The layer and its ancestors as a picklable dict, to ship to another machine."""
-        import io
-        import tarfile
-
         layers = []
         for one in self.chain(layer_id):
             buffer = io.BytesIO()
@@ -278,29 +277,115 @@ class LayerStore:
             layers.append({"info": self.info(one).__dict__, "tar": buffer.getvalue(), "opaque": self._opaque_dirs(one)})
         return {"layers": layers}
 
-    def import_(self, exported: dict) -> str:
-        """Store layers made by ``export`` (possibly on another machine); return the top id."""
-        import io
+    def import_(self, exported: dict, images: "list[str] | None" = None) -> str:
+        """Store layers made by ``export`` (possibly on another machine); return the top id.
+
+        The export is untrusted input: members are extracted with ``_layer_member`` (no path outside
+        the layer, no link to outside, no device but whiteouts, no set-id bits), the chain must be
+        consistent, each layer's content must hash to its id, and its image must be one of
+        ``images`` (default: an image k3 built, see ``image.build_once``). ValueError says what was
+        wrong; nothing is written outside ``layers/.staging-*``, which is removed on failure."""
         import tarfile
 
-        for layer in reversed(exported["layers"]):
-            info = LayerInfo(**layer["info"])
-            _check_id(info.id)
+        layers = exported.get("layers") if isinstance(exported, dict) else None
+        if not isinstance(layers, list) or not layers:
+            raise ValueError("a snapshot export is a dict with a non-empty list 'layers' (made by LayerStore.export)")
+        infos = [_import_info(layer, images) for layer in layers]
+        for upper, lower in zip(infos, infos[1:] + [None]):
+            if upper.parent != (lower.id if lower else None) or upper.image != infos[0].image:
+                raise ValueError(f"forged snapshot export: layer {upper.id} names parent {upper.parent} and image "
+                                 f"{upper.image}, but the chain has {lower.id if lower else None} on {infos[0].image}")
+        for layer, info in reversed(list(zip(layers, infos))):
             if self.exists(info.id):
                 continue
             staging = os.path.join(self.root, f".staging-{uuid.uuid4().hex}")
-            with tarfile.open(fileobj=io.BytesIO(layer["tar"])) as tar:
-                tar.extractall(staging, filter="fully_trusted")
-            for rel in layer["opaque"]:
-                os.setxattr(os.path.join(staging, rel), OPAQUE_XATTR, b"y")
+            os.mkdir(staging, 0o700)
+            try:
+                with tarfile.open(fileobj=io.BytesIO(layer["tar"])) as tar:
+                    tar.extractall(staging, filter=_layer_member, numeric_owner=True)
+                for rel in layer.get("opaque", []):
+                    _set_opaque_beneath(staging, rel)
+                scan = self.scan(staging, info.parent, info.image)
+                if scan.layer_id != info.id:
+                    raise ValueError(f"the content hashes to id {scan.layer_id}, not to its id")
+            except (tarfile.TarError, OSError, TypeError, KeyError, ValueError) as error:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise ValueError(f"forged or damaged snapshot export, layer {info.id}: {error}") from None
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
             os.rename(staging, self.path(info.id))
             with open(self.path(info.id) + ".json", "w") as f:
                 json.dump(info.__dict__, f)
-        return exported["layers"][0]["info"]["id"]
+        return infos[0].id
 
     def _opaque_dirs(self, layer_id: str) -> list[str]:
         base = self.path(layer_id)
         return [os.path.relpath(d, base) for d, _, _ in os.walk(base) if _opaque(d)]
+
+
+def _import_info(layer, images: "list[str] | None") -> LayerInfo:
+    """The checked ``LayerInfo`` of one exported layer (ValueError when anything is off)."""
+    try:
+        info = LayerInfo(**layer["info"])
+    except (TypeError, KeyError) as error:
+        raise ValueError(f"forged snapshot export: a layer's info is not LayerInfo fields ({error})") from None
+    _check_id(info.id)
+    if info.parent is not None:
+        _check_id(info.parent)
+    if not isinstance(layer.get("tar"), bytes) or not isinstance(layer.get("opaque", []), list):
+        raise ValueError(f"forged snapshot export: layer {info.id} needs 'tar' bytes and an 'opaque' list")
+    _check_image(info.image, images)
+    return info
+
+
+def _check_image(image, images: "list[str] | None") -> None:
+    """ValueError unless ``image`` is an allowed image directory (see ``LayerStore.import_``)."""
+    if not isinstance(image, str) or not image.startswith("/") or os.path.normpath(image) != image:
+        raise ValueError(f"forged snapshot export: image {image!r} is not a normalised absolute path")
+    if images is not None:
+        if image not in images:
+            raise ValueError(f"snapshot export needs image {image}; this store accepts only {sorted(images)}")
+        return
+    if os.path.realpath(image) != image or not os.path.isfile(os.path.join(image, ".k3-image-complete")):
+        raise ValueError(f"snapshot export names image {image!r}, which is not an image k3 built on this machine "
+                         f"(pass images=[...] to import onto another image directory)")
+
+
+def _layer_member(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """tarfile filter for imported layers: the ``data`` filter's path checks (nothing outside the
+    layer, no hard link to outside), but symlinks may point anywhere (they resolve inside the
+    sandbox), owners and modes are kept except set-id bits, and the only special files allowed are
+    whiteouts (char 0:0) and FIFOs."""
+    if member.ischr() or member.isblk() or member.isfifo():
+        if not (member.isfifo() or (member.ischr() and member.devmajor == 0 and member.devminor == 0)):
+            raise tarfile.SpecialFileError(member)  # a layer holds no device but whiteouts (char 0:0)
+        tarfile.data_filter(member.replace(type=tarfile.REGTYPE, size=0, deep=False), dest)  # its path
+        return member.replace(mode=member.mode & 0o777, deep=False)
+    if member.issym():
+        tarfile.data_filter(member.replace(type=tarfile.REGTYPE, linkname="", size=0, deep=False), dest)
+        return member
+    checked = tarfile.data_filter(member, dest)
+    mode = member.mode & ~(stat.S_ISUID | stat.S_ISGID) if member.isfile() or member.islnk() else member.mode
+    return checked.replace(mode=mode, uid=member.uid, gid=member.gid, uname="", gname="", deep=False)
+
+
+def _set_opaque_beneath(staging: str, rel) -> None:
+    """Mark ``staging/rel`` opaque, reaching it without following any link."""
+    if not isinstance(rel, str):
+        raise ValueError(f"an opaque directory is a relative path, got {rel!r}")
+    parts = [part for part in rel.split("/") if part not in ("", ".")]
+    if rel.startswith("/") or ".." in parts:
+        raise ValueError(f"opaque directory {rel!r} is outside the layer")
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in parts:
+            next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = next_fd
+        os.setxattr(fd, OPAQUE_XATTR, b"y")
+    finally:
+        os.close(fd)
 
 
 def _is_whiteout(st: os.stat_result) -> bool:
