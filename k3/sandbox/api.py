@@ -27,6 +27,15 @@ from k3.sandbox.local import SandboxError
 from k3.sandbox.paths import sandbox_home, scratch_dir
 
 DEFAULT_MAX_OUTPUT = 16 << 20
+# Deadlines of host calls into a sandbox. Past one, the whole sandbox is killed (see
+# Supervisor.expire): nothing done inside can hold the host longer.
+FILE_TIMEOUT_S = 60.0  # read_file, write_file, upload and k3's own small requests
+SETUP_TIMEOUT_S = 30.0  # mounting a new root (create, restore, fork)
+# On top of a command's or a cell's own timeout: PID 1 answers by then even when the command held
+# its manager (MANAGER_GRACE_S in supervisor.py) or a cell ignored its interrupt (REPL_GRACE_S in
+# supervisor_extra.py), both 2 s.
+HOST_GRACE_S = 10.0
+MAX_READ_BYTES = 1 << 30  # read_file's default bound
 # Deeper chains are squashed into one layer at the next snapshot: overlay's mount option must fit
 # in a page (about 120 layers with our short names) and each layer adds a little lookup cost.
 MAX_CHAIN = 48
@@ -157,7 +166,7 @@ class Sandbox:
         lower += [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
         answer = supervisor.call(
             {"op": "setup", "lower_base": self.scratch, "lower": lower, "upper": upper, "work": work,
-             "root": root, "hostname": self.hostname}
+             "root": root, "hostname": self.hostname}, timeout=SETUP_TIMEOUT_S
         )
         if not answer["ok"]:
             raise SandboxError(answer["error"])
@@ -193,9 +202,14 @@ class Sandbox:
         return self._supervisor.cgroup
 
     def _request(self, request: dict) -> dict:
-        """One request to PID 1 under the sandbox's lock (REPL and web ops use it)."""
+        """One request to PID 1 under the sandbox's lock (REPL and web ops use it). A request with
+        a "timeout" (a REPL call) gets that plus the graces as its deadline; others FILE_TIMEOUT_S."""
+        if "timeout" in request:
+            timeout = None if request["timeout"] is None else request["timeout"] + 2 * HOST_GRACE_S
+        else:
+            timeout = FILE_TIMEOUT_S
         with self._lock:
-            return self._alive().call(request)
+            return self._alive().call(request, timeout)
 
     def _alive(self) -> local.Supervisor:
         if self.closed:
@@ -238,7 +252,7 @@ class Sandbox:
         with self._lock:
             supervisor = self._alive()
             oom_before = self.cgroup.oom_kills()
-            answer = supervisor.call(request)
+            answer = supervisor.call(request, None if timeout is None else timeout + HOST_GRACE_S)
             oom = self.cgroup.oom_kills() > oom_before
         if not answer["ok"]:
             raise SandboxError(answer["error"])
@@ -248,10 +262,12 @@ class Sandbox:
         return ExecResult(answer["stdout"], stderr, answer["exit_code"], answer["duration"],
                           answer["timed_out"], oom, answer["truncated"])
 
-    def read_file(self, path: str) -> bytes:
-        """The content of ``path`` inside the sandbox; FileNotFoundError when it does not exist."""
+    def read_file(self, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        """The content of the regular file ``path`` inside the sandbox; FileNotFoundError when it
+        does not exist, OSError for a FIFO or device (never waited on) or a file over ``max_bytes``."""
         with self._lock:
-            answer = self._alive().call({"op": "read", "path": _check_path(path)})
+            answer = self._alive().call({"op": "read", "path": _check_path(path), "max_bytes": max_bytes},
+                                        FILE_TIMEOUT_S)
         return self._data(answer, path)
 
     def write_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
@@ -287,7 +303,7 @@ class Sandbox:
 
     def _write(self, entries: list[dict], shown_path: str) -> None:
         with self._lock:
-            answer = self._alive().call({"op": "write", "entries": entries})
+            answer = self._alive().call({"op": "write", "entries": entries}, FILE_TIMEOUT_S)
         self._data(answer, shown_path)
 
     @staticmethod

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 CGROUP_ROOT = "/sys/fs/cgroup"
 PARENT = "k3-sandbox"
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+FREEZE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -124,7 +125,8 @@ class Cgroup:
         for path in self.procs_files():
             _write(path, str(pid))
 
-    def freeze(self) -> None:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> None:
+        """Stop every task of the group; TimeoutError when they are not all stopped in ``timeout`` s."""
         raise NotImplementedError
 
     def thaw(self) -> None:
@@ -144,7 +146,10 @@ class Cgroup:
 
     def kill_all(self) -> None:
         """SIGKILL every task, freezing first so that none can fork while it is being killed."""
-        self.freeze()
+        try:
+            self.freeze()
+        except TimeoutError:
+            pass  # kill what can be killed; the caller waits for the group to empty
         for pid in self.pids():
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -185,9 +190,13 @@ class CgroupV1(Cgroup):
     def _freezer_state(self) -> str:
         return _read(os.path.join(self.paths["freezer"], "freezer.state")).strip()
 
-    def freeze(self) -> None:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> None:
         _write(os.path.join(self.paths["freezer"], "freezer.state"), "FROZEN")
+        deadline = time.monotonic() + timeout
         while self._freezer_state() != "FROZEN":  # FREEZING until every task has stopped
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cgroup {self.paths['freezer']} did not freeze within {timeout} s "
+                                   f"(a task in uninterruptible sleep?)")
             time.sleep(0.0005)
 
     def thaw(self) -> None:
@@ -244,9 +253,12 @@ class CgroupV2(Cgroup):
         if limits.cpus is not None and "cpu" in self.controllers:
             _write(os.path.join(self.path, "cpu.max"), f"{int(limits.cpus * 100_000)} 100000")
 
-    def freeze(self) -> None:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> None:
         _write(os.path.join(self.path, "cgroup.freeze"), "1")
+        deadline = time.monotonic() + timeout
         while "frozen 1" not in _read(os.path.join(self.path, "cgroup.events")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cgroup {self.path} did not freeze within {timeout} s")
             time.sleep(0.0005)
 
     def thaw(self) -> None:

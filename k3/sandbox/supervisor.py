@@ -32,6 +32,7 @@ import socket  # noqa: F401 - used by supervisor_extra.py, run into these global
 import struct
 import sys
 import time
+from stat import S_ISREG
 
 libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's own libc; find_library would fork
 
@@ -46,7 +47,7 @@ SYS_CAPSET = {"x86_64": 126, "aarch64": 91, "ppc64le": 184, "s390x": 185}.get(os
 with open("/proc/sys/kernel/cap_last_cap") as _f:
     CAP_LAST = int(_f.read())
 
-errno_enoent = 2
+errno_enoent, errno_einval, errno_efbig = 2, 22, 27
 IN, OUT = sys.stdin.buffer.raw, sys.stdout.buffer.raw
 # Nothing but frames may ever reach the host's pipe; stray prints would corrupt the stream.
 sys.stdout = sys.stderr
@@ -207,9 +208,9 @@ def execvpe(argv, env):
     raise error
 
 
-def descendants(ancestor):
-    """Pids below ``ancestor``, read from /proc (the sandbox's own pid namespace)."""
-    children = {}
+def process_table():
+    """{pid: (parent pid, start time in clock ticks)} of the sandbox's pid namespace, from /proc."""
+    table = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -218,14 +219,50 @@ def descendants(ancestor):
                 stat = f.read()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(name))
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        table[int(name)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def descendants(ancestor, table=None):
+    """Pids below ``ancestor``, read from /proc (the sandbox's own pid namespace)."""
+    children = {}
+    for pid, (ppid, _) in (table or process_table()).items():
+        children.setdefault(ppid, []).append(pid)
     found, todo = [], [ancestor]
     while todo:
         for child in children.get(todo.pop(), ()):
             found.append(child)
             todo.append(child)
     return found
+
+
+def start_ticks(pid):
+    entry = process_table().get(pid)
+    return None if entry is None else entry[1]
+
+
+def kill_started_since(ticks):
+    """Kill every process started at or after ``ticks`` (clock ticks since boot) except PID 1 and
+    k3's long-lived ones (REPLs and what runs below them, the web relay): what an exec left behind
+    when its manager was stopped or killed, wherever it re-parented. Stop, then kill, until none."""
+    for _ in range(1000):
+        table = process_table()
+        keep = {os.getpid(), WEB["pid"]}  # noqa: F821 - supervisor_extra.py
+        for repl in REPLS.values():  # noqa: F821 - supervisor_extra.py
+            keep.add(repl["pid"])
+            keep.update(descendants(repl["pid"], table))
+        doomed = [pid for pid, (_, started) in table.items() if started >= ticks and pid not in keep]
+        if not doomed:
+            return
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in doomed:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        reap()
+        time.sleep(0.001)
 
 
 def kill_tree(ancestor):
@@ -394,8 +431,14 @@ def run_command(request, result_fd):
         view = view[os.write(result_fd, view) :]
 
 
+# A manager answers right after its command's timeout; past this much more it is held (stopped by
+# the command, say), and PID 1 kills it and everything the exec started.
+MANAGER_GRACE_S = 2.0
+
+
 def do_exec(request):
     result_r, result_w = os.pipe()
+    started = time.monotonic()
     pid = os.fork()
     if pid == 0:
         code = 0
@@ -417,16 +460,52 @@ def do_exec(request):
             code = 1
         os._exit(code)
     os.close(result_w)
-    header = read_exact(result_r, 4)
-    body = read_exact(result_r, struct.unpack("<I", header)[0]) if header else None
+    since = start_ticks(pid)
+    deadline = None if request["timeout"] is None else started + request["timeout"] + MANAGER_GRACE_S
+    body = read_until(result_r, deadline)
     os.close(result_r)
+    if body is None or body is False:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if since is not None:
+            kill_started_since(since)  # the command's processes, wherever they went
     try:
         os.waitpid(pid, 0)
     except ChildProcessError:
         pass  # already reaped by the SIGCHLD handler
+    if body is False:
+        return {"ok": True, "stdout": b"", "stderr": b"k3 sandbox: the exec's manager was held past the timeout "
+                b"(stopped by the command?); every process the command started was killed\n", "exit_code": 137,
+                "signal": 9, "timed_out": True, "truncated": False, "duration": time.monotonic() - started,
+                "start_error": ""}
     if body is None:
-        return {"ok": False, "error": "exec manager died without a result (killed by the memory limit?)"}
+        return {"ok": False, "error": "exec manager died without a result (killed by the memory limit, or by the "
+                "command); every process the command started was killed"}
     return marshal.loads(body)
+
+
+def read_until(fd, deadline):
+    """One frame (4-byte length + body) from ``fd``; None at EOF, False when ``deadline`` passes."""
+    data = bytearray()
+    need = 4
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while len(data) < need:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(int(left * 1000) + 1):
+                if deadline - time.monotonic() <= 0:
+                    return False
+                continue
+        chunk = os.read(fd, min(need - len(data), 1 << 20))
+        if not chunk:
+            return None
+        data += chunk
+        if need == 4 and len(data) == 4:
+            need = 4 + struct.unpack("<I", data)[0]
+    return bytes(data[4:])
 
 
 def do_write(entry):
@@ -439,8 +518,13 @@ def do_write(entry):
         if mode is not None:
             os.chmod(path, mode)
         return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644 if mode is None else mode)
+    # Non-blocking open: a FIFO at the path fails (ENXIO) or is refused below, never waits for a reader.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644 if mode is None else mode)
     try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno_einval, "not a regular file", path)
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
@@ -450,13 +534,29 @@ def do_write(entry):
         os.close(fd)
 
 
+def read_regular(path, max_bytes):
+    """The content of a regular file (a FIFO or device is refused at once, never waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno_einval, "not a regular file", path)
+        os.set_blocking(fd, True)
+        data = bytearray()
+        while chunk := os.read(fd, min(1 << 20, max_bytes + 1 - len(data))):
+            data += chunk
+            if len(data) > max_bytes:
+                raise OSError(errno_efbig, f"larger than the {max_bytes} bytes read_file returns", path)
+        return bytes(data)
+    finally:
+        os.close(fd)
+
+
 def handle(request):
     op = request["op"]
     if op == "exec":
         return do_exec(request)
     if op == "read":
-        with open(request["path"], "rb") as f:
-            return {"ok": True, "data": f.read()}
+        return {"ok": True, "data": read_regular(request["path"], request.get("max_bytes", 1 << 30))}
     if op == "write":
         for entry in request["entries"]:
             do_write(entry)
