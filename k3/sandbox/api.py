@@ -14,11 +14,11 @@ Requests to one sandbox are served one at a time (a lock): run several sandboxes
 from __future__ import annotations
 
 import os
-import shutil
+import sys
 import threading
 from dataclasses import dataclass
 
-from k3.sandbox import local
+from k3.sandbox import local, untrusted
 from k3.sandbox import memory as memory_snapshots
 from k3.sandbox.cgroups import Cgroup, Limits
 from k3.sandbox.image import Image, default_image
@@ -152,24 +152,29 @@ class Sandbox:
         self._generation += 1
         generation_dir = os.path.join(self.run_dir, str(self._generation))
         upper, work, root = (os.path.join(generation_dir, name) for name in ("upper", "work", "root"))
-        for directory in (upper, work, root):
+        on_disk = self.limits.disk_mb is None  # else the supervisor mounts a tmpfs of that size for them
+        for directory in (upper, work, root) if on_disk else (root,):
             os.makedirs(directory)
         with open(os.path.join(generation_dir, "chain"), "w") as f:
             f.write(" ".join(self.chain))  # read by the snapshot GC: these layers are in use
         if supervisor.limits != self.limits:
             supervisor.cgroup.set_limits(self.limits)
             supervisor.limits = self.limits
-        self._supervisor, self._upper = supervisor, upper
+        self._supervisor, self._upper, self._generation_dir = supervisor, upper, generation_dir
         self._freeze_cache: dict = {}  # per upper directory: see LayerStore.freeze
         # A snapshot with memory adds its memory image on top: the REPLs load their state from it.
         lower = memory_snapshots.lower_for(self.scratch, self.chain)
         lower += [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
         answer = supervisor.call(
             {"op": "setup", "lower_base": self.scratch, "lower": lower, "upper": upper, "work": work,
-             "root": root, "hostname": self.hostname}, timeout=SETUP_TIMEOUT_S
+             "root": root, "hostname": self.hostname, "open_files": self.limits.open_files,
+             "disk": None if on_disk else {"bytes": self.limits.disk_mb << 20, "inodes": self.limits.inodes or 1 << 20}},
+            timeout=SETUP_TIMEOUT_S,
         )
         if not answer["ok"]:
             raise SandboxError(answer["error"])
+        if not on_disk:  # reached through PID 1's descriptor: the tmpfs exists in its mount namespace only
+            self._upper = f"/proc/{supervisor.host_pid}/fd/{answer['upper_fd']}/upper"
 
     def close(self) -> None:
         """Kill every process of the sandbox, drop its mounts, cgroup and files. Idempotent."""
@@ -186,7 +191,10 @@ class Sandbox:
         for done in self._pending:
             done.wait()
         if hasattr(self, "run_dir"):
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            try:
+                untrusted.remove_tree(self.run_dir)  # iterative: the sandbox may have nested deep
+            except OSError as error:
+                print(f"k3 sandbox: could not remove {self.run_dir}: {error}", file=sys.stderr)
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -341,8 +349,10 @@ class Sandbox:
             if not idle:  # scan and copy within one freeze: the files must not move in between
                 return self._frozen(idle, lambda: self.store.freeze(self._upper, parent, self.image.path, self._freeze_cache))
             scan = self.store.scan(self._upper, parent, self.image.path, self._freeze_cache)
-            if scan.to_copy >= ADOPT_MIN_FILES and not self.store.exists(scan.layer_id):
-                old, old_dir = self._supervisor, os.path.dirname(self._upper)
+            # Adopting renames the upper into the store: only when it lies on the store's disk.
+            adoptable = self.limits.disk_mb is None
+            if adoptable and scan.to_copy >= ADOPT_MIN_FILES and not self.store.exists(scan.layer_id):
+                old, old_dir = self._supervisor, self._generation_dir
                 layer_id = self.store.commit(scan, adopt=True)
                 self._replace_generation(old, old_dir, [layer_id] + self.chain)
                 return layer_id
@@ -378,7 +388,7 @@ class Sandbox:
         with self._lock:
             if self.closed:
                 raise SandboxError(f"sandbox {self.id} is closed")
-            self._replace_generation(self._supervisor, os.path.dirname(self._upper), chain)
+            self._replace_generation(self._supervisor, self._generation_dir, chain)
         if self._web is not None:
             self.enable_web(*self._web)  # the relay lived in the old generation's PID 1
         memory_snapshots.resume(self)

@@ -185,7 +185,7 @@ class LayerStore:
                 # overlay reads them on upper layers only (with index, metacopy and redirect_dir
                 # off, as we mount it), so in a lower layer they are inert and stay.
                 if os.path.exists(final):  # a half-written layer from a crash: replace it
-                    shutil.rmtree(final)
+                    untrusted.remove_tree(final)
                 os.rename(scan.upper, final)
                 _tame_adopted(final, scan.entries)
             else:
@@ -236,10 +236,10 @@ class LayerStore:
                     _copy_meta(entry[1], staging + "/" + entry[0])
             _copy_meta(os.lstat(upper), staging)
             if os.path.exists(final):  # a half-written layer from a crash: replace it
-                shutil.rmtree(final)
+                untrusted.remove_tree(final)
             os.rename(staging, final)
         except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_quietly(staging)
             raise
 
     def squash(self, chain: list[str], upper: str, image: str) -> str:
@@ -256,7 +256,7 @@ class LayerStore:
                 _apply(source, merged)
             return self.freeze(merged, None, image)
         finally:
-            shutil.rmtree(merged, ignore_errors=True)
+            _remove_quietly(merged)
 
     def remove(self, layer_id: str) -> None:
         """Delete one layer (metadata first, so a half-deleted layer is never seen as complete)."""
@@ -265,15 +265,19 @@ class LayerStore:
             os.unlink(os.path.join(self.root, layer_id + ".json"))
         except FileNotFoundError:
             pass
-        shutil.rmtree(self.path(layer_id), ignore_errors=True)
+        _remove_quietly(self.path(layer_id))
 
     def export(self, layer_id: str) -> dict:
         """The layer and its ancestors as a picklable dict, to ship to another machine."""
         layers = []
         for one in self.chain(layer_id):
             buffer = io.BytesIO()
+            base = self.path(one)
             with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                tar.add(self.path(one), arcname=".")
+                # Entry by entry: tarfile's own recursion fails on very deep trees.
+                for directory, _, filenames in untrusted.walk(base):
+                    for path in [directory] + [os.path.join(directory, name) for name in filenames]:
+                        tar.add(path, arcname=os.path.normpath("./" + os.path.relpath(path, base)), recursive=False)
             layers.append({"info": self.info(one).__dict__, "tar": buffer.getvalue(), "opaque": self._opaque_dirs(one)})
         return {"layers": layers}
 
@@ -309,10 +313,10 @@ class LayerStore:
                 if scan.layer_id != info.id:
                     raise ValueError(f"the content hashes to id {scan.layer_id}, not to its id")
             except (tarfile.TarError, OSError, TypeError, KeyError, ValueError) as error:
-                shutil.rmtree(staging, ignore_errors=True)
+                _remove_quietly(staging)
                 raise ValueError(f"forged or damaged snapshot export, layer {info.id}: {error}") from None
             except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
+                _remove_quietly(staging)
                 raise
             os.rename(staging, self.path(info.id))
             with open(self.path(info.id) + ".json", "w") as f:
@@ -321,7 +325,7 @@ class LayerStore:
 
     def _opaque_dirs(self, layer_id: str) -> list[str]:
         base = self.path(layer_id)
-        return [os.path.relpath(d, base) for d, _, _ in os.walk(base) if _opaque(d)]
+        return [os.path.relpath(d, base) for d, _, _ in untrusted.walk(base) if _opaque(d)]
 
 
 def _import_info(layer, images: "list[str] | None") -> LayerInfo:
@@ -388,20 +392,27 @@ def _set_opaque_beneath(staging: str, rel) -> None:
         os.close(fd)
 
 
+def _remove_quietly(path: str) -> None:
+    try:
+        untrusted.remove_tree(path)
+    except OSError:
+        pass
+
+
 def _is_whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
 
 def _clear(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
+        untrusted.remove_tree(path)
     elif os.path.lexists(path):
         os.unlink(path)
 
 
 def _apply(source: str, merged: str) -> None:
     """Lay the overlay layer ``source`` over the flattened tree ``merged``."""
-    for directory, dirnames, filenames in os.walk(source):
+    for directory, dirnames, filenames in untrusted.walk(source):
         rel_dir = os.path.relpath(directory, source)
         target_dir = merged if rel_dir == "." else os.path.join(merged, rel_dir)
         for name in dirnames:
@@ -435,11 +446,9 @@ def _check_id(layer_id: str) -> None:
 
 
 def _walk_sorted(top: str):
-    # Sorted so that the digest does not depend on directory order on disk.
-    for directory, dirnames, filenames in os.walk(top):
-        dirnames.sort()
-        filenames.sort()
-        yield directory, dirnames, filenames
+    # Sorted so that the digest does not depend on directory order on disk; iterative, for trees
+    # a sandbox nested deeper than Python's recursion limit.
+    return untrusted.walk(top)
 
 
 def _opaque(path: str) -> bytes:

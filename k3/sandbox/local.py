@@ -30,6 +30,7 @@ import time
 import uuid
 import weakref
 
+from k3.sandbox import untrusted
 from k3.sandbox.cgroups import Cgroup, Limits
 
 SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
@@ -400,7 +401,7 @@ class Janitor:
                 supervisor.kill()
                 supervisor.cgroup.thaw()  # in case it was paused: a frozen task cannot die
                 supervisor.wait()
-                shutil.rmtree(directory, ignore_errors=True)
+                untrusted.remove_tree(directory)  # iterative: the sandbox may have nested deep
             except Exception as error:  # noqa: BLE001 - keep serving other jobs; say what failed
                 print(f"k3 sandbox: cleanup of {directory} failed: {error}", file=sys.stderr)
             finally:

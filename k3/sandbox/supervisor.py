@@ -26,6 +26,7 @@ supervisor run the same interpreter, so ``marshal`` is compatible and needs no i
 import ctypes
 import marshal
 import os
+import resource
 import select
 import signal
 import socket  # noqa: F401 - used by supervisor_extra.py, run into these globals
@@ -154,11 +155,31 @@ def mask_proc(proc, null):
             mount(null, path, None, MS_BIND)
 
 
+UPPER_FD = -1  # with a disk quota: the size-limited tmpfs holding upper/ and work/ (the host reads it here)
+
+
 def setup(request):
+    global UPPER_FD
     root = request["root"]
+    upper, work = request["upper"], request["work"]
+    quota = request.get("disk")
+    if quota is not None:
+        # The writable layer on a tmpfs of its own, in this mount namespace only: its size and
+        # inode count are the sandbox's disk quota, and it is gone when the namespace is.
+        rw = os.path.join(STAGE, "rw")
+        os.mkdir(rw)
+        mount("upper", rw, "tmpfs", MS_NOSUID | MS_NODEV,
+              "mode=755,size={},nr_inodes={}".format(quota["bytes"], quota["inodes"]))
+        upper, work = os.path.join(rw, "upper"), os.path.join(rw, "work")
+        os.mkdir(upper, 0o755)
+        os.mkdir(work, 0o700)
+        UPPER_FD = os.open(rw, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    if request.get("open_files") is not None:
+        # Inherited by every process of the sandbox; with the pids limit it bounds its open files.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (request["open_files"], request["open_files"]))
     os.chdir(request["lower_base"])  # lower dirs are given relative to it: keeps the option short
     options = "lowerdir={},upperdir={},workdir={},redirect_dir=off,index=off,metacopy=off,xino=off,volatile".format(
-        ":".join(request["lower"]), request["upper"], request["work"]
+        ":".join(request["lower"]), upper, work
     )
     mount("overlay", root, "overlay", 0, options)
     for name, mode in (("proc", 0o555), ("dev", 0o755), ("tmp", 0o1777)):
@@ -596,7 +617,7 @@ def main():
         send({"ok": False, "error": f"sandbox setup failed: {error}"})
         return
     signal.signal(signal.SIGCHLD, reap)
-    send({"ok": True})
+    send({"ok": True, "upper_fd": UPPER_FD})
     try:
         detach_old_root()
     except OSError:

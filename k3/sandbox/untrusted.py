@@ -34,7 +34,7 @@ def open_beneath(root: str, relative: str, max_bytes: int) -> tuple[int, os.stat
     parts = [part for part in relative.split("/") if part]
     if not parts or any(part in (".", "..") for part in parts):
         raise ValueError(f"a relative path without '.' or '..' is needed, got {relative!r}")
-    fd = os.open(root, _DIR_FLAGS)
+    fd = os.open(root, _DIR_FLAGS & ~os.O_NOFOLLOW)  # the root is the host's own (maybe /proc/PID/fd/N)
     try:
         for part in parts[:-1]:
             try:
@@ -188,3 +188,57 @@ def hash_file(path: str, max_bytes: int) -> str:
 def safe_mode(mode: int) -> int:
     """Permission bits a file copied out of a sandbox may keep: no setuid, no setgid."""
     return stat.S_IMODE(mode) & ~(stat.S_ISUID | stat.S_ISGID)
+
+
+def walk(top: str):
+    """``os.walk(top)`` top-down with sorted names, without recursion (a sandbox can nest thousands
+    of directories) and without following links. Pruning ``dirnames`` in place works as in os.walk."""
+    stack = [top]
+    while stack:
+        directory = stack.pop()
+        dirnames, filenames = [], []
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                (dirnames if entry.is_dir(follow_symlinks=False) else filenames).append(entry.name)
+        dirnames.sort()
+        filenames.sort()
+        yield directory, dirnames, filenames
+        stack.extend(os.path.join(directory, name) for name in reversed(dirnames))
+
+
+def remove_tree(path: str) -> None:
+    """Remove the directory tree ``path`` (or a file), however deep: one directory descriptor
+    open at a time, names relative to it (no path grows past PATH_MAX), links never followed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return
+    names: list[str] = []  # the path from ``path`` down to the current directory
+    current = os.open(path, _DIR_FLAGS)
+    try:
+        while True:
+            child = None
+            os.lseek(current, 0, os.SEEK_SET)
+            with os.scandir(current) as entries:
+                for entry in entries:
+                    if entry.is_dir(follow_symlinks=False):
+                        child = entry.name
+                        break
+                    os.unlink(entry.name, dir_fd=current)
+            if child is not None:
+                below = os.open(child, _DIR_FLAGS, dir_fd=current)
+                os.close(current)
+                current, names = below, names + [child]
+                continue
+            if not names:
+                break
+            parent = os.open("..", _DIR_FLAGS, dir_fd=current)
+            os.close(current)
+            current = parent
+            os.rmdir(names.pop(), dir_fd=current)
+    finally:
+        os.close(current)
+    os.rmdir(path)
