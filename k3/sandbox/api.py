@@ -18,7 +18,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from k3.sandbox import local, untrusted
+from k3.sandbox import leftovers, local, untrusted
 from k3.sandbox import memory as memory_snapshots
 from k3.sandbox.cgroups import Cgroup, Limits
 from k3.sandbox.image import Image, default_image
@@ -138,6 +138,7 @@ class Sandbox:
         local.register(self)
         try:
             os.makedirs(self.run_dir)
+            leftovers.record_owner(os.path.join(self.run_dir, leftovers.OWNER_FILE))  # for gc after a crash
             self._start(supervisor)
             if snapshot is not None:
                 memory_snapshots.resume(self)

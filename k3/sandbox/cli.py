@@ -101,16 +101,26 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from k3.sandbox import leftovers
     from k3.sandbox.layers import LayerStore
     from k3.sandbox.paths import scratch_dir
     from k3.sandbox.pool import SnapshotStore
 
-    store = SnapshotStore(LayerStore(scratch_dir()))
+    scratch = scratch_dir()
+    # Leftovers of dead owners first: their run directories no longer keep layers in use.
+    counts = leftovers.collect(scratch, min_age_s=args.min_age)
+    store = SnapshotStore(LayerStore(scratch))
     keep = set(args.keep)
     for snapshot in keep:
         store.pin(snapshot)
     removed = store.gc(min_age_s=args.min_age)
-    print(f"removed {len(removed)} layers; kept {len(store.layers.list())}")
+    counts = {"layers": len(removed), **counts, "layers_kept": len(store.layers.list())}
+    if args.json:
+        print(json.dumps(counts, indent=2))
+    else:
+        print(f"removed {counts['layers']} layers (kept {counts['layers_kept']}), {counts['processes']} processes, "
+              f"{counts['cgroups']} cgroups, {counts['run_dirs']} run directories, {counts['staging']} staging "
+              f"directories, {counts['owner_records']} owner records")
     return 0
 
 
@@ -164,7 +174,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--cpus", type=float, default=1.0)
     run.set_defaults(func=_run)
 
-    gc = commands.add_parser("gc", help="delete snapshot layers no running sandbox needs")
+    gc = commands.add_parser("gc", help="delete snapshot layers no running sandbox needs, and what sandboxes of "
+                             "crashed owners left (processes, cgroups, run and staging directories)")
+    gc.add_argument("--json", action="store_true", help="print the counts as JSON")
     gc.add_argument("--keep", nargs="*", default=[], help="snapshot ids to keep (with their parents)")
-    gc.add_argument("--min-age", type=float, default=3600.0, help="spare layers younger than this many seconds")
+    gc.add_argument("--min-age", type=float, default=3600.0, help="spare anything younger than this many seconds")
     gc.set_defaults(func=_gc)

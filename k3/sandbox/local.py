@@ -30,7 +30,7 @@ import time
 import uuid
 import weakref
 
-from k3.sandbox import untrusted
+from k3.sandbox import leftovers, untrusted
 from k3.sandbox.cgroups import Cgroup, Limits
 
 SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
@@ -97,6 +97,8 @@ class Supervisor:
     def __init__(self) -> None:
         debug = bool(os.environ.get("K3_SANDBOX_DEBUG"))
         self.name = uuid.uuid4().hex[:12]
+        self._owner_record = os.path.join(leftovers.owners_dir(), self.name)
+        leftovers.record_owner(self._owner_record)  # before the cgroup: gc must never see it ownerless
         self.cgroup = Cgroup.create(self.name)
         join = "".join(f"echo $$ > {shlex.quote(path)} && " for path in self.cgroup.procs_files())
         command = [unshare_path(), *NAMESPACES, "--fork", "--kill-child", "--propagation", "private"]
@@ -112,6 +114,7 @@ class Supervisor:
         except BaseException:
             self.cgroup.remove()
             self.upcall.close()
+            _unlink_quietly(self._owner_record)
             raise
         finally:
             upcall_child.close()
@@ -205,6 +208,7 @@ class Supervisor:
             except OSError:
                 pass
         self.cgroup.remove()
+        _unlink_quietly(self._owner_record)
 
     def _send(self, message: dict, deadline: float | None = None) -> None:
         body = marshal.dumps(message)
@@ -221,6 +225,13 @@ class Supervisor:
             return None
         body = _read_exact(self._out, struct.unpack("<I", header)[0], deadline)
         return None if body is None else marshal.loads(body)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _wait(fd: int, event: int, deadline: float | None) -> None:

@@ -507,19 +507,28 @@ def do_exec(request):
     return marshal.loads(body)
 
 
+def owner_gone():
+    """The host's end of the request pipe closed (its process died) while PID 1 waited on a
+    command or a cell: exit now, and the kernel kills every process of the namespace."""
+    os._exit(0)
+
+
 def read_until(fd, deadline):
     """One frame (4-byte length + body) from ``fd``; None at EOF, False when ``deadline`` passes."""
     data = bytearray()
     need = 4
     poller = select.poll()
     poller.register(fd, select.POLLIN)
+    poller.register(IN.fileno(), 0)  # only POLLHUP: the host went away (see owner_gone)
     while len(data) < need:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(int(left * 1000) + 1):
-                if deadline - time.monotonic() <= 0:
-                    return False
-                continue
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        events = poller.poll(None if left is None else int(left * 1000) + 1)
+        if any(ready == IN.fileno() for ready, _ in events):
+            owner_gone()
+        if not any(ready == fd for ready, _ in events):
+            continue
         chunk = os.read(fd, min(need - len(data), 1 << 20))
         if not chunk:
             return None

@@ -182,6 +182,7 @@ def repl_call(request):
     poller = select.poll()
     for fd in (repl["from"], repl["out"], repl["err"]):
         poller.register(fd, select.POLLIN)
+    poller.register(IN.fileno(), 0)  # POLLHUP only: the host died during the call
     while reply is None and not died and not (timed_out and not interrupted):
         wait_ms = None
         if deadline is not None:
@@ -198,6 +199,8 @@ def repl_call(request):
                 continue
             wait_ms = int(left * 1000) + 1
         for fd, _event in poller.poll(wait_ms):
+            if fd == IN.fileno():
+                owner_gone()  # noqa: F821 - supervisor.py
             chunk = os.read(fd, 1 << 20)
             if fd == repl["from"]:
                 if not chunk:
