@@ -18,7 +18,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from k3.sandbox import leftovers, local, untrusted
+from k3.sandbox import leftovers, local, seccomp, untrusted
 from k3.sandbox import memory as memory_snapshots
 from k3.sandbox.cgroups import Cgroup, Limits
 from k3.sandbox.image import Image, default_image
@@ -165,10 +165,13 @@ class Sandbox:
         self._freeze_cache: dict = {}  # per upper directory: see LayerStore.freeze
         # A snapshot with memory adds its memory image on top: the REPLs load their state from it.
         lower = memory_snapshots.lower_for(self.scratch, self.chain)
-        lower += [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
+        # Relative to the scratch directory (PID 1 mounts from there): shorter, and no host path
+        # shows in the sandbox's /proc/self/mountinfo.
+        lower += [os.path.join("layers", layer) for layer in self.chain] + [os.path.relpath(self.image.path, self.scratch)]
         answer = supervisor.call(
             {"op": "setup", "lower_base": self.scratch, "lower": lower, "upper": upper, "work": work,
              "root": root, "hostname": self.hostname, "open_files": self.limits.open_files,
+             "seccomp": seccomp.filter_bpf(),
              "disk": None if on_disk else {"bytes": self.limits.disk_mb << 20, "inodes": self.limits.inodes or 1 << 20}},
             timeout=SETUP_TIMEOUT_S,
         )

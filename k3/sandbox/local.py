@@ -34,6 +34,29 @@ from k3.sandbox import leftovers, untrusted
 from k3.sandbox.cgroups import Cgroup, Limits
 
 SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
+SUPERVISOR_EXTRA = os.path.join(os.path.dirname(SUPERVISOR), "supervisor_extra.py")
+# The supervisor's command line: it reads its code and arguments from stdin (a frame of marshal),
+# so that no host path shows in the sandbox's /proc/1/cmdline.
+BOOT = ("import marshal, os, struct\n"
+        "def take(n):\n"
+        "    data = b''\n"
+        "    while len(data) < n:\n"
+        "        chunk = os.read(0, n - len(data))\n"
+        "        if not chunk:\n"
+        "            raise SystemExit(1)\n"
+        "        data += chunk\n"
+        "    return data\n"
+        "BOOT = marshal.loads(take(struct.unpack('<I', take(4))[0]))\n"
+        "exec(compile(BOOT['source'], 'supervisor.py', 'exec'), {'__name__': '__main__', 'BOOT': BOOT})\n")
+_sources: tuple[str, str] | None = None
+
+
+def _supervisor_sources() -> tuple[str, str]:
+    global _sources
+    if _sources is None:
+        with open(SUPERVISOR) as main, open(SUPERVISOR_EXTRA) as extra:
+            _sources = (main.read(), extra.read())
+    return _sources
 NAMESPACES = ("--mount", "--pid", "--net", "--ipc", "--uts")
 REFILL_DELAY_S = 0.02  # background work waits this long after the operation that caused it
 
@@ -104,7 +127,9 @@ class Supervisor:
         command = [unshare_path(), *NAMESPACES, "--fork", "--kill-child", "--propagation", "private"]
         # Calls from inside the sandbox to the host (the offline web) come back on this pair.
         self.upcall, upcall_child = socket.socketpair()
-        command += [supervisor_python(), "-I", "-S", SUPERVISOR, stage_dir(), str(upcall_child.fileno())]
+        command += [supervisor_python(), "-I", "-S", "-c", BOOT]
+        source, extra = _supervisor_sources()
+        boot = {"source": source, "extra": extra, "stage": stage_dir(), "upcall_fd": upcall_child.fileno()}
         try:
             self.process = subprocess.Popen(
                 ["/bin/sh", "-c", join + "exec " + shlex.join(command)],
@@ -124,6 +149,10 @@ class Supervisor:
         self.host_pid: int | None = None
         self._pidfd: int | None = None
         self.dead = False
+        try:
+            self._send(boot, time.monotonic() + HELLO_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            pass  # it died at start: wait_hello says so
         self.limits: Limits | None = None  # the limits its cgroup has now
 
     def wait_hello(self, timeout: float = HELLO_TIMEOUT_S) -> None:

@@ -1,7 +1,7 @@
 """The process that runs as PID 1 inside one sandbox.
 
-This file is executed as a script (``python -I -S supervisor.py``) by ``unshare(1)``, which has
-already given it fresh mount, pid, net, ipc and uts namespaces. It must not import anything from
+This file is sent on stdin to ``python -I -S -c BOOT`` (see ``local.BOOT``) run by ``unshare(1)``,
+which has already given it fresh mount, pid, net, ipc and uts namespaces. It must not import anything from
 ``k3``: after ``pivot_root`` the host's files are gone, so every module it needs is imported up
 front, before the host hands over the filesystem layout.
 
@@ -111,13 +111,14 @@ def reap(signum=None, frame=None):
             return
 
 
-# An empty host directory, given by the host; a tmpfs is mounted on it in this namespace only.
-STAGE = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
+# The host started this code through ``local.BOOT`` with ``BOOT`` in its globals: no host path is
+# on the command line, where the sandbox could read it in /proc/1/cmdline.
+# STAGE: an empty host directory; a tmpfs is mounted on it in this namespace only.
+STAGE = BOOT["stage"]  # noqa: F821 - set by local.BOOT
 # One end of a socket pair to the host, for calls made from inside the sandbox (the offline web).
-UPCALL_FD = int(sys.argv[2]) if len(sys.argv) > 2 else -1
-# The REPL and web-relay ops live in a second file, read now: after pivot_root it is out of reach.
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor_extra.py")) as _f:
-    exec(compile(_f.read(), "supervisor_extra.py", "exec"))
+UPCALL_FD = BOOT["upcall_fd"]  # noqa: F821
+# The REPL and web-relay ops live in a second file, sent with this one.
+exec(compile(BOOT["extra"], "supervisor_extra.py", "exec"))  # noqa: F821
 
 
 def prepare():
@@ -159,7 +160,8 @@ UPPER_FD = -1  # with a disk quota: the size-limited tmpfs holding upper/ and wo
 
 
 def setup(request):
-    global UPPER_FD
+    global UPPER_FD, SECCOMP_BPF
+    SECCOMP_BPF = request.get("seccomp")
     root = request["root"]
     upper, work = request["upper"], request["work"]
     quota = request.get("disk")
@@ -170,10 +172,12 @@ def setup(request):
         os.mkdir(rw)
         mount("upper", rw, "tmpfs", MS_NOSUID | MS_NODEV,
               "mode=755,size={},nr_inodes={}".format(quota["bytes"], quota["inodes"]))
-        upper, work = os.path.join(rw, "upper"), os.path.join(rw, "work")
-        os.mkdir(upper, 0o755)
-        os.mkdir(work, 0o700)
+        os.mkdir(os.path.join(rw, "upper"), 0o755)
+        os.mkdir(os.path.join(rw, "work"), 0o700)
         UPPER_FD = os.open(rw, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # Relative to the lower base (the cwd at mount): /proc/self/mountinfo shows no host path.
+        upper = os.path.relpath(os.path.join(rw, "upper"), request["lower_base"])
+        work = os.path.relpath(os.path.join(rw, "work"), request["lower_base"])
     if request.get("open_files") is not None:
         # Inherited by every process of the sandbox; with the pids limit it bounds its open files.
         resource.setrlimit(resource.RLIMIT_NOFILE, (request["open_files"], request["open_files"]))
@@ -203,6 +207,22 @@ def detach_old_root():
     os.chdir("/")
 
 
+SECCOMP_BPF = None  # the filter's raw BPF, built by the host (k3/sandbox/seccomp.py) and sent with setup
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def load_seccomp():
+    if not SECCOMP_BPF:
+        return
+    program = ctypes.create_string_buffer(SECCOMP_BPF, len(SECCOMP_BPF))
+    fprog = SockFprog(len(SECCOMP_BPF) // 8, ctypes.addressof(program))
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
+
+
 def drop_privileges():
     for cap in range(CAP_LAST + 1):
         libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
@@ -211,6 +231,7 @@ def drop_privileges():
     data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all zero
     _check(libc.syscall(SYS_CAPSET, header, data), "capset")
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    load_seccomp()  # last: no_new_privs makes it loadable, and nothing after it needs a denied call
 
 
 def execvpe(argv, env):
