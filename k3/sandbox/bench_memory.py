@@ -4,7 +4,7 @@ The REPL holds ``state_mb`` MB of random bytes (incompressible, as a model's wor
 plus a counter; each round changes the counter, so every snapshot is new. Timed, each
 ``iterations`` times, in steady state (spares ready, janitor idle, as in ``bench.py``):
 
-  memory_snapshot   ``snapshot(memory=True)``: the REPL pickles its namespace, the host links the
+  memory_snapshot   ``snapshot(memory=True)``: the REPL pickles its namespace, the host copies the
                     file into a memory image, the filesystem is snapshotted with the manifest
   memory_restore    ``restore`` of that snapshot: new root, a new REPL, its state loaded
   memory_fork       ``fork(snapshot, 1)``: a new sandbox with the REPL and its state
