@@ -88,7 +88,7 @@ def _web(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from k3.sandbox import Limits, Sandbox
 
-    limits = Limits(memory_mb=args.memory_mb, pids=args.pids, cpus=args.cpus)
+    limits = Limits(memory_mb=args.memory_mb, pids=args.pids, cpus=args.cpus, disk_mb=args.disk_mb or None)
     with Sandbox(args.image, limits, snapshot=args.snapshot) as box:
         result = box.exec(args.cmd, timeout=args.timeout)
         sys.stdout.write(result.stdout)
@@ -172,6 +172,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--memory-mb", type=int, default=512)
     run.add_argument("--pids", type=int, default=256)
     run.add_argument("--cpus", type=float, default=1.0)
+    run.add_argument("--disk-mb", type=int, default=1024,
+                     help="size of the writable layer in MiB (a tmpfs; default 1024); 0 puts it on the scratch disk, unbounded")
     run.set_defaults(func=_run)
 
     gc = commands.add_parser("gc", help="delete snapshot layers no running sandbox needs, and what sandboxes of "

@@ -280,8 +280,12 @@ def descendants(ancestor, table=None):
 
 
 def start_ticks(pid):
-    entry = process_table().get(pid)
-    return None if entry is None else entry[1]
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 def kill_started_since(ticks):
