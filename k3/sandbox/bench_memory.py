@@ -25,9 +25,9 @@ from k3.sandbox.cgroups import Limits
 K3_REPORT_MS = {"snapshot": 133.0, "restore": 49.0}
 
 
-def run(iterations: int = 20, state_mb: int = 50) -> dict:
+def run(iterations: int = 20, state_mb: int = 50, disk_mb: int | None = Limits.disk_mb) -> dict:
     """Time memory snapshot / restore / fork against the files-only path; return the results."""
-    limits = Limits(memory_mb=max(512, 6 * state_mb), pids=256, cpus=1.0)
+    limits = Limits(memory_mb=max(512, 6 * state_mb), pids=256, cpus=1.0, disk_mb=disk_mb)
     results: dict = {"memory_state_mb": state_mb, "memory_iterations": iterations}
     with Sandbox(limits=limits) as box:
         repl = box.repl()

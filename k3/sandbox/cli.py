@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from k3.sandbox.cgroups import Limits
+
 
 def _doctor(args: argparse.Namespace) -> int:
     from k3.sandbox.doctor import report, run_checks
@@ -29,10 +31,11 @@ def _bench(args: argparse.Namespace) -> int:
     results: dict = {}
     tables = []
     if "base" in parts:
-        results.update(bench.run(iterations=args.iterations, edits=args.edits, image_mb=args.image_mb))
+        results.update(bench.run(iterations=args.iterations, edits=args.edits, image_mb=args.image_mb,
+                                 disk_mb=args.disk_mb or None))
         tables.append(bench.format_table(results))
     if "memory" in parts:
-        memory = bench_memory.run(iterations=args.memory_iterations, state_mb=args.state_mb)
+        memory = bench_memory.run(iterations=args.memory_iterations, state_mb=args.state_mb, disk_mb=args.disk_mb or None)
         results.update(memory)
         tables.append(bench_memory.format_table(memory))
     if args.pool:
@@ -143,6 +146,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="which benchmarks: base (files-only ops), memory (a 50 MB REPL); default both")
     bench.add_argument("--memory-iterations", type=int, default=20, help="timed repetitions of memory ops (default 20)")
     bench.add_argument("--state-mb", type=int, default=50, help="MB of state the benchmark REPL holds (default 50)")
+    bench.add_argument("--disk-mb", type=int, default=Limits.disk_mb,
+                       help=f"the sandboxes' writable layer in MiB (default {Limits.disk_mb}); 0 puts it on the scratch disk")
     bench.add_argument("--pool", type=int, default=0, help="also fill a SandboxPool with this many sandboxes (e.g. 200)")
     bench.add_argument("--ray-episodes", type=int, default=0, help="also run this many episodes on a local Ray fleet")
     bench.add_argument("--ray-workers", type=int, default=4, help="Ray workers for --ray-episodes (default 4)")
