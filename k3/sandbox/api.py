@@ -40,7 +40,7 @@ MAX_READ_BYTES = 1 << 30  # read_file's default bound
 # in a page (about 120 layers with our short names) and each layer adds a little lookup cost.
 MAX_CHAIN = 48
 # From this many files to copy, an idle sandbox's snapshot adopts its upper directory as the layer
-# (a rename) and restarts on a fresh upper: cheaper than copying them one by one.
+# (a rename; a tmpfs upper is copied) and restarts on a fresh upper above it.
 ADOPT_MIN_FILES = 16
 
 
@@ -353,11 +353,13 @@ class Sandbox:
             if not idle:  # scan and copy within one freeze: the files must not move in between
                 return self._frozen(idle, lambda: self.store.freeze(self._upper, parent, self.image.path, self._freeze_cache))
             scan = self.store.scan(self._upper, parent, self.image.path, self._freeze_cache)
-            # Adopting renames the upper into the store: only when it lies on the store's disk.
-            adoptable = self.limits.disk_mb is None
-            if adoptable and scan.to_copy >= ADOPT_MIN_FILES and not self.store.exists(scan.layer_id):
+            if scan.to_copy >= ADOPT_MIN_FILES and not self.store.exists(scan.layer_id):
                 old, old_dir = self._supervisor, self._generation_dir
-                layer_id = self.store.commit(scan, adopt=True)
+                # Adopting renames the upper into the store: only when it lies on the store's
+                # disk. A tmpfs upper (disk quota) is copied, and the sandbox goes on over a fresh
+                # upper all the same: the next snapshots scan only new changes, and the tmpfs'
+                # memory goes back.
+                layer_id = self.store.commit(scan, adopt=self.limits.disk_mb is None)
                 self._replace_generation(old, old_dir, [layer_id] + self.chain)
                 return layer_id
             return self.store.commit(scan, self._freeze_cache)
