@@ -113,6 +113,9 @@ def collect(scratch: str, min_age_s: float = 3600.0) -> dict:
         group.thaw()  # a frozen task cannot die
         group.remove()  # kills what is left (freeze, SIGKILL), waits for it, removes the group
         counts["cgroups"] += 1
+        if alive is False:
+            os.unlink(os.path.join(owners, name))
+            counts["owner_records"] += 1
     for name in os.listdir(owners):
         record = os.path.join(owners, name)
         if name not in names and not owner_alive(record) and _old(record, min_age_s, now):

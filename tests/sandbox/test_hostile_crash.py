@@ -65,3 +65,4 @@ def test_sandboxes_of_a_killed_owner_end_and_gc_removes_every_leftover(sandbox_h
     for box in boxes.values():
         assert not any(path.endswith("/" + box["cgroup"]) for path in groups), box
         assert not os.path.exists(box["run_dir"]), box
+        assert not os.path.exists(os.path.join(leftovers.owners_dir(), box["cgroup"])), box
