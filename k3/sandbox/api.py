@@ -14,11 +14,11 @@ Requests to one sandbox are served one at a time (a lock): run several sandboxes
 from __future__ import annotations
 
 import os
-import shutil
+import sys
 import threading
 from dataclasses import dataclass
 
-from k3.sandbox import local
+from k3.sandbox import leftovers, local, seccomp, untrusted
 from k3.sandbox import memory as memory_snapshots
 from k3.sandbox.cgroups import Cgroup, Limits
 from k3.sandbox.image import Image, default_image
@@ -27,11 +27,20 @@ from k3.sandbox.local import SandboxError
 from k3.sandbox.paths import sandbox_home, scratch_dir
 
 DEFAULT_MAX_OUTPUT = 16 << 20
+# Deadlines of host calls into a sandbox. Past one, the whole sandbox is killed (see
+# Supervisor.expire): nothing done inside can hold the host longer.
+FILE_TIMEOUT_S = 60.0  # read_file, write_file, upload and k3's own small requests
+SETUP_TIMEOUT_S = 30.0  # mounting a new root (create, restore, fork)
+# On top of a command's or a cell's own timeout: PID 1 answers by then even when the command held
+# its manager (MANAGER_GRACE_S in supervisor.py) or a cell ignored its interrupt (REPL_GRACE_S in
+# supervisor_extra.py), both 2 s.
+HOST_GRACE_S = 10.0
+MAX_READ_BYTES = 1 << 30  # read_file's default bound
 # Deeper chains are squashed into one layer at the next snapshot: overlay's mount option must fit
 # in a page (about 120 layers with our short names) and each layer adds a little lookup cost.
 MAX_CHAIN = 48
 # From this many files to copy, an idle sandbox's snapshot adopts its upper directory as the layer
-# (a rename) and restarts on a fresh upper: cheaper than copying them one by one.
+# (a rename; a tmpfs upper is copied) and restarts on a fresh upper above it.
 ADOPT_MIN_FILES = 16
 
 
@@ -142,6 +151,7 @@ class Sandbox:
         local.register(self)
         try:
             os.makedirs(self.run_dir)
+            leftovers.record_owner(os.path.join(self.run_dir, leftovers.OWNER_FILE))  # for gc after a crash
             self._start(supervisor)
             if snapshot is not None:
                 memory_snapshots.resume(self)
@@ -156,24 +166,32 @@ class Sandbox:
         self._generation += 1
         generation_dir = os.path.join(self.run_dir, str(self._generation))
         upper, work, root = (os.path.join(generation_dir, name) for name in ("upper", "work", "root"))
-        for directory in (upper, work, root):
+        on_disk = self.limits.disk_mb is None  # else the supervisor mounts a tmpfs of that size for them
+        for directory in (upper, work, root) if on_disk else (root,):
             os.makedirs(directory)
         with open(os.path.join(generation_dir, "chain"), "w") as f:
             f.write(" ".join(self.chain))  # read by the snapshot GC: these layers are in use
         if supervisor.limits != self.limits:
             supervisor.cgroup.set_limits(self.limits)
             supervisor.limits = self.limits
-        self._supervisor, self._upper = supervisor, upper
+        self._supervisor, self._upper, self._generation_dir = supervisor, upper, generation_dir
         self._freeze_cache: dict = {}  # per upper directory: see LayerStore.freeze
         # A snapshot with memory adds its memory image on top: the REPLs load their state from it.
         lower = memory_snapshots.lower_for(self.scratch, self.chain)
-        lower += [os.path.join("layers", layer) for layer in self.chain] + [self.image.path]
+        # Relative to the scratch directory (PID 1 mounts from there): shorter, and no host path
+        # shows in the sandbox's /proc/self/mountinfo.
+        lower += [os.path.join("layers", layer) for layer in self.chain] + [os.path.relpath(self.image.path, self.scratch)]
         answer = supervisor.call(
             {"op": "setup", "lower_base": self.scratch, "lower": lower, "upper": upper, "work": work,
-             "root": root, "hostname": self.hostname}
+             "root": root, "hostname": self.hostname, "open_files": self.limits.open_files,
+             "seccomp": seccomp.filter_bpf(),
+             "disk": None if on_disk else {"bytes": self.limits.disk_mb << 20, "inodes": self.limits.inodes or 1 << 20}},
+            timeout=SETUP_TIMEOUT_S,
         )
         if not answer["ok"]:
             raise SandboxError(answer["error"])
+        if not on_disk:  # reached through PID 1's descriptor: the tmpfs exists in its mount namespace only
+            self._upper = f"/proc/{supervisor.host_pid}/fd/{answer['upper_fd']}/upper"
 
     def close(self) -> None:
         """Kill every process of the sandbox, drop its mounts, cgroup and files. Idempotent."""
@@ -190,7 +208,10 @@ class Sandbox:
         for done in self._pending:
             done.wait()
         if hasattr(self, "run_dir"):
-            shutil.rmtree(self.run_dir, ignore_errors=True)
+            try:
+                untrusted.remove_tree(self.run_dir)  # iterative: the sandbox may have nested deep
+            except OSError as error:
+                print(f"k3 sandbox: could not remove {self.run_dir}: {error}", file=sys.stderr)
 
     def __enter__(self) -> "Sandbox":
         return self
@@ -206,9 +227,14 @@ class Sandbox:
         return self._supervisor.cgroup
 
     def _request(self, request: dict) -> dict:
-        """One request to PID 1 under the sandbox's lock (REPL and web ops use it)."""
+        """One request to PID 1 under the sandbox's lock (REPL and web ops use it). A request with
+        a "timeout" (a REPL call) gets that plus the graces as its deadline; others FILE_TIMEOUT_S."""
+        if "timeout" in request:
+            timeout = None if request["timeout"] is None else request["timeout"] + 2 * HOST_GRACE_S
+        else:
+            timeout = FILE_TIMEOUT_S
         with self._lock:
-            return self._alive().call(request)
+            return self._alive().call(request, timeout)
 
     def _alive(self) -> local.Supervisor:
         if self.closed:
@@ -251,7 +277,7 @@ class Sandbox:
         with self._lock:
             supervisor = self._alive()
             oom_before = self.cgroup.oom_kills()
-            answer = supervisor.call(request)
+            answer = supervisor.call(request, None if timeout is None else timeout + HOST_GRACE_S)
             oom = self.cgroup.oom_kills() > oom_before
         if not answer["ok"]:
             raise SandboxError(answer["error"])
@@ -261,10 +287,12 @@ class Sandbox:
         return ExecResult(answer["stdout"], stderr, answer["exit_code"], answer["duration"],
                           answer["timed_out"], oom, answer["truncated"])
 
-    def read_file(self, path: str) -> bytes:
-        """The content of ``path`` inside the sandbox; FileNotFoundError when it does not exist."""
+    def read_file(self, path: str, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        """The content of the regular file ``path`` inside the sandbox; FileNotFoundError when it
+        does not exist, OSError for a FIFO or device (never waited on) or a file over ``max_bytes``."""
         with self._lock:
-            answer = self._alive().call({"op": "read", "path": _check_path(path)})
+            answer = self._alive().call({"op": "read", "path": _check_path(path), "max_bytes": max_bytes},
+                                        FILE_TIMEOUT_S)
         return self._data(answer, path)
 
     def write_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
@@ -300,7 +328,7 @@ class Sandbox:
 
     def _write(self, entries: list[dict], shown_path: str) -> None:
         with self._lock:
-            answer = self._alive().call({"op": "write", "entries": entries})
+            answer = self._alive().call({"op": "write", "entries": entries}, FILE_TIMEOUT_S)
         self._data(answer, shown_path)
 
     @staticmethod
@@ -339,8 +367,12 @@ class Sandbox:
                 return self._frozen(idle, lambda: self.store.freeze(self._upper, parent, self.image.path, self._freeze_cache))
             scan = self.store.scan(self._upper, parent, self.image.path, self._freeze_cache)
             if scan.to_copy >= ADOPT_MIN_FILES and not self.store.exists(scan.layer_id):
-                old, old_dir = self._supervisor, os.path.dirname(self._upper)
-                layer_id = self.store.commit(scan, adopt=True)
+                old, old_dir = self._supervisor, self._generation_dir
+                # Adopting renames the upper into the store: only when it lies on the store's
+                # disk. A tmpfs upper (disk quota) is copied, and the sandbox goes on over a fresh
+                # upper all the same: the next snapshots scan only new changes, and the tmpfs'
+                # memory goes back.
+                layer_id = self.store.commit(scan, adopt=self.limits.disk_mb is None)
                 self._replace_generation(old, old_dir, [layer_id] + self.chain)
                 return layer_id
             return self.store.commit(scan, self._freeze_cache)
@@ -375,7 +407,7 @@ class Sandbox:
         with self._lock:
             if self.closed:
                 raise SandboxError(f"sandbox {self.id} is closed")
-            self._replace_generation(self._supervisor, os.path.dirname(self._upper), chain)
+            self._replace_generation(self._supervisor, self._generation_dir, chain)
         if self._web is not None:
             self.enable_web(*self._web)  # the relay lived in the old generation's PID 1
         memory_snapshots.resume(self)

@@ -4,7 +4,7 @@ The REPL holds ``state_mb`` MB of random bytes (incompressible, as a model's wor
 plus a counter; each round changes the counter, so every snapshot is new. Timed, each
 ``iterations`` times, in steady state (spares ready, janitor idle, as in ``bench.py``):
 
-  memory_snapshot   ``snapshot(memory=True)``: the REPL pickles its namespace, the host links the
+  memory_snapshot   ``snapshot(memory=True)``: the REPL pickles its namespace, the host copies the
                     file into a memory image, the filesystem is snapshotted with the manifest
   memory_restore    ``restore`` of that snapshot: new root, a new REPL, its state loaded
   memory_fork       ``fork(snapshot, 1)``: a new sandbox with the REPL and its state
@@ -25,9 +25,9 @@ from k3.sandbox.cgroups import Limits
 K3_REPORT_MS = {"snapshot": 133.0, "restore": 49.0}
 
 
-def run(iterations: int = 20, state_mb: int = 50) -> dict:
+def run(iterations: int = 20, state_mb: int = 50, disk_mb: int | None = Limits.disk_mb) -> dict:
     """Time memory snapshot / restore / fork against the files-only path; return the results."""
-    limits = Limits(memory_mb=max(512, 6 * state_mb), pids=256, cpus=1.0)
+    limits = Limits(memory_mb=max(512, 6 * state_mb), pids=256, cpus=1.0, disk_mb=disk_mb)
     results: dict = {"memory_state_mb": state_mb, "memory_iterations": iterations}
     with Sandbox(limits=limits) as box:
         repl = box.repl()

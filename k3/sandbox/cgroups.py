@@ -19,6 +19,7 @@ from dataclasses import dataclass
 CGROUP_ROOT = "/sys/fs/cgroup"
 PARENT = "k3-sandbox"
 V1_CONTROLLERS = ("memory", "pids", "cpu", "freezer")
+FREEZE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -28,11 +29,18 @@ class Limits:
     memory_mb: hard memory limit (RSS + page cache + tmpfs) in MiB; the OOM killer acts beyond it.
     pids: most tasks (processes and threads) at once; stops fork bombs.
     cpus: CPU time as a number of cores (0.5 = half a core), enforced by CFS quota.
+    disk_mb: size of the writable layer in MiB (a tmpfs of that size, so what the sandbox writes
+        also counts against memory_mb); None puts it on the scratch directory's disk, unbounded.
+    inodes: most files and directories in the writable layer (with disk_mb only).
+    open_files: RLIMIT_NOFILE of every process; with ``pids`` it bounds the sandbox's open files.
     """
 
     memory_mb: int | None = 512
     pids: int | None = 256
     cpus: float | None = 1.0
+    disk_mb: int | None = 1024
+    inodes: int | None = 65536
+    open_files: int | None = 1024
 
     def __post_init__(self) -> None:
         if self.memory_mb is not None and self.memory_mb < 16:
@@ -41,6 +49,12 @@ class Limits:
             raise ValueError(f"Limits.pids must be at least 8 or None, got {self.pids}")
         if self.cpus is not None and not self.cpus > 0:
             raise ValueError(f"Limits.cpus must be a positive number of cores or None, got {self.cpus}")
+        if self.disk_mb is not None and not (isinstance(self.disk_mb, int) and self.disk_mb >= 1):
+            raise ValueError(f"Limits.disk_mb must be a whole number of MiB >= 1 or None, got {self.disk_mb!r}")
+        if self.inodes is not None and not (isinstance(self.inodes, int) and self.inodes >= 64):
+            raise ValueError(f"Limits.inodes must be at least 64 or None, got {self.inodes!r}")
+        if self.open_files is not None and not (isinstance(self.open_files, int) and self.open_files >= 16):
+            raise ValueError(f"Limits.open_files must be at least 16 or None, got {self.open_files!r}")
 
 
 def cgroup2_mount() -> str | None:
@@ -124,7 +138,8 @@ class Cgroup:
         for path in self.procs_files():
             _write(path, str(pid))
 
-    def freeze(self) -> None:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> None:
+        """Stop every task of the group; TimeoutError when they are not all stopped in ``timeout`` s."""
         raise NotImplementedError
 
     def thaw(self) -> None:
@@ -144,7 +159,10 @@ class Cgroup:
 
     def kill_all(self) -> None:
         """SIGKILL every task, freezing first so that none can fork while it is being killed."""
-        self.freeze()
+        try:
+            self.freeze()
+        except TimeoutError:
+            pass  # kill what can be killed; the caller waits for the group to empty
         for pid in self.pids():
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -185,9 +203,13 @@ class CgroupV1(Cgroup):
     def _freezer_state(self) -> str:
         return _read(os.path.join(self.paths["freezer"], "freezer.state")).strip()
 
-    def freeze(self) -> None:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> None:
         _write(os.path.join(self.paths["freezer"], "freezer.state"), "FROZEN")
+        deadline = time.monotonic() + timeout
         while self._freezer_state() != "FROZEN":  # FREEZING until every task has stopped
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cgroup {self.paths['freezer']} did not freeze within {timeout} s "
+                                   f"(a task in uninterruptible sleep?)")
             time.sleep(0.0005)
 
     def thaw(self) -> None:
@@ -244,9 +266,12 @@ class CgroupV2(Cgroup):
         if limits.cpus is not None and "cpu" in self.controllers:
             _write(os.path.join(self.path, "cpu.max"), f"{int(limits.cpus * 100_000)} 100000")
 
-    def freeze(self) -> None:
+    def freeze(self, timeout: float = FREEZE_TIMEOUT_S) -> None:
         _write(os.path.join(self.path, "cgroup.freeze"), "1")
+        deadline = time.monotonic() + timeout
         while "frozen 1" not in _read(os.path.join(self.path, "cgroup.events")):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cgroup {self.path} did not freeze within {timeout} s")
             time.sleep(0.0005)
 
     def thaw(self) -> None:

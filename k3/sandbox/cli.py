@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from k3.sandbox.cgroups import Limits
+
 
 def _doctor(args: argparse.Namespace) -> int:
     from k3.sandbox.doctor import report, run_checks
@@ -35,10 +37,11 @@ def _bench(args: argparse.Namespace) -> int:
         print(json.dumps(results, indent=2) if args.json else bench_vm.format_table(results))
         return 0
     if "base" in parts:
-        results.update(bench.run(iterations=args.iterations, edits=args.edits, image_mb=args.image_mb))
+        results.update(bench.run(iterations=args.iterations, edits=args.edits, image_mb=args.image_mb,
+                                 disk_mb=args.disk_mb or None))
         tables.append(bench.format_table(results))
     if "memory" in parts:
-        memory = bench_memory.run(iterations=args.memory_iterations, state_mb=args.state_mb)
+        memory = bench_memory.run(iterations=args.memory_iterations, state_mb=args.state_mb, disk_mb=args.disk_mb or None)
         results.update(memory)
         tables.append(bench_memory.format_table(memory))
     if args.pool:
@@ -94,7 +97,7 @@ def _web(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from k3.sandbox import Limits, Sandbox
 
-    limits = Limits(memory_mb=args.memory_mb, pids=args.pids, cpus=args.cpus)
+    limits = Limits(memory_mb=args.memory_mb, pids=args.pids, cpus=args.cpus, disk_mb=args.disk_mb or None)
     with Sandbox(args.image, limits, snapshot=args.snapshot) as box:
         result = box.exec(args.cmd, timeout=args.timeout)
         sys.stdout.write(result.stdout)
@@ -107,16 +110,26 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from k3.sandbox import leftovers
     from k3.sandbox.layers import LayerStore
     from k3.sandbox.paths import scratch_dir
     from k3.sandbox.pool import SnapshotStore
 
-    store = SnapshotStore(LayerStore(scratch_dir()))
+    scratch = scratch_dir()
+    # Leftovers of dead owners first: their run directories no longer keep layers in use.
+    counts = leftovers.collect(scratch, min_age_s=args.min_age)
+    store = SnapshotStore(LayerStore(scratch))
     keep = set(args.keep)
     for snapshot in keep:
         store.pin(snapshot)
     removed = store.gc(min_age_s=args.min_age)
-    print(f"removed {len(removed)} layers; kept {len(store.layers.list())}")
+    counts = {"layers": len(removed), **counts, "layers_kept": len(store.layers.list())}
+    if args.json:
+        print(json.dumps(counts, indent=2))
+    else:
+        print(f"removed {counts['layers']} layers (kept {counts['layers_kept']}), {counts['processes']} processes, "
+              f"{counts['cgroups']} cgroups, {counts['run_dirs']} run directories, {counts['staging']} staging "
+              f"directories, {counts['owner_records']} owner records")
     return 0
 
 
@@ -141,6 +154,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--state-mb", type=int, default=50, help="MB of state the benchmark REPL holds (default 50)")
     bench.add_argument("--backend", default="local", choices=("local", "vm"),
                        help="vm: whole-machine snapshots of a microVM, beside the local memory bench")
+    bench.add_argument("--disk-mb", type=int, default=Limits.disk_mb,
+                       help=f"the sandboxes' writable layer in MiB (default {Limits.disk_mb}); 0 puts it on the scratch disk")
     bench.add_argument("--pool", type=int, default=0, help="also fill a SandboxPool with this many sandboxes (e.g. 200)")
     bench.add_argument("--ray-episodes", type=int, default=0, help="also run this many episodes on a local Ray fleet")
     bench.add_argument("--ray-workers", type=int, default=4, help="Ray workers for --ray-episodes (default 4)")
@@ -170,9 +185,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--memory-mb", type=int, default=512)
     run.add_argument("--pids", type=int, default=256)
     run.add_argument("--cpus", type=float, default=1.0)
+    run.add_argument("--disk-mb", type=int, default=1024,
+                     help="size of the writable layer in MiB (a tmpfs; default 1024); 0 puts it on the scratch disk, unbounded")
     run.set_defaults(func=_run)
 
-    gc = commands.add_parser("gc", help="delete snapshot layers no running sandbox needs")
+    gc = commands.add_parser("gc", help="delete snapshot layers no running sandbox needs, and what sandboxes of "
+                             "crashed owners left (processes, cgroups, run and staging directories)")
+    gc.add_argument("--json", action="store_true", help="print the counts as JSON")
     gc.add_argument("--keep", nargs="*", default=[], help="snapshot ids to keep (with their parents)")
-    gc.add_argument("--min-age", type=float, default=3600.0, help="spare layers younger than this many seconds")
+    gc.add_argument("--min-age", type=float, default=3600.0, help="spare anything younger than this many seconds")
     gc.set_defaults(func=_gc)

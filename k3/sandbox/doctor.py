@@ -62,7 +62,9 @@ def run_checks() -> list[Check]:
         checks.append(Check("scratch directory", False, str(error)))
     python = shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin")
     checks.append(Check("python3 for the default image", python is not None, python or "missing"))
-    from k3.sandbox import criu, memory
+    from k3.sandbox import criu, memory, seccomp
+
+    checks.append(Check("seccomp filter", seccomp.filter_bpf() is not None, seccomp.status(), required=False))
 
     probe = criu.status()
     checks.append(Check("criu (memory snapshots)", probe.works, probe.detail, required=False))

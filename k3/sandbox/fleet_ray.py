@@ -53,7 +53,7 @@ class SandboxWorker:
         from k3.sandbox import memory
 
         memory.import_images(self.pool.store.layers.home, exported.get("memory", {}))
-        return self.pool.store.layers.import_(exported)
+        return self.pool.store.layers.import_(exported, images=[self.pool.image.path])
 
     def run_and_export(self, fn: Callable, item: Any, memory: bool = False) -> tuple[Any, dict]:
         """``fn(sandbox, item)`` in a clean sandbox, then its snapshot (``memory``: with its

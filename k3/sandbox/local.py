@@ -30,15 +30,46 @@ import time
 import uuid
 import weakref
 
+from k3.sandbox import leftovers, untrusted
 from k3.sandbox.cgroups import Cgroup, Limits
 
 SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
+SUPERVISOR_EXTRA = os.path.join(os.path.dirname(SUPERVISOR), "supervisor_extra.py")
+# The supervisor's command line: it reads its code and arguments from stdin (a frame of marshal),
+# so that no host path shows in the sandbox's /proc/1/cmdline.
+BOOT = ("import marshal, os, struct\n"
+        "def take(n):\n"
+        "    data = b''\n"
+        "    while len(data) < n:\n"
+        "        chunk = os.read(0, n - len(data))\n"
+        "        if not chunk:\n"
+        "            raise SystemExit(1)\n"
+        "        data += chunk\n"
+        "    return data\n"
+        "BOOT = marshal.loads(take(struct.unpack('<I', take(4))[0]))\n"
+        "exec(compile(BOOT['source'], 'supervisor.py', 'exec'), {'__name__': '__main__', 'BOOT': BOOT})\n")
+_sources: tuple[str, str] | None = None
+
+
+def _supervisor_sources() -> tuple[str, str]:
+    global _sources
+    if _sources is None:
+        with open(SUPERVISOR) as main, open(SUPERVISOR_EXTRA) as extra:
+            _sources = (main.read(), extra.read())
+    return _sources
 NAMESPACES = ("--mount", "--pid", "--net", "--ipc", "--uts")
 REFILL_DELAY_S = 0.02  # background work waits this long after the operation that caused it
 
 
 class SandboxError(RuntimeError):
     """A sandbox operation failed (the message says which and why)."""
+
+
+class SandboxTimeout(SandboxError):
+    """The sandbox did not answer a host call by its deadline: every process of it was killed."""
+
+
+HELLO_TIMEOUT_S = 60.0  # a supervisor's start (a Python start on a loaded machine)
 
 
 _python: str | None = None
@@ -89,12 +120,16 @@ class Supervisor:
     def __init__(self) -> None:
         debug = bool(os.environ.get("K3_SANDBOX_DEBUG"))
         self.name = uuid.uuid4().hex[:12]
+        self._owner_record = os.path.join(leftovers.owners_dir(), self.name)
+        leftovers.record_owner(self._owner_record)  # before the cgroup: gc must never see it ownerless
         self.cgroup = Cgroup.create(self.name)
         join = "".join(f"echo $$ > {shlex.quote(path)} && " for path in self.cgroup.procs_files())
         command = [unshare_path(), *NAMESPACES, "--fork", "--kill-child", "--propagation", "private"]
         # Calls from inside the sandbox to the host (the offline web) come back on this pair.
         self.upcall, upcall_child = socket.socketpair()
-        command += [supervisor_python(), "-I", "-S", SUPERVISOR, stage_dir(), str(upcall_child.fileno())]
+        command += [supervisor_python(), "-I", "-S", "-c", BOOT]
+        source, extra = _supervisor_sources()
+        boot = {"source": source, "extra": extra, "stage": stage_dir(), "upcall_fd": upcall_child.fileno()}
         try:
             self.process = subprocess.Popen(
                 ["/bin/sh", "-c", join + "exec " + shlex.join(command)],
@@ -104,19 +139,29 @@ class Supervisor:
         except BaseException:
             self.cgroup.remove()
             self.upcall.close()
+            _unlink_quietly(self._owner_record)
             raise
         finally:
             upcall_child.close()
         self._in = self.process.stdin.fileno()
         self._out = self.process.stdout.fileno()
+        os.set_blocking(self._in, False)  # a PID 1 that stops reading must not hold a host write
         self.host_pid: int | None = None
         self._pidfd: int | None = None
         self.dead = False
+        try:
+            self._send(boot, time.monotonic() + HELLO_TIMEOUT_S)
+        except (OSError, TimeoutError):
+            pass  # it died at start: wait_hello says so
         self.limits: Limits | None = None  # the limits its cgroup has now
 
-    def wait_hello(self) -> None:
-        """Block until the supervisor has started; learn its pid on the host."""
-        hello = self._recv()
+    def wait_hello(self, timeout: float = HELLO_TIMEOUT_S) -> None:
+        """Block until the supervisor has started (at most ``timeout`` s); learn its pid on the host."""
+        try:
+            hello = self._recv(time.monotonic() + timeout)
+        except TimeoutError:
+            self.kill()
+            raise SandboxTimeout(f"the sandbox supervisor did not start within {timeout} s") from None
         if hello is None or not hello["ok"]:
             raise SandboxError(
                 "the sandbox supervisor exited at start: run `k3 sandbox doctor` (are you root, "
@@ -126,15 +171,24 @@ class Supervisor:
         # A pidfd names this very process, so a later kill can never hit a reused pid.
         self._pidfd = os.pidfd_open(self.host_pid)
 
-    def call(self, request: dict) -> dict:
-        """Send one request and return its answer; SandboxError when the supervisor is gone."""
+    def call(self, request: dict, timeout: float | None = None) -> dict:
+        """Send one request and return its answer; SandboxError when the supervisor is gone.
+
+        timeout: seconds the answer may take (None: no limit). Past it the whole sandbox is killed
+        (``expire``), whatever its processes did, and SandboxTimeout is raised."""
         if self.dead:
             raise SandboxError("the sandbox's processes are gone (killed, or closed)")
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._send(request)
-            answer = self._recv()
+            self._send(request, deadline)
+            answer = self._recv(deadline)
         except (BrokenPipeError, ConnectionResetError):
             answer = None
+        except TimeoutError:
+            self.expire()
+            raise SandboxTimeout(
+                f"the sandbox did not answer {request.get('op')!r} within {timeout:.1f} s: every process of it was "
+                f"killed; restore() a snapshot or create a new sandbox") from None
         if answer is None:
             self.dead = True
             raise SandboxError(
@@ -142,6 +196,16 @@ class Supervisor:
                 "restore() a snapshot or create a new sandbox"
             )
         return answer
+
+    def expire(self) -> None:
+        """Kill every process of the sandbox at once, through its cgroup (freeze, then SIGKILL):
+        nothing a process inside did (a stopped manager, a new session, a double fork) survives."""
+        self.dead = True
+        try:
+            self.cgroup.kill_all()
+        except OSError as error:  # the group may be half gone; PID 1's SIGKILL below still ends it
+            print(f"k3 sandbox: could not kill cgroup of {self.name}: {error}", file=sys.stderr)
+        self.kill()
 
     def kill(self) -> None:
         """SIGKILL PID 1 of the sandbox: the kernel then kills every process in its namespace."""
@@ -173,24 +237,49 @@ class Supervisor:
             except OSError:
                 pass
         self.cgroup.remove()
+        _unlink_quietly(self._owner_record)
 
-    def _send(self, message: dict) -> None:
+    def _send(self, message: dict, deadline: float | None = None) -> None:
         body = marshal.dumps(message)
         view = memoryview(struct.pack("<I", len(body)) + body)
         while view:
-            view = view[os.write(self._in, view) :]
+            try:
+                view = view[os.write(self._in, view) :]
+            except BlockingIOError:  # the pipe is full: PID 1 is busy (or held); wait for room
+                _wait(self._in, select.POLLOUT, deadline)
 
-    def _recv(self) -> dict | None:
-        header = _read_exact(self._out, 4)
+    def _recv(self, deadline: float | None = None) -> dict | None:
+        header = _read_exact(self._out, 4, deadline)
         if header is None:
             return None
-        body = _read_exact(self._out, struct.unpack("<I", header)[0])
+        body = _read_exact(self._out, struct.unpack("<I", header)[0], deadline)
         return None if body is None else marshal.loads(body)
 
 
-def _read_exact(fd: int, n: int) -> bytes | None:
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _wait(fd: int, event: int, deadline: float | None) -> None:
+    """Block until ``fd`` is ready for ``event``; TimeoutError when ``deadline`` passes first."""
+    waiter = select.poll()  # poll, not select: descriptors past 1024 are common with many sandboxes
+    waiter.register(fd, event)
+    while True:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError
+        if waiter.poll(None if left is None else int(left * 1000) + 1):
+            return
+
+
+def _read_exact(fd: int, n: int, deadline: float | None = None) -> bytes | None:
     chunks = []
     while n:
+        if deadline is not None:
+            _wait(fd, select.POLLIN, deadline)
         chunk = os.read(fd, min(n, 1 << 20))
         if not chunk:
             return None
@@ -352,7 +441,7 @@ class Janitor:
                 supervisor.kill()
                 supervisor.cgroup.thaw()  # in case it was paused: a frozen task cannot die
                 supervisor.wait()
-                shutil.rmtree(directory, ignore_errors=True)
+                untrusted.remove_tree(directory)  # iterative: the sandbox may have nested deep
             except Exception as error:  # noqa: BLE001 - keep serving other jobs; say what failed
                 print(f"k3 sandbox: cleanup of {directory} failed: {error}", file=sys.stderr)
             finally:

@@ -5,10 +5,13 @@ processes it starts itself, the Python REPLs of ``repl.py``, by a path of its ow
 
 1. each running REPL pickles its namespace to ``/.k3/memory/<name>.pkl`` inside the sandbox
    (its own functions and classes by value, modules by name; see ``repl_server.py``);
-2. the host hard-links each file out of the sandbox's upper directory into a *memory image*,
-   ``<scratch>/memory/<image id>/root/.k3/memory/<name>.pkl`` (no copy, no hash of the 50 MB),
-   and the sandbox removes its own link; beside ``root`` the image keeps the SHA-256 of the one
-   manifest allowed to mount it, so a manifest forged inside a sandbox cannot name another's image;
+2. the host copies each file out of the sandbox's upper directory into a *memory image*,
+   ``<scratch>/memory/<image id>/root/.k3/memory/<name>.pkl``, opening it as untrusted input
+   (``untrusted.py``: no link followed, a regular file of bounded size, holes kept, mode 0600):
+   a copy, because a hard link or an open descriptor kept inside the sandbox would let it change
+   the snapshot later. The manifest records each copy's SHA-256, checked before a restore mounts
+   it; beside ``root`` the image keeps the SHA-256 of the one manifest allowed to mount it, so a
+   manifest forged inside a sandbox cannot name another's image;
 3. a small manifest naming the image (``/.k3/memory/manifest.json``) is written and the
    filesystem is snapshotted as usual (so the layer holds only the manifest), then the manifest is
    removed from the live sandbox, so a later files-only snapshot holds no stale state.
@@ -36,7 +39,8 @@ import stat
 import time
 import uuid
 
-from k3.sandbox import criu
+from k3.sandbox import criu, untrusted
+from k3.sandbox.local import SandboxError
 
 MEMORY_DIR = "/.k3/memory"
 MANIFEST = MEMORY_DIR + "/manifest.json"
@@ -44,6 +48,10 @@ BACKEND = "k3-repl-checkpoint"
 OPAQUE_XATTR = "trusted.overlay.opaque"
 IMAGES = "memory"  # under the scratch directory, beside layers/
 SEAL = "manifest.sha256"  # in an image: the hash of the one manifest allowed to mount it
+MAX_MANIFEST_BYTES = 1 << 20  # a manifest names an image and a few REPLs: a megabyte is absurd already
+# A REPL's pickled namespace cannot be much larger than the memory it lived in.
+STATE_BYTES_PER_MEMORY_BYTE = 2
+MAX_STATE_BYTES = 8 << 30  # for sandboxes without a memory limit
 
 
 def backend() -> dict:
@@ -63,6 +71,27 @@ def _remove_in_box(box, files: list[str]) -> None:
     box._request({"op": "remove", "files": files, "dirs": [MEMORY_DIR, os.path.dirname(MEMORY_DIR)]})
 
 
+def max_state_bytes(box) -> int:
+    """The largest REPL state file a snapshot of ``box`` takes (bounded by its memory limit)."""
+    if box.limits.memory_mb is None:
+        return MAX_STATE_BYTES
+    return STATE_BYTES_PER_MEMORY_BYTE * (box.limits.memory_mb << 20)
+
+
+def _copy_state(box, path: str, target: str) -> tuple[int, str]:
+    """Copy the state file ``path`` (just written through the overlay, so in the upper directory)
+    to ``target`` as untrusted input; return (bytes, sha256)."""
+    try:
+        fd, st = untrusted.open_beneath(box._upper, path, max_state_bytes(box))
+    except (OSError, ValueError) as error:
+        raise SandboxError(f"the REPL state file {path} cannot be saved: {error} (it must be a regular file, "
+                           f"not a link, a FIFO or a file below a linked directory)") from None
+    try:
+        return st.st_size, untrusted.copy_fd(fd, st.st_size, target)
+    finally:
+        os.close(fd)
+
+
 def take(box) -> str:
     """Save every running REPL of ``box`` and snapshot the filesystem with it; return the id."""
     repls = [repl for repl in box._repls.values() if repl.alive]
@@ -71,15 +100,15 @@ def take(box) -> str:
     target = os.path.join(staging, "root", MEMORY_DIR.lstrip("/"))
     entries, files = [], [MANIFEST]
     try:
-        os.makedirs(target)
+        os.makedirs(os.path.join(box.scratch, IMAGES), mode=0o700, exist_ok=True)
+        os.makedirs(target, mode=0o700)
         for repl in repls:
             path = f"{MEMORY_DIR}/{repl.name}.pkl"
             files.append(path)
             saved = repl.dump(path)
-            # The file was just written through the overlay, so it lies in the upper directory.
-            os.link(os.path.join(box._upper, path.lstrip("/")), os.path.join(target, f"{repl.name}.pkl"))
-            entries.append({"name": repl.name, "python": repl.python, "state": path, "bytes": saved["bytes"],
-                            "names": saved["names"], "skipped": saved["skipped"]})
+            size, digest = _copy_state(box, path, os.path.join(target, f"{repl.name}.pkl"))
+            entries.append({"name": repl.name, "python": repl.python, "state": path, "bytes": size,
+                            "sha256": digest, "names": saved["names"], "skipped": saved["skipped"]})
         _remove_in_box(box, files[1:])  # the layer must not copy (and hash) the state files
         manifest = {"backend": BACKEND, "image": image_id, "created": time.time(), "repls": entries,
                     "services": dict(box._services)}
@@ -113,8 +142,10 @@ def manifest_in_chain(scratch: str, chain: list[str]) -> dict | None:
             if depth == len(parts) - 1:
                 if not stat.S_ISREG(st.st_mode):
                     return None
-                with open(path, "rb") as f:
-                    raw = f.read()
+                try:
+                    raw = untrusted.read_beneath(os.path.join(layers, layer), MANIFEST, MAX_MANIFEST_BYTES)
+                except OSError:
+                    return None  # swapped, too big: no manifest k3 wrote
                 try:
                     manifest = json.loads(raw)
                 except ValueError:
@@ -128,7 +159,10 @@ def manifest_in_chain(scratch: str, chain: list[str]) -> dict | None:
             try:
                 if os.getxattr(path, OPAQUE_XATTR) == b"y":
                     # An opaque directory hides the layers below; the file would be here.
-                    if not os.path.isfile(os.path.join(layers, layer, *parts)):
+                    try:
+                        if not stat.S_ISREG(os.lstat(os.path.join(layers, layer, *parts)).st_mode):
+                            return None
+                    except FileNotFoundError:
                         return None
             except OSError:
                 pass
@@ -158,7 +192,33 @@ def lower_for(scratch: str, chain: list[str]) -> list[str]:
     if seal != manifest.get("_sha256"):
         raise PermissionError(f"the memory manifest in this snapshot does not match memory image {manifest['image']}: "
                               f"it was not written by k3's snapshot(memory=True) (a process in the sandbox wrote it?)")
+    _verify_image(directory, manifest)
     return [os.path.join(IMAGES, manifest["image"], "root")]  # the seal beside it stays out of view
+
+
+# Files whose content hash was checked, by (path, inode, size, mtime, ctime): any write to a file
+# changes its ctime (which no one can set back), so an unchanged signature means unchanged content.
+_verified: dict[str, tuple] = {}
+
+
+def _verify_image(directory: str, manifest: dict) -> None:
+    """PermissionError unless every state file of the image has the SHA-256 its manifest recorded."""
+    for entry in manifest.get("repls", []):
+        name = entry.get("name")
+        if not isinstance(name, str) or "/" in name or name.startswith("."):
+            raise PermissionError(f"bad REPL name {name!r} in the memory manifest of image {manifest['image']}")
+        path = os.path.join(directory, "root", MEMORY_DIR.lstrip("/"), name + ".pkl")
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise PermissionError(f"memory image {manifest['image']} lacks the state of REPL {name!r}") from None
+        signature = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, entry.get("sha256"))
+        if _verified.get(path) == signature:
+            continue
+        if not stat.S_ISREG(st.st_mode) or untrusted.hash_file(path, MAX_STATE_BYTES) != entry.get("sha256"):
+            raise PermissionError(f"the state of REPL {name!r} in memory image {manifest['image']} changed after the "
+                                  f"snapshot was taken (its content hash differs): the snapshot cannot be restored")
+        _verified[path] = signature
 
 
 def resume(box) -> list[str]:
@@ -201,15 +261,14 @@ def referenced_images(scratch: str) -> set[str]:
     found = set()
     layers = os.path.join(scratch, "layers")
     for name in os.listdir(layers) if os.path.isdir(layers) else ():
-        path = os.path.join(layers, name, MANIFEST.lstrip("/"))
-        if not name.endswith(".json") and os.path.isfile(path):
-            try:
-                with open(path) as f:
-                    image = json.load(f).get("image")
-            except (OSError, ValueError):
-                continue
-            if image:
-                found.add(image)
+        if name.endswith(".json") or name.startswith("."):
+            continue
+        try:
+            image = json.loads(untrusted.read_beneath(os.path.join(layers, name), MANIFEST, MAX_MANIFEST_BYTES)).get("image")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(image, str) and image:
+            found.add(image)
     return found
 
 
@@ -235,12 +294,12 @@ def export_images(scratch: str, chain: list[str]) -> dict:
         return {}
     root = image_dir(scratch, manifest["image"])
     directory = os.path.join(root, "root", MEMORY_DIR.lstrip("/"))
+    lower_for(scratch, chain)  # the seal and every file's hash, as a restore would check them
     files = {}
-    for name in sorted(os.listdir(directory)):
-        with open(os.path.join(directory, name), "rb") as f:
-            files[name] = f.read()
-    with open(os.path.join(root, SEAL), "rb") as f:
-        files[SEAL] = f.read()
+    for entry in manifest.get("repls", []):
+        name = entry["name"] + ".pkl"
+        files[name] = untrusted.read_beneath(directory, name, MAX_STATE_BYTES)
+    files[SEAL] = untrusted.read_beneath(root, SEAL, MAX_MANIFEST_BYTES)
     return {manifest["image"]: files}
 
 
@@ -250,12 +309,22 @@ def import_images(scratch: str, images: dict) -> None:
         final = image_dir(scratch, image_id)
         if os.path.isdir(final):
             continue
+        if not isinstance(files, dict) or not all(isinstance(d, bytes) for d in files.values()):
+            raise ValueError(f"memory image {image_id} of the export is not a dict of file name -> bytes")
+        for name in files:
+            if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or "\0" in name:
+                raise ValueError(f"bad file name {name!r} in memory image {image_id}")
+        os.makedirs(os.path.join(scratch, IMAGES), mode=0o700, exist_ok=True)
         staging = final + f".{uuid.uuid4().hex[:8]}.staging"
         target = os.path.join(staging, "root", MEMORY_DIR.lstrip("/"))
-        os.makedirs(target)
-        for name, data in files.items():
-            if "/" in name or name.startswith("."):
-                raise ValueError(f"bad file name {name!r} in memory image {image_id}")
-            with open(os.path.join(staging if name == SEAL else target, name), "wb") as f:
-                f.write(data)
-        os.rename(staging, final)
+        os.makedirs(target, mode=0o700)
+        try:
+            for name, data in files.items():
+                fd = os.open(os.path.join(staging if name == SEAL else target, name),
+                             os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+            os.rename(staging, final)  # the state files' hashes are checked when a restore mounts it
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise

@@ -28,11 +28,14 @@ def sandbox_home() -> str:
 
 
 def scratch_dir(home: str | None = None) -> str:
-    """Where layers/ and run/ live (``K3_SANDBOX_SCRATCH``, default: the sandbox home)."""
+    """Where layers/, memory/ and run/ live (each mode 0700) (``K3_SANDBOX_SCRATCH``, default: the sandbox home)."""
     scratch = os.path.abspath(os.environ.get("K3_SANDBOX_SCRATCH") or home or sandbox_home())
     if any(c in scratch for c in ",:\\\n"):
         raise ValueError(f"the sandbox scratch directory must not contain ',', ':', '\\' or a newline "
                          f"(overlay's option syntax uses them); got {scratch!r}")
-    for sub in ("layers", "run"):
-        os.makedirs(os.path.join(scratch, sub), mode=0o700, exist_ok=True)
+    # Snapshots and uppers hold what sandboxes wrote: no host user but root may even look inside.
+    for sub in ("layers", "run", "memory"):
+        path = os.path.join(scratch, sub)
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        os.chmod(path, 0o700)
     return scratch

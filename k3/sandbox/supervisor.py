@@ -1,7 +1,7 @@
 """The process that runs as PID 1 inside one sandbox.
 
-This file is executed as a script (``python -I -S supervisor.py``) by ``unshare(1)``, which has
-already given it fresh mount, pid, net, ipc and uts namespaces. It must not import anything from
+This file is sent on stdin to ``python -I -S -c BOOT`` (see ``local.BOOT``) run by ``unshare(1)``,
+which has already given it fresh mount, pid, net, ipc and uts namespaces. It must not import anything from
 ``k3``: after ``pivot_root`` the host's files are gone, so every module it needs is imported up
 front, before the host hands over the filesystem layout.
 
@@ -26,12 +26,14 @@ supervisor run the same interpreter, so ``marshal`` is compatible and needs no i
 import ctypes
 import marshal
 import os
+import resource
 import select
 import signal
 import socket  # noqa: F401 - used by supervisor_extra.py, run into these globals
 import struct
 import sys
 import time
+from stat import S_ISREG
 
 libc = ctypes.CDLL(None, use_errno=True)  # the interpreter's own libc; find_library would fork
 
@@ -46,7 +48,7 @@ SYS_CAPSET = {"x86_64": 126, "aarch64": 91, "ppc64le": 184, "s390x": 185}.get(os
 with open("/proc/sys/kernel/cap_last_cap") as _f:
     CAP_LAST = int(_f.read())
 
-errno_enoent = 2
+errno_enoent, errno_einval, errno_efbig = 2, 22, 27
 IN, OUT = sys.stdin.buffer.raw, sys.stdout.buffer.raw
 # Nothing but frames may ever reach the host's pipe; stray prints would corrupt the stream.
 sys.stdout = sys.stderr
@@ -109,13 +111,14 @@ def reap(signum=None, frame=None):
             return
 
 
-# An empty host directory, given by the host; a tmpfs is mounted on it in this namespace only.
-STAGE = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
+# The host started this code through ``local.BOOT`` with ``BOOT`` in its globals: no host path is
+# on the command line, where the sandbox could read it in /proc/1/cmdline.
+# STAGE: an empty host directory; a tmpfs is mounted on it in this namespace only.
+STAGE = BOOT["stage"]  # noqa: F821 - set by local.BOOT
 # One end of a socket pair to the host, for calls made from inside the sandbox (the offline web).
-UPCALL_FD = int(sys.argv[2]) if len(sys.argv) > 2 else -1
-# The REPL and web-relay ops live in a second file, read now: after pivot_root it is out of reach.
-with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor_extra.py")) as _f:
-    exec(compile(_f.read(), "supervisor_extra.py", "exec"))
+UPCALL_FD = BOOT["upcall_fd"]  # noqa: F821
+# The REPL and web-relay ops live in a second file, sent with this one.
+exec(compile(BOOT["extra"], "supervisor_extra.py", "exec"))  # noqa: F821
 
 
 def prepare():
@@ -153,11 +156,34 @@ def mask_proc(proc, null):
             mount(null, path, None, MS_BIND)
 
 
+UPPER_FD = -1  # with a disk quota: the size-limited tmpfs holding upper/ and work/ (the host reads it here)
+
+
 def setup(request):
+    global UPPER_FD, SECCOMP_BPF
+    SECCOMP_BPF = request.get("seccomp")
     root = request["root"]
+    upper, work = request["upper"], request["work"]
+    quota = request.get("disk")
+    if quota is not None:
+        # The writable layer on a tmpfs of its own, in this mount namespace only: its size and
+        # inode count are the sandbox's disk quota, and it is gone when the namespace is.
+        rw = os.path.join(STAGE, "rw")
+        os.mkdir(rw)
+        mount("upper", rw, "tmpfs", MS_NOSUID | MS_NODEV,
+              "mode=755,size={},nr_inodes={}".format(quota["bytes"], quota["inodes"]))
+        os.mkdir(os.path.join(rw, "upper"), 0o755)
+        os.mkdir(os.path.join(rw, "work"), 0o700)
+        UPPER_FD = os.open(rw, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        # Relative to the lower base (the cwd at mount): /proc/self/mountinfo shows no host path.
+        upper = os.path.relpath(os.path.join(rw, "upper"), request["lower_base"])
+        work = os.path.relpath(os.path.join(rw, "work"), request["lower_base"])
+    if request.get("open_files") is not None:
+        # Inherited by every process of the sandbox; with the pids limit it bounds its open files.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (request["open_files"], request["open_files"]))
     os.chdir(request["lower_base"])  # lower dirs are given relative to it: keeps the option short
     options = "lowerdir={},upperdir={},workdir={},redirect_dir=off,index=off,metacopy=off,xino=off,volatile".format(
-        ":".join(request["lower"]), request["upper"], request["work"]
+        ":".join(request["lower"]), upper, work
     )
     mount("overlay", root, "overlay", 0, options)
     for name, mode in (("proc", 0o555), ("dev", 0o755), ("tmp", 0o1777)):
@@ -181,6 +207,22 @@ def detach_old_root():
     os.chdir("/")
 
 
+SECCOMP_BPF = None  # the filter's raw BPF, built by the host (k3/sandbox/seccomp.py) and sent with setup
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def load_seccomp():
+    if not SECCOMP_BPF:
+        return
+    program = ctypes.create_string_buffer(SECCOMP_BPF, len(SECCOMP_BPF))
+    fprog = SockFprog(len(SECCOMP_BPF) // 8, ctypes.addressof(program))
+    _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
+
+
 def drop_privileges():
     for cap in range(CAP_LAST + 1):
         libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
@@ -189,6 +231,7 @@ def drop_privileges():
     data = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable x 2 words: all zero
     _check(libc.syscall(SYS_CAPSET, header, data), "capset")
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    load_seccomp()  # last: no_new_privs makes it loadable, and nothing after it needs a denied call
 
 
 def execvpe(argv, env):
@@ -207,9 +250,9 @@ def execvpe(argv, env):
     raise error
 
 
-def descendants(ancestor):
-    """Pids below ``ancestor``, read from /proc (the sandbox's own pid namespace)."""
-    children = {}
+def process_table():
+    """{pid: (parent pid, start time in clock ticks)} of the sandbox's pid namespace, from /proc."""
+    table = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
@@ -218,14 +261,54 @@ def descendants(ancestor):
                 stat = f.read()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(name))
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        table[int(name)] = (int(fields[1]), int(fields[19]))
+    return table
+
+
+def descendants(ancestor, table=None):
+    """Pids below ``ancestor``, read from /proc (the sandbox's own pid namespace)."""
+    children = {}
+    for pid, (ppid, _) in (table or process_table()).items():
+        children.setdefault(ppid, []).append(pid)
     found, todo = [], [ancestor]
     while todo:
         for child in children.get(todo.pop(), ()):
             found.append(child)
             todo.append(child)
     return found
+
+
+def start_ticks(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+def kill_started_since(ticks):
+    """Kill every process started at or after ``ticks`` (clock ticks since boot) except PID 1 and
+    k3's long-lived ones (REPLs and what runs below them, the web relay): what an exec left behind
+    when its manager was stopped or killed, wherever it re-parented. Stop, then kill, until none."""
+    for _ in range(1000):
+        table = process_table()
+        keep = {os.getpid(), WEB["pid"]}  # noqa: F821 - supervisor_extra.py
+        for repl in REPLS.values():  # noqa: F821 - supervisor_extra.py
+            keep.add(repl["pid"])
+            keep.update(descendants(repl["pid"], table))
+        doomed = [pid for pid, (_, started) in table.items() if started >= ticks and pid not in keep]
+        if not doomed:
+            return
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in doomed:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        reap()
+        time.sleep(0.001)
 
 
 def kill_tree(ancestor):
@@ -394,8 +477,14 @@ def run_command(request, result_fd):
         view = view[os.write(result_fd, view) :]
 
 
+# A manager answers right after its command's timeout; past this much more it is held (stopped by
+# the command, say), and PID 1 kills it and everything the exec started.
+MANAGER_GRACE_S = 2.0
+
+
 def do_exec(request):
     result_r, result_w = os.pipe()
+    started = time.monotonic()
     pid = os.fork()
     if pid == 0:
         code = 0
@@ -417,16 +506,61 @@ def do_exec(request):
             code = 1
         os._exit(code)
     os.close(result_w)
-    header = read_exact(result_r, 4)
-    body = read_exact(result_r, struct.unpack("<I", header)[0]) if header else None
+    since = start_ticks(pid)
+    deadline = None if request["timeout"] is None else started + request["timeout"] + MANAGER_GRACE_S
+    body = read_until(result_r, deadline)
     os.close(result_r)
+    if body is None or body is False:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if since is not None:
+            kill_started_since(since)  # the command's processes, wherever they went
     try:
         os.waitpid(pid, 0)
     except ChildProcessError:
         pass  # already reaped by the SIGCHLD handler
+    if body is False:
+        return {"ok": True, "stdout": b"", "stderr": b"k3 sandbox: the exec's manager was held past the timeout "
+                b"(stopped by the command?); every process the command started was killed\n", "exit_code": 137,
+                "signal": 9, "timed_out": True, "truncated": False, "duration": time.monotonic() - started,
+                "start_error": ""}
     if body is None:
-        return {"ok": False, "error": "exec manager died without a result (killed by the memory limit?)"}
+        return {"ok": False, "error": "exec manager died without a result (killed by the memory limit, or by the "
+                "command); every process the command started was killed"}
     return marshal.loads(body)
+
+
+def owner_gone():
+    """The host's end of the request pipe closed (its process died) while PID 1 waited on a
+    command or a cell: exit now, and the kernel kills every process of the namespace."""
+    os._exit(0)
+
+
+def read_until(fd, deadline):
+    """One frame (4-byte length + body) from ``fd``; None at EOF, False when ``deadline`` passes."""
+    data = bytearray()
+    need = 4
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    poller.register(IN.fileno(), 0)  # only POLLHUP: the host went away (see owner_gone)
+    while len(data) < need:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return False
+        events = poller.poll(None if left is None else int(left * 1000) + 1)
+        if any(ready == IN.fileno() for ready, _ in events):
+            owner_gone()
+        if not any(ready == fd for ready, _ in events):
+            continue
+        chunk = os.read(fd, min(need - len(data), 1 << 20))
+        if not chunk:
+            return None
+        data += chunk
+        if need == 4 and len(data) == 4:
+            need = 4 + struct.unpack("<I", data)[0]
+    return bytes(data[4:])
 
 
 def do_write(entry):
@@ -439,8 +573,13 @@ def do_write(entry):
         if mode is not None:
             os.chmod(path, mode)
         return
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644 if mode is None else mode)
+    # Non-blocking open: a FIFO at the path fails (ENXIO) or is refused below, never waits for a reader.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644 if mode is None else mode)
     try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno_einval, "not a regular file", path)
+        os.set_blocking(fd, True)
+        os.ftruncate(fd, 0)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
@@ -450,13 +589,29 @@ def do_write(entry):
         os.close(fd)
 
 
+def read_regular(path, max_bytes):
+    """The content of a regular file (a FIFO or device is refused at once, never waited on)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno_einval, "not a regular file", path)
+        os.set_blocking(fd, True)
+        data = bytearray()
+        while chunk := os.read(fd, min(1 << 20, max_bytes + 1 - len(data))):
+            data += chunk
+            if len(data) > max_bytes:
+                raise OSError(errno_efbig, f"larger than the {max_bytes} bytes read_file returns", path)
+        return bytes(data)
+    finally:
+        os.close(fd)
+
+
 def handle(request):
     op = request["op"]
     if op == "exec":
         return do_exec(request)
     if op == "read":
-        with open(request["path"], "rb") as f:
-            return {"ok": True, "data": f.read()}
+        return {"ok": True, "data": read_regular(request["path"], request.get("max_bytes", 1 << 30))}
     if op == "write":
         for entry in request["entries"]:
             do_write(entry)
@@ -496,7 +651,7 @@ def main():
         send({"ok": False, "error": f"sandbox setup failed: {error}"})
         return
     signal.signal(signal.SIGCHLD, reap)
-    send({"ok": True})
+    send({"ok": True, "upper_fd": UPPER_FD})
     try:
         detach_old_root()
     except OSError:

@@ -17,6 +17,7 @@ web through its PID 1, with no network device and no path of the host in view.
 """
 
 REPL_GRACE_S = 2.0
+REPLY_OVERHEAD = 1 << 16  # a REPL's reply frame may exceed the call's max_output by this much
 REPLS = {}  # name -> {"pid", "pidfd", "to", "from", "out", "err"}
 
 
@@ -29,6 +30,30 @@ def _write_all(fd, data):
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
+
+
+def _write_until(fd, data, deadline):
+    """Write all of ``data`` to the pipe ``fd``; False when ``deadline`` passes first."""
+    if deadline is None:
+        _write_all(fd, data)
+        return True
+    view = memoryview(data)
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    os.set_blocking(fd, False)
+    try:
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if poller.poll(int(left * 1000) + 1):
+                try:
+                    view = view[os.write(fd, view) :]
+                except BlockingIOError:
+                    pass
+        return True
+    finally:
+        os.set_blocking(fd, True)
 
 
 def repl_start(request):
@@ -140,18 +165,25 @@ def repl_call(request):
     truncated = False
     reply_buffer = bytearray()
     reply = None
-    died = timed_out = interrupted = False
-    try:
-        _write_all(repl["to"], _frame(request["message"]))
-    except BrokenPipeError:
-        died = True
+    died = timed_out = interrupted = oversized = False
     started = time.monotonic()
     timeout = request.get("timeout")
     deadline = None if timeout is None else started + timeout
+    try:
+        # A REPL that does not read (stopped, say) must not hold PID 1: past the deadline and its
+        # grace, the message is abandoned and the REPL killed below.
+        if not _write_until(repl["to"], _frame(request["message"]), None if deadline is None else deadline + REPL_GRACE_S):
+            timed_out = True
+    except BrokenPipeError:
+        died = True
+    # The answer is a few small fields (a repr is cut at 4000 characters): a bigger frame is not
+    # one the REPL server wrote, and is not kept.
+    reply_limit = limit + REPLY_OVERHEAD
     poller = select.poll()
     for fd in (repl["from"], repl["out"], repl["err"]):
         poller.register(fd, select.POLLIN)
-    while reply is None and not died:
+    poller.register(IN.fileno(), 0)  # POLLHUP only: the host died during the call
+    while reply is None and not died and not (timed_out and not interrupted):
         wait_ms = None
         if deadline is not None:
             left = deadline - time.monotonic()
@@ -167,6 +199,8 @@ def repl_call(request):
                 continue
             wait_ms = int(left * 1000) + 1
         for fd, _event in poller.poll(wait_ms):
+            if fd == IN.fileno():
+                owner_gone()  # noqa: F821 - supervisor.py
             chunk = os.read(fd, 1 << 20)
             if fd == repl["from"]:
                 if not chunk:
@@ -175,6 +209,9 @@ def repl_call(request):
                 reply_buffer += chunk
                 if len(reply_buffer) >= 4:
                     size = struct.unpack("<I", reply_buffer[:4])[0]
+                    if size > reply_limit:
+                        oversized = died = True
+                        break
                     if len(reply_buffer) >= 4 + size:
                         reply = marshal.loads(bytes(reply_buffer[4 : 4 + size]))
                 continue
@@ -199,6 +236,8 @@ def repl_call(request):
     if killed:
         REPLS.pop(name, None)
         repl_kill(repl)
+    if oversized:
+        outputs[repl["err"]] += b"k3 sandbox: the REPL sent a reply larger than max_output; it was killed\n"
     return {"ok": True, "reply": reply, "stdout": bytes(outputs[repl["out"]]), "stderr": bytes(outputs[repl["err"]]),
             "timed_out": timed_out, "died": died, "killed": killed, "truncated": truncated,
             "duration": time.monotonic() - started}

@@ -20,6 +20,7 @@ from k3.sandbox.local import SandboxError
 CLIENT_PATH = "/usr/local/bin/web"
 CLIENT_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py")
 MAX_REQUEST = 1 << 20
+SEND_TIMEOUT_S = 10.0
 
 
 def _read_exact(sock: socket.socket, n: int) -> bytes | None:
@@ -46,10 +47,16 @@ def serve(upcall: socket.socket, tools) -> None:
             try:
                 request = json.loads(body)
                 answer = tools.call(request) if isinstance(request, dict) else {"ok": False, "error": "a request is a JSON object"}
-            except ValueError as error:
-                answer = {"ok": False, "error": f"bad request: {error}"}
+            except Exception as error:  # noqa: BLE001 - a hostile request must not end the serving thread
+                answer = {"ok": False, "error": f"bad request: {type(error).__name__}: {error}"}
             data = json.dumps(answer).encode()
-            upcall.sendall(struct.pack("<I", len(data)) + data)
+            # The relay in the sandbox may stop reading (its code is the sandbox's to tamper with):
+            # an answer that cannot be sent in time ends this thread, not the host.
+            upcall.settimeout(SEND_TIMEOUT_S)
+            try:
+                upcall.sendall(struct.pack("<I", len(data)) + data)
+            finally:
+                upcall.settimeout(None)
         except OSError:
             return  # the supervisor is gone (sandbox closed or restored)
 

@@ -76,19 +76,48 @@ class WebTools:
         return hits
 
     def call(self, request: dict) -> dict:
-        """One JSON-able request, as the in-sandbox client sends it: {"tool": "search"|"open"|"find", ...}."""
+        """One JSON-able request, as the in-sandbox client sends it: {"tool": "search"|"open"|"find", ...}.
+
+        The request comes from a sandbox: every field is range-checked before any work (it runs on
+        the host, outside the sandbox's cgroup), and an error is an answer, never an exception."""
         try:
             tool = request.get("tool")
             if tool == "search":
-                return {"ok": True, "results": self.search(request.get("query", ""), request.get("k", 5))}
+                query = _text_field(request, "query", MAX_QUERY_CHARS)
+                if len(set(query.lower().split())) > MAX_QUERY_WORDS:
+                    raise WebError(f"a search query has at most {MAX_QUERY_WORDS} distinct words")
+                return {"ok": True, "results": self.search(query, _int_field(request, "k", 5, 1, 20))}
             if tool == "open":
-                return {"ok": True, "page": self.open(request.get("url"), request.get("offset", 0),
-                                                      request.get("limit", PAGE_CHARS))}
+                return {"ok": True, "page": self.open(_text_field(request, "url", MAX_URL_CHARS),
+                                                      _int_field(request, "offset", 0, 0, 1 << 40),
+                                                      _int_field(request, "limit", PAGE_CHARS, 1, 50_000))}
             if tool == "find":
-                return {"ok": True, "hits": self.find(request.get("url"), request.get("text", ""))}
+                return {"ok": True, "hits": self.find(_text_field(request, "url", MAX_URL_CHARS),
+                                                      _text_field(request, "text", MAX_QUERY_CHARS))}
             return {"ok": False, "error": f"unknown tool {tool!r}: use search, open or find"}
-        except (WebError, TypeError, ValueError) as error:
+        except (WebError, TypeError, ValueError, OverflowError, KeyError) as error:
             return {"ok": False, "error": str(error)}
+
+
+MAX_QUERY_CHARS = 1000  # a search query or find text; longer ones cost host CPU and mean nothing
+MAX_QUERY_WORDS = 32
+MAX_URL_CHARS = 2048
+
+
+def _text_field(request: dict, name: str, max_chars: int) -> str:
+    value = request.get(name, "")
+    if not isinstance(value, str):
+        raise WebError(f"{name} must be a string, got {type(value).__name__}")
+    if len(value) > max_chars:
+        raise WebError(f"{name} is {len(value)} characters; at most {max_chars} are accepted")
+    return value
+
+
+def _int_field(request: dict, name: str, default: int, low: int, high: int) -> int:
+    value = request.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise WebError(f"{name} must be a whole number from {low} to {high}, got {value!r}")
+    return value
 
 
 def _snippet(text: str, query: str) -> str:
