@@ -8,13 +8,13 @@ SiTU is SiLU with both branches soft-capped by tanh, which keeps expert outputs 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3 import kernels
 from k3.config import ModelConfig
 from k3.layers.fused_weights import fused, linear_group
 from k3.ops.linear_triton import project
@@ -42,15 +42,10 @@ def compiled_glu():
 
 
 _compile_failed: list[str] = []
-_GLU_ENV = "K3_GLU_BACKEND"
-GLU_BACKENDS = ("auto", "torch", "compiled", "triton")
 
 
 def glu_backend() -> str:
-    backend = os.environ.get(_GLU_ENV, "auto").strip().lower()
-    if backend not in GLU_BACKENDS:
-        raise ValueError(f"{_GLU_ENV}={backend!r}; use one of {', '.join(GLU_BACKENDS)}")
-    return backend
+    return kernels.choice("glu")
 
 
 def glu_path(gate: torch.Tensor, up: torch.Tensor) -> str:

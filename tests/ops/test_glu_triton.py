@@ -168,7 +168,7 @@ def test_switch_picks_the_path(monkeypatch):
     with torch.no_grad():
         assert glu_path(gate, up) == "formula"  # compiled is for training calls
     monkeypatch.setenv("K3_GLU_BACKEND", "liger")
-    with pytest.raises(ValueError, match="K3_GLU_BACKEND='liger'; use one of auto, torch, compiled, triton"):
+    with pytest.raises(ValueError, match="K3_GLU_BACKEND='liger'; use auto, torch, compiled or triton"):
         glu_path(gate, up)
 
 
