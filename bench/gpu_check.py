@@ -35,7 +35,7 @@ import torch
 from common import print_table, relative_error, write_json
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.layers.mlp import glu_activation
+from k3.ops.glu import glu_activation
 from k3 import kernels
 from k3.ops.attn_res import attn_res_mix
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_backend

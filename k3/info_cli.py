@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from k3.config import PRESETS, ModelConfig
+from k3.hf_config import from_hf_config
 from k3.vision.config import VISION_PRESETS
 
 
@@ -18,7 +19,7 @@ def load_config(preset: str | None, config_path: str | None) -> ModelConfig:
             raise FileNotFoundError(f"config file {path} does not exist")
         values = json.loads(path.read_text())
         is_hf = "model_type" in values or "text_config" in values
-        return ModelConfig.from_hf_config(values) if is_hf else ModelConfig.from_dict(values)
+        return from_hf_config(values) if is_hf else ModelConfig.from_dict(values)
     return ModelConfig.from_preset(preset or "tiny")
 
 

@@ -35,8 +35,8 @@ from typing import NamedTuple
 import torch
 
 from k3 import kernels
-from k3.layers.mlp import glu_activation
 from k3.ops.fused_backend import with_torch_fallback
+from k3.ops.glu import glu_activation
 from k3.ops.moe_combine import (auto_takes_triton, combine_backend, combine_from_expert_order_triton,
                                 sum_pairs_from_expert_order_triton, weighted_sum_over_k)
 from k3.ops.moe_triton import experts_by_ids, experts_triton, triton_pays

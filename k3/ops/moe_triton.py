@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from k3.kernels import enabled as switch_enabled
-from k3.layers.mlp import GLU_KINDS
+from k3.ops.glu_triton import KINDS as GLU_KINDS
 from k3.ops.triton_support import interpreting, kernel_module, multiprocessors, triton_importable
 
 # Above this many routed rows the grouped GEMM's large tiles win (prefill); at or below it, these kernels.
