@@ -3,8 +3,6 @@ and reference() scoped, `k3 info --kernels`, and docs/gpu.md's table generated f
 
 import json
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -190,23 +188,21 @@ def test_docs_gpu_md_holds_the_generated_table():
         "docs/gpu.md's switch table is stale: paste the output of `k3 info --markdown` between its markers"
 
 
-def _k3(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
+def test_k3_info_kernels_prints_the_resolved_table_as_text_and_json(monkeypatch, capsys):
+    from k3.cli import main
 
-    environment = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run([sys.executable, "-m", "k3", *args], capture_output=True, text=True, timeout=120,
-                          env=environment, cwd=ROOT)
-
-
-def test_k3_info_kernels_prints_the_resolved_table_as_text_and_json():
-    result = _k3("info", "--kernels", "--json", env={"K3_MOE_BACKEND": "loop"})
-    assert result.returncode == 0, result.stderr
-    rows = {row["name"]: row for row in json.loads(result.stdout)}
+    monkeypatch.setenv("K3_MOE_BACKEND", "loop")
+    assert main(["info", "--kernels", "--json"]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert set(rows) == set(kernels.SWITCHES)
     assert rows["moe"]["choice"] == "torch" and rows["moe"]["source"] == "K3_MOE_BACKEND"
     assert rows["glu"]["choice"] == "auto" and rows["glu"]["source"] == "default"
-    text = _k3("info", "--kernels", env={"K3_MOE_BACKEND": "bad"})
-    assert text.returncode == 1 and "K3_MOE_BACKEND='bad'; use auto, torch, grouped or triton" in text.stderr
+    assert main(["info", "--kernels"]) == 0
+    assert re.search(r"^moe +K3_MOE_BACKEND +torch +of auto, torch, grouped, triton +\(from K3_MOE_BACKEND\)$",
+                     capsys.readouterr().out, re.MULTILINE)
+    monkeypatch.setenv("K3_MOE_BACKEND", "bad")
+    assert main(["info", "--kernels"]) == 1
+    assert "K3_MOE_BACKEND='bad'; use auto, torch, grouped or triton" in capsys.readouterr().err
 
 
 def test_rms_norm_torch_takes_the_twin_where_triton_would_run():
