@@ -23,7 +23,6 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -31,6 +30,7 @@ import torch
 from attn_res import gpu_ms
 from common import kernel_bench_bandwidth, print_table, relative_error, time_ms, write_json
 
+from k3 import kernels
 from k3.ops.glu import compiled_glu, glu_formula
 from k3.ops.glu_triton import Blocks, default_blocks, glu_triton
 
@@ -98,17 +98,16 @@ def model_losses(preset: str, device: str, seq: int) -> dict:
     losses = {}
     for dtype in (torch.float32, torch.bfloat16):
         for backend in ("torch", "compiled", "triton"):
-            os.environ["K3_GLU_BACKEND"] = backend
             torch.manual_seed(0)
             with torch.device(device):
                 model = K3ForCausalLM(config)
             model = model.to(dtype).train()
             ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
-            loss = float(model(ids, labels=ids, return_logits=False).loss.detach())
+            with kernels.use(glu=backend):
+                loss = float(model(ids, labels=ids, return_logits=False).loss.detach())
             losses[f"{str(dtype)[6:]} {backend}"] = loss
             print(f"{preset} {str(dtype)[6:]:8s} K3_GLU_BACKEND={backend:8s} loss {loss:.6f}", flush=True)
             del model
-    os.environ.pop("K3_GLU_BACKEND", None)
     return losses
 
 
