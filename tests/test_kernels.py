@@ -1,9 +1,11 @@
 """The kernel registry (k3/kernels.py): every switch declared once and read only there, choices checked, use()
 and reference() scoped, `k3 info --kernels`, and docs/gpu.md's table generated from it."""
 
+import io
 import json
 import re
 import threading
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -16,23 +18,38 @@ from k3.ops.kda import kda_backend, set_kda_backend
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "k3"
 
-# Names that look like variables but are not: constants of the checkpoint code.
-NOT_VARIABLES = {"K3_PREFIX", "K3_SKIPPED_PREFIXES", "K3_WRAPPER_TYPES"}
-# Read outside the registry on purpose: the sandbox's own paths and settings, and torchrun's variables.
+# Read outside the registry on purpose: torchrun's variables and the sandbox's paths (k3/sandbox/ is left out
+# below); command-line modules may read settings too, the edge where they enter (e.g. `k3 serve`'s key).
 ENVIRON_READERS = {
     "k3/kernels.py": "the registry",
     "k3/distributed/launch.py": "torchrun's WORLD_SIZE / LOCAL_RANK / RANK / MASTER_*",
     "k3/rl/data_parallel.py": "torchrun's WORLD_SIZE",
     "k3/rl/fleet.py": "forwards the sandbox paths to fleet workers",
 }
+SANDBOX_VARIABLES = {"K3_SANDBOX_HOME", "K3_SANDBOX_SCRATCH"}  # k3/sandbox/paths.py's, forwarded by rl/fleet.py
 
 
-def _sources(skip_sandbox: bool = True):
+def _is_cli(relative: str) -> bool:
+    stem = Path(relative).stem
+    return stem in ("cli", "__main__") or stem.endswith("_cli")
+
+
+def _sources():
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(ROOT).as_posix()
-        if skip_sandbox and relative.startswith("k3/sandbox/"):
-            continue
-        yield relative, path.read_text()
+        if not relative.startswith("k3/sandbox/"):
+            yield relative, path.read_text()
+
+
+def _k3_names(text: str) -> tuple[set[str], set[str]]:
+    """(K3_ names in a module's strings and comments, where variables are named; its K3_ Python identifiers)."""
+    mentioned, identifiers = set(), set()
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.NAME:
+            identifiers.update(re.findall(r"^K3_[A-Z0-9_]+$", token.string))
+        elif token.type != tokenize.OP:
+            mentioned.update(re.findall(r"\bK3_[A-Z0-9_]+\b", token.string))
+    return mentioned, identifiers
 
 
 @pytest.fixture(autouse=True)
@@ -42,20 +59,28 @@ def _clean_environment(monkeypatch):
 
 
 def test_every_k3_variable_named_in_the_package_is_declared_in_the_registry():
-    declared = {s.env for s in kernels.SWITCHES.values()} | set(kernels.OTHER_VARIABLES)
-    sandbox = {"K3_SANDBOX_HOME", "K3_SANDBOX_SCRATCH"}  # k3/sandbox/paths.py's, forwarded by rl/fleet.py
+    declared = {s.env for s in kernels.SWITCHES.values()} | set(kernels.OTHER_VARIABLES) | SANDBOX_VARIABLES
+    edge = set()  # settings a command-line module reads from the environment (not kernel switches)
+    identifiers = set()  # Python constants called K3_..., named again inside f-strings
     named = {}
     for relative, text in _sources():
-        for name in re.findall(r"\bK3_[A-Z0-9_]+\b", text):
+        if _is_cli(relative):
+            edge.update(re.findall(r"environ[^\n]*?\b(K3_[A-Z0-9_]+)\b", text))
+        mentioned, constants = _k3_names(text)
+        identifiers |= constants
+        for name in mentioned:
             named.setdefault(name, relative)
-    undeclared = {name: where for name, where in named.items() if name not in declared | NOT_VARIABLES | sandbox}
+    undeclared = {name: where for name, where in named.items() if name not in declared | edge | identifiers}
     assert not undeclared, f"K3_ variables named outside k3/kernels.py's registry: {undeclared}"
+    assert {"K3_MOE_BACKEND", "K3_ATTN_RES_ACCUMULATE", "K3_AUTOTUNE_CONFIGS"} <= set(named)  # the scan sees them
     assert len(kernels.SWITCHES) == 21 and len({s.env for s in kernels.SWITCHES.values()}) == 21
 
 
-def test_only_the_registry_torchrun_and_sandbox_paths_read_the_environment():
+def test_only_the_registry_torchrun_sandbox_paths_and_the_cli_read_the_environment():
     readers = {relative for relative, text in _sources() if re.search(r"os\.environ|os\.getenv|getenv\(", text)}
-    assert readers == set(ENVIRON_READERS), f"os.environ read in {sorted(readers - set(ENVIRON_READERS))}"
+    outside = sorted(reader for reader in readers - set(ENVIRON_READERS) if not _is_cli(reader))
+    assert not outside, f"os.environ read in {outside}: read kernel switches through k3.kernels"
+    assert "k3/kernels.py" in readers
 
 
 def test_each_switch_has_a_default_among_its_choices_and_a_twin_called_torch():
