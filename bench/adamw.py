@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 
 import torch
@@ -38,7 +37,7 @@ from torch import nn
 
 from common import kernel_bench_bandwidth, print_table, synchronize, time_ms, write_json
 
-from k3 import K3ForCausalLM, ModelConfig
+from k3 import K3ForCausalLM, ModelConfig, kernels
 from k3.ops import adamw_triton
 from k3.train import optim
 from k3.train.optim import SplitAdamW, build_optimizer
@@ -66,11 +65,8 @@ def preset_parameters(preset: str, device: str) -> nn.Module:
 
 def param_groups(holder: nn.Module) -> list[dict]:
     """build_optimizer's groups (decay on matrices but the embedding), through build_optimizer itself."""
-    os.environ[optim.ADAMW_ENV] = "torch"
-    try:
+    with kernels.use(adamw="torch"):
         built = build_optimizer(holder, LRS[0], WEIGHT_DECAY, betas=BETAS)
-    finally:
-        os.environ.pop(optim.ADAMW_ENV, None)
     return [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in built.param_groups]
 
 
@@ -217,7 +213,7 @@ def main() -> None:
     numel = sum(p.numel() for p in holder.parameters())
     picked = optim.adamw_class(optim.fused_pays(list(holder.parameters()))).__name__
     print(f"{args.preset}: {len(list(holder.parameters()))} tensors, {numel / 1e6:,.1f}M parameters in bf16; "
-          f"build_optimizer picks {picked} here (K3_ADAMW={os.environ.get(optim.ADAMW_ENV, 'auto')})", flush=True)
+          f"build_optimizer picks {picked} here (K3_ADAMW={kernels.choice('adamw')})", flush=True)
     payload = dict(bench="adamw", preset=args.preset, params=numel, bandwidth_bytes_per_s=bandwidth,
                    build_optimizer_picks=picked, min_numel=optim.TRITON_MIN_NUMEL,
                    block=adamw_triton.BLOCK, num_warps=adamw_triton.NUM_WARPS)

@@ -6,6 +6,7 @@ Results go to stdout as a table and, with --out, to a JSON file written atomical
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -14,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from k3 import kernels
 from k3.ops.triton_support import limit_triton_autotune_from_env
 
 limit_triton_autotune_from_env()  # before anything imports fla (see there)
@@ -51,6 +53,24 @@ def time_ms(fn: Callable[[], Any], warmup: int = 2, repeats: int = 5) -> float:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def kernel_choices(text: str) -> dict[str, str]:
+    """`moe=torch,glu=triton` -> {"moe": "torch", "glu": "triton"}, checked against k3.kernels (argparse type)."""
+    pairs = [part.split("=", 1) for part in text.split(",") if part.strip()]
+    if any(len(pair) != 2 for pair in pairs):
+        raise argparse.ArgumentTypeError(f"takes NAME=CHOICE pairs joined by commas (say moe=torch,glu=triton), "
+                                         f"got {text!r}")
+    try:
+        return kernels.checked({name.strip(): choice.strip() for name, choice in pairs})
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_kernels_argument(parser) -> None:
+    """--kernels NAME=CHOICE,...: k3.kernels choices the bench runs under (`k3 info --kernels` lists them)."""
+    parser.add_argument("--kernels", type=kernel_choices, default={},
+                        help="kernel switches for the whole run, NAME=CHOICE,... (k3 info --kernels lists them)")
 
 
 def peak_memory_gib() -> float:

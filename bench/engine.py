@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,9 +32,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import device_name, peak_memory_gib, print_table, synchronize, write_json  # noqa: E402
+from common import (add_kernels_argument, device_name, peak_memory_gib, print_table, synchronize,  # noqa: E402
+                    write_json)
 
-from k3 import K3ForCausalLM, ModelConfig  # noqa: E402
+from k3 import K3ForCausalLM, ModelConfig, kernels  # noqa: E402
 from k3.infer import Engine, SamplingParams  # noqa: E402
 
 
@@ -182,10 +182,16 @@ def main() -> None:
                              "their graphs compile before any timing)")
     parser.add_argument("--checks", nargs="+", default=None, choices=CHECKS,
                         help="run only these checks (default: every one the device and dtype allow)")
-    parser.add_argument("--mla-backends", nargs="+", default=None, choices=["einsum", "auto", "triton"],
+    parser.add_argument("--mla-backends", nargs="+", default=None, choices=["torch", "einsum", "auto", "triton"],
                         help="time each concurrency under each K3_MLA_DECODE value (an engine each, one process)")
     parser.add_argument("--out", default=None)
+    add_kernels_argument(parser)
     args = parser.parse_args()
+    with kernels.use(**args.kernels):
+        bench(args, parser)
+
+
+def bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -200,7 +206,7 @@ def main() -> None:
     max_context = args.prompt + args.new + 64
     results: dict = {"bench": "engine", "device": device_name(), "preset": args.preset, "prompt": args.prompt,
                      "new": args.new, "dtype": str(dtype),
-                     "compile_decode": os.environ.get("K3_COMPILE_DECODE", "0")}
+                     "compile_decode": kernels.choice("compile_decode"), "kernels": args.kernels}
 
     check_prompts = prompts_for(args.check_requests, 96, config.vocab_size, seed=1)
     check_prompts = [p[: 17 + 11 * i] for i, p in enumerate(check_prompts)]  # mixed lengths
@@ -231,10 +237,10 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.new, temperature=0)
     loads = {}
     for backend, concurrency in itertools.product(args.mla_backends or [None], args.concurrency):
-        if backend is not None:  # read when a graph is captured, so each engine below captures with its own
-            os.environ["K3_MLA_DECODE"] = backend
         key = concurrency if backend is None else f"{backend}/{concurrency}"
-        engine = Engine(model, None, max_context=max_context, max_batch=max(concurrency, 1), prefix_cache=False)
+        # Read when a graph is captured: each engine captures with its own.
+        engine = Engine(model, None, max_context=max_context, max_batch=max(concurrency, 1), prefix_cache=False,
+                        kernels={"mla_decode": backend} if backend else None)
         if device.type == "cuda":
             print(f"{key}: warm-up (captures the decode graphs, and compiles them with K3_COMPILE_DECODE=1)",
                   flush=True)
@@ -243,7 +249,7 @@ def main() -> None:
                  SamplingParams(max_new_tokens=8, temperature=0))  # warm-up: graphs, kernels (and compiles)
         warmup_s = time.perf_counter() - t0
         loads[key] = run_load(engine, prompts_for(concurrency, args.prompt, config.vocab_size, seed=2), params)
-        loads[key].update(concurrency=concurrency, mla_backend=backend or os.environ.get("K3_MLA_DECODE", "default"),
+        loads[key].update(concurrency=concurrency, mla_backend=backend or kernels.choice("mla_decode"),
                           warmup_s=warmup_s, peak_gib=peak_memory_gib())
         print(f"{key}: {loads[key]}", flush=True)
         write_json(args.out, {**results, "partial": True, "loads": loads})

@@ -7,8 +7,8 @@ Usage: python bench/glu.py [--shapes 98304x1024 16384x1024 16384x4096] [--kinds 
 Shapes are `small`'s at B=4 x 4096 in bf16: the routed experts (16,384 tokens x top-6 pairs, width 1024), the shared
 expert (width 1024) and the dense first layer (width 4096). Paths:
   triton    k3.ops.glu_triton.glu_triton, default tiles; --sweep adds a grid of BLOCK_N x BLOCK_F x warps
-  compiled  k3.layers.mlp.compiled_glu (Inductor, dynamic shapes)
-  eager     k3.layers.mlp.glu_formula
+  compiled  k3.ops.glu.compiled_glu (Inductor, dynamic shapes)
+  eager     k3.ops.glu.glu_formula
 Times are GPU time per call (the profiler's kernel times summed, bench/attn_res.py's gpu_ms). The floor is the bytes
 over the copy bandwidth measured in the same run: forward gate and up read and h written, backward dh, gate and up
 read and dgate and dup written. Before timing, every path is checked against the formula in fp32 on the same bf16
@@ -23,7 +23,6 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -31,7 +30,8 @@ import torch
 from attn_res import gpu_ms
 from common import kernel_bench_bandwidth, print_table, relative_error, time_ms, write_json
 
-from k3.layers.mlp import compiled_glu, glu_formula
+from k3 import kernels
+from k3.ops.glu import compiled_glu, glu_formula
 from k3.ops.glu_triton import Blocks, default_blocks, glu_triton
 
 SWEEP = [(1, 1024, 4), (2, 1024, 4), (4, 1024, 4), (8, 1024, 8), (16, 1024, 8), (8, 512, 4), (16, 256, 4),
@@ -98,17 +98,16 @@ def model_losses(preset: str, device: str, seq: int) -> dict:
     losses = {}
     for dtype in (torch.float32, torch.bfloat16):
         for backend in ("torch", "compiled", "triton"):
-            os.environ["K3_GLU_BACKEND"] = backend
             torch.manual_seed(0)
             with torch.device(device):
                 model = K3ForCausalLM(config)
             model = model.to(dtype).train()
             ids = torch.randint(0, config.vocab_size, (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
-            loss = float(model(ids, labels=ids, return_logits=False).loss.detach())
+            with kernels.use(glu=backend):
+                loss = float(model(ids, labels=ids, return_logits=False).loss.detach())
             losses[f"{str(dtype)[6:]} {backend}"] = loss
             print(f"{preset} {str(dtype)[6:]:8s} K3_GLU_BACKEND={backend:8s} loss {loss:.6f}", flush=True)
             del model
-    os.environ.pop("K3_GLU_BACKEND", None)
     return losses
 
 

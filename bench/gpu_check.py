@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import os
 import sys
 import traceback
 
@@ -36,10 +35,10 @@ import torch
 from common import print_table, relative_error, write_json
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.layers.mlp import glu_activation
-from k3.ops.attn_res import attn_res_mix, set_attn_res_backend
-from k3.ops.fused_backend import set_fused_backend
-from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_backend, set_kda_backend
+from k3.ops.glu import glu_activation
+from k3 import kernels
+from k3.ops.attn_res import attn_res_mix
+from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_backend
 from k3.ops.moe import count_per_expert, run_experts
 from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.norm import rms_norm
@@ -50,32 +49,17 @@ BF16_TOL = 2e-2  # bf16 operands (METHOD: 1e-3..1e-2), with margin for long recu
 FP32_TOL = 2e-3  # fp32 in, tf32/bf16 inside fla's kernels
 
 
-PATHS = ("kda", "fused", "attn_res", "moe")  # the switches of the model's fast paths
+# The model's fast paths, each a group of k3.kernels switches (check_model runs each group fast alone).
+PATHS = {"kda": ("kda",), "fused": ("fused",), "attn_res": ("attn_res",),
+         "moe": ("moe", "moe_combine", "router_logits")}
 
 
-@contextlib.contextmanager
-def twins(on: bool | tuple[str, ...]):
-    """Inside: the named switches (every one for on=True, none for on=False) set to the PyTorch twin, the rest
-    to auto."""
-    names = PATHS if on is True else (() if on is False else on)
-    old_env = {name: os.environ.get(name) for name in ("K3_MOE_BACKEND", "K3_MOE_COMBINE", "K3_ROUTER_LOGITS")}
-    set_kda_backend("torch" if "kda" in names else None)
-    set_fused_backend("torch" if "fused" in names else None)
-    set_attn_res_backend("eager" if "attn_res" in names else None)
-    os.environ["K3_MOE_BACKEND"] = "loop" if "moe" in names else "auto"
-    os.environ["K3_MOE_COMBINE"] = "bmm" if "moe" in names else "auto"
-    os.environ["K3_ROUTER_LOGITS"] = "fp32" if "moe" in names else "auto"
-    try:
-        yield
-    finally:
-        set_kda_backend(None)
-        set_fused_backend(None)
-        set_attn_res_backend(None)
-        for name, value in old_env.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+def twins(on: bool | tuple[str, ...]) -> contextlib.AbstractContextManager[None]:
+    """Inside: every switch at its PyTorch twin (on=True, kernels.reference()), or the named paths' switches
+    (a tuple of PATHS keys; none for on=False)."""
+    if on is True:
+        return kernels.reference()
+    return kernels.use(**{switch: "torch" for path in (on or ()) for switch in PATHS[path]})
 
 
 def grads_of(outputs: list[torch.Tensor], inputs: list[torch.Tensor], seed: int) -> list[torch.Tensor]:
@@ -207,11 +191,8 @@ def check_attn_res(device, rows) -> None:
     # The kernels' autograd node (k3.ops.attn_res_triton).
     path_row("attn_res", graph_has(fast[0], "AttnResMix"), "triton", "other", device, rows)
     compare("attn_res", fast, twin, labels, BF16_TOL, rows)
-    set_attn_res_backend("compiled")
-    try:
+    with kernels.use(attn_res="compiled"):
         compiled = run()
-    finally:
-        set_attn_res_backend(None)
     compare("attn_res_compiled", compiled, twin, labels, BF16_TOL, rows)
 
 

@@ -32,13 +32,13 @@ the script exits 1 when the Triton path is further from it than both 1e-2 and tw
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
 from common import copy_bandwidth, device_name, graph_us_per_layer, print_table, relative_error, write_json
 
+from k3 import kernels
 from k3.ops import moe_triton
 from k3.ops.linear_triton import SKINNY_MAX_ROWS
 from k3.ops.moe import experts_grouped_mm, experts_in_pair_order, experts_loop
@@ -107,16 +107,11 @@ def bench_case(model: str, tokens: int, layers: int, bandwidth: float, launch_sw
 
     pair_order = pair_order_with()
 
-    saved_backend = os.environ.get("K3_MOE_BACKEND")
-    os.environ["K3_MOE_BACKEND"] = "grouped"
-    want_pairs = experts_loop(h.float()[ids.argsort(stable=True) // top_k], counts.tolist(), w1_0.float(),
-                              w3_0.float(), w2_0.float(), act, betas)[torch.argsort(ids.argsort(stable=True))]
-    errors["pair_order_rel_err"] = relative_error(pair_order(0).float(), want_pairs)
-    grouped_from_ids_us = graph_us_per_layer(sorted_from_ids, layers)
-    if saved_backend is None:
-        del os.environ["K3_MOE_BACKEND"]
-    else:
-        os.environ["K3_MOE_BACKEND"] = saved_backend
+    with kernels.use(moe="grouped"):
+        want_pairs = experts_loop(h.float()[ids.argsort(stable=True) // top_k], counts.tolist(), w1_0.float(),
+                                  w3_0.float(), w2_0.float(), act, betas)[torch.argsort(ids.argsort(stable=True))]
+        errors["pair_order_rel_err"] = relative_error(pair_order(0).float(), want_pairs)
+        grouped_from_ids_us = graph_us_per_layer(sorted_from_ids, layers)
     pair_order_us = graph_us_per_layer(pair_order, layers)
     # The second kernel loading the pair lists the first stored, instead of scanning the ids again.
     shared = pair_order_with(shared_lists=True)

@@ -50,21 +50,19 @@ DIR/train_sources_<variant>.txt: each kernel with the op (and input shapes) that
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import time
 import traceback
 
 import torch
 
-from common import (H200_BF16_PEAK_FLOPS, device_name, hf_train_flops_per_token, k3_train_flops_per_token,
-                    peak_memory_gib, print_table, reset_peak_memory, time_ms, write_json, write_kernel_sources)
+from common import (H200_BF16_PEAK_FLOPS, add_kernels_argument, device_name, hf_train_flops_per_token,
+                    k3_train_flops_per_token, peak_memory_gib, print_table, reset_peak_memory, time_ms, write_json, write_kernel_sources)
 
 from k3 import K3ForCausalLM, ModelConfig
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
-from k3.ops.attn_res import set_attn_res_backend
-from k3.ops.fused_backend import set_fused_backend
+from k3 import kernels
 from k3.train.optim import build_optimizer
 
 PEER = dict(vocab_size=32768, hidden_size=1024, num_hidden_layers=12, intermediate_size=4096,
@@ -275,36 +273,31 @@ def has_flag(name: str, flag: str) -> bool:
     return name.endswith(f"-{flag}") or f"-{flag}-" in name
 
 
-@contextlib.contextmanager
-def variant_settings(name: str):
-    """The process-wide switches a variant's suffixes ask for, reset on exit."""
+def variant_kernels(name: str) -> dict[str, str]:
+    """The k3.kernels choices a variant's suffixes ask for; every other switch listed takes its default."""
+    choices = {
+        "linear_ce": next((b for b in ("plain", "chunked", "fla") if has_flag(name, f"{b}-ce")), "auto"),
+        "moe_combine": "torch" if has_flag(name, "bmm-combine") else "auto",
+        "rms_norm": next((b for b in ("fla", "triton") if has_flag(name, f"{b}-norm")), "auto"),
+        "qb": "torch" if has_flag(name, "torch-qb") else "auto",
+        "adamw": "torch" if has_flag(name, "torch-adamw") else "auto",
+        "conv": "fla" if has_flag(name, "fla-conv") else "auto",
+        "attn_res_accumulate": "0" if has_flag(name, "attnres-adds") else "1",
+        "join_projections": "0" if has_flag(name, "split-projections") else "1",
+        "glu": next((b for b, flag in (("torch", "eager-glu"), ("compiled", "compiled-glu")) if has_flag(name, flag)),
+                    "auto"),
+    }
     attn_res = next((b for b in ("eager", "compiled") if has_flag(name, f"{b}-attnres")), None)
-    set_attn_res_backend(attn_res)
-    set_fused_backend("torch" if has_flag(name, "unfused") else None)
-    os.environ["K3_LINEAR_CE"] = next((b for b in ("plain", "chunked", "fla") if has_flag(name, f"{b}-ce")), "auto")
-    os.environ["K3_MOE_COMBINE"] = "bmm" if has_flag(name, "bmm-combine") else "auto"
-    os.environ["K3_RMS_NORM"] = next((b for b in ("fla", "triton") if has_flag(name, f"{b}-norm")), "auto")
-    os.environ["K3_QB_BACKEND"] = "torch" if has_flag(name, "torch-qb") else "auto"
-    os.environ["K3_ADAMW"] = "torch" if has_flag(name, "torch-adamw") else "auto"
-    os.environ["K3_CONV_BACKEND"] = "fla" if has_flag(name, "fla-conv") else "auto"
-    os.environ["K3_ATTN_RES_ACCUMULATE"] = "0" if has_flag(name, "attnres-adds") else "1"
-    os.environ["K3_JOIN_PROJECTIONS"] = "0" if has_flag(name, "split-projections") else "1"
-    os.environ["K3_GLU_BACKEND"] = next((b for b, flag in (("torch", "eager-glu"), ("compiled", "compiled-glu"))
-                                         if has_flag(name, flag)), "auto")
-    try:
-        yield
-    finally:
-        set_attn_res_backend(None)
-        set_fused_backend(None)
-        os.environ.pop("K3_LINEAR_CE", None)
-        os.environ.pop("K3_MOE_COMBINE", None)
-        os.environ.pop("K3_RMS_NORM", None)
-        os.environ.pop("K3_QB_BACKEND", None)
-        os.environ.pop("K3_ADAMW", None)
-        os.environ.pop("K3_CONV_BACKEND", None)
-        os.environ.pop("K3_ATTN_RES_ACCUMULATE", None)
-        os.environ.pop("K3_JOIN_PROJECTIONS", None)
-        os.environ.pop("K3_GLU_BACKEND", None)
+    if attn_res is not None:
+        choices["attn_res"] = attn_res
+    if has_flag(name, "unfused"):
+        choices["fused"] = "torch"
+    return choices
+
+
+def variant_settings(name: str, overrides: dict[str, str] | None = None):
+    """A kernels.use() block with the switches a variant's suffixes ask for, then `overrides` (--kernels)."""
+    return kernels.use(**{**variant_kernels(name), **(overrides or {})})
 
 
 def build_variant(name: str, batch: int, seq: int, device):
@@ -340,6 +333,7 @@ def main() -> None:
     parser.add_argument("--profile", default=None, help="folder for kernel tables of one step per profiled variant")
     parser.add_argument("--profile-variants", nargs="+", default=["k3-small"])
     parser.add_argument("--out", default=None)
+    add_kernels_argument(parser)
     args = parser.parse_args()
     device = torch.device(args.device)
     tokens = args.batch * args.seq
@@ -348,7 +342,7 @@ def main() -> None:
         reset_peak_memory()
         model = None
         try:
-            with variant_settings(name):
+            with variant_settings(name, args.kernels):
                 model, step, flops = build_variant(name, args.batch, args.seq, device)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
@@ -387,7 +381,7 @@ def main() -> None:
     for name in args.variants if args.profile else []:
         if name not in args.profile_variants or "error" in results.get(name, {}):
             continue
-        with variant_settings(name):
+        with variant_settings(name, args.kernels):
             model, step, _ = build_variant(name, args.batch, args.seq, device)
             for _ in range(3):
                 step()
@@ -411,7 +405,8 @@ def main() -> None:
                 ["model", "params", "step ms", "tokens/s", "MFU", "vs peer", "peak GiB", "first step s",
                  "compiles while timed"], rows)
     write_json(args.out, {"bench": "train", "batch": args.batch, "seq": args.seq,
-                          "env": {k: v for k, v in os.environ.items() if k.startswith("K3_")}, "results": results})
+                          "env": {k: v for k, v in os.environ.items() if k.startswith("K3_")}, "kernels": args.kernels,
+                          "results": results})
 
 
 if __name__ == "__main__":

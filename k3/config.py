@@ -181,17 +181,6 @@ class ModelConfig:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> "ModelConfig":
-        from k3.hf_config import from_hf_config
-
-        return from_hf_config(hf)
-
-    def to_hf_config(self, model_type: str | None = None) -> dict[str, Any]:
-        from k3.hf_config import to_hf_config
-
-        return to_hf_config(self, model_type)
-
 
 def _every_fourth_and_last(num_layers: int) -> list[int]:
     """K3 / Kimi Linear pattern: MLA at 1-based layers 4, 8, ... and always at the last layer."""

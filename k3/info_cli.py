@@ -1,4 +1,5 @@
-"""`k3 info`: a preset's (or a config file's) shape and parameter counts, computed without allocating."""
+"""`k3 info`: a preset's (or a config file's) shape and parameter counts, computed without allocating; with
+--kernels, the kernel switches as resolved here (k3.kernels)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 from pathlib import Path
 
 from k3.config import PRESETS, ModelConfig
+from k3.hf_config import from_hf_config
 from k3.vision.config import VISION_PRESETS
 
 
@@ -17,7 +19,7 @@ def load_config(preset: str | None, config_path: str | None) -> ModelConfig:
             raise FileNotFoundError(f"config file {path} does not exist")
         values = json.loads(path.read_text())
         is_hf = "model_type" in values or "text_config" in values
-        return ModelConfig.from_hf_config(values) if is_hf else ModelConfig.from_dict(values)
+        return from_hf_config(values) if is_hf else ModelConfig.from_dict(values)
     return ModelConfig.from_preset(preset or "tiny")
 
 
@@ -43,8 +45,30 @@ def load_vision_config(args: argparse.Namespace):
     return VisionConfig.from_preset("k3") if (args.preset or "tiny") == "k3" else None
 
 
+def print_kernels(as_json: bool, as_markdown: bool) -> int:
+    """The kernel switches: resolved now (text or JSON), or as declared (Markdown, docs/gpu.md's table)."""
+    from k3 import kernels
+
+    if as_markdown:
+        print(kernels.markdown_table(), end="")
+        return 0
+    rows = kernels.resolved()
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    name_width, env_width = max(len(row["name"]) for row in rows), max(len(row["env"]) for row in rows)
+    for row in rows:
+        note = "" if row["source"] == "default" else f"  (from {row['source']})"
+        print(f"{row['name']:<{name_width}}  {row['env']:<{env_width}}  {row['choice']:<8}  "
+              f"of {', '.join(row['choices'])}{note}")
+    return 0
+
+
 def run_info(args: argparse.Namespace) -> int:
     from k3.model import count_parameters
+
+    if args.kernels or args.markdown:
+        return print_kernels(args.json, args.markdown)
 
     config = load_config(args.preset, args.config)
     counts = count_parameters(config)
@@ -92,4 +116,8 @@ def register(subparsers) -> None:
                         help="also count a vision tower + projector (default: the config file's vision_config, or "
                              "K3's tower for --preset k3)")
     parser.add_argument("--json", action="store_true", help="print JSON with total_params and active_params")
+    parser.add_argument("--kernels", action="store_true",
+                        help="print the kernel switches (k3/kernels.py) as resolved here, with --json as JSON")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the declared kernel switches as docs/gpu.md's Markdown table")
     parser.set_defaults(func=run_info)

@@ -229,7 +229,7 @@ def report_ablation(settings: AblationSettings, out: str | Path) -> list[dict]:
         raise ValueError(f"{out} holds no finished runs of this plan yet (results.json)")
     from k3.eval.ablation_report import write_report
 
-    write_report(joined, settings, out)
+    write_report(joined, settings, out, mqar_trained_length(settings))
     return joined
 
 

@@ -101,12 +101,10 @@ def plot_axis(rows: list[dict], axis: str, path: Path) -> None:
     atomic_write_bytes(path, buffer.getvalue())
 
 
-def write_report(rows: list[dict], settings, out: Path) -> Path:
-    """OUT/report.md (tables) and OUT/<axis>.png; returns the report path."""
-    from k3.eval.ablate import mqar_trained_length
-
+def write_report(rows: list[dict], settings, out: Path, trained: int) -> Path:
+    """OUT/report.md (tables) and OUT/<axis>.png, for recall trained at length `trained`; returns the report
+    path."""
     tables = markdown_tables(rows)
-    trained = mqar_trained_length(settings)
     queries = settings.recall_queries or settings.recall_pairs
     packed = (f" ({settings.seq_len // (trained + 1)} per row)" if trained < settings.seq_len else "")
     weight = f", answers weighted {settings.recall_weight:g}x in the loss" if settings.recall_weight != 1 else ""

@@ -66,6 +66,32 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
     return model.eval(), tokenizer
 
 
+def has_vision(directory: Path) -> bool:
+    """An HF directory whose config.json carries a vision tower (a multimodal K3 checkpoint)."""
+    import json
+
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return False
+    return "vision_config" in json.loads(config_file.read_text())
+
+
+def load_multimodal(path: str, device: str):
+    """(the language model for the engine, tokenizer, ImageInputs) from a multimodal K3 directory."""
+    from k3.checkpoint.hf import load_hf_tokenizer
+    from k3.infer.image_inputs import ImageInputs
+    from k3.multimodal import from_pretrained
+    from k3.train.trainer import resolve_device
+
+    target = resolve_device(device)
+    model = from_pretrained(path, progress=False).to(target).eval()
+    tokenizer = load_hf_tokenizer(path, required=False)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{path} holds no tokenizer files (tokenizer.json or tiktoken.model); serving "
+                                f"needs one")
+    return model.language_model, tokenizer, ImageInputs(model)
+
+
 def _sampling(args: argparse.Namespace, tokenizer) -> SamplingParams:
     stop_ids = []
     for text in args.stop_token or []:
@@ -112,14 +138,12 @@ class _Streamer:
 
 def _generate_with_images(args: argparse.Namespace) -> int:
     """One prompt after the given images, on a multimodal K3 directory (--model)."""
-    from k3.infer.serve_cli import _has_vision, _load_multimodal
-
-    if args.model is None or not _has_vision(Path(args.model)):
+    if args.model is None or not has_vision(Path(args.model)):
         raise ValueError("--image needs --model with a multimodal K3 directory (a config.json with vision_config)")
     for image in args.image:
         if not Path(image).is_file():
             raise FileNotFoundError(f"--image {image} does not exist")
-    model, tokenizer, images = _load_multimodal(args.model, args.device)
+    model, tokenizer, images = load_multimodal(args.model, args.device)
     params = _sampling(args, tokenizer)
     prompts = _prompts(args)
     if len(prompts) != 1:

@@ -18,11 +18,11 @@ the graph's input), so a run of steps has no host sync.
 from __future__ import annotations
 
 import functools
-import os
 import time
 
 import torch
 
+from k3 import kernels
 from k3.infer.static_cache import StaticCache
 
 
@@ -35,15 +35,9 @@ def decode_step(model, cache: StaticCache, input_ids: torch.Tensor) -> torch.Ten
     return logits
 
 
-COMPILE_ENV = "K3_COMPILE_DECODE"
-
-
 def compile_decode_from_env() -> bool:
     """K3_COMPILE_DECODE=1 turns the compiled decode step on where the engine captures its graphs (default 0)."""
-    value = os.environ.get(COMPILE_ENV, "0").strip().lower()
-    if value not in ("0", "1", "false", "true", ""):
-        raise ValueError(f"{COMPILE_ENV} must be 0 or 1, got {value!r}")
-    return value in ("1", "true")
+    return kernels.enabled("compile_decode")
 
 
 @functools.lru_cache(maxsize=1)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.infer.cache_pool import CachePool
+from k3.kernels import applied as kernels_applied
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.runner import ModelRunner
 from k3.infer.sampling import SamplingParams, sample_rows
@@ -103,13 +104,15 @@ class Engine:
     kept for prefix-cache states (0 turns prefix caching off). num_pages: MLA pages in the pool (default:
     enough for max_batch full contexts). fuse_weights: run projections that read one input as one GEMM over
     one weight buffer (k3.layers.fused_weights; names and state_dict unchanged); default: with CUDA graphs,
-    for a model whose parameters are all frozen."""
+    for a model whose parameters are all frozen. kernels: k3.kernels choices held while the engine works (setup,
+    steps, scoring), e.g. {"moe": "torch"}."""
 
+    @kernels_applied
     def __init__(self, model, tokenizer=None, max_context: int = 4096, max_batch: int = 32, page_size: int = 32,
                  prefill_chunk: int | None = None, max_step_tokens: int | None = None, prefix_cache: bool = True,
                  prefix_slots: int | None = None, num_pages: int | None = None, dtype: torch.dtype | None = None,
                  use_cuda_graphs: bool | None = None, record_routing: bool = False,
-                 fuse_weights: bool | None = None) -> None:
+                 fuse_weights: bool | None = None, *, kernels: dict[str, str] | None = None) -> None:
         if max_context < 2:
             raise ValueError(f"max_context must be >= 2 (a prompt token and a new one), got {max_context}")
         if max_batch < 1:
@@ -269,6 +272,7 @@ class Engine:
         return out
 
     # --- the step -----------------------------------------------------------------------------------
+    @kernels_applied
     @torch.no_grad()
     def step(self) -> list[TokenEvent]:
         plan = self.scheduler.plan()
@@ -485,6 +489,7 @@ class Engine:
         return [self.text_of(out, params) for out in self.generate_ids(ids, params, on_token)]
 
     # --- scoring ------------------------------------------------------------------------------------
+    @kernels_applied
     @torch.no_grad()
     def score(self, sequences: list[list[int]], starts: list[int], top_k: int = 0,
               max_tokens_per_forward: int | None = None) -> list[ScoreOutput]:

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from k3.infer.cli import DTYPE_CHOICES, DTYPE_HELP
+from k3.infer.cli import DTYPE_CHOICES, DTYPE_HELP, has_vision, load_multimodal
 
 
 def _tokenizer_directory(run: str | None, model_path: str | None) -> Path | None:
@@ -18,33 +18,6 @@ def _tokenizer_directory(run: str | None, model_path: str | None) -> Path | None
     path = Path(run)
     run_dir = path.parent if path.is_file() or path.name == SHARDED_CHECKPOINT_NAME else path
     return run_dir / "tokenizer"
-
-
-def _has_vision(directory: Path) -> bool:
-    """An HF directory whose config.json carries a vision tower (a multimodal K3 checkpoint)."""
-    import json
-
-    config_file = directory / "config.json"
-    if not config_file.is_file():
-        return False
-    return "vision_config" in json.loads(config_file.read_text())
-
-
-def _load_multimodal(path: str, device: str):
-    """(the language model for the engine, tokenizer, ImageInputs) from a multimodal K3 directory."""
-    from k3.checkpoint.hf import load_hf_tokenizer
-    from k3.infer.image_inputs import ImageInputs
-    from k3.multimodal import from_pretrained
-
-    from k3.train.trainer import resolve_device
-
-    target = resolve_device(device)
-    model = from_pretrained(path, progress=False).to(target).eval()
-    tokenizer = load_hf_tokenizer(path, required=False)
-    if tokenizer is None:
-        raise FileNotFoundError(f"{path} holds no tokenizer files (tokenizer.json or tiktoken.model); serving "
-                                f"needs one")
-    return model.language_model, tokenizer, ImageInputs(model)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -91,8 +64,8 @@ def serve_command(args: argparse.Namespace) -> int:
     from k3.infer.engine import Engine
 
     images = None
-    if args.model is not None and _has_vision(Path(args.model)):
-        model, tokenizer, images = _load_multimodal(args.model, args.device)
+    if args.model is not None and has_vision(Path(args.model)):
+        model, tokenizer, images = load_multimodal(args.model, args.device)
     else:
         model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
     name = args.served_model_name or Path(args.run or args.model).resolve().name

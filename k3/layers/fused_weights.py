@@ -8,7 +8,7 @@ they were, and an in-place update of any weight (an optimizer step, `copy_` from
 of the buffer: a CUDA graph or a compiled step that reads the buffer sees it, under the same contract CUDA
 graphs already have (k3.infer.engine.Engine.weights_changed).
 
-Groups (the forward of each module asks `fused(self, name)` and falls back to its separate projections when
+Groups (each layer lists its own in `fusable_groups()`; its forward asks `fused(self, name)` and falls back to its separate projections when
 the group is absent or its views no longer point into the buffer, e.g. after `model.to(...)` replaced them):
 - KDA: q, k, v, f_a, the output gate's first projection, beta: six projections of x as one GEMM (q, k and v
   come out side by side for the joined short conv); and the q, k, v short-conv weights as one [3C, 1, W] buffer,
@@ -87,7 +87,7 @@ def fused(owner: nn.Module, group: str) -> FusedGroup | None:
     return found if found is not None and found.usable() else None
 
 
-def _fusable(members: list[tuple[nn.Module, str]]) -> bool:
+def fusable(members: list[tuple[nn.Module, str]]) -> bool:
     """Plain tensors only: a sharded (DTensor) weight has no local buffer to view into."""
     from torch.distributed.tensor import DTensor
 
@@ -101,39 +101,26 @@ def linear_group(x: torch.Tensor, group: FusedGroup, join_first: int = 1) -> lis
     return list(linear(x, group.buffer.to(x.dtype)).split(sizes, dim=-1))
 
 
-def fuse_model_weights(model: nn.Module) -> dict[str, int]:
-    """Fuse every group listed in the module doc in place; returns how many groups of each kind. Idempotent."""
-    from k3.layers.kda import KimiDeltaAttention
-    from k3.layers.mla import GatedMLA
-    from k3.layers.mlp import GLUMLP
-    from k3.layers.moe import LatentMoE
+KINDS = ("kda", "kda_conv", "mla", "mlp", "experts", "moe_input", "moe_output")
+# What a layer's fusable_groups() lists: (kind, group name, members as (module, attribute), the dim they join on).
+Group = tuple[str, str, list[tuple[nn.Module, str]], int]
 
-    counts = {"kda": 0, "kda_conv": 0, "mla": 0, "mlp": 0, "experts": 0, "moe_input": 0, "moe_output": 0}
-    taken: set[int] = set()  # GLU MLPs whose weights a latent MoE's groups hold (its shared experts)
+
+def fuse_model_weights(model: nn.Module) -> dict[str, int]:
+    """Fuse in place every group the model's layers list in `fusable_groups()` (the module doc); returns how many
+    groups of each kind. A group with a weight an earlier group holds is skipped (a latent MoE's groups hold its
+    shared expert's, which comes after it in model.modules()). Idempotent."""
+    counts = dict.fromkeys(KINDS, 0)
+    taken: set[tuple[int, str]] = set()
     for module in model.modules():
-        if isinstance(module, KimiDeltaAttention):
-            groups = [("kda", "input", [(p, "weight") for p in module._input_projections()], 0),
-                      ("kda_conv", "conv", [(c, "weight") for c in module.short_convs()], 0)]
-        elif isinstance(module, GatedMLA):
-            groups = [("mla", "input", [(p, "weight") for p in module._input_projections()], 0)]
-        elif isinstance(module, GLUMLP):
-            if id(module) in taken:
-                continue
-            groups = [("mlp", "gate_up", [(module.gate_proj, "weight"), (module.up_proj, "weight")], 0)]
-        elif isinstance(module, LatentMoE):
-            groups = [("experts", "w13", [(module, "w1"), (module, "w3")], 1)]
-            projections = module.fusable_projections()
-            if projections is not None and all(_fusable(members) for members in projections):
-                taken.add(id(module.shared_experts))
-                groups += [("moe_input", "input", projections[0], 0), ("moe_output", "output", projections[1], 1)]
-        else:
-            continue
-        for kind, name, members, dim in groups:
-            if not _fusable(members):
+        list_groups = getattr(module, "fusable_groups", None)
+        for kind, name, members, dim in list_groups() if callable(list_groups) else ():
+            if not fusable(members) or any((id(m), n) in taken for m, n in members):
                 continue
             existing = _group(module, name)
             if existing is None or not existing.intact():
                 fuse(module, name, members, dim=dim)
+            taken.update((id(m), n) for m, n in members)
             counts[kind] += 1
     return counts
 

@@ -15,7 +15,7 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.layers.conv import ShortConv
 from k3.layers.norm import GatedRMSNorm
-from k3.layers.fused_weights import fused, linear_group
+from k3.layers.fused_weights import Group, fused, linear_group
 from k3.ops.conv_step_triton import short_conv_step_inplace
 from k3.ops.linear_triton import project
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
@@ -158,6 +158,11 @@ class KimiDeltaAttention(nn.Module):
 
     def short_convs(self) -> tuple[nn.Module, nn.Module, nn.Module]:
         return self.q_conv1d, self.k_conv1d, self.v_conv1d
+
+    def fusable_groups(self) -> list[Group]:
+        """The input projections as one GEMM, the q/k/v conv weights as one buffer (k3.layers.fused_weights)."""
+        return [("kda", "input", [(p, "weight") for p in self._input_projections()], 0),
+                ("kda_conv", "conv", [(c, "weight") for c in self.short_convs()], 0)]
 
     def _joined_conv_weight(self) -> torch.Tensor:
         """The q, k and v conv weights side by side, [3 * width, W]."""

@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from k3.config import ModelConfig
-from k3.layers.fused_weights import fused, linear_group
+from k3.layers.fused_weights import Group, fused, linear_group
 from k3.layers.norm import RMSNorm
 from k3.ops.linear_triton import project
 from k3.ops.shared_input_linear import joins_projections, linears_of_one_input
@@ -63,6 +63,10 @@ class GatedMLA(nn.Module):
         """The projections that read x: the query's first (q_a, or q without q_lora), kv_a, the output gate."""
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         return [first, self.kv_a_proj_with_mqa] + ([self.g_proj] if self.g_proj is not None else [])
+
+    def fusable_groups(self) -> list[Group]:
+        """The projections that read x as one GEMM (k3.layers.fused_weights)."""
+        return [("mla", "input", [(p, "weight") for p in self._input_projections()], 0)]
 
     def _project(self, x: torch.Tensor) -> list[torch.Tensor]:
         """The outputs of _input_projections (one GEMM when their weights were fused at load)."""

@@ -22,10 +22,11 @@ from torch import nn
 from k3.config import ModelConfig
 from k3.layers.balancing import (QB_MAX_ITERS, QB_SYNC_EVERY, QB_TOLERANCE, loss_free_bias, maxvio,
                                   solve_batch_bias, solve_batch_bias_on_device)
-from k3.layers.mlp import GLUMLP, glu_activation
+from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
-from k3.layers.fused_weights import fused, linear_group
+from k3.layers.fused_weights import Group, fusable, fused, linear_group
 from k3.ops.fused_backend import with_torch_fallback
+from k3.ops.glu import glu_activation
 from k3.ops.linear_triton import linear, project
 from k3.ops.moe import (combine_from_expert_order, count_per_expert, experts_in_either_order, inverse_permutation,
                         unpermute_rows)
@@ -262,16 +263,20 @@ class LatentMoE(nn.Module):
         out_TD = project(self.routed_expert_up_proj, self._latent_norm(self.routed_latent(h_TL, routing)))
         return out_TD + project(shared.down_proj, glu_activation(gate, up, shared.act, *shared.betas))
 
-    def fusable_projections(self) -> tuple[list[tuple[nn.Module, str]], list[tuple[nn.Module, str]]] | None:
-        """(input, output) weight groups of the projections around the experts (k3.layers.fused_weights):
-        the latent down projection and the shared expert's gate and up all read x (one GEMM), and the latent
-        up projection and the shared expert's down projection are summed into the output (one GEMM over
-        their inputs side by side). None without a latent width or shared experts."""
+    def fusable_groups(self) -> list[Group]:
+        """Weight groups for k3.layers.fused_weights: w1 and w3 as one grouped GEMM; with a latent width and
+        shared experts, also the projections around the experts, both or neither: the latent down projection
+        and the shared expert's gate and up all read x (one GEMM), and the latent up projection and the shared
+        expert's down projection are summed into the output (one GEMM over their inputs side by side)."""
+        groups: list[Group] = [("experts", "w13", [(self, "w1"), (self, "w3")], 1)]
         shared = self.shared_experts
         if not self.latent or shared is None:
-            return None
-        return ([(self.routed_expert_down_proj, "weight"), (shared.gate_proj, "weight"), (shared.up_proj, "weight")],
-                [(self.routed_expert_up_proj, "weight"), (shared.down_proj, "weight")])
+            return groups
+        inputs = [(self.routed_expert_down_proj, "weight"), (shared.gate_proj, "weight"), (shared.up_proj, "weight")]
+        outputs = [(self.routed_expert_up_proj, "weight"), (shared.down_proj, "weight")]
+        if fusable(inputs) and fusable(outputs):
+            groups += [("moe_input", "input", inputs, 0), ("moe_output", "output", outputs, 1)]
+        return groups
 
     def _fused_projections(self):
         """The usable (input, output) groups, or None: then every projection runs as its own module."""

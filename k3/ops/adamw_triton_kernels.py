@@ -6,15 +6,14 @@ on the device (the count of the step being taken, already incremented, as torch'
 launch needs nothing from the host that changes between steps but lr.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
+from k3.kernels import triton_interpreting
 from k3.ops.triton_support import kernel_module
 
 # Whether this import decorated the kernel for Triton's CPU interpreter (the launcher reloads on a change).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = triton_interpreting()
 _cast = kernel_module("k3.ops.triton_cast", INTERPRETED).cast_rounded
 
 # Bits of the step count that the bias corrections' powers cover: any count an fp32 step tensor holds exactly.

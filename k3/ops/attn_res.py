@@ -11,9 +11,9 @@ tokens, D 1024, 2-5 sources; bench/attn_res.py) a mix took 0.81-1.82 ms forward 
 floor (Inductor's kernels under the unbacked token dimension, the fp32 output and the stack), against 0.13-0.29 ms
 for the kernels. It stays, forced, for comparison and as a fallback.
 
-Backend: `set_attn_res_backend(name)` if called (None resets), else the env var K3_ATTN_RES_BACKEND, else
-"auto" (triton for CUDA tensors in fp32/bf16/fp16 when triton imports, compiled for other CUDA tensors, eager
-otherwise); "eager", "compiled" and "triton" force one ("triton" on CPU tensors needs TRITON_INTERPRET=1, Triton's
+Backend: the k3.kernels switch `attn_res` (K3_ATTN_RES_BACKEND, `set_attn_res_backend`): "auto" (triton for CUDA
+tensors in fp32/bf16/fp16 when triton imports, compiled for other CUDA tensors, the eager formula otherwise);
+"torch" (the eager formula; "eager" is its old name), "compiled" and "triton" force one ("triton" on CPU tensors needs TRITON_INTERPRET=1, Triton's
 CPU interpreter, as in the tests). Inside a torch.compile'd caller every backend traces the eager form into the
 caller's graph.
 Shape legend: S sources, B batch, T tokens, D hidden.
@@ -22,20 +22,17 @@ Shape legend: S sources, B batch, T tokens, D hidden.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch._dynamo.decorators
 
+from k3 import kernels
 from k3.ops.attn_res_triton import DTYPES as TRITON_DTYPES
 from k3.ops.attn_res_triton import MAX_SOURCES as TRITON_MAX_SOURCES
 from k3.ops.attn_res_triton import FinishedSources, attn_res_mix_triton
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.triton_support import interpreting, triton_importable
 
-_BACKENDS = ("auto", "eager", "compiled", "triton")
-_ENV = "K3_ATTN_RES_BACKEND"
-_override: str | None = None
 
 
 def _mix_stacked(values_SND: torch.Tensor, norm_weight_D: torch.Tensor, query_D: torch.Tensor,
@@ -74,22 +71,18 @@ def _stack_tokens(sources: list[torch.Tensor]) -> torch.Tensor:
 
 
 def set_attn_res_backend(name: str | None) -> None:
-    """Force "auto", "eager", "compiled" or "triton"; None goes back to K3_ATTN_RES_BACKEND (default "auto")."""
-    global _override
-    if name is not None and name not in _BACKENDS:
-        raise ValueError(f"set_attn_res_backend(name) takes one of {_BACKENDS} or None, got {name!r}")
-    _override = name
+    """Pin "auto", "torch" (the eager formula; `eager` is its old name), "compiled" or "triton" (k3.kernels.pin);
+    None goes back to K3_ATTN_RES_BACKEND (default "auto")."""
+    kernels.pin("attn_res", name)
 
 
 def attn_res_backend(x: torch.Tensor | None = None) -> str:
-    """The configured backend, or with x the path a call on x would take ("eager", "compiled" or "triton")."""
-    name = _override if _override is not None else os.environ.get(_ENV, "auto").strip().lower()
-    if name not in _BACKENDS:
-        raise ValueError(f"{_ENV}={name!r}; use one of {_BACKENDS}")
+    """The configured backend, or with x the path a call on x would take ("torch", "compiled" or "triton")."""
+    name = kernels.choice("attn_res")
     if x is None or name != "auto":
         return name
     if not x.is_cuda:
-        return "eager"
+        return "torch"
     return "triton" if x.dtype in TRITON_DTYPES and triton_importable() else "compiled"
 
 
@@ -102,7 +95,7 @@ def attn_res_mix(sources: list[torch.Tensor], norm_weight_D: torch.Tensor, query
     if torch.compiler.is_compiling():
         return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)
     backend = attn_res_backend(sources[0])
-    if backend == "eager":
+    if backend == "torch":
         return attn_res_mix_eager(sources, norm_weight_D, query_D, eps)
     if backend == "triton":
         sources = _common_dtype(sources)

@@ -24,10 +24,9 @@ Shape suffixes: S sources, N tokens (B*T), D hidden.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from k3.kernels import enabled as switch_enabled
 from k3.ops.triton_support import Blocks, interpreting, kernel_module, multiprocessors, pow2_width
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -199,7 +198,7 @@ class FinishedSources:
 
 def accumulate_finished() -> bool:
     """K3_ATTN_RES_ACCUMULATE=0 turns the in-place sums off (autograd adds the mixes' gradients, as before)."""
-    return os.environ.get("K3_ATTN_RES_ACCUMULATE", "1") != "0"
+    return switch_enabled("attn_res_accumulate")
 
 
 class _AttnResMix(torch.autograd.Function):

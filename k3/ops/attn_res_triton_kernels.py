@@ -5,15 +5,14 @@ tensor read in place; per-(token, source) statistics live in a [BLOCK_N, S_PAD] 
 whose padding columns are masked out of the softmax and never stored. Everything is computed in fp32.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
+from k3.kernels import triton_interpreting
 from k3.ops.triton_support import kernel_module
 
 # Whether this import decorated the kernels for Triton's CPU interpreter (the launcher reloads on a change).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = triton_interpreting()
 # fp32 to the output's dtype, rounded to nearest even in the interpreter too (k3.ops.triton_cast).
 _cast = kernel_module("k3.ops.triton_cast", INTERPRETED).cast_rounded
 

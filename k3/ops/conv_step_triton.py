@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import torch
 
+from k3 import kernels
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.short_conv import short_conv_step
-from k3.ops.triton_support import ANY_STRIDES, interpreting, kernel_backend, kernel_module, triton_importable
+from k3.ops.triton_support import ANY_STRIDES, interpreting, kernel_module, triton_importable
 
-_ENV = "K3_CONV_STEP_BACKEND"
 BLOCK_C = 512
 
 
 def conv_step_backend() -> str:
-    return kernel_backend(_ENV)
+    return kernels.choice("conv_step")
 
 
 def check_conv_step(x: torch.Tensor, weight_CW: torch.Tensor, window: torch.Tensor, rows: torch.Tensor,

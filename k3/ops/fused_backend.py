@@ -11,33 +11,27 @@ call inside one graph. The op's body is the eager call, fallback to the PyTorch 
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Callable, Hashable, TypeVar
 
 import torch
 
+from k3 import kernels
+
 T = TypeVar("T")
 
-_BACKENDS = ("auto", "torch", "fla")
-_ENV = "K3_FUSED_BACKEND"
-_override: str | None = None
+_ENV = kernels.SWITCHES["fused"].env
 
 
 def set_fused_backend(name: str | None) -> None:
-    """Force "auto", "torch" or "fla"; None goes back to K3_FUSED_BACKEND (default "auto")."""
-    global _override
-    if name is not None and name not in _BACKENDS:
-        raise ValueError(f"set_fused_backend(name) must be one of {_BACKENDS}, got {name!r}")
-    _override = name
+    """Pin "auto", "torch" or "fla" (k3.kernels.pin); None goes back to K3_FUSED_BACKEND (default "auto")."""
+    kernels.pin("fused", name)
 
 
 def fused_backend(x: torch.Tensor | None = None, available: bool = True) -> str:
     """Without x: the configured backend. With x: what a call on x runs, "fla" or "torch"; `available` says
     whether the caller's fla kernel imported."""
-    name = _override if _override is not None else os.environ.get(_ENV, "auto").strip().lower()
-    if name not in _BACKENDS:
-        raise ValueError(f"{_ENV} must be one of {_BACKENDS}, got {name!r}")
+    name = kernels.choice("fused")
     if x is None or name == "torch":
         return name
     usable = available and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16, torch.float32)

@@ -2,7 +2,7 @@
 
     SiTU:  h = beta_g*tanh(g/beta_g)*sigmoid(g) * beta_u*tanh(u/beta_u)      SiLU:  h = silu(g) * u
 
-Why: the Inductor-compiled formula (k3.layers.mlp.compiled_glu, the CUDA training default before these kernels) ran
+Why: the Inductor-compiled formula (k3.ops.glu.compiled_glu, the CUDA training default before these kernels) ran
 at 1.98x its bytes' time forward and 1.84x forward + backward at `small`'s routed shape (98,304 x 1024, bf16, one
 H200, bench/glu.py): 0.284 / 0.702 ms, bound by its transcendentals rather than by memory. These kernels read gate
 and up once (and dh, gate, up once backward, recomputing the activation), with tanh and sigmoid from exp(-|x|) (no
@@ -11,8 +11,8 @@ an element: 0.205 / 0.524 ms there, 1.43x / 1.37x the floor (a first version wit
 IEEE divisions ran at the compiled formula's speed).
 
 The forward keeps gate and up for the backward (nothing under no_grad). The PyTorch twin is
-k3.layers.mlp.glu_formula, held equal by tests/ops/test_glu_triton.py (through Triton's CPU interpreter,
-TRITON_INTERPRET=1); k3.layers.mlp picks the path (K3_GLU_BACKEND). Shape suffixes: N rows (every dim but the
+k3.ops.glu.glu_formula, held equal by tests/ops/test_glu_triton.py (through Triton's CPU interpreter,
+TRITON_INTERPRET=1); k3.ops.glu picks the path (K3_GLU_BACKEND). Shape suffixes: N rows (every dim but the
 last), F width.
 """
 
@@ -51,7 +51,7 @@ def check_glu_inputs(gate: torch.Tensor, up: torch.Tensor, kind: str) -> None:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape [..., F]")
     if gate.dtype != up.dtype or gate.dtype not in DTYPES:
         raise ValueError(f"gate is {gate.dtype} and up {up.dtype}; the kernels take one dtype of {DTYPES} for "
-                         "both (k3.layers.mlp.glu_formula takes any)")
+                         "both (k3.ops.glu.glu_formula takes any)")
     if gate.device != up.device:
         raise ValueError(f"gate is on {gate.device} and up on {up.device}; they must share a device")
 
@@ -118,7 +118,7 @@ class _GLU(torch.autograd.Function):
 
 def glu_triton(gate: torch.Tensor, up: torch.Tensor, kind: str, beta_gate: float = 4.0, beta_up: float = 25.0,
                blocks: Blocks | None = None, backward_blocks: Blocks | None = None) -> torch.Tensor:
-    """Same arguments and result as k3.layers.mlp.glu_formula for gate and up of one shape [..., F] and one
+    """Same arguments and result as k3.ops.glu.glu_formula for gate and up of one shape [..., F] and one
     dtype (fp32, bf16 or fp16): h [..., F] in that dtype, with gradients for both. `blocks` (forward) and
     `backward_blocks` are the benchmark's to sweep (default_blocks when None)."""
     check_glu_inputs(gate, up, kind)

@@ -4,15 +4,14 @@ Tiles of BLOCK_N rows x BLOCK_F columns over [N, F]; the inputs are read through
 contiguous), the outputs are contiguous. Everything is computed in fp32 and written in the outputs' dtypes.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
+from k3.kernels import triton_interpreting
 from k3.ops.triton_support import kernel_module
 
 # Whether this import decorated the kernels for Triton's CPU interpreter (the launcher reloads on a change).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = triton_interpreting()
 _cast = kernel_module("k3.ops.triton_cast", INTERPRETED).cast_rounded
 
 

@@ -3,8 +3,8 @@
     loss = mean over labels != ignore_index of ( logsumexp(h W^T) - (h W^T)[label] ),  logits in fp32
 
 Four interchangeable paths, held equal by tests/ops/test_linear_ce.py (K3_LINEAR_CE picks one; `auto`, the
-default, takes `fused` for CUDA tensors when fla imports and `plain` elsewhere):
-- `plain`: F.linear then F.cross_entropy on fp32 logits, what K3ForCausalLM always did. A `small` step at
+default, takes `fused` for CUDA tensors when fla imports and `torch` elsewhere):
+- `torch` (old name `plain`): F.linear then F.cross_entropy on fp32 logits, what K3ForCausalLM always did. A `small` step at
   4 x 4096 tokens holds bf16 logits, their fp32 copy and its gradient: 16K x 32K x 10 bytes = 5.4 GB, and its
   casts, log-softmax and their backwards are six passes over [tokens, vocab] (6.4 ms of a 177 ms `small` step on
   one H200, besides the head's GEMMs).
@@ -20,13 +20,14 @@ default, takes `fused` for CUDA tensors when fla imports and `plain` elsewhere):
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-BACKENDS = ("auto", "plain", "fused", "chunked", "fla")
+from k3 import kernels
+
+BACKENDS = kernels.SWITCHES["linear_ce"].choices
 CHUNK_ROWS = 4096
 
 
@@ -118,11 +119,9 @@ def linear_cross_entropy_fused(hidden: torch.Tensor, weight: torch.Tensor, label
 
 def linear_cross_entropy_backend(on_cuda: bool = False) -> str:
     """The path K3_LINEAR_CE names, with `auto` resolved for tensors on CUDA (`on_cuda`) or not."""
-    backend = os.environ.get("K3_LINEAR_CE", "auto")
-    if backend not in BACKENDS:
-        raise ValueError(f"K3_LINEAR_CE={backend!r}; use one of {', '.join(BACKENDS)}")
+    backend = kernels.choice("linear_ce")
     if backend == "auto":
-        return "fused" if on_cuda and _fla_importable() else "plain"
+        return "fused" if on_cuda and _fla_importable() else "torch"
     return backend
 
 
@@ -135,7 +134,7 @@ def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: to
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     backend = linear_cross_entropy_backend(hidden.is_cuda)
     weight = head.weight
-    if backend == "plain" or isinstance(weight, DTensor) or (backend == "fused" and not hidden.is_cuda):
+    if backend == "torch" or isinstance(weight, DTensor) or (backend == "fused" and not hidden.is_cuda):
         return F.cross_entropy(head(hidden).float(), labels, ignore_index=ignore_index)
     if backend == "fused":
         return linear_cross_entropy_fused(hidden, weight, labels, ignore_index)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3 import kernels
 from k3.ops.fused_backend import with_torch_fallback
-from k3.ops.triton_support import ANY_STRIDES, interpreting, kernel_backend, kernel_module, triton_importable
+from k3.ops.triton_support import ANY_STRIDES, interpreting, kernel_module, triton_importable
 
 SKINNY_MAX_ROWS = 64
 # Auto-selection bounds (bench/moe_decode.py --dense, one H200). At one row the kernel won up to the 2M-element
@@ -33,7 +34,6 @@ SKINNY_MAX_ROWS = 64
 SKINNY_AUTO_MAX_ROWS = 64
 SKINNY_MAX_WEIGHT = 1 << 21
 SKINNY_ROWS_MAX_WEIGHT = 1 << 20  # inclusive, for more than one row
-_ENV = "K3_LINEAR_BACKEND"
 
 
 def default_blocks(in_width: int, rows: int = 1) -> tuple[int, int, int, int]:
@@ -96,7 +96,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_backend() -> str:
-    return kernel_backend(_ENV)
+    return kernels.choice("linear")
 
 
 def skinny_pays(x: torch.Tensor, weight: torch.Tensor) -> bool:

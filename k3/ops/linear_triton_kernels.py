@@ -1,12 +1,12 @@
 """The Triton kernel behind k3.ops.linear_triton (see there); a module of its own because it imports triton."""
 
-import os
-
 import triton
 import triton.language as tl
 
+from k3.kernels import triton_interpreting
+
 # Whether this import decorated the kernel for Triton's CPU interpreter (the launcher reloads on a change).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = triton_interpreting()
 
 
 @triton.jit

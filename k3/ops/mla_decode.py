@@ -13,7 +13,7 @@ k_rope row once, for all heads of its batch row together: the grid is (query row
 each program streams blocks of slots keeping an fp32 online softmax (running max and sum) and an fp32 [H, R]
 accumulator, and a second small kernel joins the splits by log-sum-exp (with one split the first kernel writes
 the output itself: one launch). The split count grows until the GPU has about two programs per multiprocessor.
-Measured on one H200 (bench/mla_decode.py, `small`, 8K): see DEFAULT_BACKEND below.
+Measured on one H200 (bench/mla_decode.py, `small`, 8K): BENCHMARKS.md, round ten.
 
 Masks, as the callers give them: None with `past` (causal: query t sees slots < past + t + 1; with past 0 and one
 query, every slot), a [T, S] boolean (StaticCache: the filled slots, computed on the device, same for every row),
@@ -27,9 +27,9 @@ over all -inf does (0 / 0 in the kernel); decode never produces such a row.
 Precision: the kernel keeps scores and probabilities in fp32 and casts the probabilities to the cache's dtype
 for the value product, as flash attention does; the twin rounds the scores to q's dtype first (bf16 einsum).
 
-Switch: K3_MLA_DECODE=auto|triton|einsum, default auto (DEFAULT_BACKEND says why). auto takes the kernel for
+Switch: K3_MLA_DECODE=auto|triton|torch (k3.kernels `mla_decode`; `einsum` is an old name of torch). auto takes the kernel for
 CUDA tensors in bf16/fp16, at most DECODE_MAX_TOKENS queries per row and no autograd graph (inference), with a mask
-form above, when triton imports; einsum otherwise (training and CPU do not change). An auto-chosen kernel that
+form above, when triton imports; the einsum twin otherwise (training and CPU do not change). An auto-chosen kernel that
 Triton cannot compile warns once and that variant runs the twin from then on
 (k3.ops.fused_backend.with_torch_fallback); a forced `triton` raises. Under torch.compile the launcher is the
 custom op `k3::mla_decode_triton`, opaque to dynamo.
@@ -40,47 +40,23 @@ Shape suffixes: B batch rows, H heads, T query tokens per row, S cached slots, R
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
+from k3 import kernels
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.norm import compute_dtype
 from k3.ops.triton_support import interpreting, kernel_module, multiprocessors, triton_importable
 
 DECODE_MAX_TOKENS = 4  # auto takes the kernel for up to this many queries per row (decode, speculative steps)
-_ENV = "K3_MLA_DECODE"
-_BACKENDS = ("auto", "triton", "einsum")
 ALL_VISIBLE = 1 << 30  # `visible_before` of an unmasked call: no slot index reaches it
 
 
-# The default is the einsum twin: measured on one H200 in `small`'s compiled decode step (bench/decode.py
-# --moe-backends skinny mla), the kernel with its first default blocks (64 slots) made the step no faster
-# (batch 1: 1.77 against 1.76 ms; batch 64: 3.99 against 3.84 ms). Alone (bench/mla_decode.py), at batch 64 and
-# 8K its best swept blocks (32 slots, 4 warps) took 165 us per layer against the einsum's 232; default_block_s
-# now takes the sweep's best. With them, the compiled batch-1 step made 1.51 ms against 1.48 for einsum (two
-# processes), and the uncompiled batch-64 graph 4.86 against 5.15 ms; the compiled batch-64 step is not yet
-# measured. Later (the wide sweep, bench/mla_decode.py --wide-sweep) 16-slot blocks on 2 warps with twice the
-# splits made 147 us a layer at batch 64; they are the batch defaults now (the kernel was still opt-in then).
-# Then the static cache gave the kernel its visibility as [B] limits instead of the [T, S] mask (no mask load
-# in the loop, whose latent loads waited on it; unfilled capacity not visited): alone at batch 64, 95.0 us a
-# layer against 158.1 with the mask and 232.2 for the einsum (floor 83.9), and the compiled batch-64 step 2.97
-# against 3.34 ms. So auto is the default now.
-DEFAULT_BACKEND = "auto"
-# The engine's paged pool (latent_attention_paged): the twin first copies every row's pages, padded to the
-# longest context, out of the pool, where the kernel reads them in place and only up to each row's position.
-# Measured in the engine on one H200 (bench/engine.py --mla-backends einsum auto, `small`, 1,024-token prompts,
-# 128 new tokens, uncompiled graphs): per-output-token time 2.67 -> 2.59 ms at concurrency 1 and 5.58 -> 5.32 ms at
-# 64 (output tokens/s 1,675 -> 2,212 there, prefills included); graph and eager decode agree token for token.
-DEFAULT_PAGED_BACKEND = "auto"
 
-
-def decode_backend(paged: bool = False) -> str:
-    name = os.environ.get(_ENV, DEFAULT_PAGED_BACKEND if paged else DEFAULT_BACKEND).strip().lower()
-    if name not in _BACKENDS:
-        raise ValueError(f"{_ENV} must be one of {_BACKENDS}, got {name!r}")
-    return name
+def decode_backend() -> str:
+    """The `mla_decode` switch: "auto", "triton" or "torch" (the einsum twin)."""
+    return kernels.choice("mla_decode")
 
 
 def causal_mask(length: int, total: int, past: int, device) -> torch.Tensor | None:
@@ -399,9 +375,9 @@ def latent_attention_paged_triton(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torc
 def latent_attention_paged(q_latent_BHTR: torch.Tensor, q_rope_BTHE: torch.Tensor, pages: PagedLatents,
                            scale: float) -> torch.Tensor:
     """out_latent [B, H, T, R] over the engine's pool through the backend K3_MLA_DECODE picks (default
-    DEFAULT_PAGED_BACKEND): the kernel reads the pages in place, the twin gathers them first."""
+    auto): the kernel reads the pages in place, the twin gathers them first."""
     args = (q_latent_BHTR, q_rope_BTHE, pages, scale)
-    backend = decode_backend(paged=True)
+    backend = decode_backend()
     if backend == "triton":
         return latent_attention_paged_triton(*args)
     if backend == "auto" and pages.latent_NPR.dtype == q_latent_BHTR.dtype \

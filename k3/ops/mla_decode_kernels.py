@@ -1,12 +1,12 @@
 """The Triton kernels behind k3.ops.mla_decode (see there); a module of their own because they import triton."""
 
-import os
-
 import triton
 import triton.language as tl
 
+from k3.kernels import triton_interpreting
+
 # Whether this import decorated the kernels for Triton's CPU interpreter (mla_decode reloads on a change).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = triton_interpreting()
 
 
 @triton.jit

@@ -14,7 +14,7 @@ and each expert's program finds its own), else it sorts, runs one of the paths a
 pair order. LatentMoE calls `experts_in_either_order`, the same without that last step: after the sorted path it
 gets the rows in expert order and the sort, and `combine_from_expert_order` reads them through the inverse
 permutation in the combine itself (k3.ops.moe_combine's kernels), with no pair-order copy forward or backward.
-`K3_MOE_BACKEND=loop|grouped|triton|auto` forces one; auto takes the Triton kernels for inference on CUDA up to
+`K3_MOE_BACKEND=torch|grouped|triton|auto` forces one (torch: the loop; `loop` is its old name); auto takes the Triton kernels for inference on CUDA up to
 TRITON_MAX_ROWS rows, else the grouped GEMM for bf16 CUDA tensors whose widths meet its 16-byte alignment rule,
 else the loop (eager) or the gathered path (under torch.compile).
 `count_per_expert` counts routed pairs without a host sync (torch.bincount on CUDA reads the input's min and max
@@ -30,13 +30,13 @@ Shape suffixes: N routed pairs (tokens*top_k), E experts, F expert width, D expe
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 
-from k3.layers.mlp import glu_activation
+from k3 import kernels
 from k3.ops.fused_backend import with_torch_fallback
+from k3.ops.glu import glu_activation
 from k3.ops.moe_combine import (auto_takes_triton, combine_backend, combine_from_expert_order_triton,
                                 sum_pairs_from_expert_order_triton, weighted_sum_over_k)
 from k3.ops.moe_triton import experts_by_ids, experts_triton, triton_pays
@@ -244,10 +244,7 @@ def _grouped_available(x: torch.Tensor, w1_EFD: torch.Tensor) -> bool:
 
 
 def moe_backend() -> str:
-    backend = os.environ.get("K3_MOE_BACKEND", "auto")
-    if backend not in ("auto", "loop", "grouped", "triton"):
-        raise ValueError(f"K3_MOE_BACKEND={backend!r}; use auto, loop, grouped or triton")
-    return backend
+    return kernels.choice("moe")
 
 
 # The pair-order kernels scan every routed pair in every expert's program, a cost that grows with N. Measured on

@@ -28,31 +28,24 @@ once, and dw), and `sum_pairs_from_expert_order_triton` is gather_pairs' backwar
 kernel with unit weights). Their twins, and the switch between the two, are in k3.ops.moe (they use its
 permutations).
 
-`K3_MOE_COMBINE=auto|bmm|triton|sum` forces one; auto takes Triton for CUDA tensors outside torch.compile, when
+`K3_MOE_COMBINE=auto|torch|triton|sum` forces one (torch: the bmm; `bmm` is its old name); auto takes Triton for CUDA tensors outside torch.compile, when
 triton imports, the sum form inside torch.compile without autograd, else the bmm (compiled training keeps the bmm:
 the sum form's backward is unmeasured). The expert-order kernels follow the same switch: Triton where auto or
-triton takes the combine kernels, the twin otherwise (bmm, sum). A Triton compile failure of an auto-selected
+triton takes the combine kernels, the twin otherwise (torch, sum). A Triton compile failure of an auto-selected
 kernel warns once and runs the twin from then on.
 Shape suffixes: T tokens, K routed experts per token, L expert output width, N = T * K routed pairs.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from k3 import kernels
 from k3.ops.fused_backend import with_torch_fallback
 from k3.ops.triton_support import interpreting, kernel_module, triton_importable
 
-_BACKENDS = ("auto", "bmm", "triton", "sum")
-
-
 def combine_backend() -> str:
-    backend = os.environ.get("K3_MOE_COMBINE", "auto").strip().lower()
-    if backend not in _BACKENDS:
-        raise ValueError(f"K3_MOE_COMBINE={backend!r}; use one of {_BACKENDS}")
-    return backend
+    return kernels.choice("moe_combine")
 
 
 def auto_takes_triton(x: torch.Tensor) -> bool:

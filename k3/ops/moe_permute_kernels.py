@@ -7,13 +7,13 @@ writes its tokens' outputs: no atomics, and with `inverse` a permutation every r
 by exactly one program.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
+from k3.kernels import triton_interpreting
+
 # Whether this import decorated the kernels for Triton's CPU interpreter (the launchers reload on a change).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = triton_interpreting()
 
 
 @triton.jit

@@ -19,11 +19,10 @@ Shape suffixes: N routed rows (sorted by expert), E experts, F expert width, D e
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from k3.layers.mlp import GLU_KINDS
+from k3.kernels import enabled as switch_enabled
+from k3.ops.glu_triton import KINDS as GLU_KINDS
 from k3.ops.triton_support import interpreting, kernel_module, multiprocessors, triton_importable
 
 # Above this many routed rows the grouped GEMM's large tiles win (prefill); at or below it, these kernels.
@@ -140,10 +139,7 @@ def experts_by_ids_eager(h_TD: torch.Tensor, ids_N: torch.Tensor, w1_EFD: torch.
 def pair_lists_from_env() -> bool:
     """K3_MOE_PAIR_LISTS: 1 shares the experts' pair lists between the two pair-order kernels, 0 (default) scans
     the ids in both."""
-    value = os.environ.get("K3_MOE_PAIR_LISTS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"K3_MOE_PAIR_LISTS={value!r}; use 0 or 1")
-    return value == "1"
+    return switch_enabled("moe_pair_lists")
 
 
 @torch.library.custom_op("k3::moe_experts_triton", mutates_args=())

@@ -1,13 +1,13 @@
 """The Triton kernels behind k3.ops.moe_triton and k3.ops.route_triton (see there); a module of its own because
 it imports triton."""
 
-import os
-
 import triton
 import triton.language as tl
 
+from k3.kernels import triton_interpreting
+
 # Whether this import decorated the kernels for Triton's CPU interpreter (the launchers reload on a change).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = triton_interpreting()
 
 
 @triton.jit

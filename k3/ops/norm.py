@@ -16,7 +16,8 @@ as a k3:: custom op.
 
 K3_RMS_NORM picks rms_norm's kernels: "auto" (the default, also when unset or empty) sends CUDA tensors in
 fp32/bf16/fp16 to k3's own kernels (k3.ops.rms_norm_triton) and everything else down the path above; "fla"
-keeps the path above for CUDA tensors too, as does K3_FUSED_BACKEND=torch; "triton" forces k3's kernels, also
+keeps the path above for CUDA tensors too, as does K3_FUSED_BACKEND=torch; "torch" takes the twin for every
+norm (fla's kernels included); "triton" forces k3's kernels, also
 for CPU tensors under Triton's interpreter (TRITON_INTERPRET=1, the tests). Calls inside torch.compile always
 take the path above. Why k3's kernels: in `small`'s training step on one H200 (16,384 tokens, D 1024, bf16)
 fla's RMSNorm backward took 9.3 ms of GPU time over 56 calls (~170 us each against ~25 us for its 96 MB at
@@ -33,10 +34,10 @@ layer forward 37% slower than fla's at B=4, T=8K on one H100 (11.3 ms against 8.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from k3 import kernels
 from k3.ops.fused_backend import fused_backend, opaque_under_compile, with_torch_fallback
 from k3.ops.rms_norm_triton import DTYPES as TRITON_DTYPES, rms_norm_triton
 from k3.ops.triton_support import interpreting, triton_importable
@@ -68,6 +69,8 @@ GATED_NORM_BUCKET_ROWS = 65536
 
 
 def _use_fla(x: torch.Tensor, bucket_rows: int, *tensors: torch.Tensor) -> bool:
+    if rms_norm_choice() == "torch":
+        return False
     if fused_backend(x, available=_fla_norms_available()) != "fla":
         return False
     if opaque_under_compile(x, *tensors) and fused_backend() != "fla":
@@ -101,16 +104,9 @@ def rms_norm_gated_torch(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     return (x * torch.sigmoid(gate.to(x.dtype))).to(dtype)
 
 
-RMS_NORM_ENV = "K3_RMS_NORM"
-RMS_NORM_CHOICES = ("auto", "triton", "fla")
-
-
 def rms_norm_choice() -> str:
-    """K3_RMS_NORM: "auto" (also when unset or empty), "triton" or "fla" (module docstring)."""
-    name = os.environ.get(RMS_NORM_ENV, "").strip().lower() or "auto"
-    if name not in RMS_NORM_CHOICES:
-        raise ValueError(f"{RMS_NORM_ENV}={name!r}; use one of {RMS_NORM_CHOICES} (or leave it unset)")
-    return name
+    """K3_RMS_NORM: "auto" (also when unset or empty), "torch", "triton" or "fla" (module docstring)."""
+    return kernels.choice("rms_norm")
 
 
 def k3_triton_path(x: torch.Tensor, weight: torch.Tensor) -> str | None:

@@ -11,24 +11,19 @@ Measured on one H200 (`small`, 16,384 tokens x 64 experts x 1024, one training s
 fourteen's kernel table): the plain form cost 2.6 ms of GEMMs plus 1.1 ms of casts.
 
 Paths (K3_ROUTER_LOGITS, read per call): "auto" takes the bf16 GEMMs on CUDA when x and W are bf16 and the plain
-form otherwise; "fp32" forces the plain form. The plain form is the twin: tests/ops/test_router_logits.py holds
+form otherwise; "torch" (old name "fp32") forces the plain form. The plain form is the twin: tests/ops/test_router_logits.py holds
 the two equal (on CUDA; the autograd wiring through an emulation of the bf16 GEMMs on CPU).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-PATHS = ("auto", "fp32")
-
+from k3 import kernels
 
 def router_logits_path() -> str:
-    path = os.environ.get("K3_ROUTER_LOGITS", "auto").strip().lower()
-    if path not in PATHS:
-        raise ValueError(f"K3_ROUTER_LOGITS={path!r}; use one of {PATHS}")
-    return path
+    """K3_ROUTER_LOGITS: "auto" or "torch" (fp32 logits; `fp32` is its old name)."""
+    return kernels.choice("router_logits")
 
 
 def bf16_gemms_apply(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> bool:

@@ -20,11 +20,11 @@ Shape suffixes: T rows (any leading dims flattened), D input width, O_i output w
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from k3 import kernels
 
 # Training calls over at least this many tokens run projections that share their input as one GEMM with an
 # accumulating backward; fewer tokens (decode-sized) keep one GEMM per projection.
@@ -44,7 +44,7 @@ def joins_projections(x: torch.Tensor, projections: tuple[nn.Linear, ...] | list
     them as F.linear would), and no hooks on them or on `others` (a hook must see its module run).
     K3_JOIN_PROJECTIONS=0 turns it off."""
     if not (torch.is_grad_enabled() and x.numel() >= JOIN_MIN_TOKENS * x.shape[-1]
-            and os.environ.get("K3_JOIN_PROJECTIONS", "1") != "0"):
+            and kernels.enabled("join_projections")):
         return False
     if any(m._forward_hooks or m._forward_pre_hooks for m in (*projections, *others)):
         return False

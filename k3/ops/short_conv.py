@@ -24,26 +24,21 @@ columns are those inputs (column 0 is unused on input and holds the oldest input
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
+from k3 import kernels
 from k3.ops.fused_backend import fused_backend, opaque_under_compile, with_torch_fallback
 from k3.ops.short_conv_triton import DTYPES, MAX_WIDTH, short_conv_triton, short_conv_triton_parts
 from k3.ops.triton_support import interpreting, triton_importable
 
-_ENV = "K3_CONV_BACKEND"
-_BACKENDS = ("auto", "torch", "fla", "triton")
+_ENV = kernels.SWITCHES["conv"].env
 
 
 def conv_backend() -> str:
-    """K3_CONV_BACKEND: "auto" (its default), "torch", "fla" or "triton" (k3.ops.triton_support.kernel_backend
-    knows no "fla", hence a reader of its own)."""
-    name = os.environ.get(_ENV, "auto").strip().lower()
-    if name not in _BACKENDS:
-        raise ValueError(f"{_ENV}={name!r}; use auto, torch, fla or triton")
-    return name
+    """K3_CONV_BACKEND: "auto" (its default), "torch", "fla" or "triton"."""
+    return kernels.choice("conv")
 
 
 @functools.lru_cache(maxsize=1)

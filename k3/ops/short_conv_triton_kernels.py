@@ -18,15 +18,14 @@ pointer and strides among up to MAX_PARTS arguments once, before its loop. dx an
 and [tiles, W, C].
 """
 
-import os
-
 import triton
 import triton.language as tl
 
+from k3.kernels import triton_interpreting
 from k3.ops.triton_support import kernel_module
 
 # Whether this import decorated the kernels for Triton's CPU interpreter (the launcher reloads on a change).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = triton_interpreting()
 _cast = kernel_module("k3.ops.triton_cast", INTERPRETED).cast_rounded
 
 

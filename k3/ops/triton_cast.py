@@ -6,13 +6,13 @@ k3.ops.triton_support.kernel_module in its own interpreter mode, because Triton 
 interpreting when a function is decorated: a helper decorated in the other mode could not be called.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
+from k3.kernels import triton_interpreting
+
 # Whether this import decorated the helper for Triton's CPU interpreter (kernel_module reloads on a change).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRETED = triton_interpreting()
 _CAST_TRUNCATES = tl.constexpr(INTERPRETED)
 
 

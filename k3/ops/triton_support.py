@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from dataclasses import dataclass
 
 import torch
+
+from k3 import kernels
 
 
 # Tags for a custom op whose kernel reads its inputs through their strides. Inductor's default for custom ops is
@@ -25,15 +26,12 @@ ANY_STRIDES = (torch._C.Tag.flexible_layout,)
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return kernels.triton_interpreting()
 
 
-def kernel_backend(env: str) -> str:
-    """The backend an env switch of one of k3's own kernels names: "auto" (its default), "torch" or "triton"."""
-    backend = os.environ.get(env, "auto")
-    if backend not in ("auto", "torch", "triton"):
-        raise ValueError(f"{env}={backend!r}; use auto, torch or triton")
-    return backend
+def kernel_backend(switch: str) -> str:
+    """The choice of one of k3's own kernels' switches (k3.kernels; by name or environment variable)."""
+    return kernels.choice(switch)
 
 
 @functools.lru_cache(maxsize=1)
@@ -108,19 +106,7 @@ def limit_triton_autotune(max_configs: int) -> None:
     triton.autotune = autotune
 
 
-AUTOTUNE_ENV = "K3_AUTOTUNE_CONFIGS"
-AUTOTUNE_ENV_BENCH = "K3_BENCH_AUTOTUNE_CONFIGS"  # the older name, still read
-
-
-def autotune_configs_from_env() -> int | None:
-    """N from K3_AUTOTUNE_CONFIGS (else K3_BENCH_AUTOTUNE_CONFIGS), None when neither is set."""
-    for name in (AUTOTUNE_ENV, AUTOTUNE_ENV_BENCH):
-        value = os.environ.get(name, "").strip()
-        if value:
-            if not value.isdigit() or int(value) < 1:
-                raise ValueError(f"{name} must be a whole number of autotune configs >= 1, got {value!r}")
-            return int(value)
-    return None
+autotune_configs_from_env = kernels.autotune_configs
 
 
 def limit_triton_autotune_from_env() -> None:

@@ -42,6 +42,7 @@ from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, 
 from k3.data.synthetic import RecallTask
 from k3.data.tokenizer import load_tokenizer, train_bpe
 from k3.distributed.loop import clip_grad_norm_
+from k3.kernels import applied as kernels_applied
 from k3.model import K3ForCausalLM
 from k3.train.graphed_step import QB_GRAPH_UPDATES, GraphedTrainStep
 from k3.train.metrics import MetricsLog, plot_metrics
@@ -197,11 +198,14 @@ class Trainer:
 
     `resume=True` continues from DIR/checkpoint.pt exactly: only `config.out` is read from `config`, the rest
     comes from the checkpoint, except the fields named in `resume_overrides` (e.g. a larger max_steps; note
-    that max_steps sets the cosine schedule's length, so changing it changes the learning rates that follow)."""
+    that max_steps sets the cosine schedule's length, so changing it changes the learning rates that follow).
+    `kernels` (k3.kernels choices, e.g. {"adamw": "torch"}) hold while the trainer builds, trains and evaluates."""
 
+    @kernels_applied
     def __init__(self, config: TrainConfig, resume: bool = False, log: Callable[[str], None] = print,
                  show_progress: bool = True, resume_overrides: dict[str, Any] | None = None,
-                 profile: str | Path | None = None, profile_at: int | None = None) -> None:
+                 profile: str | Path | None = None, profile_at: int | None = None,
+                 *, kernels: dict[str, str] | None = None) -> None:
         self.log = log
         self.profile_dir = profile  # k3.train.profile: a torch.profiler report of a few steps, written there
         if profile_at is not None and (profile is None or profile_at < 1):
@@ -522,6 +526,7 @@ class Trainer:
                                             qb_updates=min(self.config.qb_iters, QB_GRAPH_UPDATES))
         return self.graphed(rows)
 
+    @kernels_applied
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches * batch_size rows of the validation stream (fixed rows)."""
@@ -607,6 +612,7 @@ class Trainer:
         plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
 
     # --- the loop --------------------------------------------------------------------------------
+    @kernels_applied
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
         """Train up to max_steps (or stop after step `stop_at`, as an interrupted run would; the schedule still
         spans max_steps). Returns a summary: steps, first/last val loss, tokens/s, why it stopped."""

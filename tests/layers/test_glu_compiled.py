@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from k3.layers import mlp
-from k3.layers.mlp import compiled_glu, glu_activation, glu_formula
+from k3.ops import glu
+from k3.ops.glu import compiled_glu, glu_activation, glu_formula
 
 
 def rel(a, b):
@@ -47,7 +47,7 @@ def test_one_graph_serves_every_row_count():
 
 def test_dispatch_keeps_the_formula_off_cuda_and_rejects_unknown_kinds():
     _, gate, up = halves(8, 16, seed=0)
-    assert mlp.glu_path(gate, up) == "formula"  # CPU: the twin, bit for bit
+    assert glu.glu_path(gate, up) == "formula"  # CPU: the twin, bit for bit
     assert torch.equal(glu_activation(gate, up, "situ"), glu_formula(gate, up, "situ"))
     with pytest.raises(ValueError, match="use 'silu' or 'situ'"):
         glu_activation(gate, up, "gelu")
@@ -59,7 +59,7 @@ def test_training_on_cuda_takes_the_compiled_glu_when_asked_and_matches_fp32(mon
     both, gate, up = halves(4096, 256, seed=1)
     both_cuda = both.detach().cuda().bfloat16().requires_grad_(True)
     g, u = both_cuda.chunk(2, dim=-1)
-    assert mlp.glu_path(g, u) == "compiled"
+    assert glu.glu_path(g, u) == "compiled"
     fast = glu_activation(g, u, "situ")
     reference = glu_formula(gate, up, "situ")
     assert rel(fast.float().cpu(), reference) < 1e-2

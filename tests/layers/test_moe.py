@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3.config import ModelConfig
-from k3.layers.mlp import glu_activation
+from k3.ops.glu import glu_activation
 from k3.layers.moe import LatentMoE, unpermute, weighted_sum_over_k
 
 

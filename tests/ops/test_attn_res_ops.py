@@ -24,7 +24,7 @@ def test_eager_mix_matches_formula():
 
 def test_backend_switch_and_cpu_default():
     x = torch.zeros(1)
-    assert attn_res_backend(x) == "eager"
+    assert attn_res_backend(x) == "torch"
     set_attn_res_backend("compiled")
     try:
         assert attn_res_backend(x) == "compiled"

@@ -1,4 +1,4 @@
-"""k3's GLU Triton kernels (k3.ops.glu_triton) against an fp64 oracle and the PyTorch twin (k3.layers.mlp.glu_formula):
+"""k3's GLU Triton kernels (k3.ops.glu_triton) against an fp64 oracle and the PyTorch twin (k3.ops.glu.glu_formula):
 the output and both gradients under random upstream gradients, SiTU and SiLU, ragged tiles, the strided halves of a
 fused gate/up output, values far out on the caps; the K3_GLU_BACKEND switch; and the debug model's loss and every
 gradient with the kernels on and off.
@@ -15,8 +15,8 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 from k3 import K3ForCausalLM, ModelConfig  # noqa: E402
-from k3.layers import mlp  # noqa: E402
-from k3.layers.mlp import glu_activation, glu_formula, glu_path  # noqa: E402
+from k3.ops import glu  # noqa: E402
+from k3.ops.glu import glu_activation, glu_formula, glu_path  # noqa: E402
 from k3.ops import glu_triton as launcher  # noqa: E402
 from k3.ops.glu_triton import Blocks, glu_triton  # noqa: E402
 
@@ -168,7 +168,7 @@ def test_switch_picks_the_path(monkeypatch):
     with torch.no_grad():
         assert glu_path(gate, up) == "formula"  # compiled is for training calls
     monkeypatch.setenv("K3_GLU_BACKEND", "liger")
-    with pytest.raises(ValueError, match="K3_GLU_BACKEND='liger'; use one of auto, torch, compiled, triton"):
+    with pytest.raises(ValueError, match="K3_GLU_BACKEND='liger'; use auto, torch, compiled or triton"):
         glu_path(gate, up)
 
 
@@ -221,4 +221,4 @@ def test_debug_model_loss_and_gradients_with_the_kernels(monkeypatch):
     assert grads_k.keys() == grads_t.keys() and len(grads_t) > 10
     for name, grad in grads_t.items():
         assert _rel(grads_k[name], grad) < 1e-4, name
-    assert mlp.glu_backend() == "triton"
+    assert glu.glu_backend() == "triton"

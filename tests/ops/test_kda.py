@@ -252,7 +252,7 @@ def test_backend_switch(monkeypatch):
     q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 4, 1, 8, 8))
     with pytest.raises(RuntimeError, match="fla"):
         chunk_kda(q, k, v, g, beta)  # forced fla: either not importable here, or CPU tensors
-    with pytest.raises(ValueError, match="must be one of"):
+    with pytest.raises(ValueError, match="set_kda_backend\\(name\\)='triton'; use auto, torch or fla"):
         set_kda_backend("triton")
     monkeypatch.setenv("K3_KDA_BACKEND", "cuda")
     with pytest.raises(ValueError, match="K3_KDA_BACKEND"):

@@ -90,7 +90,7 @@ def test_unknown_backend_is_refused(monkeypatch):
     from k3.ops.linear_ce import linear_cross_entropy
 
     monkeypatch.setenv("K3_LINEAR_CE", "fast")
-    with pytest.raises(ValueError, match="K3_LINEAR_CE='fast'; use one of auto, plain, fused, chunked, fla"):
+    with pytest.raises(ValueError, match="K3_LINEAR_CE='fast'; use auto, torch, fused, chunked or fla"):
         hidden, weight, labels = inputs()
         head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
         linear_cross_entropy(hidden, head, labels)
@@ -98,8 +98,8 @@ def test_unknown_backend_is_refused(monkeypatch):
 
 def test_auto_takes_the_fused_path_on_cuda_only(monkeypatch):
     monkeypatch.delenv("K3_LINEAR_CE", raising=False)
-    assert linear_cross_entropy_backend(on_cuda=False) == "plain"
-    assert linear_cross_entropy_backend(on_cuda=True) == ("fused" if _fla_importable() else "plain")
+    assert linear_cross_entropy_backend(on_cuda=False) == "torch"
+    assert linear_cross_entropy_backend(on_cuda=True) == ("fused" if _fla_importable() else "torch")
     monkeypatch.setenv("K3_LINEAR_CE", "chunked")
     assert linear_cross_entropy_backend(on_cuda=True) == "chunked"
 

@@ -60,7 +60,7 @@ def test_packed_step_keeps_documents_apart(train_bench):
 @pytest.mark.parametrize("name, backend", [("k3-small-graphed-step", "auto"), ("k3-small-eager-glu", "torch"),
                                            ("k3-small-graphed-step-compiled-glu", "compiled")])
 def test_variant_suffixes_pick_the_glu_path_and_restore_it(train_bench, monkeypatch, name, backend):
-    from k3.layers.mlp import glu_backend
+    from k3.ops.glu import glu_backend
 
     monkeypatch.delenv("K3_GLU_BACKEND", raising=False)
     with train_bench.variant_settings(name):

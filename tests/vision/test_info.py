@@ -8,6 +8,7 @@ import json
 from k3 import info_cli
 from k3.model import count_parameters
 from k3.config import ModelConfig
+from k3.hf_config import to_hf_config
 from k3.vision import VisionConfig, VisionModel, vision_config_to_hf
 
 
@@ -31,7 +32,7 @@ def test_k3_preset_counts_its_vision_tower_separately(capsys):
 
 def test_config_file_vision_config_is_counted(tmp_path, capsys):
     vision = VisionConfig.from_preset("tiny")
-    config = ModelConfig.from_preset("tiny").to_hf_config("kimi_k3")
+    config = to_hf_config(ModelConfig.from_preset("tiny"), "kimi_k3")
     config["vision_config"] = vision_config_to_hf(vision)
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 
 import torch
 
+from k3 import kernels
 from k3.ops.fused_backend import opaque_under_compile
 from k3.ops.kda.chunk import chunk_kda_torch
 from k3.ops.kda.fla_launch import InplaceRecurrentLauncher, find_fla_recurrent_kernel
@@ -36,9 +36,7 @@ __all__ = [
     "kda_backend",
 ]
 
-_BACKENDS = ("auto", "torch", "fla")
-_ENV = "K3_KDA_BACKEND"
-_override: str | None = None
+_ENV = kernels.SWITCHES["kda"].env
 
 
 @functools.lru_cache(maxsize=1)
@@ -70,24 +68,14 @@ def _fla_inplace_available() -> bool:
     return _fla_available() and _load_fla()[2] is not None
 
 
-def _check_name(name: str, source: str) -> str:
-    name = name.strip().lower()
-    if name not in _BACKENDS:
-        raise ValueError(f"{source} must be one of {_BACKENDS}, got {name!r}")
-    return name
-
-
 def set_kda_backend(name: str | None) -> None:
-    """Force the KDA backend: "auto", "torch" or "fla"; None goes back to K3_KDA_BACKEND (default "auto")."""
-    global _override
-    if name is None:
-        _override = None
-        return
-    name = _check_name(name, "set_kda_backend(name)")
-    if name == "fla" and isinstance(_load_fla(), str):
+    """Pin the KDA backend (k3.kernels.pin): "auto", "torch" or "fla"; None goes back to K3_KDA_BACKEND (default
+    "auto")."""
+    if name is not None and kernels.switch("kda").canonical(name, "set_kda_backend(name)") == "fla" \
+            and isinstance(_load_fla(), str):
         raise RuntimeError(f"KDA backend 'fla' requested but fla is not importable ({_load_fla()}); "
                            "install flash-linear-attention>=0.6.0 or use 'torch'")
-    _override = name
+    kernels.pin("kda", name)
 
 
 def kda_backend(x: torch.Tensor | None = None) -> str:
@@ -95,7 +83,7 @@ def kda_backend(x: torch.Tensor | None = None) -> str:
 
     With x (any input tensor): the implementation a call on x would run, "fla" or "torch".
     """
-    name = _override if _override is not None else _check_name(os.environ.get(_ENV, "auto"), _ENV)
+    name = kernels.choice("kda")
     if x is None or name != "auto":
         return name
     return "fla" if x.is_cuda and _fla_available() else "torch"

@@ -18,11 +18,11 @@ The launch: K3_KDA_RECURRENT_LAUNCH = "auto" (default: `auto_launch`), "fla" (fl
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-_ENV = "K3_KDA_RECURRENT_LAUNCH"
+from k3 import kernels
+
+_ENV = kernels.SWITCHES["kda_launch"].env
 
 # The kernel arguments k3 passes by name; a kernel whose signature lacks one (another fla) is not launched here.
 KERNEL_ARGS = frozenset({
@@ -41,7 +41,7 @@ def auto_launch(batch: int) -> tuple[int, int, int]:
 
 def launch_from_env(batch: int) -> tuple[int, int, int] | None:
     """The launch K3_KDA_RECURRENT_LAUNCH asks for at this batch; None for fla's own launcher."""
-    value = os.environ.get(_ENV, "auto").strip().lower()
+    value = kernels.choice("kda_launch")
     if value == "auto":
         return auto_launch(batch)
     if value == "fla":
