@@ -188,12 +188,22 @@ def generate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def tokenizer_directory(run: str | None, model_path: str | None) -> Path | None:
+    """Where a chat template file may sit: the HF model directory, or the run's tokenizer/ directory."""
+    if model_path is not None:
+        return Path(model_path)
+    from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME
+
+    path = Path(run)
+    run_dir = path.parent if path.is_file() or path.name == SHARDED_CHECKPOINT_NAME else path
+    return run_dir / "tokenizer"
+
+
 def chat_format_for(args: argparse.Namespace, tokenizer):
     """The model's chat format (k3.chat): its tokenizer's template, else the plain "User:/Assistant:" lines."""
     from k3.infer.chat_template import load_chat_template
-    from k3.infer.serve_cli import _tokenizer_directory
 
-    return load_chat_template(tokenizer, _tokenizer_directory(args.run, args.model))
+    return load_chat_template(tokenizer, tokenizer_directory(args.run, args.model))
 
 
 def _chat_params(args: argparse.Namespace, tokenizer, fmt) -> SamplingParams:

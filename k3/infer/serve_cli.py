@@ -6,18 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from k3.infer.cli import DTYPE_CHOICES, DTYPE_HELP, has_vision, load_multimodal
-
-
-def _tokenizer_directory(run: str | None, model_path: str | None) -> Path | None:
-    """Where a chat template file may sit: the HF model directory, or the run's tokenizer/ directory."""
-    if model_path is not None:
-        return Path(model_path)
-    from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME
-
-    path = Path(run)
-    run_dir = path.parent if path.is_file() or path.name == SHARDED_CHECKPOINT_NAME else path
-    return run_dir / "tokenizer"
+from k3.infer.cli import DTYPE_CHOICES, DTYPE_HELP, has_vision, load_multimodal, tokenizer_directory
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -71,7 +60,7 @@ def serve_command(args: argparse.Namespace) -> int:
     name = args.served_model_name or Path(args.run or args.model).resolve().name
     engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
                     prefix_cache=not args.no_prefix_cache)
-    template = load_chat_template(tokenizer, _tokenizer_directory(args.run, args.model))
+    template = load_chat_template(tokenizer, tokenizer_directory(args.run, args.model))
     if args.chat_template:
         template = chosen_chat_template(args.chat_template, template)
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
