@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from k3.layers.balancing import QB_AGGREGATES, QB_MAX_ITERS
+from k3.layers.balancing import QB_AGGREGATES
 from k3.train.profile import PROFILE_AFTER, PROFILE_STEPS
 from k3.train.schedule import parse_seq_len_schedule
 from k3.train.trainer import TrainConfig, Trainer
@@ -105,16 +105,18 @@ def register(subparsers) -> None:
                             "pairs however skewed the routing (the hottest experts are replicated for the step)")
     train.add_argument("--qb-aggregate", choices=QB_AGGREGATES, dest="qb_aggregate",
                        help="under torchrun: how Quantile Balancing pools statistics over ranks; gather (default, "
-                            "exact: [tokens, experts] from every rank per MoE layer) or histogram (E x 256 counts "
-                            "per round; for many ranks or experts)")
+                            "exact: [tokens, experts] from every rank per MoE layer) or histogram (published QB: one "
+                            "all-reduce of E x 1000 counts per layer; --qb-iters: E x 256 per round; for many ranks "
+                            "or experts)")
     train.add_argument("--global-batch", action="store_const", const=True, dest="global_batch",
                        help="under torchrun: --batch-size counts the rows of the whole step and every rank trains "
                             "its share of one stream, so 1 process and N ranks see the same batches and losses, and "
                             "a resume under another layout continues the same stream")
     train.add_argument("--qb-iters", type=int, dest="qb_iters",
-                       help=f"Quantile Balancing updates per MoE layer and step, iterated on the batch being routed "
-                            f"until every expert gets its quota (default {QB_MAX_ITERS}; 1: a single update, which "
-                            f"leaves the batch unbalanced)")
+                       help="Quantile Balancing, research option: iterate the update on the batch being routed "
+                            "until every expert gets its quota, at most N updates per MoE layer and step (host syncs; "
+                            "64 balances nearly every batch). Default 0: QB as published, one update per step from "
+                            "the current batch, applied at the next step, no host sync")
     train.add_argument("--cuda-graph", action="store_const", const=True, dest="cuda_graph",
                        help="experimental; CUDA, one process: replay each step's forward and backward from one "
                             "CUDA graph (no host launch overhead); rows train as plain [batch, seq_len] sequences, documents inside "

@@ -35,7 +35,7 @@ from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, directory
 from k3.checkpoint.run import FORMATS as CHECKPOINT_FORMATS
 from k3.checkpoint.run import checkpoint_path, saved_format
 from k3.config import ModelConfig
-from k3.layers.balancing import QB_AGGREGATES, QB_MAX_ITERS
+from k3.layers.balancing import QB_AGGREGATES, QB_PUBLISHED
 from k3.data.corpus import load_corpus, split_validation
 from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, text_row, pack_rows, \
     tokenize_documents
@@ -87,12 +87,14 @@ class TrainConfig:
     # Length curriculum [[seq_len, start_step], ...] (k3.train.schedule); None: seq_len throughout. When given,
     # seq_len is the first stage's length and every step holds batch_size * seq_len tokens.
     seq_len_schedule: list[list[int]] | None = None
-    qb_iters: int = QB_MAX_ITERS
+    # Quantile Balancing: 0 (QB_PUBLISHED) the published rule, one update per MoE layer and step applied at the next
+    # step; N > 0 the research option, the update iterated on the routed batch until it balances (at most N).
+    qb_iters: int = QB_PUBLISHED
     # Under torchrun: batch_size is the GLOBAL number of rows; every rank reads the same stream and trains its
     # contiguous share of each batch, so the run sees the same batches (and losses) under any layout and
     # resumes under another one on the same stream. False: every rank reads its own stream of batch_size rows.
     global_batch: bool = False
-    moe_aux_loss: float = 0.0  # coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)  # QB updates per MoE layer and step, solved on the routed batch (1: one update)
+    moe_aux_loss: float = 0.0  # coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)
     model_overrides: dict[str, Any] = field(default_factory=dict)
     # Experimental. CUDA, one process: each step's forward and backward replayed from one CUDA graph
     # (k3.train.graphed_step), which takes the host's kernel launches out of the step. Rows are then trained as [batch_size, seq_len]
@@ -101,9 +103,12 @@ class TrainConfig:
     cuda_graph: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every", "qb_iters"):
+        for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.qb_iters < 0:
+            raise ValueError(f"qb_iters must be 0 (published Quantile Balancing) or a positive cap on the iterated "
+                             f"solve, got {self.qb_iters}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.recall_fraction <= 1:
@@ -519,7 +524,7 @@ class Trainer:
             self.graphed = None  # a new row shape (a length-curriculum stage): free the old graph first
             torch.cuda.empty_cache()
             self.graphed = GraphedTrainStep(self.model, self._rows_loss, rows,
-                                            qb_updates=min(self.config.qb_iters, QB_GRAPH_UPDATES))
+                                            qb_updates=min(self.config.qb_iters, QB_GRAPH_UPDATES) or None)
         return self.graphed(rows)
 
     @torch.no_grad()

@@ -32,17 +32,22 @@ def test_cpu_batches_are_refused_with_the_reason():
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_replay_matches_the_eager_step_and_takes_new_batches():
+@pytest.mark.parametrize("qb_iters", [0, 64], ids=["published", "iterated"])
+def test_replay_matches_the_eager_step_and_takes_new_batches(qb_iters):
     config = ModelConfig.from_preset("debug", moe_balancing="quantile")
     torch.manual_seed(0)
     eager = K3ForCausalLM(config).cuda().train()
     graphed = K3ForCausalLM(config).cuda().train()
     graphed.load_state_dict(eager.state_dict())
-    for _, router in eager.routers():
-        router.qb_device_updates = 64  # the same solver both ways; it is exact once the batch balances
+    for model in (eager, graphed):
+        for _, router in model.routers():
+            router.qb_max_iters = qb_iters
+    if qb_iters:
+        for _, router in eager.routers():
+            router.qb_device_updates = 64  # the same solver both ways; it is exact once the batch balances
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, config.vocab_size, (2, 64), device="cuda", generator=generator) for _ in range(3)]
-    step = GraphedTrainStep(graphed, autocast_loss_fn, {"ids": batches[0]}, warmup=3, qb_updates=64)
+    step = GraphedTrainStep(graphed, autocast_loss_fn, {"ids": batches[0]}, warmup=3, qb_updates=qb_iters or None)
     for ids in batches:
         want = autocast_loss_fn(eager, {"ids": ids})
         want.backward()
@@ -60,8 +65,15 @@ def test_replay_matches_the_eager_step_and_takes_new_batches():
                     if p.grad is not None:
                         p.add_(p.grad, alpha=-1e-2)
             model.zero_grad(set_to_none=True)
+            model.update_balancers()  # published QB: the bias for the next step
+        for (_, a), (_, b) in zip(graphed.routers(), eager.routers()):
+            torch.testing.assert_close(a.e_score_correction_bias, b.e_score_correction_bias)
     routers = [m for m in graphed.modules() if isinstance(m, Router)]
-    assert routers and all(isinstance(r.last_qb_iters, torch.Tensor) for r in routers)
+    if qb_iters:
+        assert routers and all(isinstance(r.last_qb_iters, torch.Tensor) for r in routers)
+    else:
+        assert routers and all(r.last_qb_iters == 1 for r in routers)
+        assert any(float(r.e_score_correction_bias.abs().sum()) > 0 for r in routers)
     with pytest.raises(ValueError, match="captured for"):
         step({"ids": batches[0][:, :32]})
 
