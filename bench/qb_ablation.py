@@ -1,7 +1,7 @@
 """What balancing buys: the same `k3 train` run under published Quantile Balancing, the iterated QB, DeepSeek's
 loss-free sign update and no balancing, on the same tokens and seeds, and what each costs in the step.
 
-    python bench/qb_ablation.py --prepare --work W            # tokenizer + tokenized corpus, shared by every arm
+    python bench/qb_ablation.py --prepare --work W            # tokenizer + corpus for every arm, kernels warmed
     python bench/qb_ablation.py --arm published --work W --out O [--steps 2000 --seq 512 --batch 4 --layers 8]
     python bench/qb_ablation.py --cost --out O [--seq 512 --batch 4 --layers 8]
     python bench/qb_ablation.py --report O                    # the table from the arms' JSON files
@@ -21,7 +21,6 @@ each rule, and all routers' forwards (logits, sigmoid, selection, QB) replayed a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import shutil
 import sys
@@ -69,8 +68,8 @@ def write(path: Path, payload: dict) -> None:
 def prepare(args) -> None:
     out = Path(args.work) / "prep"
     shutil.rmtree(out, ignore_errors=True)
-    config = dataclasses.replace(config_for(args, out, "published"), device="cpu", cuda_graph=False)
-    Trainer(config, show_progress=False)  # writes tokenizer/ and data/ (and builds a model it does not use)
+    # Writes tokenizer/ and data/; a few steps compile and tune the kernels at this shape before any arm runs.
+    Trainer(config_for(args, out, "published"), show_progress=False).train(stop_at=3)
 
 
 @torch.no_grad()

@@ -117,10 +117,13 @@ def register(subparsers) -> None:
                             "until every expert gets its quota, at most N updates per MoE layer and step (host syncs; "
                             "64 balances nearly every batch). Default 0: QB as published, one update per step from "
                             "the current batch, applied at the next step, no host sync")
-    train.add_argument("--cuda-graph", action="store_const", const=True, dest="cuda_graph",
-                       help="experimental; CUDA, one process: replay each step's forward and backward from one "
-                            "CUDA graph (no host launch overhead); rows train as plain [batch, seq_len] sequences, documents inside "
-                            "a row not separated; QB takes a fixed number of updates on the device")
+    step = train.add_mutually_exclusive_group()
+    step.add_argument("--cuda-graph", action="store_const", const=True, dest="cuda_graph",
+                      help="replay each step's forward and backward from one CUDA graph (the default on a CUDA "
+                           "device in one process): no host launch overhead, packed documents kept apart through "
+                           "static shapes (a batch with more documents than the graph holds takes the eager step)")
+    step.add_argument("--eager", action="store_const", const=False, dest="cuda_graph",
+                      help="the eager step on CUDA too (for debugging: one kernel launch at a time, any batch)")
     train.add_argument("--profile", metavar="DIR",
                        help=f"profile steps {PROFILE_AFTER + 1}-{PROFILE_AFTER + PROFILE_STEPS} of this run (after "
                             f"the first ones, which compile kernels) with torch.profiler and write "

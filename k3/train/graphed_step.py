@@ -6,7 +6,8 @@ about 4 ms of host time per KDA layer) while the GPU waits. A replayed graph lau
 (BENCHMARKS.md, round eight).
 
 What it needs, and checks where it can:
-- batches of one fixed shape (the captured one): no packed documents (cu_seqlens), no cache;
+- batches of one fixed shape (the captured one), no cache; packed documents only in the static form (cu_seqlens
+  padded to a fixed count, k3.model.pad_cu_seqlens, passed with max_documents and row_length);
 - a forward with no host sync: published QB (one update per step) has none; the iterated QB's solver is switched
   to its device-side form (Router.qb_device_updates, a fixed number of updates, QB_GRAPH_UPDATES unless the router
   already has a count); one rank;

@@ -138,3 +138,46 @@ def test_the_captured_rows_loss_equals_the_packed_loss_for_rows_of_one_document(
         as_rows = trainer._rows_loss(trainer.model, trainer._rows(batch))
     assert as_rows.shape == () and torch.isfinite(as_rows)
     torch.testing.assert_close(as_rows, packed, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_captured_loss_keeps_documents_apart_as_the_packed_step_does(tmp_path, corpus_dir, small_config,
+                                                                         weighted):
+    """What the default CUDA step captures (rows with cu_seqlens padded to a static count, no host sync) is the
+    eager packed step's loss and gradients when rows hold several documents, with and without loss weights;
+    runs on CPU (the graph itself: bench/gpu_check.py)."""
+    import numpy as np
+
+    from k3.data.packing import pack_rows
+    from k3.train.trainer import Trainer
+
+    trainer = Trainer(small_config(tmp_path / "run", corpus_dir), show_progress=False)
+    eos = trainer.tokenizer.eos_token_id
+    generator = np.random.default_rng(0)
+    length, vocab = trainer.seq_len, trainer.model_config.vocab_size
+    rows = []
+    for i in range(2):
+        ids = generator.integers(1, vocab, length)
+        ids[ids == eos] = eos + 1 if eos + 1 < vocab else 1
+        ids[[5, 6, length // 2]] = eos  # three documents (one of a single token) after the row's first
+        labels = np.concatenate([ids[1:], [-100]])
+        labels[ids == eos] = -100
+        rows.append((ids, labels, generator.uniform(0.5, 2.0, length)) if weighted and i == 0 else (ids, labels))
+    batch = pack_rows(rows, eos_token_id=eos)
+    assert batch.cu_seqlens.numel() - 1 == 8
+    model = trainer.model.eval()  # the bias frozen: both forwards route alike
+
+    def loss_and_grads(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want, want_grads = loss_and_grads(lambda: trainer._forward(batch))
+    captured = trainer._rows(batch)
+    assert captured["cu_seqlens"].shape == (trainer.max_documents(2) + 1,)
+    got, got_grads = loss_and_grads(lambda: trainer._rows_loss(model, captured))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(got_grads) == len(want_grads)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
