@@ -97,3 +97,16 @@ def test_published_rule_balances_a_stationary_stream():
         router.update_bias()
     assert seen[0] > 2.0, seen
     assert max(seen[4:]) < 0.6 and sum(seen[4:]) / len(seen[4:]) < 0.45, seen
+
+
+def test_pooling_over_ranks_equals_one_process_exactly():
+    # Two ranks' halves of a batch, their required biases gathered (Router.gather): the one-process update.
+    generator = torch.Generator().manual_seed(4)
+    scores = torch.sigmoid(torch.randn(512, 16, generator=generator))
+    bias = torch.randn(16, generator=generator) * 0.05
+    halves = scores.chunk(2)
+    from k3.layers.balancing import required_bias
+
+    gathered = torch.cat([required_bias(h, bias, 2) for h in halves])
+    pooled = published_bias(halves[0], bias, 2, gather=lambda required: gathered)
+    assert torch.equal(pooled, published_bias(scores, bias, 2))
