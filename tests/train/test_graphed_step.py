@@ -181,3 +181,22 @@ def test_the_captured_loss_keeps_documents_apart_as_the_packed_step_does(tmp_pat
     assert len(got_grads) == len(want_grads)
     for a, b in zip(got_grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_step_choice_the_flags_and_the_cpu_default(tmp_path, corpus_dir, small_config):
+    """--eager / --cuda-graph set TrainConfig.cuda_graph (mutually exclusive); unset, a CUDA device in one process
+    takes the graphed step and anything else the eager one."""
+    import argparse
+
+    from k3.train.cli import register
+    from k3.train.trainer import Trainer
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["train", "--out", "x", "--eager"]).cuda_graph is False
+    assert parser.parse_args(["train", "--out", "x", "--cuda-graph"]).cuda_graph is True
+    assert parser.parse_args(["train", "--out", "x"]).cuda_graph is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--out", "x", "--eager", "--cuda-graph"])
+    trainer = Trainer(small_config(tmp_path / "cpu", corpus_dir, device="cpu"), show_progress=False)
+    assert trainer.config.cuda_graph is None and trainer.graph_step is False
