@@ -522,9 +522,57 @@ def check_static_decode(device, rows) -> None:
     compare("static_decode", [compiled], [eager], ["compiled cuda graph vs eager steps"], BF16_TOL, rows)
 
 
+def check_graphed_documents(device, rows) -> None:
+    """The default CUDA training step: forward + backward captured as one CUDA graph with packed documents in
+    static shapes (cu_seqlens padded to a fixed count: fla's graph mode, the convs by position, MLA masked per
+    row), replayed on two batches with different document layouts, against the eager packed step (one SDPA call
+    per document, fla's varlen chunk list built on the host). fp32 weights under bf16 autocast, as `k3 train`
+    runs; tokens dealt to experts round-robin (Router.force_balanced), so that a last-bit difference in a router
+    score cannot move a token to another expert (see check_model)."""
+    if device.type != "cuda":
+        rows.append(["graphed_documents", "skipped", "needs CUDA graphs", "", "info"])
+        return
+    from k3.model import pad_cu_seqlens
+    from k3.train.graphed_step import GraphedTrainStep
+
+    torch.manual_seed(11)
+    eager = K3ForCausalLM(wide_debug_config()).to(device).train()
+    graphed = copy.deepcopy(eager)
+    for model in (eager, graphed):
+        for _, router in model.routers():
+            router.force_balanced = True
+    rows_, length, max_docs = 2, 512, 16
+
+    def loss_fn(model, batch):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return model(batch["ids"], labels=batch["ids"], return_logits=False, cu_seqlens=batch["cu"],
+                         max_documents=max_docs, row_length=length).loss
+
+    layouts = [[0, 100, 137, 512, 700, 1024], [0, 1, 300, 512, 513, 514, 1000, 1024]]
+    batches = [{"ids": torch.randint(0, eager.config.vocab_size, (1, rows_ * length), device=device),
+                "cu": pad_cu_seqlens(torch.tensor(cu), max_docs).to(device)} for cu in layouts]
+    step = GraphedTrainStep(graphed, loss_fn, batches[0])
+    for index, (batch, cu) in enumerate(zip(batches, layouts)):
+        eager.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            want = eager(batch["ids"], labels=batch["ids"], return_logits=False,
+                         cu_seqlens=torch.tensor(cu, device=device)).loss
+        want.backward()
+        got = step(batch)
+        names = [n for n, p in eager.named_parameters() if p.grad is not None]
+        fast = [got] + [dict(graphed.named_parameters())[n].grad for n in names]
+        twin = [want.detach()] + [dict(eager.named_parameters())[n].grad for n in names]
+        errors = [relative_error(a, b) if a is not None else float("inf") for a, b in zip(fast, twin)]
+        worst = max(range(1, len(errors)), key=errors.__getitem__)
+        rows.append([f"graphed_documents[{index}]", "loss", errors[0], BF16_TOL,
+                     "ok" if errors[0] <= BF16_TOL else "FAIL"])
+        rows.append([f"graphed_documents[{index}]", f"worst grad ({names[worst - 1]})", errors[worst], BF16_TOL,
+                     "ok" if errors[worst] <= BF16_TOL else "FAIL"])
+
+
 CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_glu,
           check_router_logits, check_moe_combine, check_short_conv, check_adamw, check_mla_flash, check_model,
-          check_static_decode]
+          check_static_decode, check_graphed_documents]
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
-"""Quantile Balancing on the routed batch, before and after iterating the update: the same `k3 train` run
-(tiny preset, the demo's 4 x 256-token batches with recall rows, 16 experts, top-2) with one QB update per
-step (--qb-iters 1, the old behaviour) and with the update iterated on the batch until it balances (the
-default). Prints and writes the maxvio of every routed training batch (max over MoE layers), its mean and
+"""Quantile Balancing's three rules on CPU: the same `k3 train` run (tiny preset, the demo's 4 x 256-token batches
+with recall rows, 16 experts, top-2) with the published rule (one update per step from the batch, applied at the
+next step: --qb-iters 0, the default), one update on the routed batch itself (--qb-iters 1) and the update
+iterated on the batch until it balances (--qb-iters 64). Prints and writes the maxvio of every routed training batch (max over MoE layers), its mean and
 p99 after warm-up, the step time and the validation loss.
 
     python bench/qb_balance.py --steps 80 --out bench/results/qb_balance
@@ -18,6 +18,7 @@ import torch
 
 from k3.checkpoint.native import atomic_write_bytes
 from k3.train.metrics import read_metrics
+from k3.layers.balancing import QB_MAX_ITERS
 from k3.train.trainer import TrainConfig, Trainer
 
 
@@ -46,7 +47,7 @@ def main() -> None:
     import shutil
 
     arms = []
-    for iters in (1, TrainConfig().qb_iters):
+    for iters in (0, 1, QB_MAX_ITERS):
         work = Path(args.work) / f"iters{iters}"
         if work.exists():
             shutil.rmtree(work)
@@ -66,7 +67,8 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for arm in arms:
-        label = "one QB update per step" if arm["qb_iters"] == 1 else f"iterated on the batch (<= {arm['qb_iters']})"
+        label = {0: "published (one update, applied at the next step)",
+                 1: "one update on the routed batch"}.get(arm["qb_iters"], f"iterated on the batch (<= {arm['qb_iters']})")
         ax.plot(range(1, len(arm["maxvio"]) + 1), arm["maxvio"], label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("maxvio of the routed batch (max over layers)")

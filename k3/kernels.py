@@ -36,7 +36,7 @@ _FLAG_ALIASES = {"false": "0", "true": "1", "off": "0", "on": "1"}
 class Switch:
     """One kernel switch. `reference` is the choice `reference()` takes (the twin: "torch", or "0" for an on/off
     switch whose off state is the twin; None for a tuning knob that has no twin). `pattern` admits free-form
-    values beside `choices` (a launch shape). `see` is the section of BENCHMARKS.md with the measurements."""
+    values beside `choices` (a launch shape). `see` is the section of docs/history/benchmarks.md (the measurement log behind BENCHMARKS.md) with the measurements."""
     name: str
     env: str
     choices: tuple[str, ...]
@@ -61,7 +61,7 @@ class Switch:
 
     @property
     def link(self) -> str:
-        return f"BENCHMARKS.md#{self.see}"
+        return f"docs/history/benchmarks.md#{self.see}"
 
 
 def _flag(name: str, env: str, default: str, reason: str, see: str, reference: str | None = "0") -> Switch:

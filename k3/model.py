@@ -37,6 +37,10 @@ class PackedDocs:
 
     cu_seqlens: torch.Tensor  # [N+1] int, starts of documents plus the total length
     position_in_doc: torch.Tensor  # [T]
+    # Static-shape form (a CUDA-graph step): cu_seqlens padded with zero-length documents to max_documents + 1
+    # entries, nothing read back to the host; documents never cross a row of row_length tokens.
+    max_documents: int | None = None
+    row_length: int | None = None
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, length: int) -> "PackedDocs":
@@ -46,6 +50,32 @@ class PackedDocs:
         positions = torch.arange(length, device=cu.device)
         doc_ids = torch.searchsorted(cu[1:], positions, right=True)
         return cls(cu, positions - cu[doc_ids])
+
+    @classmethod
+    def padded(cls, cu_seqlens: torch.Tensor, length: int, max_documents: int,
+               row_length: int | None = None) -> "PackedDocs":
+        """The static form from cu_seqlens already padded to max_documents + 1 entries (pad_cu_seqlens). Only
+        shapes are checked (on the host, no sync): the values are the caller's."""
+        if cu_seqlens.shape != (max_documents + 1,):
+            raise ValueError(f"padded cu_seqlens must have max_documents + 1 = {max_documents + 1} entries, got "
+                             f"shape {tuple(cu_seqlens.shape)} (pad with pad_cu_seqlens)")
+        if row_length is not None and length % row_length:
+            raise ValueError(f"{length} packed tokens do not split into rows of {row_length}")
+        cu = cu_seqlens.to(torch.long)
+        positions = torch.arange(length, device=cu.device)
+        # right=True over the padded ends: a position equal to a start belongs to the document that starts there
+        doc_ids = torch.searchsorted(cu[1:], positions, right=True)
+        return cls(cu, positions - cu[doc_ids], max_documents, row_length)
+
+
+def pad_cu_seqlens(cu_seqlens: torch.Tensor, max_documents: int) -> torch.Tensor:
+    """cu_seqlens [N+1] -> [max_documents + 1], the total repeated (zero-length documents): a static shape for
+    a captured step. Raises when N > max_documents."""
+    documents = cu_seqlens.numel() - 1
+    if documents > max_documents:
+        raise ValueError(f"{documents} documents exceed max_documents={max_documents}")
+    pad = cu_seqlens[-1:].expand(max_documents - documents)
+    return torch.cat([cu_seqlens.to(torch.long), pad.to(torch.long)])
 
 
 class DecoderLayer(nn.Module):
@@ -74,10 +104,13 @@ class DecoderLayer(nn.Module):
         if self.attention_type == "mla":
             if packed is None:
                 return self.self_attn(x, cache)
+            if packed.max_documents is not None:
+                return self.self_attn(x, cache, position_in_doc=packed.position_in_doc, row_length=packed.row_length)
             return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens)
         if packed is None:
             return self.self_attn(x, cache)
-        return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens, position_in_doc=packed.position_in_doc)
+        return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens, position_in_doc=packed.position_in_doc,
+                              max_documents=packed.max_documents)
 
     def forward(self, h: torch.Tensor, cache=None, packed: PackedDocs | None = None) -> torch.Tensor:
         """Plain pre-norm residual form."""
@@ -147,7 +180,10 @@ def zero_attn_res_queries(model: nn.Module) -> None:
 class K3ForCausalLM(nn.Module):
     """model(input_ids [B, T], cache=None, cu_seqlens=None, labels=None) -> CausalLMOutput(logits [B, T, V]).
     inputs_embeds [B, T, d] may stand in for input_ids (the multimodal wrapper's image embeddings enter so).
-    With labels and return_logits=False only the loss is formed (k3.ops.linear_ce; logits is None)."""
+    With labels and return_logits=False only the loss is formed (k3.ops.linear_ce; logits is None).
+    Packed documents: input_ids [1, total] with cu_seqlens [N+1]; or, with static shapes for a captured step,
+    cu_seqlens padded to max_documents + 1 entries (pad_cu_seqlens) and row_length, the rows that documents never
+    cross (full attention then masks within each row instead of looping over documents on the host)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -173,7 +209,8 @@ class K3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, cache: HybridCache | None = None,
                 cu_seqlens: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, return_logits: bool = True) -> CausalLMOutput:
+                inputs_embeds: torch.Tensor | None = None, return_logits: bool = True,
+                max_documents: int | None = None, row_length: int | None = None) -> CausalLMOutput:
         if inputs_embeds is not None:
             if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
                 raise ValueError(f"inputs_embeds must be [batch, length, {self.config.hidden_size}], got shape "
@@ -193,7 +230,10 @@ class K3ForCausalLM(nn.Module):
         if cu_seqlens is not None:
             if tokens.shape[0] != 1 or cache is not None:
                 raise ValueError("packed input (cu_seqlens) takes input_ids of shape [1, total] and no cache")
-            packed = PackedDocs.from_cu_seqlens(cu_seqlens.to(tokens.device), tokens.shape[1])
+            if max_documents is not None:  # static shapes, no host sync: what a captured training step runs
+                packed = PackedDocs.padded(cu_seqlens.to(tokens.device), tokens.shape[1], max_documents, row_length)
+            else:
+                packed = PackedDocs.from_cu_seqlens(cu_seqlens.to(tokens.device), tokens.shape[1])
         if cache is not None and cache.batch_size != tokens.shape[0]:
             raise ValueError(f"cache was made for batch {cache.batch_size} but input has batch {tokens.shape[0]}")
         hidden = self.model(input_ids, cache, packed, inputs_embeds)

@@ -96,10 +96,10 @@ def test_reasons_link_to_sections_that_exist_in_benchmarks_md():
     def slug(title: str) -> str:
         return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
 
-    anchors = {slug(line.lstrip("#")) for line in (ROOT / "BENCHMARKS.md").read_text().splitlines()
+    anchors = {slug(line.lstrip("#")) for line in (ROOT / "docs/history/benchmarks.md").read_text().splitlines()
                if line.startswith("#")}
     missing = {s.name: s.see for s in kernels.SWITCHES.values() if s.see not in anchors}
-    assert not missing, f"update `see` in k3/kernels.py: BENCHMARKS.md has no such section: {missing}"
+    assert not missing, f"update `see` in k3/kernels.py: docs/history/benchmarks.md has no such section: {missing}"
 
 
 def test_environment_is_read_at_call_time_with_old_names_as_aliases(monkeypatch):

@@ -11,8 +11,15 @@ exactly q = k*T/E tokens) whose dual variables are the biases. Per step:
 Expert e then receives token t iff s_te + b_e > c_t, given the other experts' biases. All biases move at
 once, so the cutoffs move too and one update does not balance the batch (measured in the tiny preset's
 training: maxvio 0.56 mean, 2.6 p99 after one update; the bias solved on the previous batch gives 4-7).
-Training therefore iterates the update on the batch being routed (solve_batch_bias) until top-k on s + b
-gives every expert its quota, the fixed point (the LP optimum, ties aside), or until a cap.
+
+Two rules use it in training (Router.qb_max_iters picks):
+- published (0, the default): ONE update per MoE layer and step from the current batch's scores and the bias
+  it was routed with (published_bias), applied from the next step on; no host sync, one top-(k+1) that also
+  gives the selection, and one k/E quantile per expert. Over data-parallel ranks the quantile comes from
+  all-reduced [E, 1000] histograms over [min(b) - 1, max(b) + 1] (published_bias_histogram).
+- iterated (N > 0, research): the update iterated on the batch being routed (solve_batch_bias) until top-k on
+  s + b gives every expert its quota, the fixed point (the LP optimum, ties aside), or N updates; its stopping
+  test reads the device from the host.
 
 Shape suffixes: T tokens, E experts, K top-k.
 """
@@ -129,7 +136,53 @@ def quantile_bias_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k
     return new_bias - new_bias.mean() if center else new_bias
 
 
-# Cap on the QB updates per MoE layer and training step; the solver stops as soon as the batch is balanced.
+# Bins of the published rule's per-expert histogram over [min(b) - 1, max(b) + 1] (Megatron, TransformerEngine and
+# torchtitan take 1000): the quantile is placed within (max(b) - min(b) + 2) / 1000 of the exact one.
+QB_HISTOGRAM_BINS = 1000
+
+
+def published_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, top=None,
+                   gather: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """Quantile Balancing as published (SPEC section 7): the bias [E] fp32 for the NEXT step, from this batch's
+    scores [T, E] and the bias `bias_E` it was routed with. c_t = the (k+1)-th largest s_t + b;
+    r_te = c_t - s_te; b_e = the k/E quantile of r_.e over the batch (between the q-th and (q+1)-th smallest,
+    q = k*T/E); then b minus its mean. `top`: (scores + bias).topk(k + 1) when the caller has it (the routing's
+    own selection). `gather`: exact pooling of r over data-parallel ranks. No host sync."""
+    return quantile_bias(scores_TE, bias_E, top_k, gather=gather, center=True, of_others=False, top=top)
+
+
+def published_bias_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,
+                             reduce: Callable[[torch.Tensor, str], torch.Tensor], bins: int = QB_HISTOGRAM_BINS,
+                             top=None) -> torch.Tensor:
+    """published_bias with r pooled over data-parallel ranks as per-expert histograms: one all-reduce of an
+    [E, bins] count matrix over [min(b) - 1, max(b) + 1] (every r lies inside: c_t - s_te with scores in (0, 1)),
+    the quantile placed by linear interpolation inside the bin that holds the q-th smallest, so within one bin
+    width of the exact quantile. `reduce(tensor, "sum")` all-reduces in place (identity on one rank); the bias is
+    the same on every rank, so is the range. No host sync: q is computed on the device from the pooled counts."""
+    num_tokens, num_experts = scores_TE.shape
+    if top_k >= num_experts:
+        return torch.zeros_like(bias_E, dtype=torch.float32)
+    required_TE = required_bias(scores_TE, bias_E, top_k, top=top)
+    bias = bias_E.float()
+    low, width = bias.min() - 1.0, (bias.max() - bias.min() + 2.0) / bins
+    index_ET = ((required_TE.t() - low) / width).floor().clamp(0, bins - 1).long()
+    counts_EB = torch.zeros(num_experts, bins, dtype=torch.float32, device=scores_TE.device)
+    counts_EB.scatter_add_(1, index_ET, torch.ones_like(index_ET, dtype=torch.float32))
+    counts_EB = reduce(counts_EB, "sum")
+    cumulative_EB = counts_EB.cumsum(dim=1)
+    total = cumulative_EB[0, -1]  # tokens over all ranks: every token is counted once per expert
+    q = (top_k * total / num_experts).round().clamp(1, total)
+    j_E = (cumulative_EB < q).sum(dim=1).clamp(max=bins - 1)  # the bin holding the q-th smallest
+    before_E = torch.where(j_E > 0, cumulative_EB.gather(1, (j_E - 1).clamp(min=0)[:, None]).squeeze(1),
+                           torch.zeros_like(q).expand(num_experts))
+    inside_E = counts_EB.gather(1, j_E[:, None]).squeeze(1).clamp_min(1.0)
+    new_bias = low + width * (j_E + (q - before_E) / inside_E)
+    return new_bias - new_bias.mean()
+
+
+# Router.qb_max_iters for the published rule (one update per step, applied at the next); N > 0 iterates instead.
+QB_PUBLISHED = 0
+# Cap on the QB updates per MoE layer and training step of the iterated rule (the research option, --qb-iters); the solver stops as soon as the batch is balanced.
 # Measured on the tiny preset's router scores in training (1,024 tokens, 16 experts, top-2, 280 batches):
 # one update leaves maxvio 0.56 mean / 2.6 p99; the solver balances 98% of the batches exactly after 18
 # updates on average, the rest to within one token (maxvio 0.0078).

@@ -87,9 +87,14 @@ class KimiDeltaAttention(nn.Module):
         return kwargs
 
     def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None,
-                position_in_doc: torch.Tensor | None = None) -> torch.Tensor:
+                position_in_doc: torch.Tensor | None = None, max_documents: int | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. `cache` is this layer's KDACacheSlot (or None). Packed documents are
-        given by cu_seqlens [N+1] (B must be 1) together with position_in_doc [T]."""
+        given by cu_seqlens [N+1] (B must be 1) together with position_in_doc [T]; with max_documents, cu_seqlens
+        is padded to max_documents + 1 entries by zero-length documents (static shapes: fla's graph mode, the
+        convs by position alone)."""
+        packed_kwargs = {}
+        if max_documents is not None and cu_seqlens is not None:
+            packed_kwargs = {"use_graph": True, "max_num_seqs": max_documents}
         batch, length, _ = x.shape
         shape = (batch, length, self.num_heads, self.head_dim)
         qkv, f_a, g_in, beta_logits = self._project(x)
@@ -109,7 +114,8 @@ class KimiDeltaAttention(nn.Module):
                 tails = window  # joined q/k/v tails in the joined conv's layout (read once: the pool's is a gather)
             else:
                 tails = cache.conv_tails
-            (q, k, v), new_tails = self._convolve(qkv, tails, position_in_doc, cu_seqlens, planar=in_place)
+            conv_cu = None if packed_kwargs else cu_seqlens  # static shapes: documents by position only
+            (q, k, v), new_tails = self._convolve(qkv, tails, position_in_doc, conv_cu, planar=in_place)
         # The decay gate, beta's sigmoid and the q/k L2 norm run inside the KDA op (fused into fla's kernels on
         # CUDA; the PyTorch twin applies the same formulas), so only the raw projections are formed here.
         raw_gate = project(self.f_b_proj, f_a).view(shape)
@@ -127,7 +133,8 @@ class KimiDeltaAttention(nn.Module):
             kernel = fused_recurrent_kda if recurrent else chunk_kda
             o, new_state = kernel(q.view(shape), k.view(shape), v.view(shape), raw_gate, beta_logits,
                                   initial_state=state, output_final_state=cache is not None,
-                                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **self.gate_kwargs())
+                                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **self.gate_kwargs(),
+                                  **packed_kwargs)
             if cache is not None:
                 cache.update(new_state, new_tails)
         gate = g_in if hasattr(self, "g_proj") else project(self.g_b_proj, g_in)

@@ -87,9 +87,14 @@ class GatedMLA(nn.Module):
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_layernorm(latent), k_rope  # [B, T, R], [B, T, rope]
 
-    def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None,
+                position_in_doc: torch.Tensor | None = None, row_length: int | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. `cache` is this layer's MLACacheSlot (or None); packed documents are given by
-        cu_seqlens [N+1] (no cache), and attention never crosses a document boundary."""
+        cu_seqlens [N+1] (no cache), and attention never crosses a document boundary. Static-shape form (a
+        captured step): position_in_doc [T] instead, with rows of row_length tokens that no document crosses
+        (None: one row); attention is then one masked call per row, no host sync."""
+        if position_in_doc is not None and cu_seqlens is None:
+            return self._forward_masked(x, position_in_doc, row_length or x.shape[1])
         batch, length, _ = x.shape
         q_first, kv, *gate = self._project(x)
         q = self._query(q_first)
@@ -116,6 +121,34 @@ class GatedMLA(nn.Module):
         else:
             out = self._attend_expanded(q, latent, k_rope, past, cu_seqlens)
         out = out.reshape(batch, length, self.num_heads * self.v_dim)
+        if gate:
+            out = out * torch.sigmoid(gate[0])
+        return project(self.o_proj, out)
+
+    def _forward_masked(self, x: torch.Tensor, position_in_doc: torch.Tensor, row_length: int) -> torch.Tensor:
+        """Packed documents [1, total] as rows [total / row_length, row_length], each query seeing its own
+        document's earlier tokens: key j is visible to query i iff i - position_in_doc[i] <= j <= i."""
+        batch, length, _ = x.shape
+        if batch != 1 or length % row_length:
+            raise ValueError(f"packed input is [1, total] with total a multiple of row_length={row_length}; got "
+                             f"{tuple(x.shape[:2])}")
+        q_first, kv, *gate = self._project(x)
+        q = self._query(q_first)
+        latent, k_rope = self._latent(kv)
+        rows = length // row_length
+        i = torch.arange(row_length, device=x.device)
+        start_RT = i - position_in_doc.view(rows, row_length)  # each query's document start within its row
+        visible_RTS = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] >= start_RT[:, :, None])
+        kv_full = self.kv_b_proj(latent).view(1, length, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv_full.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+
+        def as_rows(t):  # [1, total, H, d] -> [rows, H, row_length, d]
+            return t.reshape(rows, row_length, *t.shape[2:]).transpose(1, 2).to(q.dtype)
+
+        out = F.scaled_dot_product_attention(as_rows(q), as_rows(k), as_rows(v), attn_mask=visible_RTS[:, None],
+                                             scale=self.scaling)
+        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.v_dim)
         if gate:
             out = out * torch.sigmoid(gate[0])
         return project(self.o_proj, out)

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from k3.config import ModelConfig
-from k3.layers.balancing import (QB_MAX_ITERS, QB_SYNC_EVERY, QB_TOLERANCE, loss_free_bias, maxvio,
-                                  solve_batch_bias, solve_batch_bias_on_device)
+from k3.layers.balancing import (QB_PUBLISHED, QB_SYNC_EVERY, QB_TOLERANCE, loss_free_bias, maxvio,
+                                  published_bias, published_bias_histogram, solve_batch_bias,
+                                  solve_batch_bias_on_device)
 from k3.layers.mlp import GLUMLP
 from k3.layers.norm import RMSNorm
 from k3.layers.fused_weights import Group, fusable, fused, linear_group
@@ -76,9 +77,12 @@ class Router(nn.Module):
         # At scale, gathering [T, E] from every rank is too much: `reduce(tensor, op)` (an all-reduce with
         # op "sum" / "min" / "max") switches QB to histogram aggregation, E*bins numbers per round.
         self.reduce = None
-        # QB updates per training forward (SPEC section 7 iterated on the routed batch until it balances);
-        # 1 is a single update from the previous bias, which leaves maxvio ~0.5-2.6 on the tiny preset.
-        self.qb_max_iters = QB_MAX_ITERS
+        # QB_PUBLISHED (0): the published rule, one update per training forward from this batch, applied from the
+        # next step on (update_bias). N > 0: the research option, the update iterated on the routed batch until it
+        # balances or N updates (host syncs); 1 is a single update on the current batch.
+        self.qb_max_iters = QB_PUBLISHED
+        # The published rule's bias for the next step, left by the last training forward for update_bias.
+        self._qb_next_bias: torch.Tensor | None = None
         self.qb_tolerance = QB_TOLERANCE
         # When set (k3.train.graphed_step), QB runs exactly this many updates with its stopping test on the
         # device (solve_batch_bias_on_device): no host sync, so the forward can be captured in a CUDA graph.
@@ -130,7 +134,10 @@ class Router(nn.Module):
             topk_ids_TK = (t[:, None] * self.top_k + torch.arange(self.top_k, device=x_TD.device)) % self.num_experts
             load_E = count_per_expert(topk_ids_TK, self.num_experts).float()
         else:
-            if self.training and self.balancing == "quantile":
+            published = self.training and self.balancing == "quantile" and self.qb_max_iters == QB_PUBLISHED
+            if published:
+                top = self._route_published_qb(scores_TE.detach())
+            elif self.training and self.balancing == "quantile":
                 # QB balances the batch being routed: the bias is solved from this batch's scores before the
                 # selection, iterating the update to its fixed point (one update from the previous batch's
                 # bias lags behind the moving cutoffs and a router that is still moving).
@@ -148,10 +155,11 @@ class Router(nn.Module):
                             gather=self.gather, reduce=self.reduce, tolerance=self.qb_tolerance,
                             sync_every=QB_SYNC_EVERY if scores_TE.is_cuda else 1)
                     self.e_score_correction_bias.copy_(new_bias)
-            # The selection and its load in one call (one kernel on CUDA, k3.ops.qb_triton), counted on the
-            # device without a host sync.
-            top = topk_with_load(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.top_k)
-            topk_ids_TK, load_E = top.indices, top.load_E
+            if not published:
+                # The selection and its load in one call (one kernel on CUDA, k3.ops.qb_triton), counted on the
+                # device without a host sync.
+                top = topk_with_load(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.top_k)
+            topk_ids_TK, load_E = top.indices[:, :self.top_k].contiguous(), top.load_E
         weights_TK = scores_TE.gather(1, topk_ids_TK)
         if self.renormalize:
             weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
@@ -167,10 +175,28 @@ class Router(nn.Module):
         return Routing(topk_ids_TK, weights_TK, scores_TE)
 
     @torch.no_grad()
+    def _route_published_qb(self, scores_TE: torch.Tensor):
+        """The selection with the current bias and, from the same top-(k+1), the published QB update for the next
+        step (kept in _qb_next_bias until update_bias). Returns the TopkLoad (k + 1 picks, load of the first k)."""
+        top = topk_with_load(scores_TE, self.e_score_correction_bias, self.top_k + 1, self.top_k)
+        if self.reduce is not None:
+            self._qb_next_bias = published_bias_histogram(scores_TE, self.e_score_correction_bias, self.top_k,
+                                                          self.reduce, top=top)
+        else:
+            self._qb_next_bias = published_bias(scores_TE, self.e_score_correction_bias, self.top_k, top=top,
+                                                gather=self.gather)
+        self.last_qb_iters = 1
+        return top
+
+    @torch.no_grad()
     def update_bias(self, all_reduce=None) -> None:
-        """The step-end balancing update. QB needs none (it solves the bias inside each training forward);
-        the loss-free sign update applies here from the loads since the last call. `all_reduce` sums loads
-        over data-parallel ranks. In eval mode the bias is frozen: pending statistics are dropped."""
+        """The step-end balancing update. Published QB applies the bias its last training forward computed (the
+        iterated QB solves it inside each training forward and needs none); the loss-free sign update applies
+        here from the loads since the last call. `all_reduce` sums loads over data-parallel ranks. In eval mode
+        the bias is frozen: pending statistics are dropped."""
+        if self.training and self.balancing == "quantile" and self._qb_next_bias is not None:
+            self.e_score_correction_bias.copy_(self._qb_next_bias)
+        self._qb_next_bias = None
         if self.training and self.balancing == "loss_free" and self._pending_load is not None:
             load_E = self._pending_load.clone()
             if all_reduce is not None:

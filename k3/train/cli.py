@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from k3.layers.balancing import QB_AGGREGATES, QB_MAX_ITERS
+from k3.layers.balancing import QB_AGGREGATES
 from k3.train.profile import PROFILE_AFTER, PROFILE_STEPS
 from k3.train.schedule import parse_seq_len_schedule
 from k3.train.trainer import TrainConfig, Trainer
@@ -105,20 +105,25 @@ def register(subparsers) -> None:
                             "pairs however skewed the routing (the hottest experts are replicated for the step)")
     train.add_argument("--qb-aggregate", choices=QB_AGGREGATES, dest="qb_aggregate",
                        help="under torchrun: how Quantile Balancing pools statistics over ranks; gather (default, "
-                            "exact: [tokens, experts] from every rank per MoE layer) or histogram (E x 256 counts "
-                            "per round; for many ranks or experts)")
+                            "exact: [tokens, experts] from every rank per MoE layer) or histogram (published QB: one "
+                            "all-reduce of E x 1000 counts per layer; --qb-iters: E x 256 per round; for many ranks "
+                            "or experts)")
     train.add_argument("--global-batch", action="store_const", const=True, dest="global_batch",
                        help="under torchrun: --batch-size counts the rows of the whole step and every rank trains "
                             "its share of one stream, so 1 process and N ranks see the same batches and losses, and "
                             "a resume under another layout continues the same stream")
     train.add_argument("--qb-iters", type=int, dest="qb_iters",
-                       help=f"Quantile Balancing updates per MoE layer and step, iterated on the batch being routed "
-                            f"until every expert gets its quota (default {QB_MAX_ITERS}; 1: a single update, which "
-                            f"leaves the batch unbalanced)")
-    train.add_argument("--cuda-graph", action="store_const", const=True, dest="cuda_graph",
-                       help="experimental; CUDA, one process: replay each step's forward and backward from one "
-                            "CUDA graph (no host launch overhead); rows train as plain [batch, seq_len] sequences, documents inside "
-                            "a row not separated; QB takes a fixed number of updates on the device")
+                       help="Quantile Balancing, research option: iterate the update on the batch being routed "
+                            "until every expert gets its quota, at most N updates per MoE layer and step (host syncs; "
+                            "64 balances nearly every batch). Default 0: QB as published, one update per step from "
+                            "the current batch, applied at the next step, no host sync")
+    step = train.add_mutually_exclusive_group()
+    step.add_argument("--cuda-graph", action="store_const", const=True, dest="cuda_graph",
+                      help="replay each step's forward and backward from one CUDA graph (the default on a CUDA "
+                           "device in one process): no host launch overhead, packed documents kept apart through "
+                           "static shapes (a batch with more documents than the graph holds takes the eager step)")
+    step.add_argument("--eager", action="store_const", const=False, dest="cuda_graph",
+                      help="the eager step on CUDA too (for debugging: one kernel launch at a time, any batch)")
     train.add_argument("--profile", metavar="DIR",
                        help=f"profile steps {PROFILE_AFTER + 1}-{PROFILE_AFTER + PROFILE_STEPS} of this run (after "
                             f"the first ones, which compile kernels) with torch.profiler and write "

@@ -6,9 +6,11 @@ about 4 ms of host time per KDA layer) while the GPU waits. A replayed graph lau
 (BENCHMARKS.md, round eight).
 
 What it needs, and checks where it can:
-- batches of one fixed shape (the captured one): no packed documents (cu_seqlens), no cache;
-- a forward with no host sync: QB's solver is switched to its device-side form (Router.qb_device_updates, a fixed
-  number of updates, QB_GRAPH_UPDATES unless the router already has a count), and one rank (QB over ranks syncs);
+- batches of one fixed shape (the captured one), no cache; packed documents only in the static form (cu_seqlens
+  padded to a fixed count, k3.model.pad_cu_seqlens, passed with max_documents and row_length);
+- a forward with no host sync: published QB (one update per step) has none; the iterated QB's solver is switched
+  to its device-side form (Router.qb_device_updates, a fixed number of updates, QB_GRAPH_UPDATES unless the router
+  already has a count); one rank;
 - one micro-batch per optimizer step: a replay overwrites the gradients (they are the graph's own buffers, put
   back on the parameters after every replay, so zero_grad(set_to_none=True) between steps is harmless);
 - no dropout or other random ops in the forward (a replay repeats the captured random numbers).
@@ -35,7 +37,7 @@ from k3.layers.moe import Router
 # these takes the most balanced iterate; the trainer's maxvio metric shows it.
 QB_GRAPH_UPDATES = 4
 # Attributes a Router's training forward sets in Python; re-pointed after each replay (module docstring).
-ROUTER_STATE = ("_pending_load", "_last_load_E", "_last_ids_TK", "aux_loss", "last_qb_iters")
+ROUTER_STATE = ("_pending_load", "_last_load_E", "_last_ids_TK", "aux_loss", "last_qb_iters", "_qb_next_bias")
 
 
 @contextlib.contextmanager
@@ -60,7 +62,7 @@ class GraphedTrainStep:
     they leave no gradients behind and the model's buffers as they found them)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor],
-                 batch: dict[str, torch.Tensor], warmup: int = 3, qb_updates: int = QB_GRAPH_UPDATES) -> None:
+                 batch: dict[str, torch.Tensor], warmup: int = 3, qb_updates: int | None = QB_GRAPH_UPDATES) -> None:
         if not torch.cuda.is_available() or not all(t.is_cuda for t in batch.values()):
             raise ValueError("a graphed training step needs CUDA tensors (CUDA graphs); run the eager step on "
                              f"{next(iter(batch.values())).device}")
@@ -72,8 +74,8 @@ class GraphedTrainStep:
         for router in self.routers:
             if router.gather is not None or router.reduce is not None:
                 raise ValueError("QB over data-parallel ranks syncs with the host; a graphed step runs on one rank")
-            if router.qb_device_updates is None:
-                router.qb_device_updates = qb_updates
+            if router.qb_device_updates is None and router.qb_max_iters > 0:  # the iterated rule only
+                router.qb_device_updates = qb_updates or QB_GRAPH_UPDATES
         self.static = {name: t.clone() for name, t in batch.items()}
         self.graph: torch.cuda.CUDAGraph | None = None
         self.loss: torch.Tensor | None = None
@@ -114,7 +116,7 @@ class GraphedTrainStep:
                 buffer.copy_(saved)
         self._zero_grads()
         for router in self.routers:  # the captured load must be this forward's alone
-            router._pending_load = None
+            router._pending_load = router._qb_next_bias = None
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             loss = self.loss_fn(self.model, self.static)

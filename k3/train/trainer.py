@@ -35,7 +35,7 @@ from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, directory
 from k3.checkpoint.run import FORMATS as CHECKPOINT_FORMATS
 from k3.checkpoint.run import checkpoint_path, saved_format
 from k3.config import ModelConfig
-from k3.layers.balancing import QB_AGGREGATES, QB_MAX_ITERS
+from k3.layers.balancing import QB_AGGREGATES, QB_PUBLISHED
 from k3.data.corpus import load_corpus, split_validation
 from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, text_row, pack_rows, \
     tokenize_documents
@@ -43,7 +43,7 @@ from k3.data.synthetic import RecallTask
 from k3.data.tokenizer import load_tokenizer, train_bpe
 from k3.distributed.loop import clip_grad_norm_
 from k3.kernels import applied as kernels_applied
-from k3.model import K3ForCausalLM
+from k3.model import K3ForCausalLM, pad_cu_seqlens
 from k3.train.graphed_step import QB_GRAPH_UPDATES, GraphedTrainStep
 from k3.train.metrics import MetricsLog, plot_metrics
 from k3.train.optim import build_optimizer, lr_at
@@ -88,23 +88,30 @@ class TrainConfig:
     # Length curriculum [[seq_len, start_step], ...] (k3.train.schedule); None: seq_len throughout. When given,
     # seq_len is the first stage's length and every step holds batch_size * seq_len tokens.
     seq_len_schedule: list[list[int]] | None = None
-    qb_iters: int = QB_MAX_ITERS
+    # Quantile Balancing: 0 (QB_PUBLISHED) the published rule, one update per MoE layer and step applied at the next
+    # step; N > 0 the research option, the update iterated on the routed batch until it balances (at most N).
+    qb_iters: int = QB_PUBLISHED
     # Under torchrun: batch_size is the GLOBAL number of rows; every rank reads the same stream and trains its
     # contiguous share of each batch, so the run sees the same batches (and losses) under any layout and
     # resumes under another one on the same stream. False: every rank reads its own stream of batch_size rows.
     global_batch: bool = False
-    moe_aux_loss: float = 0.0  # coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)  # QB updates per MoE layer and step, solved on the routed batch (1: one update)
+    moe_aux_loss: float = 0.0  # coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)
     model_overrides: dict[str, Any] = field(default_factory=dict)
-    # Experimental. CUDA, one process: each step's forward and backward replayed from one CUDA graph
-    # (k3.train.graphed_step), which takes the host's kernel launches out of the step. Rows are then trained as [batch_size, seq_len]
-    # sequences: documents inside a row are not separated (packed training splits them at EOS). QB solves its
-    # bias on the device with a fixed number of updates (min(qb_iters, QB_GRAPH_UPDATES)).
-    cuda_graph: bool = False
+    # Each step's forward and backward replayed from one CUDA graph (k3.train.graphed_step), which takes the
+    # host's kernel launches out of the step. None (the default): on for a CUDA device in one process, off
+    # elsewhere; False: the eager step (--eager). Packed documents stay apart in the graph through static shapes
+    # (cu_seqlens padded to max_documents_per_row per row); a batch with more documents takes the eager step.
+    # The iterated QB (qb_iters > 0) solves on the device with min(qb_iters, QB_GRAPH_UPDATES) updates.
+    cuda_graph: bool | None = None
+    max_documents_per_row: int = 0  # the graphed step's static document count per row; 0: max(16, seq_len // 128)
 
     def __post_init__(self) -> None:
-        for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every", "qb_iters"):
+        for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.qb_iters < 0:
+            raise ValueError(f"qb_iters must be 0 (published Quantile Balancing) or a positive cap on the iterated "
+                             f"solve, got {self.qb_iters}")
         if self.lr <= 0:
             raise ValueError(f"lr must be positive, got {self.lr}")
         if not 0 <= self.recall_fraction <= 1:
@@ -120,7 +127,7 @@ class TrainConfig:
             raise ValueError(f"qb_aggregate must be one of {QB_AGGREGATES}, got {self.qb_aggregate!r}")
         if self.ep_balanced and self.ep < 2:
             raise ValueError(f"ep_balanced needs expert parallelism: give --ep 2 or more (got ep={self.ep})")
-        if self.cuda_graph and self.ep:
+        if self.cuda_graph and self.ep:  # an explicit --cuda-graph; the default (None) turns it off under --ep
             raise ValueError("cuda_graph runs on one process (QB over ranks syncs with the host); drop --ep or "
                              "--cuda-graph")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
@@ -266,6 +273,10 @@ class Trainer:
         self.autocast = autocast_dtype(config.dtype, self.device)
         if config.cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device; this run is on {self.device} (drop --cuda-graph)")
+        # The default CUDA step is the graphed one (one process); --eager or another device: the eager step.
+        self.graph_step = (config.cuda_graph if config.cuda_graph is not None
+                           else self.device.type == "cuda" and not config.ep)
+        self.eager_steps = 0  # graphed runs: steps whose batch held more documents than the graph's static count
         self.graphed: GraphedTrainStep | None = None  # captured at the first step (and again on a new row shape)
 
         from k3.distributed import main_first
@@ -483,13 +494,26 @@ class Trainer:
                 loss = weighted_loss(self.model(ids, cu_seqlens=cu).logits, labels, batch.weights.to(self.device))
         return self._plus_aux_loss(self.model, loss)
 
+    def max_documents(self, rows: int | None = None) -> int:
+        """The graphed step's static document count: per row times the rows of a batch."""
+        per_row = self.config.max_documents_per_row or max(16, self.seq_len // 128)
+        return per_row * (rows if rows is not None else self.train_stream.batch_size)
+
     def _rows_loss(self, model: K3ForCausalLM, rows: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The loss of [B, T] rows as plain sequences (no cu_seqlens): what the CUDA graph captures."""
+        """The loss of [B, T] rows, their documents kept apart by the padded cu_seqlens (static shapes, no host
+        sync): what the CUDA graph captures. Without "cu_seqlens", the rows as plain sequences."""
+        ids, labels, weights = rows["ids"], rows["labels"], rows.get("weights")
+        packing = {}
+        if "cu_seqlens" in rows:
+            packing = dict(cu_seqlens=rows["cu_seqlens"], max_documents=rows["cu_seqlens"].shape[0] - 1,
+                           row_length=ids.shape[1])
+            ids, labels = ids.reshape(1, -1), labels.reshape(1, -1)
+            weights = weights.reshape(1, -1) if weights is not None else None
         with self._autocast():
-            if "weights" in rows:
-                loss = weighted_loss(model(rows["ids"]).logits, rows["labels"], rows["weights"])
+            if weights is not None:
+                loss = weighted_loss(model(ids, **packing).logits, labels, weights)
             else:
-                loss = model(rows["ids"], labels=rows["labels"], return_logits=False).loss
+                loss = model(ids, labels=labels, return_logits=False, **packing).loss
         return self._plus_aux_loss(model, loss)
 
     def _autocast(self):
@@ -508,22 +532,23 @@ class Trainer:
         """A packed batch as [rows, seq_len] tensors on the device (ids, labels, and weights when the run has
         weighted rows: then every batch carries them, ones where it has none, so one graph serves all)."""
         shape = (batch.num_tokens // self.seq_len, self.seq_len)
-        rows = {"ids": batch.input_ids.view(shape), "labels": batch.labels.view(shape)}
+        rows = {"ids": batch.input_ids.view(shape), "labels": batch.labels.view(shape),
+                "cu_seqlens": pad_cu_seqlens(batch.cu_seqlens, self.max_documents(shape[0]))}
         if self.config.recall_fraction > 0:
             rows["weights"] = (batch.weights.view(shape) if batch.weights is not None
                                else torch.ones(shape, dtype=torch.float32))
         return {name: t.to(self.device, non_blocking=True) for name, t in rows.items()}
 
     def _graphed_step(self, batch: PackedBatch) -> torch.Tensor:
-        """Forward and backward of `batch` as [batch rows, seq_len] rows, replayed from the CUDA graph; the
-        parameters' .grad are set. Returns the loss."""
+        """Forward and backward of `batch` as [batch rows, seq_len] rows with its documents apart, replayed from
+        the CUDA graph; the parameters' .grad are set. Returns the loss."""
         rows = self._rows(batch)
         shape = tuple(rows["ids"].shape)
         if self.graphed is None or self.graphed.static["ids"].shape != shape:
             self.graphed = None  # a new row shape (a length-curriculum stage): free the old graph first
             torch.cuda.empty_cache()
             self.graphed = GraphedTrainStep(self.model, self._rows_loss, rows,
-                                            qb_updates=min(self.config.qb_iters, QB_GRAPH_UPDATES))
+                                            qb_updates=min(self.config.qb_iters, QB_GRAPH_UPDATES) or None)
         return self.graphed(rows)
 
     @kernels_applied
@@ -696,9 +721,12 @@ class Trainer:
         self._enter_stage_of_next_step()
         t0 = time.perf_counter()
         batch, global_tokens = self._next_batch()
-        if config.cuda_graph:  # forward and backward in one replay
+        graphed = self.graph_step and batch.cu_seqlens.numel() - 1 <= self.max_documents(
+            batch.num_tokens // self.seq_len)
+        if graphed:  # forward and backward in one replay
             loss = logged_loss = self._graphed_step(batch)
         else:
+            self.eager_steps += self.graph_step  # too many documents for the graph's static count
             loss = self._forward(batch)
             logged_loss = loss.detach()
         if self.config.global_batch and self.dist is not None:
@@ -711,7 +739,7 @@ class Trainer:
                 f"loss became {float(loss.detach())} at step {self.step + 1}; training stopped and the last good checkpoint "
                 f"({self.out / CHECKPOINT_NAME}, step {self._saved_step()}) was kept. Lower --lr, raise "
                 f"--warmup-steps or check the data, then continue with --resume")
-        if not config.cuda_graph:
+        if not graphed:
             loss.backward()
         grad_norm = clip_grad_norm_(self.model.parameters(), config.grad_clip)  # any parallel layout
         self.optimizer.step()
@@ -737,6 +765,7 @@ class Trainer:
             "qb_updates_mean": round(sum(qb_updates) / len(qb_updates), 2) if qb_updates else 0.0,
             # Packed documents in this rank's batch: the full-attention layers run one SDPA call per document.
             "documents": int(batch.cu_seqlens.numel()) - 1,
+            "graphed": graphed,
             "epoch": round(self.train_stream.epoch, 4),
             "seq_len": self.seq_len,
         }

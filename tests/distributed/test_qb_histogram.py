@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from k3.layers.balancing import quantile_bias, quantile_bias_histogram, required_bias
+from k3.layers.balancing import (QB_HISTOGRAM_BINS, QB_MAX_ITERS, published_bias, published_bias_histogram, quantile_bias,
+                                  quantile_bias_histogram, required_bias)
 
 T, E, K = 2048, 16, 2
 
@@ -76,6 +77,8 @@ def test_router_uses_histogram_aggregation_when_given_a_reduce():
 
     config = ModelConfig.from_preset("debug", num_experts=E, num_experts_per_tok=K)
     routers = [Router(config), Router(config)]
+    for router in routers:
+        router.qb_max_iters = QB_MAX_ITERS  # the iterated rule (the published one has its own tests below)
     torch.nn.init.normal_(routers[0].weight, std=0.5)
     routers[1].load_state_dict(routers[0].state_dict())
     routers[1].reduce = lambda tensor, op: tensor
@@ -84,3 +87,48 @@ def test_router_uses_histogram_aggregation_when_given_a_reduce():
     assert not torch.equal(routers[1].e_score_correction_bias, torch.zeros(E))
     agree = (chosen[0].sort(-1).values == chosen[1].sort(-1).values).all(-1).float().mean()
     assert agree > 0.99  # the two aggregations place the biases alike (ties aside)
+
+
+def _published_rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        scores, old = batch()
+        shard = scores.chunk(world)[rank]
+        bias = published_bias_histogram(shard, old, K, _reduce)
+        torch.save(bias, os.path.join(out_dir, f"bias{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_published_histogram_over_two_gloo_ranks_is_within_one_bin_of_the_exact_quantile():
+    with tempfile.TemporaryDirectory() as out_dir:
+        init_file = os.path.join(out_dir, "init")
+        mp.spawn(_published_rank_main, args=(2, init_file, out_dir), nprocs=2, join=True)
+        biases = [torch.load(os.path.join(out_dir, f"bias{r}.pt")) for r in range(2)]
+    assert torch.equal(biases[0], biases[1])
+    scores, old = batch()
+    exact = published_bias(scores, old, K)  # one process, exact quantile over the union of the two shards
+    width = float(old.max() - old.min() + 2) / QB_HISTOGRAM_BINS
+    # Both mean-centred: each raw quantile within one bin, so the centred ones within two bin widths.
+    assert (biases[0] - exact).abs().max() < 2 * width, (biases[0] - exact).abs().max()
+    # and the uncentred histogram quantile lies in the bin of the exact one
+    raw_exact = quantile_bias(scores, old, K, center=False)
+    shift = (raw_exact - exact).mean()
+    assert ((biases[0] + shift) - raw_exact).abs().max() < 2 * width
+
+
+def test_router_uses_the_published_histogram_when_given_a_reduce():
+    from k3.config import ModelConfig
+    from k3.layers.moe import Router
+
+    config = ModelConfig.from_preset("debug", num_experts=E, num_experts_per_tok=K)
+    router = Router(config)
+    router.reduce = lambda tensor, op: tensor
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=generator) * 0.5)
+    x = torch.randn(512, config.hidden_size, generator=generator)
+    routing = router(x)
+    router.update_bias()
+    expected = published_bias_histogram(routing.scores_TE.detach(), torch.zeros(E), K, router.reduce)
+    torch.testing.assert_close(router.e_score_correction_bias, expected)

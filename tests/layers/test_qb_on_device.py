@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3.config import ModelConfig
-from k3.layers.balancing import expert_load, maxvio, solve_batch_bias, solve_batch_bias_on_device
+from k3.layers.balancing import QB_MAX_ITERS, expert_load, maxvio, solve_batch_bias, solve_batch_bias_on_device
 from k3.layers.moe import Router
 
 E, K = 16, 2
@@ -99,6 +99,7 @@ def test_router_takes_the_device_solver_when_asked_and_refuses_it_over_ranks():
     config = ModelConfig.from_preset("debug", num_experts=E, num_experts_per_tok=K)
     torch.manual_seed(0)
     host, device = Router(config).train(), Router(config).train()
+    host.qb_max_iters = device.qb_max_iters = QB_MAX_ITERS  # the iterated rule, host and device solvers
     device.load_state_dict(host.state_dict())
     torch.nn.init.normal_(host.weight, std=0.3)
     device.weight.data.copy_(host.weight.data)

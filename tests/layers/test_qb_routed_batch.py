@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from k3.config import ModelConfig
-from k3.layers.balancing import balanced_enough, expert_load, maxvio, solve_batch_bias
+from k3.layers.balancing import QB_MAX_ITERS, balanced_enough, expert_load, maxvio, solve_batch_bias
 from k3.layers.moe import Router
 from k3.model import K3ForCausalLM
 
@@ -67,6 +67,7 @@ def test_model_training_forward_balances_every_moe_layer():
     model = K3ForCausalLM(config).train()
     for _, router in model.routers():
         torch.nn.init.normal_(router.weight, std=0.5)  # a router with strong preferences
+        router.qb_max_iters = QB_MAX_ITERS  # the iterated rule balances the routed batch itself
     ids = torch.randint(0, config.vocab_size, (1, 256))  # quota 2*256/8 = 64
     model(ids, labels=ids)
     per_layer = model.moe_maxvio()

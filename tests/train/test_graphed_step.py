@@ -32,17 +32,22 @@ def test_cpu_batches_are_refused_with_the_reason():
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_replay_matches_the_eager_step_and_takes_new_batches():
+@pytest.mark.parametrize("qb_iters", [0, 64], ids=["published", "iterated"])
+def test_replay_matches_the_eager_step_and_takes_new_batches(qb_iters):
     config = ModelConfig.from_preset("debug", moe_balancing="quantile")
     torch.manual_seed(0)
     eager = K3ForCausalLM(config).cuda().train()
     graphed = K3ForCausalLM(config).cuda().train()
     graphed.load_state_dict(eager.state_dict())
-    for _, router in eager.routers():
-        router.qb_device_updates = 64  # the same solver both ways; it is exact once the batch balances
+    for model in (eager, graphed):
+        for _, router in model.routers():
+            router.qb_max_iters = qb_iters
+    if qb_iters:
+        for _, router in eager.routers():
+            router.qb_device_updates = 64  # the same solver both ways; it is exact once the batch balances
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, config.vocab_size, (2, 64), device="cuda", generator=generator) for _ in range(3)]
-    step = GraphedTrainStep(graphed, autocast_loss_fn, {"ids": batches[0]}, warmup=3, qb_updates=64)
+    step = GraphedTrainStep(graphed, autocast_loss_fn, {"ids": batches[0]}, warmup=3, qb_updates=qb_iters or None)
     for ids in batches:
         want = autocast_loss_fn(eager, {"ids": ids})
         want.backward()
@@ -60,8 +65,15 @@ def test_replay_matches_the_eager_step_and_takes_new_batches():
                     if p.grad is not None:
                         p.add_(p.grad, alpha=-1e-2)
             model.zero_grad(set_to_none=True)
+            model.update_balancers()  # published QB: the bias for the next step
+        for (_, a), (_, b) in zip(graphed.routers(), eager.routers()):
+            torch.testing.assert_close(a.e_score_correction_bias, b.e_score_correction_bias)
     routers = [m for m in graphed.modules() if isinstance(m, Router)]
-    assert routers and all(isinstance(r.last_qb_iters, torch.Tensor) for r in routers)
+    if qb_iters:
+        assert routers and all(isinstance(r.last_qb_iters, torch.Tensor) for r in routers)
+    else:
+        assert routers and all(r.last_qb_iters == 1 for r in routers)
+        assert any(float(r.e_score_correction_bias.abs().sum()) > 0 for r in routers)
     with pytest.raises(ValueError, match="captured for"):
         step({"ids": batches[0][:, :32]})
 
@@ -126,3 +138,65 @@ def test_the_captured_rows_loss_equals_the_packed_loss_for_rows_of_one_document(
         as_rows = trainer._rows_loss(trainer.model, trainer._rows(batch))
     assert as_rows.shape == () and torch.isfinite(as_rows)
     torch.testing.assert_close(as_rows, packed, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_captured_loss_keeps_documents_apart_as_the_packed_step_does(tmp_path, corpus_dir, small_config,
+                                                                         weighted):
+    """What the default CUDA step captures (rows with cu_seqlens padded to a static count, no host sync) is the
+    eager packed step's loss and gradients when rows hold several documents, with and without loss weights;
+    runs on CPU (the graph itself: bench/gpu_check.py)."""
+    import numpy as np
+
+    from k3.data.packing import pack_rows
+    from k3.train.trainer import Trainer
+
+    trainer = Trainer(small_config(tmp_path / "run", corpus_dir), show_progress=False)
+    eos = trainer.tokenizer.eos_token_id
+    generator = np.random.default_rng(0)
+    length, vocab = trainer.seq_len, trainer.model_config.vocab_size
+    rows = []
+    for i in range(2):
+        ids = generator.integers(1, vocab, length)
+        ids[ids == eos] = eos + 1 if eos + 1 < vocab else 1
+        ids[[5, 6, length // 2]] = eos  # three documents (one of a single token) after the row's first
+        labels = np.concatenate([ids[1:], [-100]])
+        labels[ids == eos] = -100
+        rows.append((ids, labels, generator.uniform(0.5, 2.0, length)) if weighted and i == 0 else (ids, labels))
+    batch = pack_rows(rows, eos_token_id=eos)
+    assert batch.cu_seqlens.numel() - 1 == 8
+    model = trainer.model.eval()  # the bias frozen: both forwards route alike
+
+    def loss_and_grads(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn()
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want, want_grads = loss_and_grads(lambda: trainer._forward(batch))
+    captured = trainer._rows(batch)
+    assert captured["cu_seqlens"].shape == (trainer.max_documents(2) + 1,)
+    got, got_grads = loss_and_grads(lambda: trainer._rows_loss(model, captured))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert len(got_grads) == len(want_grads)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_step_choice_the_flags_and_the_cpu_default(tmp_path, corpus_dir, small_config):
+    """--eager / --cuda-graph set TrainConfig.cuda_graph (mutually exclusive); unset, a CUDA device in one process
+    takes the graphed step and anything else the eager one."""
+    import argparse
+
+    from k3.train.cli import register
+    from k3.train.trainer import Trainer
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    assert parser.parse_args(["train", "--out", "x", "--eager"]).cuda_graph is False
+    assert parser.parse_args(["train", "--out", "x", "--cuda-graph"]).cuda_graph is True
+    assert parser.parse_args(["train", "--out", "x"]).cuda_graph is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--out", "x", "--eager", "--cuda-graph"])
+    trainer = Trainer(small_config(tmp_path / "cpu", corpus_dir, device="cpu"), show_progress=False)
+    assert trainer.config.cuda_graph is None and trainer.graph_step is False

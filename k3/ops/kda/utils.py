@@ -13,7 +13,8 @@ L2NORM_EPS = 1e-6
 
 # fla keyword arguments that only steer its kernels (recompute, CPU copy of cu_seqlens, ...):
 # they do not change the result, so the PyTorch paths accept and ignore them.
-_IGNORED_KWARGS = frozenset({"cu_seqlens_cpu", "disable_recompute", "safe_gate", "chunk_size", "cp_context"})
+_IGNORED_KWARGS = frozenset({"cu_seqlens_cpu", "disable_recompute", "safe_gate", "chunk_size", "cp_context",
+                             "use_graph", "max_num_seqs"})
 
 
 def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
