@@ -405,18 +405,22 @@ class RLTrainer:
                                           for task, runs in passed.items()}
         return result
 
-    def evaluate_headroom(self, count: int | None = None, outcomes: bool = False) -> dict[str, Any]:
+    def evaluate_headroom(self, count: int | None = None, outcomes: bool = False,
+                          sampled_count: int | None = None) -> dict[str, Any]:
         """The held-out scores that say how much RL can find: greedy pass@1 (``heldout_pass_rate``), and at the
         rollout temperature with ``heldout_samples`` episodes a task (default: the group size, the k of RL's
         groups) the sampled pass@1 (``heldout_sampled_pass_rate``, their mean) and ``heldout_pass_at_k``; and
         ``heldout_headroom`` = pass@k - max(greedy, sampled pass@1), what picking among the policy's own samples
-        can add (RL raises pass@1 towards the starting policy's pass@k, not beyond: Yue et al. 2025)."""
+        can add (RL raises pass@1 towards the starting policy's pass@k, not beyond: Yue et al. 2025).
+        sampled_count: score the sampled rates on the first this many of the tasks only (default: all)."""
         greedy = self.evaluate(count, outcomes=outcomes)
         k = self.config.group if self.config.heldout_samples is None else self.config.heldout_samples
         if not greedy or k < 1:
             return greedy
-        sampled = self.evaluate(count, temperature=self.config.temperature, outcomes=outcomes, samples=k)
+        sampled = self.evaluate(count if sampled_count is None else sampled_count,
+                                temperature=self.config.temperature, outcomes=outcomes, samples=k)
         result = {**greedy, "heldout_sampled_pass_rate": sampled["heldout_pass_rate"], "heldout_samples": k,
+                  "heldout_sampled_tasks": sampled["heldout_tasks"],
                   "heldout_sandbox_calls": greedy["heldout_sandbox_calls"] + sampled["heldout_sandbox_calls"]}
         if outcomes:
             result["heldout_sampled_outcomes"] = sampled["heldout_outcomes"]
@@ -577,7 +581,8 @@ def headroom_lines(scores: dict[str, Any]) -> list[str]:
     if "heldout_pass_at_k" in scores:
         k = scores["heldout_samples"]
         lines[0] += (f"; sampled pass@1 {scores['heldout_sampled_pass_rate']:.3f}, pass@{k} "
-                     f"{scores['heldout_pass_at_k']:.3f} (headroom {scores['heldout_headroom']:+.3f})")
+                     f"{scores['heldout_pass_at_k']:.3f} on {scores['heldout_sampled_tasks']} (headroom "
+                     f"{scores['heldout_headroom']:+.3f})")
         if scores["heldout_headroom"] < LOW_HEADROOM:
             lines.append(f"NO HEADROOM: pass@{k} is within {LOW_HEADROOM} of pass@1, so groups of {k} are mostly "
                          f"all-pass or all-fail and RL has little to learn from; start from a policy whose samples "

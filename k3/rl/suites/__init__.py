@@ -2,8 +2,10 @@
 writes demonstrations.
 
     calc    arithmetic and string puzzles, solved by calling python and submitting its output
-    arith   calc's arithmetic alone (`Compute 17*23-5.`): some 290,000 distinct training prompts, none repeated
-            by chance as calc's 30 common words repeat its string puzzles
+    arith   calc's arithmetic alone, with the expression also in /work/expr.txt (`Compute 17*23-5 (it is in
+            /work/expr.txt).`): the solver's code evaluates the file, the same code for every task, and submits
+            the output; some 290,000 distinct training prompts, none repeated by chance as calc's 30 common
+            words repeat its string puzzles
     fix     a small repository with a one-line bug and a failing test; reward = the hidden tests pass
     files   find / grep / count questions over a generated directory tree
     browse  multi-hop questions over the offline web of Python's docs (k3.sandbox.web), answered with the web
@@ -67,7 +69,7 @@ def _registry() -> dict[str, Callable[[], Suite]]:
     from k3.rl.suites.files import FilesSuite
     from k3.rl.suites.fix import FixSuite
 
-    return {"calc": CalcSuite, "arith": lambda: CalcSuite(kinds=("arith",), name="arith"), "fix": FixSuite,
+    return {"calc": CalcSuite, "arith": lambda: CalcSuite(kinds=("arith_file",), name="arith"), "fix": FixSuite,
             "files": FilesSuite, "browse": BrowseSuite}
 
 
