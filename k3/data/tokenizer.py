@@ -68,8 +68,11 @@ class BPETokenizer:
         _save_chat_template(self, directory)
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = True) -> BPETokenizer:
-    """Train a byte-level BPE with `vocab_size` ids in total (256 byte symbols, EOS, and merges)."""
+def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = True,
+              split_digits: bool = False) -> BPETokenizer:
+    """Train a byte-level BPE with `vocab_size` ids in total (256 byte symbols, EOS, and merges). split_digits:
+    every digit is a token of its own (as in Llama's and DeepSeek's tokenizers), so a small model copies and
+    computes with numbers digit by digit instead of learning a token per number."""
     from tokenizers import Tokenizer as HFTokenizerBackend, decoders, models, pre_tokenizers, trainers
 
     minimum = 256 + 1
@@ -77,6 +80,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, show_progress: bool = True)
         raise ValueError(f"a byte-level BPE needs vocab_size >= {minimum} (256 bytes + EOS), got {vocab_size}")
     backend = HFTokenizerBackend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         backend.pre_tokenizer])
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=show_progress,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())

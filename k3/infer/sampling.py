@@ -3,8 +3,9 @@
 Per row: repetition / presence / frequency penalties, temperature (0 = greedy), top-k, top-p (nucleus),
 min-p, and a seed. Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws exactly
 from p; a seeded row draws its E from its own generator, so a seeded request gives the same tokens alone or
-in any batch. Logprobs are those of the model itself (log_softmax of the raw logits: temperature 1, no
-filters, no penalties), which is what an RL loss compares against.
+in any batch. Logprobs are those of the distribution a row samples from before its filters: log_softmax of the
+logits divided by the row's temperature (temperature 1 for greedy rows), no filters, no penalties, as verl, TRL
+and slime take them; RL's trainer recomputes them at the same temperature (k3.rl.policy).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
             if counts is not None:
                 work[row] = apply_penalties(work[row], params[row], counts[0], counts[1])
     tokens = work.argmax(-1)
+    temperature = None
     if not all(p.greedy for p in params):
         greedy = torch.tensor([p.greedy for p in params], device=device)
         temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
@@ -155,7 +157,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         tokens = torch.where(greedy, tokens, sampled)
     logprobs = top_ids = top_values = None
     if want_logprobs:
-        log_probs = raw.log_softmax(-1)
+        log_probs = (raw if temperature is None else raw / temperature[:, None]).log_softmax(-1)
         logprobs = log_probs.gather(1, tokens[:, None])[:, 0]
         if top_n > 0:
             top_values, top_ids = log_probs.topk(top_n, dim=-1)

@@ -13,7 +13,8 @@ from k3.rl.losses import ALGORITHMS
 RL_FIELDS = ("run", "suite", "out", "algo", "group", "tasks_per_step", "steps", "lr", "minibatches", "temperature",
              "heldout_every", "heldout_tasks", "save_every", "seed", "kl_coef", "tis_cap", "clip_low", "clip_high",
              "tau", "max_context", "tool_budget", "iteration_token_budget", "device", "ray", "rollout_workers",
-             "rollout_worker_cpus", "rollout_worker_gpus", "routing_source", "rollout_dtype")
+             "rollout_worker_cpus", "rollout_worker_gpus", "routing_source", "rollout_dtype", "heldout_samples",
+             "refill_rounds")
 
 
 # `k3 rl demo` flag -> run_rl_demo argument. Any other RL flag given to the demo is refused by name rather than
@@ -106,7 +107,7 @@ def register(subparsers) -> None:
     rl.add_argument("--run", "--from", dest="run",
                     help="starting checkpoint: a k3 train / k3 sft / k3 rl run directory (--from: the same, for "
                          "torchrun, whose own --run-path makes it refuse --run)")
-    rl.add_argument("--suite", default=None, help="calc, fix, files, browse, or a .jsonl file / directory of tasks")
+    rl.add_argument("--suite", default=None, help="calc, arith, fix, files, browse, or a .jsonl file / directory of tasks")
     rl.add_argument("--out", help="the RL run directory (demos: the JSONL file to write)")
     rl.add_argument("--algo", choices=sorted(ALGORITHMS), help="policy objective (default gspo)")
     rl.add_argument("--group", type=int, help="episodes per task, forked from one snapshot (default 8)")
@@ -117,6 +118,12 @@ def register(subparsers) -> None:
     rl.add_argument("--temperature", type=float)
     rl.add_argument("--heldout-every", type=int, dest="heldout_every")
     rl.add_argument("--heldout-tasks", type=int, dest="heldout_tasks")
+    rl.add_argument("--heldout-samples", type=int, dest="heldout_samples",
+                    help="held-out episodes per task at the rollout temperature, for sampled pass@1 and pass@k "
+                         "(default: the group size; 0: greedy only)")
+    rl.add_argument("--refill-rounds", type=int, dest="refill_rounds",
+                    help="dynamic sampling: extra rounds of fresh tasks that refill a batch whose all-equal groups "
+                         "were dropped (default 3; 0: no refill)")
     rl.add_argument("--save-every", type=int, dest="save_every")
     rl.add_argument("--seed", type=int)
     rl.add_argument("--kl-coef", type=float, dest="kl_coef", help="KL to the frozen starting policy (default 0)")

@@ -1,21 +1,27 @@
-"""`k3 rl demo`: supervised warm start, then RL, on the calc suite, on a CPU in about a quarter of an hour.
+"""`k3 rl demo`: a warm start with headroom, then RL that finds it, on a CPU in about a quarter of an hour.
 
-1. The calc suite's solver writes demonstrations (every tool call run in a real sandbox).
-2. A byte-level BPE is trained on them and a small K3-architecture model (KDA + MLA layers, AttnRes, a latent
-   MoE) is fine-tuned on them from scratch (`k3 sft` in Python): it learns the chat and tool-call format and
-   to copy the task into Python and the output into submit. 3,000 demonstrations and 700 steps take it to
-   0.85-0.91 greedy on held-out tasks; the earlier 1,000 and 350 left it at 0.445 (docs/rl.md, "Measured").
-3. Held-out pass rate after SFT: greedy (one episode per task) and sampled at temperature 1 (the policy RL
-   trains; the mean over 4 episodes per task, seeded alike before and after RL, so the paired comparison has
-   less noise than one sample gives), every tool call executed in a sandbox.
-4. RL on calc's training split (`k3 rl` in Python), then the same held-out evaluations.
+1. The arith suite's solver writes demonstrations (`Compute 17*23-5 (it is in /work/expr.txt).`: python
+   evaluates the file, submit gives the output), every tool call run in a real sandbox. A deliberately noisy
+   teacher then appends one stray character to the submitted answer in ``stray_share`` (60%) of them: one
+   item-independent mistake, always at the same place, that the verifier rejects.
+2. A byte-level BPE (digits split) is trained on them and a small K3-architecture model (KDA + MLA layers,
+   AttnRes, a latent MoE) is fine-tuned on them from scratch (`k3 sft` in Python): it learns the chat and
+   tool-call format, to copy the tool's output into submit, and the teacher's habit: after the answer it
+   writes the stray character about 60% of the time. Greedy decoding then writes it nearly always (pass@1
+   low); samples leave it out 40% of the time (pass@k high). That gap is the headroom RL needs (Yue et al.:
+   RL raises pass@1 towards the starting policy's pass@k).
+3. Headroom measured before RL: on the training distribution (tasks RL draws) and on the held-out split
+   (distinct prompts, none a training prompt): greedy pass@1, sampled pass@1 and pass@k (k = the group size)
+   at the rollout temperature. A start without the headroom the demo needs is said so before RL starts.
+4. RL on the training split (`k3 rl` in Python), then the same held-out evaluations, compared task by task.
 
-It prints the pass rates with their binomial standard errors, the paired comparison on the same held-out tasks
-(tasks gained and lost by RL), and writes the curves (DIR/rl/metrics.png).
+It prints the rates with the paired change on the same held-out tasks (tasks gained and lost by RL) and writes
+the curves (DIR/rl/metrics.png).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -27,16 +33,23 @@ import torch
 from k3.checkpoint.native import atomic_write_bytes
 from k3.config import ModelConfig
 from k3.model import K3ForCausalLM
+from k3.rl.chat_format import format_tool_call, parse_tool_calls, render_message_text
 from k3.rl.demos import read_demonstrations, write_demonstrations
-from k3.rl.loop import RLConfig, RLTrainer
-from k3.rl.chat_format import render_message_text
+from k3.rl.loop import RLConfig, RLTrainer, headroom_lines
 from k3.rl.sft import SFTConfig, SFTTrainer
 from k3.train.demo import idle_cores
 
 DEMO_MARKER = "rl_demo.json"
+SUITE = "arith"
 # RL draws training tasks from index 0 on (k3.rl.loop.TaskSource); the demonstrations come from indices far past
 # those, so RL learns on tasks SFT never saw. Held-out tasks are disjoint from both (k3.rl.suites.prompt_split).
 DEMO_START = 1_000_000
+# The noisy teacher's one mistake: this character after the answer it submits (a '!' never occurs in an answer).
+STRAY = "!"
+# The gate on the starting policy: pass@k - pass@1 (sampled) on the training distribution.
+HEADROOM_GATE = 0.3
+# The demo's target: held-out greedy pass@1 up by this much, and by more than TARGET_SE paired standard errors.
+TARGET_GAIN, TARGET_SE = 0.15, 3.0
 # moe_balancing: the loss-free bias update instead of Quantile Balancing. At this size QB's per-batch solve
 # (kthvalue / topk) was ~45% of a CPU SFT step; RL freezes the bias either way (routers run in eval mode).
 MODEL = dict(vocab_size=512, hidden_size=96, num_layers=4, full_attn_layers=[2, 4], kda_num_heads=2,
@@ -67,14 +80,50 @@ def paired_change(before: dict[str, float], after: dict[str, float]) -> dict[str
             "paired_standard_error": math.sqrt(max(spread, 0.0) / n)}
 
 
-def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 700, rl_steps: int = 24,
-                heldout: int = 200, group: int = 8, tasks_per_step: int = 16, algo: str = "gspo",
-                lr: float = 1e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
-                seed: int = 0, samples: int = 4, log=None) -> dict:
-    """Run the demo (see the module doc); returns the summary that --json writes. samples: episodes per held-out
-    task in the sampled (temperature 1) evaluation; its pass rate is their mean."""
+def stray_chosen(key: str, share: float) -> bool:
+    """Whether the noisy teacher errs on the demonstration of task ``key``: a hash, so the same ``share`` of
+    any set of tasks, the same ones on every machine."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") / 2 ** 32 < share
+
+
+def noisy_teacher(messages: list[dict], stray: str = STRAY) -> list[dict]:
+    """The demonstration with ``stray`` appended to the answer of its final submit call."""
+    calls = parse_tool_calls(messages[-1]["content"])
+    if messages[-1]["role"] != "assistant" or len(calls) != 1 or calls[0].name != "submit":
+        raise ValueError("a demonstration ends with one submit call; got " + repr(messages[-1])[:200])
+    answer = str(calls[0].arguments["answer"]) + stray
+    return messages[:-1] + [{"role": "assistant", "content": format_tool_call("submit", {"answer": answer})}]
+
+
+def add_teacher_noise(path: Path, share: float) -> int:
+    """Rewrite the demonstrations file at ``path`` with the noisy teacher's mistake in ``share`` of them;
+    returns how many carry it."""
+    lines, noisy = [], 0
+    for text in path.read_text(encoding="utf-8").splitlines():
+        row = json.loads(text)
+        if stray_chosen(row["task"], share):
+            row["messages"] = noisy_teacher(row["messages"])
+            noisy += 1
+        lines.append(json.dumps(row))
+    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
+    return noisy
+
+
+def run_rl_demo(out: str = "runs/rl-demo", demos: int = 2000, sft_steps: int = 500, rl_steps: int = 16,
+                heldout: int = 300, group: int = 4, tasks_per_step: int = 16, algo: str = "gspo",
+                lr: float = 5e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
+                seed: int = 0, stray_share: float = 0.6, train_probe: int = 64, heldout_sampled: int = 100,
+                log=None) -> dict:
+    """Run the demo (see the module doc); returns the summary that --json writes. group: RL's group size and
+    the k of pass@k; stray_share: the share of demonstrations with the noisy teacher's mistake; train_probe:
+    training tasks scored before RL for the headroom gate; heldout_sampled: held-out tasks (the first of the
+    ``heldout``) scored with ``group`` samples each for sampled pass@1 and pass@k."""
     started = time.perf_counter()
     log = log or (lambda message: print(message, flush=True))
+
+    def say(message: str) -> None:
+        log(f"[{time.perf_counter() - started:5.0f} s] {message}")
+
     out_dir = Path(out)
     if out_dir.exists():
         if not (out_dir / DEMO_MARKER).is_file():
@@ -86,95 +135,96 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 3000, sft_steps: int = 7
     torch.set_num_threads(threads or idle_cores())
     torch.manual_seed(seed)
     demos_path = out_dir / "demos.jsonl"
-    made = write_demonstrations("calc", demos, demos_path, start=DEMO_START, show_progress=False)
-    log(f"[{time.perf_counter() - started:5.0f} s] {made['examples']} calc demonstrations written "
-        f"({made['solved']} solved by the solver, {made['sandbox_calls']} tool calls run in sandboxes)")
+    made = write_demonstrations(SUITE, demos, demos_path, start=DEMO_START, show_progress=False)
+    noisy = add_teacher_noise(demos_path, stray_share)
+    say(f"{made['examples']} {SUITE} demonstrations written ({made['solved']} solved by the solver, "
+        f"{made['sandbox_calls']} tool calls run in sandboxes); the noisy teacher put {STRAY!r} after the answer "
+        f"in {noisy} of them")
 
     from k3.data.tokenizer import train_bpe
 
     texts = ["".join(render_message_text(m["role"], m["content"]) for m in messages)
              for messages in read_demonstrations(demos_path)]
-    tokenizer = train_bpe(texts, MODEL["vocab_size"], show_progress=False)
+    tokenizer = train_bpe(texts, MODEL["vocab_size"], show_progress=False, split_digits=True)
     config = ModelConfig(**{**ModelConfig.from_preset("debug").to_dict(), **MODEL,
                             "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eos_token_id})
     model = K3ForCausalLM(config)
-    log(f"[{time.perf_counter() - started:5.0f} s] model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
-        f"parameters, tokenizer {tokenizer.vocab_size} ids")
+    say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, tokenizer "
+        f"{tokenizer.vocab_size} ids")
     sft = SFTTrainer(SFTConfig(data=str(demos_path), out=str(out_dir / "sft"), steps=sft_steps, batch_size=16,
                                lr=sft_lr, warmup_steps=10, seed=seed, save_every=sft_steps, device="cpu"),
                      model=model, tokenizer=tokenizer, show_progress=False)
     sft_summary = sft.train()
-    log(f"[{time.perf_counter() - started:5.0f} s] SFT: {sft_summary['steps']} steps, loss "
-        f"{sft_summary['first_loss']:.3f} -> {sft_summary['last_loss']:.3f}")
+    say(f"SFT: {sft_summary['steps']} steps, loss {sft_summary['first_loss']:.3f} -> {sft_summary['last_loss']:.3f}")
 
-    rl_config = RLConfig(run=str(out_dir / "sft"), suite="calc", out=str(out_dir / "rl"), algo=algo, group=group,
+    rl_config = RLConfig(run=str(out_dir / "sft"), suite=SUITE, out=str(out_dir / "rl"), algo=algo, group=group,
                          tasks_per_step=tasks_per_step, steps=rl_steps, lr=lr, heldout_every=rl_steps,
                          heldout_tasks=heldout, save_every=rl_steps, seed=seed, max_context=1024, device="cpu",
                          dynamic_sampling=True)
     trainer = RLTrainer(rl_config, show_progress=False, log=lambda *_: None)
-    before = trainer.evaluate(outcomes=True)
-    before_sampled = trainer.evaluate(temperature=1.0, outcomes=True, samples=samples)
-    before_outcomes, before_sampled_outcomes = before.pop("heldout_outcomes"), before_sampled.pop("heldout_outcomes")
-    log(f"[{time.perf_counter() - started:5.0f} s] held-out pass rate after SFT: {before['heldout_pass_rate']:.3f} "
-        f"+- {standard_error(before['heldout_pass_rate'], before['heldout_tasks']):.3f} greedy, "
-        f"{before_sampled['heldout_pass_rate']:.3f} sampled at temperature 1 (mean of {samples} samples a task; "
-        f"{before['heldout_tasks']} tasks)")
+    # The gate, on the training distribution: tasks of RL's own stream, k samples each.
+    probe = trainer.evaluate(count=train_probe, temperature=rl_config.temperature, samples=group, split="train")
+    gate = probe["heldout_pass_at_k"] - probe["heldout_pass_rate"]
+    say(f"training tasks before RL ({probe['heldout_tasks']}, {group} samples each at temperature "
+        f"{rl_config.temperature:g}): sampled pass@1 {probe['heldout_pass_rate']:.3f}, pass@{group} "
+        f"{probe['heldout_pass_at_k']:.3f}: headroom {gate:.3f} "
+        + ("(the gate of >= %.2f holds)" % HEADROOM_GATE if gate >= HEADROOM_GATE else
+           "BELOW the gate of %.2f: RL has little to find on this start" % HEADROOM_GATE))
+    before = trainer.evaluate_headroom(outcomes=True, sampled_count=heldout_sampled)
+    before_outcomes, before_sampled_outcomes = before.pop("heldout_outcomes"), before.pop("heldout_sampled_outcomes")
+    for line in headroom_lines(before):
+        say(f"after SFT: {line}")
     trainer.metrics.write({"step": 0, **before})
-    config_heldout, trainer.config.heldout_tasks = trainer.config.heldout_tasks, 0  # scored once, at the end
-    tool_calls = before["heldout_sandbox_calls"] + before_sampled["heldout_sandbox_calls"]
+    config_heldout, trainer.config.heldout_tasks = trainer.config.heldout_tasks, 0  # scored at the end
+    tool_calls = before["heldout_sandbox_calls"] + probe["heldout_sandbox_calls"]
     for _ in range(rl_steps):
         record = trainer.train_step()
         tool_calls += record["sandbox_calls"]
         trainer.metrics.write(record)
-        log(f"[{time.perf_counter() - started:5.0f} s] RL step {trainer.step}: reward {record['reward_mean']:.3f}, "
-            f"pass rate {record['pass_rate']:.3f}, tool calls/episode {record['tool_calls']:.2f}, "
+        say(f"RL step {trainer.step}: reward {record['reward_mean']:.3f}, pass rate {record['pass_rate']:.3f}, "
+            f"groups kept {record['groups_kept']}/{record['groups']}, tool calls/episode {record['tool_calls']:.2f}, "
             f"entropy {record.get('entropy', float('nan')):.3f}")
     trainer.config.heldout_tasks = config_heldout
-    after = trainer.evaluate(outcomes=True)
-    after_sampled = trainer.evaluate(temperature=1.0, outcomes=True, samples=samples)
+    after = trainer.evaluate_headroom(outcomes=True, sampled_count=heldout_sampled)
     paired = paired_change(before_outcomes, after.pop("heldout_outcomes"))
-    paired_sampled = paired_change(before_sampled_outcomes, after_sampled.pop("heldout_outcomes"))
-    tool_calls += after["heldout_sandbox_calls"] + after_sampled["heldout_sandbox_calls"]
+    paired_sampled = paired_change(before_sampled_outcomes, after.pop("heldout_sampled_outcomes"))
+    tool_calls += after["heldout_sandbox_calls"]
+    for line in headroom_lines(after):
+        say(f"after RL: {line}")
     trainer.metrics.write({"step": trainer.step, **after})
     trainer.save()
     trainer.plot()
+    n = after["heldout_tasks"]
     summary = {
         "sft_pass_rate": before["heldout_pass_rate"], "rl_pass_rate": after["heldout_pass_rate"],
-        "heldout_tasks": after["heldout_tasks"],
-        "sft_pass_rate_sampled": before_sampled["heldout_pass_rate"],
-        "rl_pass_rate_sampled": after_sampled["heldout_pass_rate"],
-        "sft_standard_error": standard_error(before["heldout_pass_rate"], before["heldout_tasks"]),
-        "rl_standard_error": standard_error(after["heldout_pass_rate"], after["heldout_tasks"]),
+        "heldout_tasks": n, "heldout_sampled_tasks": after["heldout_sampled_tasks"],
+        "sampled_pass_rate_before": before["heldout_sampled_pass_rate"],
+        "sampled_pass_rate_after": after["heldout_sampled_pass_rate"],
+        "sft_pass_at_k": before["heldout_pass_at_k"], "rl_pass_at_k": after["heldout_pass_at_k"], "k": group,
+        "train_sampled_pass_rate_before": probe["heldout_pass_rate"],
+        "train_pass_at_k_before": probe["heldout_pass_at_k"], "train_probe_tasks": probe["heldout_tasks"],
+        "headroom_before": gate, "headroom_gate": HEADROOM_GATE, "headroom_gate_passed": gate >= HEADROOM_GATE,
+        "sft_standard_error": standard_error(before["heldout_pass_rate"], n),
+        "rl_standard_error": standard_error(after["heldout_pass_rate"], n),
         "tool_calls_executed": tool_calls + made["sandbox_calls"],
         **paired, **{f"{key}_sampled": value for key, value in paired_sampled.items()},
-        "demos": made["examples"], "sft_steps": sft_summary["steps"], "rl_steps": trainer.step, "algo": algo,
-        "group": group, "samples_per_task_sampled": samples,
-        "tasks_per_step": tasks_per_step, "seconds": time.perf_counter() - started,
+        "demos": made["examples"], "noisy_demos": noisy, "stray": STRAY, "sft_steps": sft_summary["steps"],
+        "rl_steps": trainer.step, "algo": algo, "group": group, "tasks_per_step": tasks_per_step, "lr": lr,
+        "suite": SUITE, "seconds": time.perf_counter() - started,
     }
-    noise = math.hypot(summary["sft_standard_error"], summary["rl_standard_error"])
-    summary["improved_beyond_noise"] = summary["rl_pass_rate"] - summary["sft_pass_rate"] > 2 * noise
-    noise_sampled = math.hypot(standard_error(summary["sft_pass_rate_sampled"], summary["heldout_tasks"]),
-                               standard_error(summary["rl_pass_rate_sampled"], summary["heldout_tasks"]))
-    summary["improved_beyond_noise_sampled"] = (summary["rl_pass_rate_sampled"] - summary["sft_pass_rate_sampled"]
-                                                > 2 * noise_sampled)
-    summary["improved_beyond_paired_noise"] = paired["paired_change"] > 2 * paired["paired_standard_error"]
+    summary["improved_beyond_paired_noise"] = paired["paired_change"] > TARGET_SE * paired["paired_standard_error"]
     summary["improved_beyond_paired_noise_sampled"] = (paired_sampled["paired_change"]
-                                                       > 2 * paired_sampled["paired_standard_error"])
-    log(f"[{summary['seconds']:5.0f} s] held-out pass rate, greedy: after SFT {summary['sft_pass_rate']:.3f}, after "
-        f"RL {summary['rl_pass_rate']:.3f} (standard errors {summary['sft_standard_error']:.3f} / "
-        f"{summary['rl_standard_error']:.3f}); sampled at temperature 1 ({samples} a task): "
-        f"{summary['sft_pass_rate_sampled']:.3f} -> "
-        f"{summary['rl_pass_rate_sampled']:.3f}; {summary['heldout_tasks']} held-out tasks, "
-        f"{summary['tool_calls_executed']} tool calls run in sandboxes; curves in {out_dir / 'rl'}/metrics.png")
-    log(f"same tasks before and after: greedy {paired['tasks_gained']} gained, {paired['tasks_lost']} lost "
-        f"(change {paired['paired_change']:+.3f} +- {paired['paired_standard_error']:.3f} paired); sampled: the share "
-        f"of passed samples rose on {paired_sampled['tasks_gained']} tasks, fell on {paired_sampled['tasks_lost']} "
-        f"({paired_sampled['paired_change']:+.3f} +- {paired_sampled['paired_standard_error']:.3f})")
-    if not summary["improved_beyond_noise"]:
-        paired_verdict = ("beyond" if summary["improved_beyond_paired_noise"] else "not beyond")
-        log(f"RL did not raise the greedy held-out pass rate beyond the unpaired noise of {summary['heldout_tasks']} "
-            f"tasks (2 standard errors of the difference: {2 * noise:.3f}); on the same tasks the change is "
-            f"{paired_verdict} 2 paired standard errors ({2 * paired['paired_standard_error']:.3f})")
+                                                       > TARGET_SE * paired_sampled["paired_standard_error"])
+    summary["target_met"] = paired["paired_change"] >= TARGET_GAIN and summary["improved_beyond_paired_noise"]
+    say(f"held-out greedy pass@1 {summary['sft_pass_rate']:.3f} -> {summary['rl_pass_rate']:.3f} "
+        f"({paired['paired_change']:+.3f} +- {paired['paired_standard_error']:.3f} paired, {paired['tasks_gained']} "
+        f"tasks gained, {paired['tasks_lost']} lost); sampled pass@1 {summary['sampled_pass_rate_before']:.3f} -> "
+        f"{summary['sampled_pass_rate_after']:.3f} ({paired_sampled['paired_change']:+.3f} +- "
+        f"{paired_sampled['paired_standard_error']:.3f}); pass@{group} {summary['sft_pass_at_k']:.3f} -> "
+        f"{summary['rl_pass_at_k']:.3f}; {n} held-out tasks, {summary['tool_calls_executed']} tool calls run in "
+        f"sandboxes; curves in {out_dir / 'rl'}/metrics.png")
+    verdict = "met" if summary["target_met"] else "NOT met"
+    log(f"target (greedy +{TARGET_GAIN} and > {TARGET_SE:g} paired standard errors): {verdict}")
     atomic_write_bytes(out_dir / DEMO_MARKER, (json.dumps(summary, indent=2) + "\n").encode())
     if json_path:
         atomic_write_bytes(json_path, (json.dumps(summary, indent=2) + "\n").encode())

@@ -206,7 +206,7 @@ class DistillUpdater:
         self.model, self.config, self.autocast = model, config, autocast
         self.algorithm = ALGORITHMS[config.algo]
         self.loss_config = loss_config_for(config.algo, clip_low=config.clip_low, clip_high=config.clip_high,
-                                           tis_cap=config.tis_cap)
+                                           tis_cap=config.tis_cap, norm_length=1)  # rows are single tokens
         self.optimizer = build_optimizer(model, config.lr, config.weight_decay)
         self.device = next(model.parameters()).device
         self.replay = RoutingReplay(model)

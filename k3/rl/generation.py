@@ -16,9 +16,9 @@ from k3.infer.sampling import SamplingParams
 @dataclass
 class Generated:
     """token_ids: the new tokens (the EOS that ended the turn included); logprobs: log p(token) under the
-    sampling model at temperature 1, one per token, or None when the engine gives none; finish_reason:
-    "stop" (EOS / stop token) or "length"; routing: with an engine that records routing, the experts of every
-    token the engine fed ([MoE layers, prompt + new tokens - 1, K]), else None."""
+    sampling model at the sampling temperature (softmax(logits / T)), one per token, or None when the engine
+    gives none; finish_reason: "stop" (EOS / stop token) or "length"; routing: with an engine that records
+    routing, the experts of every token the engine fed ([MoE layers, prompt + new tokens - 1, K]), else None."""
 
     token_ids: list[int]
     logprobs: list[float] | None

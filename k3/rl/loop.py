@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import random
 import time
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ class RLConfig:
     minibatches: int = 1
     temperature: float = 1.0
     eval_temperature: float = 0.0
+    # Held-out episodes per task at the rollout temperature, for sampled pass@1 and pass@k beside the greedy
+    # pass rate at every held-out evaluation (None: the group size; 0: greedy only).
+    heldout_samples: int | None = None
     heldout_every: int = 10
     heldout_tasks: int = 50
     save_every: int = 10
@@ -64,6 +68,9 @@ class RLConfig:
     clip_high: float | None = None
     tau: float | None = None
     dynamic_sampling: bool | None = None  # None: on for dapo only
+    # Dynamic sampling refills the batch (DAPO): while fewer than tasks_per_step groups have unequal rewards,
+    # fresh tasks are drawn and rolled out, at most this many extra rounds a step (0: drop without refilling).
+    refill_rounds: int = 3
     routing_replay: bool = True
     routing_source: str = "rollout"  # rollout: replay the engine's recorded experts; trainer: the old-policy pass's
     update_balancer: bool = False
@@ -94,13 +101,21 @@ class RLConfig:
         if self.cuda_graphs and self.routing_replay and self.routing_source == "rollout":
             raise ValueError("cuda_graphs=True cannot record the rollout's routing (the engine records in eager steps "
                              "only): use routing_source='trainer' with CUDA graphs, or leave cuda_graphs unset")
+        if self.heldout_samples is not None and self.heldout_samples < 0:
+            raise ValueError(f"heldout_samples must be >= 0 (0: greedy only), got {self.heldout_samples}")
         if self.heldout_tasks < 0:
             raise ValueError(f"heldout_tasks must be >= 0, got {self.heldout_tasks}")
+        if not 0 <= self.refill_rounds <= MAX_REFILL_ROUNDS:
+            raise ValueError(f"refill_rounds must be in [0, {MAX_REFILL_ROUNDS}], got {self.refill_rounds}")
         if self.rollout_dtype not in DTYPE_CHOICES:
             raise ValueError(f"rollout_dtype must be one of {DTYPE_CHOICES}, got {self.rollout_dtype!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# Refill draws come from indices far from every step's first draw (which starts at 0).
+REFILL_START, MAX_REFILL_ROUNDS = 1 << 30, 16
 
 
 class TaskSource:
@@ -129,10 +144,28 @@ class TaskSource:
         rng = random.Random(f"{self.seed}/{step}")
         return [rng.choice(self.train_tasks) for _ in range(count)]
 
-    def heldout(self, count: int) -> list[Task]:
+    def refill(self, step: int, round_: int, count: int, stride: int) -> list[Task]:
+        """Fresh training tasks for dynamic sampling's refill round ``round_`` (1-based) of step ``step``: fixed by
+        (seed, step, round), apart from every step's first draw (train) and from every other refill."""
         if self.builtin is not None:
-            return self.builtin.tasks("heldout", count)
-        return self.heldout_pool[:count]
+            start = (self.seed * 1_000_003 + REFILL_START + ((step - 1) * MAX_REFILL_ROUNDS + round_ - 1) * stride)
+            return self.builtin.tasks("train", count, start=start % (2 ** 31))
+        rng = random.Random(f"{self.seed}/{step}/refill {round_}")
+        return [rng.choice(self.train_tasks) for _ in range(count)]
+
+    def heldout(self, count: int) -> list[Task]:
+        """The first ``count`` held-out tasks; a built-in suite's with distinct prompts (its generator repeats
+        some, e.g. calc's common words, which would weigh a few prompts many times in the pass rate)."""
+        if self.builtin is None:
+            return self.heldout_pool[:count]
+        tasks, seen, index = [], set(), 0
+        while len(tasks) < count and index < 20 * count + 1000:
+            task = self.builtin.task("heldout", index)
+            index += 1
+            if task.prompt not in seen:
+                seen.add(task.prompt)
+                tasks.append(task)
+        return tasks
 
 
 def episode_summary(e: Episode) -> dict[str, Any]:
@@ -261,11 +294,13 @@ class RLTrainer:
 
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         loss_config = loss_config_for(config.algo, clip_low=config.clip_low, clip_high=config.clip_high,
-                                      tau=config.tau, tis_cap=config.tis_cap, kl_coef=config.kl_coef)
+                                      tau=config.tau, tis_cap=config.tis_cap, kl_coef=config.kl_coef,
+                                      norm_length=config.max_context)
         # loss_config_for skips None overrides: tis_cap=None has to be set here to turn truncated IS off.
         loss_config = dataclasses.replace(loss_config, tis_cap=config.tis_cap)
         policy = PolicyConfig(algorithm=config.algo, lr=config.lr, minibatches=config.minibatches,
-                              micro_tokens=config.micro_tokens, routing_replay=config.routing_replay,
+                              micro_tokens=config.micro_tokens, temperature=config.temperature or 1.0,
+                              routing_replay=config.routing_replay,
                               update_balancer=config.update_balancer)
         self.updater = PolicyUpdater(self.model, policy, loss_config, reference=self.reference,
                                      autocast=self.autocast)
@@ -337,14 +372,18 @@ class RLTrainer:
 
     # -- pieces ------------------------------------------------------------------------------------
     def evaluate(self, count: int | None = None, temperature: float | None = None,
-                 outcomes: bool = False, samples: int = 1) -> dict[str, Any]:
+                 outcomes: bool = False, samples: int = 1, split: str = "heldout") -> dict[str, Any]:
         """Pass rate on the first ``count`` held-out tasks, ``samples`` episodes each (greedy unless told; with
         several samples at a temperature the rate is the mean over all episodes, a lower-variance estimate of the
-        one-sample rate). outcomes: also "heldout_outcomes", {task id: passed} for one sample, {task id: share of
-        its samples that passed} for several (for a paired before/after comparison on the same tasks)."""
+        one-sample rate, and "heldout_pass_at_k" the share of tasks some sample solved). outcomes: also
+        "heldout_outcomes", {task id: passed} for one sample, {task id: share of its samples that passed} for
+        several (for a paired before/after comparison on the same tasks). split="train": the first ``count``
+        tasks of RL's own training stream instead (the keys keep their names)."""
         if samples < 1:
             raise ValueError(f"samples must be at least 1, got {samples}")
-        tasks, indices = self.ranks.share(self.tasks.heldout(self.config.heldout_tasks if count is None else count))
+        count = self.config.heldout_tasks if count is None else count
+        chosen = self.tasks.heldout(count) if split == "heldout" else self.tasks.train(1, count)
+        tasks, indices = self.ranks.share(chosen)
         if not tasks and self.ranks.world == 1:
             return {}
         groups = self.runner.run_aside(tasks, samples, -1, self.config.eval_temperature if temperature is None
@@ -359,17 +398,43 @@ class RLTrainer:
         result = {"heldout_pass_rate": stats["pass_rate"], "heldout_reward": stats["reward_mean"],
                   "heldout_tasks": len(passed), "heldout_episodes": len(episodes),
                   "heldout_sandbox_calls": stats["sandbox_calls"]}
+        if samples > 1:  # pass@k, k = samples: the share of tasks some sample solved
+            result["heldout_pass_at_k"] = sum(any(runs) for runs in passed.values()) / len(passed)
         if outcomes:
             result["heldout_outcomes"] = {task: (runs[0] if samples == 1 else sum(runs) / len(runs))
                                           for task, runs in passed.items()}
+        return result
+
+    def evaluate_headroom(self, count: int | None = None, outcomes: bool = False,
+                          sampled_count: int | None = None) -> dict[str, Any]:
+        """The held-out scores that say how much RL can find: greedy pass@1 (``heldout_pass_rate``), and at the
+        rollout temperature with ``heldout_samples`` episodes a task (default: the group size, the k of RL's
+        groups) the sampled pass@1 (``heldout_sampled_pass_rate``, their mean) and ``heldout_pass_at_k``; and
+        ``heldout_headroom`` = pass@k - max(greedy, sampled pass@1), what picking among the policy's own samples
+        can add (RL raises pass@1 towards the starting policy's pass@k, not beyond: Yue et al. 2025).
+        sampled_count: score the sampled rates on the first this many of the tasks only (default: all)."""
+        greedy = self.evaluate(count, outcomes=outcomes)
+        k = self.config.group if self.config.heldout_samples is None else self.config.heldout_samples
+        if not greedy or k < 1:
+            return greedy
+        sampled = self.evaluate(count if sampled_count is None else sampled_count,
+                                temperature=self.config.temperature, outcomes=outcomes, samples=k)
+        result = {**greedy, "heldout_sampled_pass_rate": sampled["heldout_pass_rate"], "heldout_samples": k,
+                  "heldout_sampled_tasks": sampled["heldout_tasks"],
+                  "heldout_sandbox_calls": greedy["heldout_sandbox_calls"] + sampled["heldout_sandbox_calls"]}
+        if outcomes:
+            result["heldout_sampled_outcomes"] = sampled["heldout_outcomes"]
+        if "heldout_pass_at_k" in sampled:
+            result["heldout_pass_at_k"] = sampled["heldout_pass_at_k"]
+            result["heldout_headroom"] = sampled["heldout_pass_at_k"] - max(greedy["heldout_pass_rate"],
+                                                                           sampled["heldout_pass_rate"])
         return result
 
     def sequences(self, groups: list[list[Episode]]) -> tuple[list[Sequence], int]:
         """Group advantages -> trainable sequences; (sequences, groups kept)."""
         algorithm = ALGORITHMS[self.config.algo]
         rewards = [[e.reward for e in g] for g in groups]
-        dynamic = self.config.dynamic_sampling if self.config.dynamic_sampling is not None else self.config.algo == "dapo"
-        keep = dynamic_sampling_keep(rewards) if dynamic else [True] * len(groups)
+        keep = dynamic_sampling_keep(rewards) if self._dynamic_sampling() else [True] * len(groups)
         out = []
         for group, group_rewards, kept in zip(groups, rewards, keep):
             if not kept:
@@ -380,6 +445,45 @@ class RLTrainer:
                     continue  # a sandbox failure is not the policy's doing: no gradient from it
                 out.append(Sequence(episode.ids, episode.mask, episode.logprobs, advantage, episode.routing))
         return out, sum(keep)
+
+    def _dynamic_sampling(self) -> bool:
+        return self.config.dynamic_sampling if self.config.dynamic_sampling is not None else self.config.algo == "dapo"
+
+    def _refill(self, groups: list[list[Episode]], stats: dict) -> tuple[list[list[Episode]], dict]:
+        """DAPO's dynamic sampling keeps the batch full: while fewer than tasks_per_step groups (over every rank)
+        have unequal rewards, roll out fresh tasks, in at most refill_rounds extra rounds, each drawing the
+        missing groups scaled by the share kept so far. Refill rounds run beside the parked partial rollouts
+        (run_aside) and add their timings to ``stats``; in one process the last round's surplus is dropped, so
+        the batch holds exactly tasks_per_step kept groups when it filled. Returns (groups, refill metrics)."""
+        config = self.config
+        want = config.tasks_per_step
+        kept_here = sum(dynamic_sampling_keep([[e.reward for e in g] for g in groups]))
+        kept, drawn = sum(self.ranks.gather(kept_here)), sum(self.ranks.gather(len(groups)))
+        rounds = refilled = 0
+        while kept < want and rounds < config.refill_rounds:
+            rounds += 1
+            count = min(want, math.ceil((want - kept) * drawn / max(kept, 1)))
+            tasks, indices = self.ranks.share(self.tasks.refill(self.step, rounds, count, stride=want))
+            # Its own sampling seeds (they follow from the step argument): a task drawn again samples afresh.
+            more = self.runner.run_aside(tasks, config.group, f"{self.step}/refill {rounds}", config.temperature,
+                                         indices)
+            for key, value in self.runner.stats.items():
+                if isinstance(value, (int, float)) and key != "rollout_tokens_per_s":
+                    stats[key] = stats.get(key, 0) + value
+            kept_more = dynamic_sampling_keep([[e.reward for e in g] for g in more])
+            if self.ranks.world == 1 and kept + sum(kept_more) > want:  # drop the surplus kept groups
+                surplus = kept + sum(kept_more) - want
+                for index in reversed(range(len(more))):
+                    if surplus and kept_more[index]:
+                        del more[index]
+                        surplus -= 1
+            groups = groups + more
+            refilled += len(more)
+            kept = sum(self.ranks.gather(sum(dynamic_sampling_keep([[e.reward for e in g] for g in groups]))))
+            drawn += count
+        if stats.get("generation_s"):
+            stats["rollout_tokens_per_s"] = stats["generated_tokens"] / stats["generation_s"]
+        return groups, {"refill_rounds": rounds, "refill_groups": sum(self.ranks.gather(refilled))}
 
     def save(self) -> None:
         """The checkpoint, with every rank's parked groups (collective under torchrun; rank 0 writes)."""
@@ -403,8 +507,12 @@ class RLTrainer:
         started = time.perf_counter()
         tasks, indices = self.ranks.share(self.tasks.train(self.step, self.config.tasks_per_step))
         groups = self.runner.run(tasks, self.config.group, self.step, indices)
+        stats = dict(self.runner.stats)
+        refill = {}
+        if self._dynamic_sampling() and self.config.refill_rounds:
+            groups, refill = self._refill(groups, stats)
         self.last_groups = groups
-        gathered = self.ranks.gather(({"stats": dict(self.runner.stats), "groups": len(groups),
+        gathered = self.ranks.gather(({"stats": stats, "groups": len(groups),
                                        "episodes": [episode_summary(e) for g in groups for e in g]}))
         if self.ranks.world > 1:
             from k3.rl.fleet import merge_stats
@@ -421,7 +529,7 @@ class RLTrainer:
         if update:
             self._weights_changed()
         train_s = time.perf_counter() - t0
-        record = {"step": self.step, **_episode_metrics(episodes), **update, "groups_kept": kept,
+        record = {"step": self.step, **_episode_metrics(episodes), **update, "groups_kept": kept, **refill,
                   "groups": sum(g["groups"] for g in gathered), **{k: round(v, 4) if isinstance(v, float) else v
                                                                   for k, v in rollout_stats.items()},
                   "train_s": train_s, "step_s": time.perf_counter() - started}
@@ -434,11 +542,11 @@ class RLTrainer:
         config = self.config
         summary: dict[str, Any] = {"start_step": self.step}
         if self.step == 0 and config.heldout_tasks:
-            first = self.evaluate()
+            first = self.evaluate_headroom()
             self._write({"step": 0, **first})
             summary["first_heldout_pass_rate"] = first.get("heldout_pass_rate")
-            self.log(f"step 0: held-out pass rate {first.get('heldout_pass_rate', 0):.3f} on "
-                     f"{first.get('heldout_tasks', 0)} tasks")
+            for line in headroom_lines(first):
+                self.log(f"step 0: {line}")
         bar = tqdm(total=config.steps, initial=self.step, desc="rl", unit="step", disable=not self.show_progress,
                    dynamic_ncols=True)
         try:
@@ -447,7 +555,7 @@ class RLTrainer:
                     break
                 record = self.train_step()
                 if config.heldout_tasks and (self.step % config.heldout_every == 0 or self.step == config.steps):
-                    record.update(self.evaluate())
+                    record.update(self.evaluate_headroom())
                     summary["last_heldout_pass_rate"] = record["heldout_pass_rate"]
                 self._write(record)
                 bar.update(1)
@@ -459,6 +567,27 @@ class RLTrainer:
         self.plot()
         summary["steps"] = self.step
         return summary
+
+
+# Below this, picking among the policy's own samples adds next to nothing: RL has no signal to find.
+LOW_HEADROOM = 0.05
+
+
+def headroom_lines(scores: dict[str, Any]) -> list[str]:
+    """What evaluate_headroom found, in words; a policy without headroom is named as such."""
+    if not scores:
+        return []
+    lines = [f"held-out greedy pass@1 {scores['heldout_pass_rate']:.3f} on {scores['heldout_tasks']} tasks"]
+    if "heldout_pass_at_k" in scores:
+        k = scores["heldout_samples"]
+        lines[0] += (f"; sampled pass@1 {scores['heldout_sampled_pass_rate']:.3f}, pass@{k} "
+                     f"{scores['heldout_pass_at_k']:.3f} on {scores['heldout_sampled_tasks']} (headroom "
+                     f"{scores['heldout_headroom']:+.3f})")
+        if scores["heldout_headroom"] < LOW_HEADROOM:
+            lines.append(f"NO HEADROOM: pass@{k} is within {LOW_HEADROOM} of pass@1, so groups of {k} are mostly "
+                         f"all-pass or all-fail and RL has little to learn from; start from a policy whose samples "
+                         f"solve what its greedy answer misses (docs/rl.md, 'Headroom')")
+    return lines
 
 
 def plot_rl_metrics(metrics_path, png_path) -> None:
@@ -475,7 +604,8 @@ def plot_rl_metrics(metrics_path, png_path) -> None:
         return [p[0] for p in points], [p[1] for p in points]
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    panels = [(axes[0][0], ("reward_mean", "pass_rate", "heldout_pass_rate"), "reward / pass rate"),
+    panels = [(axes[0][0], ("reward_mean", "pass_rate", "heldout_pass_rate", "heldout_sampled_pass_rate",
+                            "heldout_pass_at_k"), "reward / pass rate"),
               (axes[0][1], ("response_tokens", "episode_tokens"), "tokens per episode"),
               (axes[1][0], ("tool_calls", "tool_errors", "turns"), "per episode"),
               (axes[1][1], ("entropy", "clip_fraction", "logprob_gap", "kl_ref"), "policy")]

@@ -13,8 +13,9 @@ picked by name (``ALGORITHMS[name]``), as verl's core_algos does.
 Objectives (negated: they are minimised):
     grpo    token ratio r = pi/pi_old clipped to [1-eps_low, 1+eps_high]; -min(rA, clip(r)A); mean over each
             sequence's tokens, then over sequences. Advantage (r - mean) / std in the group.
-    drgrpo  Dr. GRPO: the same token term; summed and divided by B * norm_length (a constant, not each
-            sequence's length); advantage r - mean (no std).
+    drgrpo  Dr. GRPO: the same token term; summed and divided by B * norm_length, a constant (k3 rl: the
+            configured max_context), not a sequence's or the micro-batch's padded length, which change from
+            step to step and would rescale the update with them; advantage r - mean (no std).
     dapo    the token term with clip-higher (eps_high 0.28 > eps_low 0.2), averaged over all tokens of the
             batch (token-mean). Dynamic sampling (dynamic_sampling_keep) and the overlong penalty
             (overlong_penalty) are its other two parts.
@@ -39,7 +40,7 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     tau: float = 0.1  # pmd: the KL-regulariser's strength
-    norm_length: int | None = None  # drgrpo: the constant length (None: the batch's padded length T)
+    norm_length: int | None = None  # drgrpo: the constant length it divides by (required by drgrpo)
     tis_cap: float | None = 2.0  # truncated importance sampling cap (None: off)
     kl_coef: float = 0.0  # weight of the k3 KL estimate to a frozen reference (0: no reference)
 
@@ -89,8 +90,11 @@ def grpo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, config: LossConfig, weights_
 
 
 def drgrpo_loss(logp_BT, old_logp_BT, adv_B, mask_BT, config: LossConfig, weights_BT=None) -> LossOutput:
+    if not config.norm_length or config.norm_length < 1:
+        raise ValueError(f"drgrpo divides by a constant length: set LossConfig.norm_length to a positive number "
+                         f"of tokens (k3 rl uses max_context), got {config.norm_length!r}")
     term, clipped = _clipped_token_term(logp_BT, old_logp_BT, adv_B, mask_BT, config)
-    length = config.norm_length or mask_BT.shape[1]
+    length = config.norm_length
     return LossOutput((_weighted(term, weights_BT) * mask_BT).sum() / (mask_BT.shape[0] * length), clipped)
 
 

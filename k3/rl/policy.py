@@ -3,12 +3,18 @@
 Sequences are packed into one row ([1, total], cu_seqlens: no padding, no leakage between them), in
 micro-batches of at most ``micro_tokens`` tokens. Per update:
 
-1. the old-policy pass (no grad): logprobs under the weights that sampled, with each token's experts recorded
-   (routing replay), and the reference model's logprobs when a KL term is on. When the sequences carry the
-   rollout engine's routing (Sequence.routing), this pass already replays it, so both the old and the new
-   logprobs route every token as the rollout did (tokens the engine never fed keep the old policy's choice);
+1. with several mini-batches, the old-policy pass (no grad): logprobs under the weights that sampled, with
+   each token's experts recorded (routing replay), and the reference model's logprobs when a KL term is on.
+   When the sequences carry the rollout engine's routing (Sequence.routing), this pass already replays it, so
+   both the old and the new logprobs route every token as the rollout did (tokens the engine never fed keep
+   the old policy's choice). With one mini-batch (the default) there is no such pass: the old logprobs are
+   the training forward's own, detached, so the first ratio is exactly 1 (a separate no-grad pass can take
+   other kernels than the grad-mode one on CUDA, and GSPO's 3e-4 band then clips on that noise);
 2. per mini-batch: the training forward (replaying the recorded experts), the algorithm's loss on tokens the
    policy produced only (tool output and prompts are masked out), backward, clip, one optimizer step.
+
+Logprobs are taken at the rollout's sampling temperature (logits / T), as the engine reports them
+(k3.infer.sampling): the samples come from softmax(z / T), not softmax(z).
 
 The Quantile-Balancing bias stays frozen during RL (routers run in eval mode, where QB does not solve a new
 bias) unless ``update_balancer`` is set.
@@ -73,10 +79,11 @@ def micro_batches(lengths: list[int], micro_tokens: int) -> list[list[int]]:
 
 
 def packed_logprobs(model, sequences: list[list[int]], device, with_entropy: bool = False, autocast=None,
-                    filler: int = 0):
-    """Forward sequences packed in one row -> (list of logprobs [n_i], list of entropies [n_i] or None).
-    filler > 0 appends one more document of that many tokens (id 0) to the row, whose results are dropped:
-    the packed length then stays on a few values (k3.data.packing.filler_length)."""
+                    filler: int = 0, temperature: float = 1.0):
+    """Forward sequences packed in one row -> (list of logprobs [n_i], list of entropies [n_i] or None), both
+    of softmax(logits / temperature), the distribution the rollout sampled from. filler > 0 appends one more
+    document of that many tokens (id 0) to the row, whose results are dropped: the packed length then stays
+    on a few values (k3.data.packing.filler_length)."""
     if filler:
         sequences = [*sequences, [0] * filler]
     ids = torch.tensor([t for s in sequences for t in s], device=device)[None]
@@ -84,6 +91,8 @@ def packed_logprobs(model, sequences: list[list[int]], device, with_entropy: boo
     cu = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]).to(device=device, dtype=torch.int32)
     with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
         logits = model(ids, cu_seqlens=cu).logits[0]
+    if temperature != 1.0:
+        logits = logits.float() / temperature
     logps, entropies = [], []
     for i in range(len(sequences) - (1 if filler else 0)):
         start, end = int(cu[i]), int(cu[i + 1])
@@ -108,6 +117,7 @@ class PolicyConfig:
     grad_clip: float = 1.0
     minibatches: int = 1  # optimizer steps per batch of rollouts (>1: later ones are off-policy, ratios clip)
     micro_tokens: int = 8192
+    temperature: float = 1.0  # the rollout's sampling temperature: logprobs of softmax(logits / temperature)
     routing_replay: bool = True
     update_balancer: bool = False
     # Packed micro-batches padded to a multiple of this many tokens (k3.data.packing.filler_length); None:
@@ -182,6 +192,23 @@ class PolicyUpdater:
                 offset += p.numel()
             start = end
 
+    def _logprobs(self, model, members: list[int], sequences: list[Sequence], filler: int,
+                  with_entropy: bool = False):
+        return packed_logprobs(model, [sequences[i].ids for i in members], self.device, with_entropy=with_entropy,
+                               autocast=self.autocast, filler=filler, temperature=self.config.temperature)
+
+    def _rollout_replay(self, members: list[int], sequences: list[Sequence], filler: int):
+        """Replay of the rollout's recorded experts over these members (nothing to replay: a null context)."""
+        rollout = (self._rollout_routes([sequences[i] for i in members], filler) if self.config.routing_replay
+                   else None)
+        return self.replay.replay(rollout) if rollout is not None else contextlib.nullcontext()
+
+    @torch.no_grad()
+    def _reference_logprobs(self, members: list[int], sequences: list[Sequence], filler: int, into: dict) -> None:
+        if self.reference is not None and self.loss_config.kl_coef > 0:
+            refs, _ = self._logprobs(self.reference, members, sequences, filler)
+            into.update(zip(members, refs))
+
     def update(self, sequences: list[Sequence]) -> dict[str, float]:
         """One update over ``sequences``. Under torch.distributed (torchrun) every rank passes its own share of
         the batch (possibly none) and every rank must call: the losses are normalised by the global batch,
@@ -196,41 +223,22 @@ class PolicyUpdater:
         order = list(range(len(sequences)))
         count = config.minibatches if data_parallel else min(config.minibatches, len(order))
         minibatches = [order[i::config.minibatches] for i in range(count)]
-        # 1. old-policy pass: logprobs, entropy, recorded routes, reference logprobs.
+        one_pass = config.minibatches == 1  # old logprobs = the training forward's, detached
         old_logp, entropy, routes, ref_logp = {}, {}, {}, {}
         self.rollout_routed = 0
-        with torch.no_grad():
-            for mb in minibatches:
-                for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
-                    members = [mb[i] for i in micro]
-                    filler = self._filler([sequences[i] for i in members])
-                    rollout = (self._rollout_routes([sequences[i] for i in members], filler) if config.routing_replay
-                               else None)
-                    from_rollout = self.replay.replay(rollout) if rollout is not None else contextlib.nullcontext()
-                    with from_rollout, self.replay.record() as recorded:
-                        logps, ents = packed_logprobs(self.model, [sequences[i].ids for i in members], self.device,
-                                                      with_entropy=True, autocast=self.autocast, filler=filler)
-                    routes[tuple(members)] = recorded
-                    if self.reference is not None and self.loss_config.kl_coef > 0:
-                        refs, _ = packed_logprobs(self.reference, [sequences[i].ids for i in members], self.device,
-                                                  autocast=self.autocast, filler=filler)
-                        ref_logp.update(zip(members, refs))
-                    old_logp.update(zip(members, logps))
-                    entropy.update(zip(members, ents))
+        if not one_pass:  # 1. the old-policy pass: logprobs, entropy, recorded routes, reference logprobs
+            with torch.no_grad():
+                for mb in minibatches:
+                    for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
+                        members = [mb[i] for i in micro]
+                        filler = self._filler([sequences[i] for i in members])
+                        with self._rollout_replay(members, sequences, filler), self.replay.record() as recorded:
+                            logps, ents = self._logprobs(self.model, members, sequences, filler, with_entropy=True)
+                        routes[tuple(members)] = recorded
+                        self._reference_logprobs(members, sequences, filler, ref_logp)
+                        old_logp.update(zip(members, logps))
+                        entropy.update(zip(members, ents))
         masks = {i: torch.tensor(s.mask, dtype=torch.float32, device=self.device) for i, s in enumerate(sequences)}
-        gap, known = 0.0, 0
-        for i, s in enumerate(sequences):
-            rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
-            where = masks[i].bool() & torch.isfinite(rollout)
-            gap += float((old_logp[i] - rollout)[where].abs().sum())
-            known += int(where.sum())
-        # Sums over the whole batch (every rank's share under torch.distributed).
-        totals = all_reduce_sum(torch.tensor([
-            sum(float(m.sum()) for m in masks.values()), sum(float((entropy[i] * masks[i]).sum()) for i in masks),
-            gap, known, self.rollout_routed, sum(len(s.ids) for s in sequences)], dtype=torch.float64,
-            device=self.device))  # on the device: NCCL reduces CUDA tensors only
-        total_tokens, entropy_sum, gap, known, routed, all_tokens = totals.tolist()
-        metrics = {"entropy": entropy_sum / max(total_tokens, 1), "logprob_gap": gap / known if known else math.nan}
         # The global size of each mini-batch (sequences, trainable tokens): the loss shares' denominators.
         sizes = all_reduce_sum(torch.tensor([[len(mb), sum(float(masks[i].sum()) for i in mb)] for mb in minibatches],
                                             dtype=torch.float64, device=self.device).reshape(-1, 2)).cpu()
@@ -241,11 +249,18 @@ class PolicyUpdater:
             mb_sequences, mb_tokens = sizes[index].tolist()
             for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
                 members = [mb[i] for i in micro]
-                context = self.replay.replay(routes[tuple(members)]) if config.routing_replay else contextlib.nullcontext()
                 filler = self._filler([sequences[i] for i in members])
-                with context:
-                    logps, _ = packed_logprobs(self.model, [sequences[i].ids for i in members], self.device,
-                                               autocast=self.autocast, filler=filler)
+                if one_pass:
+                    with self._rollout_replay(members, sequences, filler):
+                        logps, ents = self._logprobs(self.model, members, sequences, filler, with_entropy=True)
+                    old_logp.update(zip(members, (logp.detach() for logp in logps)))
+                    entropy.update(zip(members, ents))
+                    self._reference_logprobs(members, sequences, filler, ref_logp)
+                else:
+                    context = (self.replay.replay(routes[tuple(members)]) if config.routing_replay
+                               else contextlib.nullcontext())
+                    with context:
+                        logps, _ = self._logprobs(self.model, members, sequences, filler)
                 logp_BT = pad(logps)
                 old_BT = pad([old_logp[i] for i in members])
                 mask_BT = pad([masks[i] for i in members])
@@ -269,6 +284,19 @@ class PolicyUpdater:
             norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+        gap, known = 0.0, 0
+        for i, s in enumerate(sequences):
+            rollout = torch.tensor(s.rollout_logprobs, dtype=torch.float32, device=self.device)
+            where = masks[i].bool() & torch.isfinite(rollout)
+            gap += float((old_logp[i] - rollout)[where].abs().sum())
+            known += int(where.sum())
+        # Sums over the whole batch (every rank's share under torch.distributed).
+        totals = all_reduce_sum(torch.tensor([
+            sum(float(m.sum()) for m in masks.values()), sum(float((entropy[i] * masks[i]).sum()) for i in masks),
+            gap, known, self.rollout_routed, sum(len(s.ids) for s in sequences)], dtype=torch.float64,
+            device=self.device))  # on the device: NCCL reduces CUDA tensors only
+        total_tokens, entropy_sum, gap, known, routed, all_tokens = totals.tolist()
+        metrics = {"entropy": entropy_sum / max(total_tokens, 1), "logprob_gap": gap / known if known else math.nan}
         if config.update_balancer:
             self.model.update_balancers()
         self.model.eval()

@@ -7,7 +7,8 @@ over every episode still running (the first turn of a group is one request with 
 prefilled once). Tool calls then run in the episodes' sandboxes in parallel threads.
 
 An episode ends on submit, on a turn without a tool call (its text is the answer), or at a limit (turns,
-total tokens, wall seconds, the engine's context). A sandbox that dies ends its episode as failed (reward 0,
+total tokens, the engine's context, and wall seconds of its own tool calls: time spent queued for the batched
+engine turn or behind other episodes does not count). A sandbox that dies ends its episode as failed (reward 0,
 reason kept); the others go on. Partial rollouts (Kimi k1.5): with ``iteration_token_budget`` set, once
 the step has generated that many tokens the episodes still running are parked (their tokens kept, their
 sandbox snapshotted and closed) and continue in the next call, before any new task starts; their finished
@@ -58,6 +59,11 @@ class Episode:
     reason: str = ""
     seconds: float = 0.0
     sandbox_seconds: float = 0.0
+    # The episode's own time, which its wall-time limit (limits.seconds) counts: its tool calls running. Not the
+    # batched engine turn it waits for with every other live episode, nor their tools: on a slow or busy
+    # machine that wait grows with the batch and would turn queueing into reward 0 (token limits bound the
+    # episode's generation).
+    active_seconds: float = 0.0
     truncated_outputs: int = 0
     failed: bool = False  # the sandbox failed (not the policy): reward 0 without verification
     verified: bool = False  # reward and reason are final
@@ -337,6 +343,7 @@ class RolloutRunner:
                 self._end(episode, "sandbox_died", f"the sandbox died during {call.name or 'a tool call'}: {error}")
                 return
             episode.sandbox_seconds += observation.seconds
+            episode.active_seconds += observation.seconds
             episode.sandbox_calls += observation.ran
             episode.tool_errors += observation.is_error
             episode.truncated_outputs += observation.truncated
@@ -358,8 +365,8 @@ class RolloutRunner:
         episode.ids.extend(observation_ids)
         episode.mask.extend([False] * len(observation_ids))
         episode.logprobs.extend([0.0] * len(observation_ids))
-        if time.perf_counter() - episode.started > limits.seconds:
-            self._end(episode, "time", f"the episode ran past its {limits.seconds} s")
+        if episode.active_seconds > limits.seconds:
+            self._end(episode, "time", f"the episode's tool calls ran past its {limits.seconds} s")
 
     @staticmethod
     def _end(episode: Episode, finish: str, reason: str = "") -> None:

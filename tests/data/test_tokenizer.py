@@ -49,3 +49,17 @@ def test_bad_tokenizer_paths(tmp_path: Path):
         load_tokenizer(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="vocab_size >= 257"):
         train_bpe(["abc"], 100)
+
+
+def test_split_digits_gives_every_digit_its_own_token_and_survives_save_and_load(tmp_path: Path):
+    texts = ["Compute 35+38+32. x = 35+38+32 -> 105"] * 50
+    merged, split = train_bpe(texts, 300, show_progress=False), train_bpe(texts, 300, show_progress=False,
+                                                                            split_digits=True)
+    assert any(len(merged.decode([i]).strip()) > 1 and merged.decode([i]).strip().isdigit()
+               for i in merged.encode("35+38 105"))
+    pieces = [split.decode([i]) for i in split.encode("x 35+38 105")]
+    assert [p for p in pieces if any(c.isdigit() for c in p)] == list("3538105")
+    split.save(tmp_path / "tok")
+    loaded = load_tokenizer(tmp_path / "tok")
+    assert loaded.encode("x 35+38 105") == split.encode("x 35+38 105")
+    assert loaded.decode(loaded.encode("Compute 35+38+32.")) == "Compute 35+38+32."

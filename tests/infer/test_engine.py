@@ -132,17 +132,33 @@ def test_n_samples_prefill_once_and_fork(model):
     assert_idle(engine)
 
 
-def test_logprobs_are_the_models_own(model):
+def test_logprobs_are_the_models_own_at_the_sampling_temperature(model):
+    """A sampled token's logprob is that of the distribution it was drawn from, softmax(logits / T); scoring
+    (no sampling) gives the model's own, temperature 1. Top-k ids agree: dividing by T keeps the order."""
     prompt = random_prompts(8, [20])[0]
     engine = small_engine(model)
     c = engine.complete([prompt], SamplingParams(max_new_tokens=6, temperature=0.7, seed=3, logprobs=2))[0].outputs[0]
     scored = engine.score([prompt + c.token_ids], [len(prompt)], top_k=2)[0]
-    assert scored.logprobs == pytest.approx(c.logprobs, abs=1e-4)
     for mine, theirs in zip(c.top_logprobs, scored.top_logprobs):
         assert [t for t, _ in mine] == [t for t, _ in theirs]
-    logits = model(torch.tensor([prompt + c.token_ids])).logits[0].log_softmax(-1)
-    direct = [float(logits.detach()[len(prompt) - 1 + i, t]) for i, t in enumerate(c.token_ids)]
-    assert c.logprobs == pytest.approx(direct, abs=1e-4)
+    logits = model(torch.tensor([prompt + c.token_ids])).logits[0].detach()
+    rows = [(len(prompt) - 1 + i, t) for i, t in enumerate(c.token_ids)]
+    at_t = logits.div(0.7).log_softmax(-1)
+    assert c.logprobs == pytest.approx([float(at_t[r, t]) for r, t in rows], abs=1e-4)
+    at_1 = logits.log_softmax(-1)
+    assert scored.logprobs == pytest.approx([float(at_1[r, t]) for r, t in rows], abs=1e-4)
+
+
+def test_sampled_logprobs_at_temperature_equal_a_hand_computation():
+    # logits (2, 0, -1) at T = 0.5 -> (4, 0, -2): log p = z - log(e^4 + e^0 + e^-2) = z - 4.0205811
+    logits = torch.tensor([[2.0, 0.0, -1.0], [2.0, 0.0, -1.0]])
+    params = [SamplingParams(temperature=0.5, top_k=1, logprobs=0), SamplingParams(temperature=0, logprobs=0)]
+    out = sample_rows(logits, params, [None, None], want_logprobs=True, top_n=3)
+    assert out.tokens.tolist() == [0, 0]
+    assert out.logprobs[0].item() == pytest.approx(4 - 4.0205811, abs=1e-6)
+    assert out.top_logprobs[0].tolist() == pytest.approx([-0.0205811, -4.0205811, -6.0205811], abs=1e-6)
+    # the greedy row (temperature 0) reports the model's own: log(e^2 / (e^2 + 1 + e^-1)) = -0.1698460
+    assert out.logprobs[1].item() == pytest.approx(-0.1698460, abs=1e-6)
 
 
 def test_score_packs_sequences_without_leaking(model):

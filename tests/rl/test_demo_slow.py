@@ -1,10 +1,9 @@
-"""The CPU demo end to end (slow: about 10 minutes on 2 cores): SFT on calc demonstrations, then RL, with every
-held-out tool call run in a sandbox.
+"""The CPU demo end to end (slow: about a quarter of an hour on 2 cores): SFT from a noisy teacher on arith
+demonstrations, the headroom gate, then RL, with every tool call run in a sandbox.
 
-What it checks is the demo's contract (200 held-out tasks, the tool calls executed, the JSON written, the
-verdicts on improvement consistent with the numbers). It does not require RL to beat SFT: measured on
-2026-12-02, RL left the greedy held-out pass rate at 0.910 (1 task gained, 1 lost) and the sampled one (mean of 4
-episodes a task) at 0.834 -> 0.836."""
+It checks the demo's contract: at least 300 distinct held-out prompts, the tool calls executed, the JSON
+written, the headroom gate on the training distribution (pass@k - pass@1 >= 0.3 before RL), and the verdicts
+consistent with the numbers."""
 
 import json
 import math
@@ -15,22 +14,22 @@ import pytest
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_rl_demo_end_to_end(sandbox_home, tmp_path):
-    from k3.rl.demo import run_rl_demo
+    from k3.rl.demo import HEADROOM_GATE, TARGET_GAIN, TARGET_SE, run_rl_demo
 
     summary = run_rl_demo(out=str(tmp_path / "demo"), json_path=str(tmp_path / "demo.json"), log=lambda *_: None)
     assert json.loads((tmp_path / "demo.json").read_text()) == summary
-    assert summary["heldout_tasks"] >= 200 and summary["tool_calls_executed"] > 1000
-    assert 0.0 < summary["sft_pass_rate"] < 1.0  # SFT taught the format: some held-out tasks pass
-    noise = math.hypot(summary["sft_standard_error"], summary["rl_standard_error"])
-    assert summary["improved_beyond_noise"] == (summary["rl_pass_rate"] - summary["sft_pass_rate"] > 2 * noise)
-    sampled = [summary["sft_pass_rate_sampled"], summary["rl_pass_rate_sampled"]]
-    noise_sampled = math.hypot(*(math.sqrt(max(r * (1 - r), 1e-12) / summary["heldout_tasks"]) for r in sampled))
-    assert summary["improved_beyond_noise_sampled"] == (sampled[1] - sampled[0] > 2 * noise_sampled)
-    # the same held-out tasks before and after: gains minus losses is the change in the pass rate
     n = summary["heldout_tasks"]
+    assert n >= 300 and summary["tool_calls_executed"] > 3000
+    assert summary["headroom_gate_passed"] == (summary["headroom_before"] >= HEADROOM_GATE)
+    assert summary["headroom_before"] == pytest.approx(summary["train_pass_at_k_before"]
+                                                       - summary["train_sampled_pass_rate_before"])
+    assert summary["sft_pass_at_k"] >= summary["sampled_pass_rate_before"]
+    # the same held-out tasks before and after: gains minus losses is the change in the pass rate
     change = summary["rl_pass_rate"] - summary["sft_pass_rate"]
     assert summary["tasks_gained"] - summary["tasks_lost"] == round(change * n)
-    assert summary["improved_beyond_paired_noise"] == (summary["paired_change"] > 2 * summary["paired_standard_error"])
+    assert summary["paired_change"] == pytest.approx(change)
+    assert summary["target_met"] == (change >= TARGET_GAIN
+                                     and change > TARGET_SE * summary["paired_standard_error"])
     assert (tmp_path / "demo" / "rl" / "metrics.png").is_file()
 
 
@@ -58,3 +57,34 @@ def test_paired_change_of_sampled_shares_is_the_mean_difference():
     assert change["tasks_gained"] == 1 and change["tasks_lost"] == 1
     assert change["paired_change"] == pytest.approx(1 / 12)
     assert change["paired_standard_error"] == pytest.approx(0.180021, abs=1e-6)
+
+
+def test_the_noisy_teacher_makes_one_item_independent_mistake(tmp_path):
+    """The demo's warm start: in a fixed share of demonstrations (by a hash of the task id) the submitted answer
+    gets the stray character, which the verifier rejects; nothing else in the demonstration changes."""
+    from k3.rl.chat_format import format_tool_call, parse_tool_calls
+    from k3.rl.demo import STRAY, add_teacher_noise, noisy_teacher, stray_chosen
+    from k3.rl.tasks import Task, Verifier
+    from k3.rl.verify import score
+
+    messages = [{"role": "user", "content": "Compute 5*19-2."},
+                {"role": "assistant", "content": format_tool_call("python", {"code": "x = 5*19-2\nprint(x)"})},
+                {"role": "tool", "content": "93"},
+                {"role": "assistant", "content": format_tool_call("submit", {"answer": "93"})}]
+    noisy = noisy_teacher(messages)
+    assert noisy[:-1] == messages[:-1]
+    (call,) = parse_tool_calls(noisy[-1]["content"])
+    assert call.name == "submit" and call.arguments["answer"] == "93" + STRAY
+    task = Task(id="t", prompt="Compute 5*19-2.", verifier=Verifier("answer", expected="93", match="exact"))
+    assert score(task, "93", None)[0] == 1.0 and score(task, call.arguments["answer"], None)[0] == 0.0
+    with pytest.raises(ValueError, match="ends with one submit call"):
+        noisy_teacher(messages[:2])
+    # the share is the one asked for, and the same tasks are chosen every time
+    keys = [f"arith-train-{i}" for i in range(4000)]
+    chosen = [stray_chosen(k, 0.6) for k in keys]
+    assert abs(sum(chosen) / len(keys) - 0.6) < 0.03 and chosen == [stray_chosen(k, 0.6) for k in keys]
+    path = tmp_path / "demos.jsonl"
+    path.write_text("".join(json.dumps({"task": k, "messages": messages}) + "\n" for k in keys[:50]))
+    assert add_teacher_noise(path, 0.6) == sum(chosen[:50])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["messages"][-1]["content"].endswith(STRAY + '"}}</tool_call>') for r in rows] == chosen[:50]

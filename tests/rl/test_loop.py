@@ -1,6 +1,7 @@
 """The RL loop end to end on CPU (tiny model, real sandboxes): SFT warm start, RL steps, checkpoints, metrics,
 and a resumed run that equals the unbroken one."""
 
+import dataclasses
 import json
 
 import pytest
@@ -168,3 +169,58 @@ def test_sampled_evaluation_scores_several_episodes_per_task(start_run, user_sui
     assert greedy["heldout_episodes"] == 1 and isinstance(greedy["heldout_outcomes"]["say-2"], bool)
     with pytest.raises(ValueError, match="samples must be at least 1"):
         trainer.evaluate(samples=0)
+
+
+class ScriptedRunner:
+    """Stands in for the rollouts: every group's rewards come from ``script`` in call order, so a test says which
+    groups are all-equal. Records the tasks of every call."""
+
+    def __init__(self, script):
+        self.script, self.calls, self.stats, self.parked = list(script), [], {}, []
+
+    def _groups(self, tasks, group_size, step):
+        from k3.rl.rollout import Episode
+
+        self.calls.append(([t.id for t in tasks], step))
+        groups = []
+        for index, task in enumerate(tasks):
+            rewards = self.script.pop(0)
+            assert len(rewards) == group_size
+            groups.append([Episode(task, index, s, [1, 2, 3, 4, 5], [False, False, True, True, True], [float("nan")] * 5,
+                                   2, done=True, reward=r, finish="submitted", verified=True)
+                           for s, r in enumerate(rewards)])
+        self.stats = {"generation_s": 1.0, "generated_tokens": 10}
+        return groups
+
+    def run(self, tasks, group_size, step=0, indices=None):
+        return self._groups(tasks, group_size, step)
+
+    def run_aside(self, tasks, group_size, step, temperature, indices=None):
+        return self._groups(tasks, group_size, step)
+
+
+def test_dynamic_sampling_refills_the_batch_with_fresh_tasks(start_run, tmp_path):
+    """DAPO's dynamic sampling drops all-equal groups and draws fresh tasks until the batch holds tasks_per_step
+    groups with a signal (at most refill_rounds extra rounds); the surplus of the last round is dropped."""
+    config = RLConfig(run=str(start_run), suite="arith", out=str(tmp_path / "refill"), algo="dapo", group=2,
+                      tasks_per_step=3, steps=2, lr=1e-3, heldout_tasks=0, device="cpu", max_context=512)
+    trainer = RLTrainer(config, show_progress=False, log=lambda *_: None)
+    mixed, equal = [0.0, 1.0], [1.0, 1.0]
+    # round 0: 3 tasks, 1 kept; refill 1: (3 - 1) * 3 / 1 -> 3 tasks (capped), 1 kept; refill 2: 1 * 6 / 2 = 3
+    # tasks, 2 kept: one too many, dropped
+    trainer.runner = ScriptedRunner([mixed, equal, [0.0, 0.0], equal, mixed, equal, mixed, mixed, equal])
+    record = trainer.train_step()
+    assert record["groups_kept"] == 3 and record["refill_rounds"] == 2 and record["refill_groups"] == 5
+    assert "loss" in record
+    ids = [ids for ids, _ in trainer.runner.calls]
+    assert [len(i) for i in ids] == [3, 3, 3]
+    assert len({t for i in ids for t in i}) == 9  # fresh tasks in every round
+    assert len({step for _, step in trainer.runner.calls}) == 3  # and fresh sampling seeds
+    # a batch that cannot fill stops after refill_rounds extra rounds
+    trainer.runner = ScriptedRunner([equal] * 3 + [equal] * 3 * 3)
+    record = trainer.train_step()
+    assert record["groups_kept"] == 0 and record["refill_rounds"] == 3 and "skipped_update" in record
+    # drgrpo's normaliser is a constant of the run, the same at every step: max_context
+    drgrpo = RLTrainer(dataclasses.replace(config, algo="drgrpo", out=str(tmp_path / "drgrpo")), show_progress=False,
+                       log=lambda *_: None)
+    assert drgrpo.updater.loss_config.norm_length == 512

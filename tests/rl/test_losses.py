@@ -19,6 +19,8 @@ ADV = torch.tensor([1.0, -1.0])
 
 
 def run(name, **config):
+    if name == "drgrpo":
+        config.setdefault("norm_length", 4)
     logp = torch.tensor(RATIOS).log().requires_grad_(True)
     out = ALGORITHMS[name].loss(logp, torch.zeros(2, 3), ADV, MASK, loss_config_for(name, **config))
     out.loss.backward()
@@ -40,6 +42,19 @@ def test_drgrpo_divides_by_a_constant_length():
     # token terms as grpo, summed: -1.2 - 0.5 + 1.1 + 0.9 = 0.3; divided by B * norm_length = 2 * 4
     out, _ = run("drgrpo", norm_length=4)
     assert float(out.loss) == pytest.approx(0.0375, abs=1e-6)
+
+
+def test_drgrpo_normaliser_does_not_follow_the_padded_length():
+    """The same two sequences padded to another width (a micro-batch with a longer sequence, the next step)
+    give the same Dr. GRPO loss: the normaliser is the configured constant, never the padded width T."""
+    out, _ = run("drgrpo", norm_length=4)
+    logp = torch.nn.functional.pad(torch.tensor(RATIOS).log(), (0, 5))
+    wide = ALGORITHMS["drgrpo"].loss(logp, torch.zeros(2, 8), ADV, torch.nn.functional.pad(MASK, (0, 5)),
+                                     loss_config_for("drgrpo", norm_length=4))
+    assert float(wide.loss) == pytest.approx(float(out.loss), abs=1e-7)
+    with pytest.raises(ValueError, match="constant length"):
+        ALGORITHMS["drgrpo"].loss(logp, torch.zeros(2, 8), ADV, torch.nn.functional.pad(MASK, (0, 5)),
+                                  loss_config_for("drgrpo"))
 
 
 def test_dapo_clip_higher_and_token_mean():
@@ -84,8 +99,7 @@ def test_masked_tokens_never_matter():
         a, _ = run(name)
         logp = torch.tensor([[1.5, 0.5, 50.0], [1.1, 0.9, 1e-3]]).log()
         b = ALGORITHMS[name].loss(logp, torch.zeros(2, 3), ADV, MASK, loss_config_for(name, norm_length=4))
-        if name != "drgrpo":
-            assert float(a.loss) == pytest.approx(float(b.loss), abs=1e-6), name
+        assert float(a.loss) == pytest.approx(float(b.loss), abs=1e-6), name
 
 
 def test_group_advantages():

@@ -1,5 +1,8 @@
 """The trainer side: masks (tool tokens get no gradient), routing replay, and the update itself."""
 
+import math
+
+import pytest
 import torch
 
 from k3.rl.chat_format import render_ids
@@ -23,7 +26,7 @@ def test_masked_tool_tokens_get_no_gradient(tiny_model, tokenizer):
     for name in ALGORITHMS:
         logits.grad = None
         out = ALGORITHMS[name].loss(logp[None], logp.detach()[None], torch.tensor([1.0]), mask_T[None],
-                                    loss_config_for(name))
+                                    loss_config_for(name, norm_length=64))
         out.loss.backward(retain_graph=True)
         # logits row t predicts token t+1: its gradient is zero exactly when token t+1 is not trainable
         row_has_grad = logits.grad.abs().sum(-1) > 0
@@ -145,3 +148,50 @@ def test_a_filler_document_pads_the_packed_row_and_changes_nothing(tiny_model, t
     for name, weight in plain_weights.items():
         torch.testing.assert_close(padded_weights[name], weight, rtol=1e-4, atol=1e-6, msg=name)
     assert any(not torch.equal(w, tiny_model.state_dict()[n]) for n, w in plain_weights.items())  # it did train
+
+
+class FixedLogits(torch.nn.Module):
+    """Logits (2, 0, -1) at every position, whatever the tokens."""
+
+    def forward(self, ids, cu_seqlens=None):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(logits=torch.tensor([2.0, 0.0, -1.0]).expand(1, ids.shape[1], 3))
+
+
+def test_trainer_logprobs_at_the_sampling_temperature_equal_a_hand_computation():
+    # at T = 0.5 the logits are (4, 0, -2): log p = z - log(e^4 + e^0 + e^-2) = z - 4.0205811
+    logps, entropies = packed_logprobs(FixedLogits(), [[0, 0, 2], [1, 1]], torch.device("cpu"), with_entropy=True,
+                                       temperature=0.5)
+    assert logps[0].tolist() == pytest.approx([0.0, 4 - 4.0205811, -2 - 4.0205811], abs=1e-6)
+    assert logps[1].tolist() == pytest.approx([0.0, 0 - 4.0205811], abs=1e-6)
+    p = [math.exp(z - 4.0205811) for z in (4, 0, -2)]
+    assert entropies[1][1].item() == pytest.approx(-sum(q * math.log(q) for q in p), abs=1e-6)
+    at_one, _ = packed_logprobs(FixedLogits(), [[0, 0]], torch.device("cpu"))  # temperature 1: the model's own
+    assert at_one[0][1].item() == pytest.approx(2 - math.log(math.exp(2) + 1 + math.exp(-1)), abs=1e-6)
+
+
+def test_one_minibatch_takes_old_logprobs_from_the_training_forward_itself(tiny_model, tokenizer):
+    """With one mini-batch the old logprobs are the training forward's own, detached: bit for bit, even where a
+    no-grad forward would compute something else (on CUDA, kernels picked by grad mode). Here the model is made
+    to differ without grad; the first ratio is still exactly 1 and GSPO's narrow band clips nothing."""
+    import dataclasses
+
+    tiny_model.lm_head.register_forward_hook(
+        lambda module, args, out: out if torch.is_grad_enabled() else out + 1e-3 * torch.linspace(0, 1, out.shape[-1]))
+    ids, mask = render_ids(MESSAGES, tokenizer)
+    short, short_mask = render_ids(MESSAGES[:2], tokenizer)
+    sequences = [Sequence(ids, mask, [float("nan")] * len(ids), advantage=1.0),
+                 Sequence(short, short_mask, [float("nan")] * len(short), advantage=-1.0)]
+    updater = PolicyUpdater(tiny_model, PolicyConfig(algorithm="gspo", lr=1e-3, temperature=0.7),
+                            loss_config_for("gspo"))
+    seen = []
+
+    def recording(logp_BT, old_logp_BT, adv_B, mask_BT, config, weights_BT=None):
+        seen.append((logp_BT.detach().clone(), old_logp_BT.clone()))
+        return ALGORITHMS["gspo"].loss(logp_BT, old_logp_BT, adv_B, mask_BT, config, weights_BT)
+
+    updater.algorithm = dataclasses.replace(updater.algorithm, loss=recording)
+    metrics = updater.update(sequences)
+    assert seen and all(torch.equal(new, old) for new, old in seen)
+    assert metrics["clip_fraction"] == 0.0

@@ -165,3 +165,35 @@ def test_the_engine_and_a_tiny_model_run_calc_episodes(sandbox_home, tokenizer, 
         assert sum(episode.mask) == episode.model_tokens > 0
         assert episode.model_tokens <= episode.task.limits.total_tokens
     assert runner.stats["generated_tokens"] > 0 and runner.stats["rollout_tokens_per_s"] > 0
+
+
+def test_an_episode_limit_counts_its_own_tool_time_not_time_queued(sandbox_home, tokenizer, monkeypatch):
+    """Each batched engine turn here takes 100 s of the clock (the episode waits for a long batch on a busy
+    machine), far past the task's 60 s limit: the episode still finishes, since waiting is not its own time.
+    Its own tool calls past the limit do end it."""
+    import time
+
+    clock = [time.perf_counter()]  # a clock that moves only with the engine (episodes start on the real one)
+    monkeypatch.setattr(rollout_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class SlowBatchEngine(ScriptedEngine):
+        def complete(self, prompts, params):
+            clock[0] += 100.0
+            return super().complete(prompts, params)
+
+    def script(text, sample):
+        if text.count("<|tool|>") < 2:
+            return format_tool_call("bash", {"command": "echo hi"})
+        return format_tool_call("submit", {"answer": "ok"})
+
+    (group,) = RolloutRunner(SlowBatchEngine(tokenizer, script), tokenizer).run([make_task()], group_size=2)
+    assert all(e.finish == "submitted" and e.reward == 1.0 and e.turns == 3 for e in group)
+    assert all(e.seconds > 250 for e in group)  # the wall time it took is still reported
+    real_run_tool = rollout_module.run_tool
+
+    def slow_tool(*args, **kwargs):
+        return dataclasses.replace(real_run_tool(*args, **kwargs), seconds=35.0)
+
+    monkeypatch.setattr(rollout_module, "run_tool", slow_tool)
+    (group,) = RolloutRunner(ScriptedEngine(tokenizer, script), tokenizer).run([make_task()], group_size=2)
+    assert all(e.finish == "time" and e.turns == 2 and e.reward == 0.0 for e in group)

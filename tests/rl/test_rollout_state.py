@@ -61,7 +61,9 @@ def test_the_training_forward_under_replay_routes_as_the_rollout_did(caller_run,
         assert metrics["rollout_routed_share"] == (pytest.approx(
             sum(len(e.ids) - 1 for e in episodes) / sum(len(e.ids) for e in episodes)) if with_routing else 0.0)
         training = [(lengths, routes) for grad, lengths, routes in seen if grad]
-        assert training and all(not grad for grad, _, _ in seen[:1])  # the old-policy pass, then training
+        assert training
+        # one mini-batch: the training forward is the only one (its detached logprobs are the old ones)
+        assert all(grad for grad, _, _ in seen)
         same = []
         for lengths, routes in training:
             for layer, calls in enumerate(routes):

@@ -60,7 +60,7 @@ def test_bad_json_and_duplicate_ids(tmp_path):
         load_tasks(tmp_path / "missing.jsonl")
 
 
-@pytest.mark.parametrize("name", ["calc", "fix", "files"])
+@pytest.mark.parametrize("name", ["calc", "arith", "fix", "files"])
 def test_suites_are_deterministic_and_splits_disjoint(name):
     suite = get_suite(name)
     train, heldout = suite.tasks("train", 60), suite.tasks("heldout", 30)
@@ -73,5 +73,23 @@ def test_suites_are_deterministic_and_splits_disjoint(name):
 
 
 def test_unknown_suite_says_what_exists():
-    with pytest.raises(ValueError, match=r"built-in suites are \['browse', 'calc', 'files', 'fix'\]"):
+    with pytest.raises(ValueError, match=r"built-in suites are \['arith', 'browse', 'calc', 'files', 'fix'\]"):
         get_suite("chess")
+
+
+def test_arith_puts_the_expression_in_a_file_and_its_solver_evaluates_it():
+    tasks = get_suite("arith").tasks("train", 20)
+    for task in tasks:
+        expression = task.files["/work/expr.txt"].strip()
+        assert task.prompt == f"Compute {expression} (it is in /work/expr.txt)."
+        assert task.verifier.expected == str(eval(expression))  # digits and + - * only
+    code = "print(eval(open('/work/expr.txt').read()))"
+    assert all(get_suite("arith").solution(t)[0] == ("python", {"code": code}) for t in tasks)
+
+
+def test_heldout_prompts_are_distinct():
+    from k3.rl.loop import TaskSource
+
+    tasks = TaskSource("calc", seed=0).heldout(120)  # calc's word puzzles repeat prompts; the held-out set does not
+    assert len(tasks) == 120 and len({t.prompt for t in tasks}) == 120
+    assert len({t.prompt for t in get_suite("calc").tasks("heldout", 120)}) < 120

@@ -2,6 +2,10 @@
 writes demonstrations.
 
     calc    arithmetic and string puzzles, solved by calling python and submitting its output
+    arith   calc's arithmetic alone, with the expression also in /work/expr.txt (`Compute 17*23-5 (it is in
+            /work/expr.txt).`): the solver's code evaluates the file, the same code for every task, and submits
+            the output; some 290,000 distinct training prompts, none repeated by chance as calc's 30 common
+            words repeat its string puzzles
     fix     a small repository with a one-line bug and a failing test; reward = the hidden tests pass
     files   find / grep / count questions over a generated directory tree
     browse  multi-hop questions over the offline web of Python's docs (k3.sandbox.web), answered with the web
@@ -65,10 +69,11 @@ def _registry() -> dict[str, Callable[[], Suite]]:
     from k3.rl.suites.files import FilesSuite
     from k3.rl.suites.fix import FixSuite
 
-    return {"calc": CalcSuite, "fix": FixSuite, "files": FilesSuite, "browse": BrowseSuite}
+    return {"calc": CalcSuite, "arith": lambda: CalcSuite(kinds=("arith_file",), name="arith"), "fix": FixSuite,
+            "files": FilesSuite, "browse": BrowseSuite}
 
 
-SUITE_NAMES = ("calc", "fix", "files", "browse")
+SUITE_NAMES = ("calc", "arith", "fix", "files", "browse")
 
 
 def get_suite(name: str) -> Suite:
