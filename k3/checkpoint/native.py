@@ -7,9 +7,12 @@ A training checkpoint (`DIR/checkpoint.pt`) is a dict:
     train       the run's TrainConfig as a dict
     step        optimizer steps done
     data        the data position (see k3.data.packing.BatchStream.state_dict)
-    rng         torch / numpy / python RNG states
+    rng         torch / numpy / python RNG states as plain lists and numbers (k3.train.trainer._rng_state)
     tokenizer   {file name: bytes} of the tokenizer files, so the checkpoint stands alone
     format      CHECKPOINT_FORMAT
+
+Everything in it is a tensor or a plain value (dict, list, str, number, bytes), so it loads with
+torch.load(weights_only=True): reading a checkpoint from elsewhere runs none of its code.
 
 Atomicity: the file is written to a temp file in the same directory, fsynced, then renamed over the old one;
 a save that dies half-way leaves the previous checkpoint in place and loadable.
@@ -30,6 +33,10 @@ from k3.config import ModelConfig
 
 CHECKPOINT_FORMAT = "k3-native-1"
 CHECKPOINT_NAME = "checkpoint.pt"
+
+
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint holds objects that only a full unpickle (which could run its code) would rebuild."""
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
@@ -81,8 +88,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"no checkpoint at {path}; give a run directory written by `k3 train` "
                                 f"(it holds {CHECKPOINT_NAME}) or the checkpoint file itself")
     try:
-        # weights_only=False: the checkpoint holds RNG states and plain dicts of our own making.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "Unsupported global" not in str(error):
+            raise RuntimeError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {error}); "
+                               f"restore it from a copy or train again") from error
+        unsafe = str(error).split("WeightsUnpickler error:")[-1].strip().split(" was not")[0]
+        raise UnsafeCheckpointError(
+            f"checkpoint {path} holds objects other than tensors and plain values ({unsafe}); k3 does not load "
+            f"it, since unpickling them could run code. A checkpoint of an older k3 (RNG states as numpy "
+            f"objects) can be rewritten by its owner, who trusts it, with torch.load(weights_only=False), "
+            f"converting state['rng'] with k3.train.trainer.plain_rng_state, and torch.save") from error
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as error:
         raise RuntimeError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {error}); "
                            f"restore it from a copy or train again") from error
