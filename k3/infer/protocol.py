@@ -26,24 +26,25 @@ ALLOWED = {
                 "\"image_url\", \"image_url\": {\"url\": \"data:image/...;base64,...\"}}}",
     "max_tokens": "an integer >= 1, at most the context length minus the prompt's tokens",
     "max_completion_tokens": "an integer >= 1, at most the context length minus the prompt's tokens",
-    "temperature": "a number >= 0 (0 = greedy)",
+    "temperature": "a number >= 0 (0 = greedy; below 1e-5 also greedy), not Infinity or NaN",
     "top_p": "a number in (0, 1] (1 = off)",
-    "top_k": "an integer >= 0 (0 or -1 = off)",
+    "top_k": "an integer >= 0 (0 or -1 = off; values past the vocabulary size mean all of it)",
     "min_p": "a number in [0, 1] (0 = off)",
     "presence_penalty": "a number in [-2, 2]",
     "frequency_penalty": "a number in [-2, 2]",
-    "repetition_penalty": "a number > 0 (1 = off)",
+    "repetition_penalty": "a number in [0.01, 100] (1 = off)",
     "n": "an integer in [1, 64]",
     "logprobs": "an integer in [0, 20] for /v1/completions; true or false for /v1/chat/completions",
     "top_logprobs": "an integer in [0, 20], with logprobs: true",
     "stop": "a string or a list of at most 16 non-empty strings",
     "stop_token_ids": "a list of token ids",
-    "seed": "an integer",
+    "seed": "an integer in [-2**63, 2**64)",
     "stream": "true or false",
     "stream_options": "{\"include_usage\": true|false}",
     "return_token_ids": "true or false",
 }
 MAX_N = 64
+SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes (a 64-bit value, either sign)
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 
@@ -63,7 +64,7 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -119,11 +120,11 @@ class _SamplingRequest(_Strict):
     min_p: float = Field(default=0.0, ge=0, le=1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -279,14 +280,17 @@ def resolve_max_tokens(requested: int | None, prompt_length: int, max_context: i
     return requested
 
 
-def sampling_params(request: _SamplingRequest, max_tokens: int, stops: list[str], logprobs: int | None):
-    """The engine's SamplingParams for a checked request."""
+def sampling_params(request: _SamplingRequest, max_tokens: int, stops: list[str], logprobs: int | None,
+                    vocab_size: int | None = None):
+    """The engine's SamplingParams for a checked request (top_k clipped to vocab_size when given)."""
     from k3.infer.sampling import SamplingParams
 
+    top_k = 0 if request.top_k == -1 else request.top_k
+    if vocab_size is not None:
+        top_k = min(top_k, vocab_size)
     try:
         return SamplingParams(
-            max_new_tokens=max_tokens, temperature=request.temperature,
-            top_k=0 if request.top_k == -1 else request.top_k, top_p=request.top_p, min_p=request.min_p,
+            max_new_tokens=max_tokens, temperature=request.temperature, top_k=top_k, top_p=request.top_p, min_p=request.min_p,
             repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, stop_token_ids=list(request.stop_token_ids or []),
             stop=list(stops), seed=request.seed, logprobs=logprobs, n=request.n)

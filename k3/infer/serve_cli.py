@@ -88,7 +88,8 @@ def serve_command(args: argparse.Namespace) -> int:
               f"{', images: yes' if images is not None else ''}); Ctrl-C stops", flush=True)
 
     try:
-        run_server(app, args.host, args.port, on_listening=listening, log_level=args.log_level)
+        run_server(app, args.host, args.port, on_listening=listening, log_level=args.log_level,
+                   exit_on_engine_death=not args.keep_serving_after_engine_error)
     finally:
         aengine.shutdown()
     print("k3 serve: stopped", file=sys.stderr, flush=True)
@@ -111,6 +112,9 @@ def register(subparsers) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
                                                            "only; 0.0.0.0 = every interface)")
     http.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    http.add_argument("--keep-serving-after-engine-error", action="store_true",
+                      help="if the engine loop stops, keep answering (/health 503, requests 503) instead of "
+                           "exiting with status 1 for a supervisor to restart")
     http.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                       help="uvicorn's log level (default warning)")
     engine = serve.add_argument_group("engine")

@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from k3.infer.async_engine import EngineDead, QueueFull
+from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed
 from k3.infer.chat_template import ChatTemplate, load_chat_template
 from k3.infer.detokenize import TextAssembler
 from k3.infer.metrics import ServerMetrics
@@ -139,6 +139,9 @@ class _Generation:
                             code="queue_full")
         if isinstance(error, EngineDead):
             return APIError(str(error), status=503, code="engine_dead")
+        if isinstance(error, RequestFailed):  # logged by the engine loop
+            return APIError(f"generation failed: {error}; other requests are not affected", status=500,
+                            code="generation_failed")
         if isinstance(error, ValueError):
             return APIError(str(error))
         log.error("generation failed", exc_info=error)
@@ -423,12 +426,13 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
     # stats() waits for the engine's lock, which a step holds: wait in a worker thread, not in the event loop.
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> JSONResponse:
         stats = await asyncio.to_thread(async_engine.stats)
         alive = async_engine.error is None
-        return {"status": "ok" if alive else "engine stopped", "model": server.model_name,
+        body = {"status": "ok" if alive else f"engine stopped: {async_engine.error!r}", "model": server.model_name,
                 "max_context": server.max_context, "max_queue": server.max_queue,
                 "in_flight": server.metrics.in_flight, **stats}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -448,7 +452,7 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
         max_tokens = resolve_max_tokens(body.max_tokens, max(map(len, prompts)), server.max_context,
                                         DEFAULT_COMPLETION_TOKENS)
         stops = body.stop_strings()
-        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
+        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count(), server.vocab_size)
         fmt = _Format(server, body.top_logprobs_count(), body.return_token_ids)
         return await _respond(request, server, fmt, prompts, params, stops, body.stream, body.include_usage())
 
@@ -478,7 +482,7 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
         check_prompt(ids, server.max_context, server.vocab_size, "messages")
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_context, None)
         stops = body.stop_strings() + [s for s in server.chat_template.stop if s not in body.stop_strings()]
-        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
+        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count(), server.vocab_size)
         fmt = _ChatFormat(server, body.top_logprobs_count(), body.return_token_ids)
         return await _respond(request, server, fmt, [ids], params, stops, body.stream, body.include_usage(),
                               [embeds])
@@ -487,10 +491,12 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Callable[[str], None] | None = None,
-               log_level: str = "warning", graceful_timeout_s: float = 5.0) -> None:
+               log_level: str = "warning", graceful_timeout_s: float = 5.0, exit_on_engine_death: bool = True) -> None:
     """Serve `app` until SIGINT or SIGTERM. on_listening(url) is called once the socket is bound (port 0
     picks a free port; the url names the real one). On the signal, requests in progress end at once with
-    finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams."""
+    finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams.
+    exit_on_engine_death: when the engine loop stops, shut down and raise EngineDead (so the process exits
+    non-zero and a supervisor restarts it); else keep answering, /health with 503."""
     import uvicorn
 
     # lifespan off: the app has no startup/shutdown hooks (the engine is started and stopped by the caller).
@@ -507,6 +513,17 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
         server.should_exit = True
 
     bind_failed: list[bool] = []
+    engine_died: list[BaseException] = []
+
+    async def watch_engine(serving: asyncio.Task) -> None:
+        while not serving.done():
+            error = k3_server.aengine.error
+            if error is not None:
+                engine_died.append(error)
+                k3_server.abort_all()
+                server.should_exit = True
+                return
+            await asyncio.sleep(0.2)
 
     async def serve() -> None:
         try:
@@ -525,6 +542,8 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
 
         server.handle_exit = handle_exit
         task = asyncio.create_task(serve())
+        if exit_on_engine_death and k3_server is not None:
+            asyncio.create_task(watch_engine(task))
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         if server.started and on_listening is not None:
@@ -541,3 +560,6 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
             signal.signal(sig, handler)
     if bind_failed:
         raise RuntimeError(f"could not listen on {host}:{port} (is the port in use? --port 0 picks a free one)")
+    if engine_died:
+        raise EngineDead(f"the engine loop stopped ({engine_died[0]!r}); the server shut down so that a "
+                         f"supervisor can restart it (--keep-serving-after-engine-error keeps it answering 503)")

@@ -82,6 +82,30 @@ def test_bad_chat_requests_say_what_is_wrong(body, param, words):
     assert error.param == param and words in error.message, error.message
 
 
+@pytest.mark.parametrize("raw, param", [
+    ('"seed": 18446744073709551616', "seed"),  # 2**64: past what a generator's seed holds
+    ('"seed": 1208925819614629174706176', "seed"),  # 2**80
+    ('"seed": -9223372036854775809', "seed"),  # -2**63 - 1
+    ('"temperature": Infinity', "temperature"),
+    ('"temperature": NaN', "temperature"),
+    ('"top_p": NaN', "top_p"),
+    ('"presence_penalty": -Infinity', "presence_penalty"),
+    ('"repetition_penalty": 1e-300', "repetition_penalty"),
+    ('"repetition_penalty": 1e300', "repetition_penalty"),
+])
+def test_numeric_fields_out_of_the_kernels_range_are_refused(raw, param):
+    # Python's json reads Infinity and NaN, so they reach the checks: each must be a 400 naming its field.
+    error = refused('{"model": "m", "prompt": "x", ' + raw + '}')
+    assert error.param == param, error.message
+
+
+def test_top_k_past_the_vocabulary_is_clipped_to_it():
+    from k3.infer.protocol import sampling_params
+
+    request = parse_request(b'{"model": "m", "prompt": "x", "top_k": 1180591620717411303424}', CompletionRequest)
+    assert sampling_params(request, 4, [], None, vocab_size=300).top_k == 300
+
+
 def test_malformed_bodies():
     assert "not valid JSON" in refused(b'{"model": "m", "prompt": ').message
     assert "not valid JSON" in refused(b"\xff\xfe").message
