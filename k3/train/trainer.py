@@ -195,6 +195,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
+RUN_MARKER = ".k3-run"  # written first into a new run directory: what a later attempt may clear is k3's own
+
+
+def _check_fresh_out(out: Path) -> None:
+    """A new run starts in a new or empty directory, or one an earlier attempt of k3 train left: it clears
+    that attempt's files, so a directory of anything else is refused."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory for the run")
+    if not out.is_dir() or (out / RUN_MARKER).is_file() or (out / "train_config.json").is_file():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if entries:
+        raise ValueError(f"--out {out} already holds files that k3 train did not write ({len(entries)} entries, "
+                         f"e.g. {entries[:3]}); a new run starts in a new or empty directory: choose another --out")
+
+
 def _write_json(path: Path, value: dict[str, Any]) -> None:
     atomic_write_bytes(path, (json.dumps(value, indent=2) + "\n").encode("utf-8"))
 
@@ -247,12 +263,15 @@ class Trainer:
             raise ValueError(f"{self.out} already holds a run ({checkpoint_path(self.out, found)}); pass --resume "
                              f"to continue it or choose another --out")
         else:
+            _check_fresh_out(self.out)
             # Left by an attempt that stopped before its first checkpoint: made from possibly other settings.
             for stale in ("tokenizer", "data"):
                 if (Path(config.out) / stale).is_dir():
                     shutil.rmtree(Path(config.out) / stale)
         self.config = config
         self.out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            atomic_write_bytes(self.out / RUN_MARKER, b"")
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         random.seed(config.seed)
