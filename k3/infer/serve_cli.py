@@ -56,6 +56,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-context must be >= 2 (a prompt token and a new one), got {args.max_context}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 < args.max_body_mb < 2**20:
+        raise ValueError(f"--max-body-mb must be in (0, {2**20}), got {args.max_body_mb}")
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+    for flag in ("header_timeout", "keep_alive_timeout"):
+        if not 0 < getattr(args, flag) < 86400:
+            raise ValueError(f"--{flag.replace('_', '-')} must be in (0, 86400) seconds, got {getattr(args, flag)}")
 
 
 def serve_command(args: argparse.Namespace) -> int:
@@ -66,6 +73,7 @@ def serve_command(args: argparse.Namespace) -> int:
         raise RuntimeError(f"k3 serve needs FastAPI and uvicorn ({error}); install them with "
                            f"pip install 'k3[serve]'") from error
     from k3.infer.async_engine import AsyncEngine
+    from k3.infer.connection_limits import ServerLimits
     from k3.infer.chat_template import load_chat_template
     from k3.infer.cli import load_for_inference
     from k3.infer.engine import Engine
@@ -80,7 +88,9 @@ def serve_command(args: argparse.Namespace) -> int:
                     prefix_cache=not args.no_prefix_cache)
     template = load_chat_template(tokenizer, _tokenizer_directory(args.run, args.model))
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
-    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template, images)
+    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), header_timeout_s=args.header_timeout,
+                          keep_alive_s=args.keep_alive_timeout, max_connections=args.max_connections)
+    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template, images, limits)
 
     def listening(url: str) -> None:
         print(f"k3 serve: {name} on {url} (OpenAI-compatible: {url}/v1; device {engine.device}, max batch "
@@ -89,7 +99,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     try:
         run_server(app, args.host, args.port, on_listening=listening, log_level=args.log_level,
-                   exit_on_engine_death=not args.keep_serving_after_engine_error)
+                   exit_on_engine_death=not args.keep_serving_after_engine_error, limits=limits)
     finally:
         aengine.shutdown()
     print("k3 serve: stopped", file=sys.stderr, flush=True)
@@ -112,6 +122,15 @@ def register(subparsers) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
                                                            "only; 0.0.0.0 = every interface)")
     http.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    http.add_argument("--max-body-mb", type=float, default=32.0,
+                      help="largest request body in MiB; larger ones get HTTP 413 before they are read (default 32)")
+    http.add_argument("--max-connections", type=int, default=1024,
+                      help="most open connections; past it new ones get HTTP 503 and are closed (default 1024)")
+    http.add_argument("--header-timeout", type=float, default=10.0,
+                      help="seconds a connection may take to send a request's headers before it is closed "
+                           "(default 10)")
+    http.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                      help="seconds an idle connection is kept open between requests (default 5)")
     http.add_argument("--keep-serving-after-engine-error", action="store_true",
                       help="if the engine loop stops, keep answering (/health 503, requests 503) instead of "
                            "exiting with status 1 for a supervisor to restart")

@@ -29,6 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed
 from k3.infer.chat_template import ChatTemplate, load_chat_template
+from k3.infer.connection_limits import (ServerLimits, check_prompt_chars, limited_h11_protocol, rate_limit_logs,
+                                        read_body)
 from k3.infer.detokenize import TextAssembler
 from k3.infer.metrics import ServerMetrics
 from k3.infer.protocol import (IMAGE_MARKER, APIError, ChatCompletionRequest, CompletionRequest, check_model,
@@ -387,11 +389,13 @@ async def _respond(request: Request, server: _Server, fmt: _Format, prompts: lis
 
 
 def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_queue: int,
-               chat_template: ChatTemplate | None = None, images=None) -> "FastAPI":
+               chat_template: ChatTemplate | None = None, images=None, limits: ServerLimits | None = None) -> "FastAPI":
     """The FastAPI application. async_engine: k3.infer.AsyncEngine (its engine's tokenizer must be
     `tokenizer`); max_context: longest prompt + generation; max_queue: as given to the AsyncEngine (shown in
     errors and /health); images: k3.infer.image_inputs.ImageInputs when the model has a vision tower (chat
-    messages may then carry image_url parts with data: URLs)."""
+    messages may then carry image_url parts with data: URLs); limits: body and prompt sizes (defaults if None).
+    Tokenizing runs in worker threads, so a long prompt does not hold up other requests."""
+    limits = limits or ServerLimits()
     server = _Server(async_engine, model_name, tokenizer, max_context, max_queue,
                      chat_template or load_chat_template(tokenizer), images)
     app = FastAPI(title="k3", description="OpenAI-compatible inference for K3-architecture models")
@@ -441,13 +445,18 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_request(await request.body(), CompletionRequest)
+        body = parse_request(await read_body(request, limits), CompletionRequest)
         check_model(body.model, server.model_name)
         prompts = []
         many = len(body.prompts()) > 1
         for i, prompt in enumerate(body.prompts()):
-            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            check_prompt(ids, server.max_context, server.vocab_size, f"prompt {i}" if many else "prompt")
+            what = f"prompt {i}" if many else "prompt"
+            if isinstance(prompt, str):
+                check_prompt_chars(len(prompt), server.max_context, limits, what)
+                ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            else:
+                ids = list(prompt)
+            check_prompt(ids, server.max_context, server.vocab_size, what)
             prompts.append(ids)
         max_tokens = resolve_max_tokens(body.max_tokens, max(map(len, prompts)), server.max_context,
                                         DEFAULT_COMPLETION_TOKENS)
@@ -458,9 +467,10 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_request(await request.body(), ChatCompletionRequest)
+        body = parse_request(await read_body(request, limits), ChatCompletionRequest)
         check_model(body.model, server.model_name)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        check_prompt_chars(sum(len(m["content"]) for m in messages), server.max_context, limits, "messages")
         urls = [url for m in body.messages for url in m.image_urls()]
         if urls and server.images is None:
             raise APIError(f"this model has no vision tower, so messages cannot carry image_url parts (got "
@@ -478,7 +488,7 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
             except ValueError as error:
                 raise APIError(f"invalid image_url: {error}", param="messages") from error
         else:
-            ids = tokenizer.encode(text)
+            ids = await asyncio.to_thread(tokenizer.encode, text)
         check_prompt(ids, server.max_context, server.vocab_size, "messages")
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_context, None)
         stops = body.stop_strings() + [s for s in server.chat_template.stop if s not in body.stop_strings()]
@@ -491,17 +501,23 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Callable[[str], None] | None = None,
-               log_level: str = "warning", graceful_timeout_s: float = 5.0, exit_on_engine_death: bool = True) -> None:
+               log_level: str = "warning", graceful_timeout_s: float = 5.0, exit_on_engine_death: bool = True,
+               limits: ServerLimits | None = None) -> None:
     """Serve `app` until SIGINT or SIGTERM. on_listening(url) is called once the socket is bound (port 0
     picks a free port; the url names the real one). On the signal, requests in progress end at once with
     finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams.
     exit_on_engine_death: when the engine loop stops, shut down and raise EngineDead (so the process exits
-    non-zero and a supervisor restarts it); else keep answering, /health with 503."""
+    non-zero and a supervisor restarts it); else keep answering, /health with 503. limits: connection count and
+    timeouts (k3.infer.connection_limits)."""
     import uvicorn
 
+    limits = limits or ServerLimits()
     # lifespan off: the app has no startup/shutdown hooks (the engine is started and stopped by the caller).
+    # limit_concurrency one past the connection cap: the protocol refuses extra connections itself, uvicorn
+    # refuses extra requests (503) should tasks pile up on the connections it keeps.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=graceful_timeout_s)
+                            timeout_graceful_shutdown=graceful_timeout_s, http=limited_h11_protocol(limits),
+                            timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections + 1)
     server = uvicorn.Server(config)
     k3_server = getattr(app.state, "k3", None)
     signalled: list[int] = []
@@ -553,6 +569,7 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
 
     # uvicorn takes SIGINT/SIGTERM while it runs, shuts down, then re-raises the signal to these handlers.
     previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
+    rate_limit_logs()
     try:
         asyncio.run(main())
     finally:

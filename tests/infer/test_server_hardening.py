@@ -2,6 +2,8 @@
 oversized bodies and prompts, slow and idle connections, too many connections, cross-origin requests. Each test
 checks one property, and that the server still answers afterwards."""
 
+import socket
+import threading
 import time
 
 import httpx
@@ -64,3 +66,80 @@ def test_an_engine_that_dies_keeps_answering_503_when_told_to(run):
         assert server.process.poll() is None
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def limited(run):
+    """A server with small limits, so that passing them is quick."""
+    server = Server(run, "--max-context", "128", "--max-body-mb", "1", "--header-timeout", "1",
+                    "--keep-alive-timeout", "1", "--max-connections", "8")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_a_20m_character_prompt_is_refused_fast_while_health_answers(server):
+    big = {"model": "tiny", "prompt": "x" * 20_000_000, "max_tokens": 1}
+    result = {}
+
+    def post():
+        started = time.monotonic()
+        result["response"] = server.http.post("/v1/completions", json=big)
+        result["elapsed"] = time.monotonic() - started
+
+    sender = threading.Thread(target=post)
+    sender.start()
+    slowest_health = 0.0
+    with httpx.Client(base_url=server.url, timeout=30) as other:
+        while sender.is_alive():
+            started = time.monotonic()
+            assert other.get("/health").status_code == 200
+            slowest_health = max(slowest_health, time.monotonic() - started)
+    sender.join()
+    response = result["response"]
+    assert response.status_code == 400, response.text
+    assert "characters" in response.json()["error"]["message"]
+    # Tokenizing 20M characters takes tens of seconds on the event loop; refusing first takes well under these.
+    assert result["elapsed"] < 10, f"refusing took {result['elapsed']:.1f} s"
+    assert slowest_health < 5, f"/health took {slowest_health:.1f} s meanwhile"
+    assert completion(server).status_code == 200
+
+
+def test_a_body_past_the_limit_is_a_413(limited):
+    response = limited.http.post("/v1/completions", content=b'{"model": "tiny", "prompt": "' + b"y" * 2_000_000
+                                 + b'"}', headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "--max-body-mb" in response.json()["error"]["message"]
+    assert completion(limited).status_code == 200
+
+
+def test_a_connection_that_never_finishes_its_headers_is_closed(limited):
+    with socket.create_connection(_address(limited), timeout=10) as slow:
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")  # and nothing more
+        started = time.monotonic()
+        assert slow.recv(1024) == b""  # the server closed it
+        assert 0.5 < time.monotonic() - started < 8
+    assert completion(limited).status_code == 200
+
+
+def test_connections_past_the_cap_are_refused_at_once(limited):
+    held = [socket.create_connection(_address(limited), timeout=10) for _ in range(8)]
+    try:
+        with socket.create_connection(_address(limited), timeout=10) as extra:
+            assert extra.recv(1024).startswith(b"HTTP/1.1 503")
+    finally:
+        for connection in held:
+            connection.close()
+    _wait(lambda: completion(limited).status_code == 200, "a request served once the connections closed")
+
+
+def _address(server):
+    host, port = server.url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def _wait(predicate, what, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout_s} s"
+        time.sleep(0.1)
