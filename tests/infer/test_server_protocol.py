@@ -231,3 +231,11 @@ def test_prometheus_text():
     assert samples["k3_time_to_first_token_seconds_count"] == "1"
     assert samples["k3_time_per_output_token_seconds_count"] == "1"
     assert samples["k3_server_requests_in_flight"] == "0"
+
+
+def test_the_tokens_per_second_window_is_pruned_without_scrapes():
+    metrics = ServerMetrics(window_s=10)
+    for i in range(100_000):  # one token every 5 ms for 500 s, and nobody reads /metrics
+        metrics.tokens(1, now=i * 0.005)
+    assert len(metrics._recent) <= 10 / 0.01 + 1
+    assert metrics.tokens_per_second(now=100_000 * 0.005) == pytest.approx(200, rel=0.01)
