@@ -6,8 +6,9 @@ fields) with pydantic in strict mode, so `"max_tokens": "10"` or `"n": true` are
 The server then checks what needs the tokenizer and the engine's limits (`check_prompt`, `resolve_max_tokens`).
 Every refusal is an `APIError`, whose `body()` is OpenAI's error shape:
     {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
-Fields OpenAI defines but k3 does not implement (echo, suffix, best_of > n, logit_bias) are refused by name
-instead of silently ignored; fields nobody defines are ignored, as OpenAI's own server does.
+Fields OpenAI defines but k3 does not implement (UNSUPPORTED_FIELDS, and echo, suffix, best_of > n,
+logit_bias) are refused by name instead of silently ignored; fields nobody defines are ignored, as OpenAI's own
+server does. Text must be valid Unicode: a lone UTF-16 surrogate ("\\ud800" in the JSON) is refused.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ ALLOWED = {
     "stream_options": "{\"include_usage\": true|false}",
     "return_token_ids": "true or false",
 }
+# OpenAI request fields this server does not implement yet: refused by name (400) when present and not null.
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format")
 MAX_N = 64
 SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes (a 64-bit value, either sign)
 MAX_LOGPROBS = 20
@@ -140,7 +143,8 @@ class _SamplingRequest(_Strict):
         return stops
 
     def _check_common(self) -> None:
-        self.stop_strings()
+        for stop in self.stop_strings():
+            check_text(stop, "stop")
         if self.logit_bias:
             raise APIError("'logit_bias' is not supported by this server; leave it out", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -168,6 +172,9 @@ class CompletionRequest(_SamplingRequest):
                            f"leave it out", param="best_of")
         if isinstance(self.prompt, list) and not self.prompt:
             raise APIError(f"invalid 'prompt': the list is empty; allowed: {ALLOWED['prompt']}", param="prompt")
+        for prompt in self.prompts():
+            if isinstance(prompt, str):
+                check_text(prompt, "prompt")
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each a string or a token id list."""
@@ -192,6 +199,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.messages:
             raise APIError(f"invalid 'messages': the list is empty; allowed: {ALLOWED['messages']}",
                            param="messages")
+        for i, message in enumerate(self.messages):
+            check_text(message.text(), f"messages.{i}.content")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None and \
@@ -203,6 +212,16 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate cannot be encoded, so no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise APIError(f"invalid '{param}': it holds a lone UTF-16 surrogate ({text[error.start]!r} at character "
+                       f"{error.start}), which is not a Unicode character; send valid UTF-8 text", param=param,
+                       code="invalid_value") from None
 
 
 def _describe(error: dict[str, Any]) -> tuple[str, str]:
@@ -234,6 +253,10 @@ def parse_request(body: bytes, kind: type[_SamplingRequest]) -> _SamplingRequest
                        f"Content-Type: application/json", code="invalid_json") from error
     if not isinstance(data, dict):
         raise APIError(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    for name in UNSUPPORTED_FIELDS:
+        if data.get(name) is not None:
+            raise APIError(f"'{name}' is not supported by this server; leave it out", param=name,
+                           code="unsupported_field")
     try:
         request = kind.model_validate(data)
     except ValidationError as error:

@@ -74,6 +74,7 @@ def serve_command(args: argparse.Namespace) -> int:
                            f"pip install 'k3[serve]'") from error
     from k3.infer.async_engine import AsyncEngine
     from k3.infer.connection_limits import ServerLimits
+    from k3.infer.origins import default_allowed_hosts
     from k3.infer.chat_template import load_chat_template
     from k3.infer.cli import load_for_inference
     from k3.infer.engine import Engine
@@ -90,7 +91,10 @@ def serve_command(args: argparse.Namespace) -> int:
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), header_timeout_s=args.header_timeout,
                           keep_alive_s=args.keep_alive_timeout, max_connections=args.max_connections)
-    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template, images, limits)
+    hosts = tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else default_allowed_hosts(args.host)
+    origins = tuple(args.allowed_origins.split(",")) if args.allowed_origins else ()
+    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template, images, limits,
+                     allowed_origins=origins, allowed_hosts=hosts)
 
     def listening(url: str) -> None:
         print(f"k3 serve: {name} on {url} (OpenAI-compatible: {url}/v1; device {engine.device}, max batch "
@@ -122,6 +126,11 @@ def register(subparsers) -> None:
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine "
                                                            "only; 0.0.0.0 = every interface)")
     http.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
+    http.add_argument("--allowed-origins", help="comma-separated web origins (e.g. http://localhost:3000) whose "
+                      "pages may call the server, with CORS headers; '*' = any. By default a request that carries "
+                      "an Origin header (any browser page) is refused with 403")
+    http.add_argument("--allowed-hosts", help="comma-separated Host header values accepted (default: localhost, "
+                      "127.0.0.1 and ::1 when listening on loopback, any otherwise); others get 400")
     http.add_argument("--max-body-mb", type=float, default=32.0,
                       help="largest request body in MiB; larger ones get HTTP 413 before they are read (default 32)")
     http.add_argument("--max-connections", type=int, default=1024,

@@ -33,6 +33,7 @@ from k3.infer.connection_limits import (ServerLimits, check_prompt_chars, limite
                                         read_body)
 from k3.infer.detokenize import TextAssembler
 from k3.infer.metrics import ServerMetrics
+from k3.infer.origins import add_origin_checks
 from k3.infer.protocol import (IMAGE_MARKER, APIError, ChatCompletionRequest, CompletionRequest, check_model,
                                check_prompt, parse_request, resolve_max_tokens, sampling_params)
 from k3.infer.sse import SSE_DONE, sse_event
@@ -389,17 +390,20 @@ async def _respond(request: Request, server: _Server, fmt: _Format, prompts: lis
 
 
 def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_queue: int,
-               chat_template: ChatTemplate | None = None, images=None, limits: ServerLimits | None = None) -> "FastAPI":
+               chat_template: ChatTemplate | None = None, images=None, limits: ServerLimits | None = None,
+               allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ("*",)) -> "FastAPI":
     """The FastAPI application. async_engine: k3.infer.AsyncEngine (its engine's tokenizer must be
     `tokenizer`); max_context: longest prompt + generation; max_queue: as given to the AsyncEngine (shown in
     errors and /health); images: k3.infer.image_inputs.ImageInputs when the model has a vision tower (chat
-    messages may then carry image_url parts with data: URLs); limits: body and prompt sizes (defaults if None).
+    messages may then carry image_url parts with data: URLs); limits: body and prompt sizes (defaults if None);
+    allowed_origins / allowed_hosts: see k3.infer.origins.
     Tokenizing runs in worker threads, so a long prompt does not hold up other requests."""
     limits = limits or ServerLimits()
     server = _Server(async_engine, model_name, tokenizer, max_context, max_queue,
                      chat_template or load_chat_template(tokenizer), images)
     app = FastAPI(title="k3", description="OpenAI-compatible inference for K3-architecture models")
     app.state.k3 = server
+    add_origin_checks(app, allowed_origins, allowed_hosts)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -447,6 +451,10 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
     async def completions(request: Request) -> Response:
         body = parse_request(await read_body(request, limits), CompletionRequest)
         check_model(body.model, server.model_name)
+        if len(body.prompts()) > max(server.max_queue, 1):
+            raise APIError(f"the request has {len(body.prompts())} prompts, more than this server ever queues at "
+                           f"once ({server.max_queue}, --max-queue); send at most that many per request",
+                           param="prompt")
         prompts = []
         many = len(body.prompts()) > 1
         for i, prompt in enumerate(body.prompts()):

@@ -72,7 +72,7 @@ def test_an_engine_that_dies_keeps_answering_503_when_told_to(run):
 def limited(run):
     """A server with small limits, so that passing them is quick."""
     server = Server(run, "--max-context", "128", "--max-body-mb", "1", "--header-timeout", "1",
-                    "--keep-alive-timeout", "1", "--max-connections", "8")
+                    "--keep-alive-timeout", "1", "--max-connections", "8", "--allowed-origins", "http://ok.example")
     try:
         yield server
     finally:
@@ -131,6 +131,35 @@ def test_connections_past_the_cap_are_refused_at_once(limited):
         for connection in held:
             connection.close()
     _wait(lambda: completion(limited).status_code == 200, "a request served once the connections closed")
+
+
+def test_more_prompts_than_the_queue_holds_is_a_400_not_a_429(server):
+    response = completion(server, prompt=["print("] * 17)  # the fixture's --max-queue is 16
+    assert response.status_code == 400 and "--max-queue" in response.json()["error"]["message"]
+
+
+def test_a_web_page_cannot_post_to_the_server(server):
+    # What a page's fetch() may send cross-origin without a preflight: text/plain, with its Origin.
+    response = server.http.post("/v1/completions", headers={"origin": "http://evil.example",
+                                                            "content-type": "text/plain"},
+                                content=b'{"model": "tiny", "prompt": "print(", "max_tokens": 1}')
+    assert response.status_code == 403 and "--allowed-origins" in response.json()["error"]["message"]
+
+
+def test_an_allowed_origin_gets_cors_headers(limited):
+    response = limited.http.post("/v1/completions", headers={"origin": "http://ok.example"},
+                                 json={"model": "tiny", "prompt": "print(", "max_tokens": 1})
+    assert response.status_code == 200
+    assert response.headers["access-control-allow-origin"] == "http://ok.example"
+    assert limited.http.post("/v1/completions", headers={"origin": "http://evil.example"},
+                             json={"model": "tiny", "prompt": "x"}).status_code == 403
+
+
+def test_a_foreign_host_header_is_refused_on_loopback(server):
+    # DNS rebinding: a page's own host name resolving to 127.0.0.1.
+    response = server.http.get("/health", headers={"host": "evil.example"})
+    assert response.status_code == 400
+    assert server.http.get("/health", headers={"host": "localhost"}).status_code == 200
 
 
 def _address(server):

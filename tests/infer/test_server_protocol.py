@@ -99,6 +99,29 @@ def test_numeric_fields_out_of_the_kernels_range_are_refused(raw, param):
     assert error.param == param, error.message
 
 
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("tool_choice", "auto"), ("functions", [{"name": "f"}]),
+                                          ("function_call", "auto"), ("response_format", {"type": "json_object"})])
+def test_unimplemented_openai_fields_are_refused_by_name(field, value):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+    error = refused(body, ChatCompletionRequest)
+    assert error.param == field and f"'{field}' is not supported" in error.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"model": "m", "prompt": "a\\ud800b"}', "prompt"),
+    ('{"model": "m", "prompt": ["ok", "\\udfff"]}', "prompt"),
+    ('{"model": "m", "prompt": "x", "stop": "\\ud800"}', "stop"),
+])
+def test_a_lone_surrogate_is_a_400_not_a_500(body, param):
+    assert refused(body).param == param
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_400():
+    error = refused('{"model": "m", "messages": [{"role": "user", "content": "hi \\udc80"}]}', ChatCompletionRequest)
+    assert error.param == "messages.0.content" and "surrogate" in error.message
+
+
 def test_top_k_past_the_vocabulary_is_clipped_to_it():
     from k3.infer.protocol import sampling_params
 
