@@ -20,8 +20,10 @@ a save that dies half-way leaves the previous checkpoint in place and loadable.
 
 from __future__ import annotations
 
+import glob
 import os
 import pickle
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -44,10 +46,34 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     atomic_write(Path(path), lambda handle: handle.write(data))
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temp_files(path: Path) -> list[Path]:
+    """Delete the temp files that atomic writes of `path` by processes no longer running left behind (a save
+    killed half-way): `.NAME.PID.*.tmp` with a dead PID. Other files, and those of live writers, stay."""
+    removed = []
+    for candidate in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = candidate.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)) and candidate.is_file() and not candidate.is_symlink():
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
+
+
 def atomic_write(path: Path, write) -> None:
-    """Call write(handle) on a temp file beside `path`, fsync it, rename it over `path`, fsync the directory."""
+    """Call write(handle) on a temp file beside `path`, fsync it, rename it over `path`, fsync the directory.
+    Temp files of earlier writers of `path` that died mid-write are removed first."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temp_files(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are ordinary output files
         with os.fdopen(fd, "wb") as handle:
@@ -75,7 +101,13 @@ def directory_files(directory: str | os.PathLike) -> dict[str, bytes]:
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Atomically write a checkpoint dict (see the module docstring) with torch.save."""
     state = dict(state, format=CHECKPOINT_FORMAT)
-    atomic_write(Path(path), lambda handle: torch.save(state, handle))
+    try:
+        atomic_write(Path(path), lambda handle: torch.save(state, handle))
+    except RuntimeError as error:  # torch's writer reports a full disk as "[enforce fail at inline_container...]"
+        free = shutil.disk_usage(Path(path).parent).free
+        raise RuntimeError(f"writing the checkpoint {path} failed ({str(error).splitlines()[0][:200]}); its disk "
+                           f"has {free / 2**20:,.0f} MiB free: a full disk is the usual cause. Free space or "
+                           f"choose another directory; the previous checkpoint is unchanged") from error
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -107,8 +139,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
+def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights holding NaN or infinity (a model built from them generates garbage without a word)."""
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{source}: tensor {name} holds {bad} NaN or infinite values of {tensor.numel()}; the "
+                             f"checkpoint is damaged (or was saved after training diverged): use an earlier one")
+
+
 def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """load_state_dict with an error that says which names or shapes disagree."""
+    """load_state_dict with an error that says which names or shapes disagree, or which tensor is not finite."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
@@ -124,6 +165,7 @@ def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
             parts.append(f"{len(shapes)} shape mismatches (e.g. {shapes[:2]})")
         raise ValueError(f"checkpoint {source} does not match the model config: " + "; ".join(parts)
                          + ". Load it with the config saved in the checkpoint, or train a new run.")
+    check_finite(state_dict, source)
     model.load_state_dict(state_dict)
 
 
