@@ -76,8 +76,7 @@ def serve_command(args: argparse.Namespace) -> int:
     from k3.infer.connection_limits import ServerLimits
     from k3.infer.origins import default_allowed_hosts
     from k3.infer.chat_template import load_chat_template
-    from k3.infer.cli import load_for_inference
-    from k3.infer.engine import Engine
+    from k3.infer.cli import build_engine, load_for_inference
 
     images = None
     if args.model is not None and _has_vision(Path(args.model)):
@@ -85,7 +84,7 @@ def serve_command(args: argparse.Namespace) -> int:
     else:
         model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
     name = args.served_model_name or Path(args.run or args.model).resolve().name
-    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
+    engine = build_engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
                     prefix_cache=not args.no_prefix_cache)
     template = load_chat_template(tokenizer, _tokenizer_directory(args.run, args.model))
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
