@@ -67,14 +67,15 @@ async def drive(url: str, pid: int, args) -> dict:
                 if failed == 1:
                     print(f"first failure: HTTP {response.status_code} {response.text[:300]}", file=sys.stderr)
             done += 1
-            if args.scrape_every and done % args.scrape_every == 0:
+            count = done  # this request's number: other workers move `done` while this one awaits below
+            if count == args.warmup or count in marks:
+                readings.append((count, time.perf_counter() - started, rss_mb(pid)))
+                report(summary())
+            if count == args.warmup and args.max_seconds:
+                stop_at = time.perf_counter() + args.max_seconds
+            if args.scrape_every and count % args.scrape_every == 0:
                 (await http.get("/metrics")).raise_for_status()
                 scrapes += 1
-            if done == args.warmup or done in marks:
-                readings.append((done, time.perf_counter() - started, rss_mb(pid)))
-                report(summary())
-            if done == args.warmup and args.max_seconds:
-                stop_at = time.perf_counter() + args.max_seconds
 
     def summary() -> dict:
         warm, last = readings[0], readings[-1]
