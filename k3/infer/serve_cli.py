@@ -47,6 +47,18 @@ def _load_multimodal(path: str, device: str):
     return model.language_model, tokenizer, ImageInputs(model)
 
 
+def _default_max_connections() -> int:
+    """1024, or fewer where the open-file limit is lower: connections past that limit fail in accept(), which
+    the client sees as a hang, so the cap must come first. 100 files are left for the model, logs and sockets."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1024
+    return 1024 if soft == resource.RLIM_INFINITY else max(1, min(1024, soft - 100))
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535] (0 = any free port), got {args.port}")
@@ -58,6 +70,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 < args.max_body_mb < 2**20:
         raise ValueError(f"--max-body-mb must be in (0, {2**20}), got {args.max_body_mb}")
+    if args.max_connections is None:
+        args.max_connections = _default_max_connections()
     if args.max_connections < 1:
         raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
     for flag in ("header_timeout", "keep_alive_timeout"):
@@ -132,8 +146,9 @@ def register(subparsers) -> None:
                       "127.0.0.1 and ::1 when listening on loopback, any otherwise); others get 400")
     http.add_argument("--max-body-mb", type=float, default=32.0,
                       help="largest request body in MiB; larger ones get HTTP 413 before they are read (default 32)")
-    http.add_argument("--max-connections", type=int, default=1024,
-                      help="most open connections; past it new ones get HTTP 503 and are closed (default 1024)")
+    http.add_argument("--max-connections", type=int, default=None,
+                      help="most open connections; past it new ones get HTTP 503 and are closed (default 1024, or "
+                           "fewer when the process may open fewer files: its open-file limit less 100)")
     http.add_argument("--header-timeout", type=float, default=10.0,
                       help="seconds a connection may take to send a request's headers before it is closed "
                            "(default 10)")
