@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         # Library errors are written to be read by people: show the message, not a traceback.
         print(f"k3: error: {error}", file=sys.stderr)
         return 1
+    except OSError as error:  # a file the command reads or writes: a full disk, no permission, a file as a folder
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"k3: error: {error.strerror or error}{where}", file=sys.stderr)
+        return 1
     return int(result or 0)
 
 

@@ -6,6 +6,10 @@ The source is an HF-format directory (Kimi-Linear or Kimi-K3, detected from conf
 checkpoint (a run directory holding checkpoint.pt or a sharded checkpoint/, or either one itself). The target is an HF-format directory in the
 chosen layout, or with --format native a native checkpoint (DIR/checkpoint.pt) holding the model, its config
 and the tokenizer files.
+
+The target must not exist or be empty (--force replaces it, contents and all), and may not hold the source
+or lie inside it. Everything is written into a new hidden directory beside it, renamed into place at the end:
+a conversion that fails leaves the target as it was.
 """
 
 from __future__ import annotations
@@ -58,29 +62,62 @@ def _load(source: Path, dtype: str | None):
 
 
 def _save_native(model, tokenizer, target: Path) -> Path:
+    import shutil
     import tempfile
 
     from k3.checkpoint import native
+    from k3.checkpoint.hf_save import _replace_directory
 
     files: dict[str, bytes] = {}
     if tokenizer is not None:
         with tempfile.TemporaryDirectory() as scratch:
             tokenizer.save(scratch)
             files = native.directory_files(scratch)
-    path = target / native.CHECKPOINT_NAME if target.suffix != ".pt" else target
-    native.save_checkpoint(path, {"model": model.state_dict(), "config": model.config.to_dict(), "step": 0,
-                                  "tokenizer": files})
-    return path
+    state = {"model": model.state_dict(), "config": model.config.to_dict(), "step": 0, "tokenizer": files}
+    if target.suffix == ".pt":  # one file: written beside itself and renamed over
+        native.save_checkpoint(target, state)
+        return target
+    target = target.absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        native.save_checkpoint(staging / native.CHECKPOINT_NAME, state)
+        _replace_directory(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target / native.CHECKPOINT_NAME
+
+
+def check_target(source: Path, target: Path, force: bool) -> None:
+    """Refuse a target that holds or lies inside the source, or (without force) one that holds anything."""
+    source, target = source.resolve(), target.resolve()
+    if source == target or source.is_relative_to(target) or target.is_relative_to(source):
+        raise ValueError(f"--to {target} and --from {source} overlap (one holds the other); writing there would "
+                         f"replace the source. Write the converted checkpoint elsewhere")
+    if force or not target.exists():
+        return
+    if target.is_dir():
+        entries = sorted(p.name for p in target.iterdir())
+        if entries:
+            raise ValueError(f"--to {target} is not empty ({len(entries)} entries, e.g. {entries[:3]}); k3 convert "
+                             f"writes only to a new or empty directory. Choose another --to, or pass --force to "
+                             f"replace it and everything in it")
+    else:
+        raise ValueError(f"--to {target} is an existing file; choose another --to, or pass --force to replace it")
 
 
 def convert(args: argparse.Namespace) -> int:
     from k3.checkpoint.hf_save import save_pretrained
 
     source, target = Path(args.source), Path(args.target)
-    if source.resolve() == target.resolve():
-        raise ValueError("--from and --to name the same path; write the converted checkpoint elsewhere")
     if args.mxfp4 and args.format != "kimi_k3":
         raise ValueError(f"--mxfp4 applies to --format kimi_k3 only, not {args.format}")
+    if not source.exists():
+        raise FileNotFoundError(f"--from {source} does not exist")
+    check_target(source, target, args.force)
+    if target.is_file() and args.format != "native":
+        raise ValueError(f"--to {target} is a file; the {args.format} layout is a directory: choose another --to")
     model, tokenizer = _load(source, args.dtype)
     if args.format == "native":
         written = _save_native(model, tokenizer, target)
@@ -100,7 +137,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--from", dest="source", required=True,
                         help="source: HF-format directory, or a k3 run directory / its checkpoint.pt / its sharded "
                              "checkpoint/")
-    parser.add_argument("--to", dest="target", required=True, help="target directory (replaced atomically)")
+    parser.add_argument("--to", dest="target", required=True,
+                        help="target directory: new or empty (written beside it, renamed into place)")
+    parser.add_argument("--force", action="store_true",
+                        help="replace a --to that already holds files (everything in it is deleted)")
     parser.add_argument("--format", choices=[*FORMATS, "native"], default="kimi_k3",
                         help="target layout (default: kimi_k3)")
     parser.add_argument("--mxfp4", action="store_true", help="store routed experts in MXFP4 (kimi_k3 only)")

@@ -27,6 +27,7 @@ from k3.checkpoint.hf_names import (
     strip_prefix,
 )
 from k3.checkpoint.mxfp4 import dequantize_mxfp4
+from k3.checkpoint.native import check_finite
 from k3.config import ModelConfig
 from k3.hf_config import K3_WRAPPER_TYPES, from_hf_config
 from k3.model import K3ForCausalLM
@@ -48,6 +49,19 @@ def parse_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 # --- config -------------------------------------------------------------------------------------------------
+def inside_directory(directory: Path, name: str, what: str) -> Path:
+    """directory / name, refused (ValueError) when it lies outside the directory: an absolute path, '..', or a
+    symlink out of it. A downloaded model directory must not make k3 read files elsewhere on the machine."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} names {name!r}, not a file name")
+    path = directory / name
+    root = directory.resolve()
+    if os.path.isabs(name) or not path.resolve().is_relative_to(root):
+        raise ValueError(f"{what} names {name!r}, which lies outside {directory} (an absolute path, '..' or a link "
+                         f"out of it); k3 reads only files inside the model directory")
+    return path
+
+
 def read_hf_config(path: str | os.PathLike) -> tuple[ModelConfig, dict, str]:
     """(ModelConfig, the raw config.json dict, format 'kimi_linear' | 'kimi_k3') of an HF directory."""
     directory = Path(path)
@@ -57,10 +71,14 @@ def read_hf_config(path: str | os.PathLike) -> tuple[ModelConfig, dict, str]:
     config_file = directory / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json; an HF-format checkpoint directory needs one")
+    inside_directory(directory, "config.json", str(directory))
     try:
         raw = json.loads(config_file.read_text())
     except json.JSONDecodeError as error:
         raise ValueError(f"{config_file} is not valid JSON ({error})") from error
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} holds a JSON {type(raw).__name__}; a model config is a JSON object "
+                         f"({{\"model_type\": ..., ...}})")
     model_type = raw.get("model_type")
     fmt = "kimi_k3" if ("text_config" in raw or model_type in K3_WRAPPER_TYPES) else "kimi_linear"
     if fmt == "kimi_linear" and model_type not in ("kimi_linear", None):
@@ -89,11 +107,16 @@ def weight_map(path: str | os.PathLike) -> dict[str, str]:
     directory = Path(path)
     index = directory / INDEX_FILE
     if index.is_file():
+        inside_directory(directory, INDEX_FILE, str(directory))
         try:
             mapping = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ValueError(f"{index} is not a safetensors index (JSON with a 'weight_map' object): {error}") \
                 from error
+        if not isinstance(mapping, dict):
+            raise ValueError(f"{index}: 'weight_map' must be an object of tensor name -> file name")
+        for file in set(mapping.values()):
+            inside_directory(directory, file, str(index))
         missing = sorted({f for f in mapping.values() if not (directory / f).is_file()})
         if missing:
             raise FileNotFoundError(f"{index} lists shard(s) missing from {directory}: {', '.join(missing)}; "
@@ -101,6 +124,7 @@ def weight_map(path: str | os.PathLike) -> dict[str, str]:
         return dict(mapping)
     single = directory / SINGLE_FILE
     if single.is_file():
+        inside_directory(directory, SINGLE_FILE, str(directory))
         with _open_safetensors(single) as handle:
             return {name: SINGLE_FILE for name in handle.keys()}
     raise FileNotFoundError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}; an HF-format checkpoint "
@@ -289,6 +313,7 @@ def load_hf_weights(model: K3ForCausalLM, path: str | os.PathLike, fmt: str, dty
         examples = "; ".join(f"{n} (stored as {', '.join(_expected_names(n, config, fmt))})" for n in missing[:5])
         raise ValueError(f"{directory} lacks {len(missing)} tensor(s) the config needs, e.g. {examples}")
     state = assembler.tensors
+    check_finite(state, str(directory))
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

@@ -7,9 +7,12 @@ A training checkpoint (`DIR/checkpoint.pt`) is a dict:
     train       the run's TrainConfig as a dict
     step        optimizer steps done
     data        the data position (see k3.data.packing.BatchStream.state_dict)
-    rng         torch / numpy / python RNG states
+    rng         torch / numpy / python RNG states as plain lists and numbers (k3.train.trainer._rng_state)
     tokenizer   {file name: bytes} of the tokenizer files, so the checkpoint stands alone
     format      CHECKPOINT_FORMAT
+
+Everything in it is a tensor or a plain value (dict, list, str, number, bytes), so it loads with
+torch.load(weights_only=True): reading a checkpoint from elsewhere runs none of its code.
 
 Atomicity: the file is written to a temp file in the same directory, fsynced, then renamed over the old one;
 a save that dies half-way leaves the previous checkpoint in place and loadable.
@@ -17,8 +20,10 @@ a save that dies half-way leaves the previous checkpoint in place and loadable.
 
 from __future__ import annotations
 
+import glob
 import os
 import pickle
+import shutil
 import tempfile
 import zipfile
 from pathlib import Path
@@ -32,15 +37,43 @@ CHECKPOINT_FORMAT = "k3-native-1"
 CHECKPOINT_NAME = "checkpoint.pt"
 
 
+class UnsafeCheckpointError(RuntimeError):
+    """A checkpoint holds objects that only a full unpickle (which could run its code) would rebuild."""
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write `data` to `path` so readers see the old file or the whole new one, never a part."""
     atomic_write(Path(path), lambda handle: handle.write(data))
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temp_files(path: Path) -> list[Path]:
+    """Delete the temp files that atomic writes of `path` by processes no longer running left behind (a save
+    killed half-way): `.NAME.PID.*.tmp` with a dead PID. Other files, and those of live writers, stay."""
+    removed = []
+    for candidate in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = candidate.name[len(path.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _pid_alive(int(pid)) and candidate.is_file() and not candidate.is_symlink():
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
+
+
 def atomic_write(path: Path, write) -> None:
-    """Call write(handle) on a temp file beside `path`, fsync it, rename it over `path`, fsync the directory."""
+    """Call write(handle) on a temp file beside `path`, fsync it, rename it over `path`, fsync the directory.
+    Temp files of earlier writers of `path` that died mid-write are removed first."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    remove_stale_temp_files(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     try:
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are ordinary output files
         with os.fdopen(fd, "wb") as handle:
@@ -68,7 +101,13 @@ def directory_files(directory: str | os.PathLike) -> dict[str, bytes]:
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
     """Atomically write a checkpoint dict (see the module docstring) with torch.save."""
     state = dict(state, format=CHECKPOINT_FORMAT)
-    atomic_write(Path(path), lambda handle: torch.save(state, handle))
+    try:
+        atomic_write(Path(path), lambda handle: torch.save(state, handle))
+    except RuntimeError as error:  # torch's writer reports a full disk as "[enforce fail at inline_container...]"
+        free = shutil.disk_usage(Path(path).parent).free
+        raise RuntimeError(f"writing the checkpoint {path} failed ({str(error).splitlines()[0][:200]}); its disk "
+                           f"has {free / 2**20:,.0f} MiB free: a full disk is the usual cause. Free space or "
+                           f"choose another directory; the previous checkpoint is unchanged") from error
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
@@ -81,8 +120,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"no checkpoint at {path}; give a run directory written by `k3 train` "
                                 f"(it holds {CHECKPOINT_NAME}) or the checkpoint file itself")
     try:
-        # weights_only=False: the checkpoint holds RNG states and plain dicts of our own making.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        if "Unsupported global" not in str(error):
+            raise RuntimeError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {error}); "
+                               f"restore it from a copy or train again") from error
+        unsafe = str(error).split("WeightsUnpickler error:")[-1].strip().split(" was not")[0]
+        raise UnsafeCheckpointError(
+            f"checkpoint {path} holds objects other than tensors and plain values ({unsafe}); k3 does not load "
+            f"it, since unpickling them could run code. A checkpoint of an older k3 (RNG states as numpy "
+            f"objects) can be rewritten by its owner, who trusts it, with torch.load(weights_only=False), "
+            f"converting state['rng'] with k3.train.trainer.plain_rng_state, and torch.save") from error
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as error:
         raise RuntimeError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {error}); "
                            f"restore it from a copy or train again") from error
@@ -91,8 +139,17 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     return state
 
 
+def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:
+    """Refuse weights holding NaN or infinity (a model built from them generates garbage without a word)."""
+    for name, tensor in state_dict.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ValueError(f"{source}: tensor {name} holds {bad} NaN or infinite values of {tensor.numel()}; the "
+                             f"checkpoint is damaged (or was saved after training diverged): use an earlier one")
+
+
 def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """load_state_dict with an error that says which names or shapes disagree."""
+    """load_state_dict with an error that says which names or shapes disagree, or which tensor is not finite."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
@@ -108,6 +165,7 @@ def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
             parts.append(f"{len(shapes)} shape mismatches (e.g. {shapes[:2]})")
         raise ValueError(f"checkpoint {source} does not match the model config: " + "; ".join(parts)
                          + ". Load it with the config saved in the checkpoint, or train a new run.")
+    check_finite(state_dict, source)
     model.load_state_dict(state_dict)
 
 

@@ -57,11 +57,23 @@ def default_corpus_files() -> list[Path]:
     return files
 
 
+# Share of characters that are not text (bytes that are not UTF-8, control characters) past which a data file
+# is refused as binary: random bytes give about 60%, Latin-1 prose read as UTF-8 a few percent.
+MAX_NON_TEXT_FRACTION = 0.1
+
+
 def _read_text_file(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8", errors="replace")
+        text = path.read_text(encoding="utf-8", errors="replace")
     except OSError as error:
         raise FileNotFoundError(f"cannot read data file {path}: {error.strerror or error}") from error
+    sample = text[:1 << 20]
+    non_text = sum(1 for c in sample if c == "\ufffd" or (c < " " and c not in "\t\n\r\f\v"))
+    if sample and non_text > MAX_NON_TEXT_FRACTION * len(sample):
+        raise ValueError(f"data file {path} does not look like text: {100 * non_text / len(sample):.0f}% of its "
+                         f"first {len(sample):,} characters are not UTF-8 text (a binary file?); k3 trains on "
+                         f"UTF-8 .txt, .jsonl or .parquet text")
+    return text
 
 
 def _read_jsonl(path: Path) -> list[Document]:

@@ -62,6 +62,12 @@ def eval_command(args: argparse.Namespace) -> int:
     from k3.eval.tasks import TASKS, Filler, TaskContext
     from k3.infer.cli import load_for_inference
 
+    if args.n < 1:
+        raise ValueError(f"--n must be >= 1 (examples per task and length), got {args.n}")
+    if args.ppl_windows < 1:
+        raise ValueError(f"--ppl-windows must be >= 1, got {args.ppl_windows}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
     lengths = parse_lengths(args.lengths)

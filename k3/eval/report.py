@@ -19,6 +19,9 @@ def format_length(length: int) -> str:
     return str(length)
 
 
+MAX_LENGTH = 64 << 20  # tokens; far past any context a model here runs, short of an allocation that cannot work
+
+
 def parse_lengths(text: str) -> list[int]:
     """"1K,4K,64K,1M" -> [1024, 4096, 65536, 1048576] (K = 1024, M = 1024**2; plain numbers too)."""
     lengths = []
@@ -30,10 +33,13 @@ def parse_lengths(text: str) -> list[int]:
         digits = part[:-1] if scale > 1 else part
         try:
             value = int(float(digits) * scale)
-        except ValueError:
+        except (ValueError, OverflowError):  # OverflowError: inf, 1e400
             raise ValueError(f"cannot read length {part!r}; write lengths like 512,1K,4K,64K,1M") from None
         if value < 2:
             raise ValueError(f"length {part!r} is too short; give at least 2 tokens")
+        if value > MAX_LENGTH:
+            raise ValueError(f"length {part!r} is {value:,} tokens; the most k3 eval takes is {MAX_LENGTH:,} "
+                             f"(64M)")
         lengths.append(value)
     if not lengths:
         raise ValueError("no lengths given; write lengths like 1K,4K,16K")

@@ -10,12 +10,18 @@ The event loop never waits for a step: new requests and aborts go into an inbox 
 between steps (a prompt is validated before it is queued, so a bad one still fails at once). A stream that is
 closed early (client gone, task cancelled) aborts its request, which frees its KDA slot and MLA pages at the
 next step boundary. Events reach each listening loop once per step, not once per token.
+
+A step that raises fails the requests it was running (each stream raises RequestFailed) and the loop goes on
+with the rest. The loop itself stops only when failing those requests fails too, after MAX_FAILED_STEPS failed
+steps in a row, or on a BaseException; then `error` holds why, it is logged, and every stream and later
+request raises EngineDead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from typing import AsyncIterator
@@ -30,6 +36,14 @@ class QueueFull(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine loop raised; no further requests are served."""
+
+
+class RequestFailed(RuntimeError):
+    """A step running this request raised; the request ended, the engine serves on."""
+
+
+log = logging.getLogger("k3.engine")
+MAX_FAILED_STEPS = 3  # failed steps in a row that mean the engine itself is broken, not one request
 
 
 class AsyncEngine:
@@ -67,6 +81,10 @@ class AsyncEngine:
                     self.engine.add_request(prompt, params, request_id, prompt_embeds=embeds)
                 except ValueError as error:  # validated before queueing; a late refusal still reaches the stream
                     self._deliver(request_id, [error])
+                except Exception as error:  # noqa: BLE001 - fails this request, not the loop
+                    log.error("adding request %s failed", request_id, exc_info=error)
+                    self._deliver(request_id, [RequestFailed(f"the engine could not take this request: "
+                                                             f"{type(error).__name__}: {error}")])
             else:
                 self.engine.abort(item[1])
 
@@ -81,17 +99,46 @@ class AsyncEngine:
             self._listeners.pop(request_id, None)
             self.engine.abort(request_id)
 
+    def _fail_running(self, error: Exception) -> None:
+        """End every request the failed step was running, telling each stream why."""
+        failed = RequestFailed(f"the engine step running this request failed: {type(error).__name__}: {error}")
+        scheduler = self.engine.scheduler
+        # Nothing running: the step failed admitting the queue's head, so that request is the one to fail.
+        culprits = list(scheduler.running) or list(scheduler.waiting)[:1]
+        for request in culprits:
+            self.engine.abort(request.request_id)
+            self._deliver(request.request_id, [failed])
+
+    def _die(self, error: BaseException) -> None:
+        self.error = error
+        log.error("the engine loop stopped; no further requests are served", exc_info=error)
+        for request_id in list(self._listeners):
+            self._deliver(request_id, [error])
+
     def _loop(self) -> None:
+        failed_steps = 0
         while not self._stopping:
             with self.lock:
+                moved = 0
                 try:
                     moved = self._drain_inbox()
                     busy = self.engine.has_unfinished()
                     events = self.engine.step() if busy else []
+                    failed_steps = 0 if busy else failed_steps
+                except Exception as error:  # noqa: BLE001 - one request's failure must not end the others
+                    failed_steps += 1
+                    if failed_steps >= MAX_FAILED_STEPS:
+                        self._die(error)
+                        return
+                    log.error("an engine step failed; its requests end with an error", exc_info=error)
+                    try:
+                        self._fail_running(error)
+                    except BaseException as cleanup_error:  # noqa: BLE001
+                        self._die(cleanup_error)
+                        return
+                    events, busy = [], True
                 except BaseException as error:  # noqa: BLE001 - every waiting stream must hear of it
-                    self.error = error
-                    for request_id in list(self._listeners):
-                        self._deliver(request_id, [error])
+                    self._die(error)
                     return
                 by_request: dict[str, list[TokenEvent]] = {}
                 for event in events:
@@ -146,7 +193,7 @@ class AsyncEngine:
         try:
             while remaining:
                 item = await events.get()
-                if isinstance(item, ValueError):
+                if isinstance(item, (ValueError, RequestFailed)):
                     raise item
                 if isinstance(item, BaseException):
                     raise EngineDead(f"the engine loop stopped: {item!r}") from item

@@ -32,6 +32,9 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
     if (run is None) == (model_path is None):
         raise ValueError("give exactly one of --run DIR (a k3 training run) or --model PATH (a Hugging Face-format "
                          "directory)")
+    from k3.train.trainer import resolve_device
+
+    target = resolve_device(device)  # before loading: a device that does not exist fails at once
     if model_path is not None:
         try:
             from k3.checkpoint.hf import from_pretrained, load_hf_tokenizer
@@ -55,9 +58,6 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
             tokenizer = load_tokenizer(run_dir / "tokenizer")
         else:
             tokenizer = tokenizer_from_checkpoint(state, tempfile.mkdtemp(prefix="k3-tokenizer-"))
-    from k3.train.trainer import resolve_device
-
-    target = resolve_device(device)
     # One move that also casts: moving the fp32 weights first would hold them on the device before the cast.
     model = model.to(target, inference_dtype(dtype, target) if dtype is not None else None)
     if dtype is not None:
@@ -90,6 +90,17 @@ def load_multimodal(path: str, device: str):
         raise FileNotFoundError(f"{path} holds no tokenizer files (tokenizer.json or tiktoken.model); serving "
                                 f"needs one")
     return model.language_model, tokenizer, ImageInputs(model)
+
+
+def build_engine(model, tokenizer, **options) -> Engine:
+    """Engine(model, tokenizer, **options), with an allocation that fails (sizes too large for the device)
+    reported against the flags that set them."""
+    try:
+        return Engine(model, tokenizer, **options)
+    except (RuntimeError, MemoryError, OverflowError) as error:
+        raise RuntimeError(f"the engine's caches for --max-context {options.get('max_context')} and --max-batch "
+                           f"{options.get('max_batch')} could not be allocated ({type(error).__name__}: "
+                           f"{str(error).splitlines()[0][:200]}); lower --max-context or --max-batch") from error
 
 
 def _sampling(args: argparse.Namespace, tokenizer) -> SamplingParams:
@@ -151,7 +162,7 @@ def _generate_with_images(args: argparse.Namespace) -> int:
     marker = "\x00k3-image\x00"
     ids, embeds = images.prompt(marker * len(args.image) + prompts[0], marker, list(args.image), tokenizer,
                                 local_files=True)
-    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_cache=False)
+    engine = build_engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_cache=False)
     engine.check_prompt(ids, params, name="the prompt (with the images' tokens)")
     out = engine.complete([ids], params, prompt_embeds=[embeds])[0].outputs[0]
     print(f"{prompts[0]}{out.text}")
@@ -164,7 +175,7 @@ def generate_command(args: argparse.Namespace) -> int:
     model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
     params = _sampling(args, tokenizer)
     prompts = _prompts(args)
-    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=min(len(prompts), 32),
+    engine = build_engine(model, tokenizer, max_context=args.max_context, max_batch=min(len(prompts), 32),
                     prefix_cache=False)
     if args.chat:  # each prompt is one user message, in the model's chat format
         fmt = chat_format_for(args, tokenizer)
@@ -220,7 +231,9 @@ def chat_command(args: argparse.Namespace) -> int:
     conversation, built message by message as in training; the engine's prefix cache starts it from the
     previous turn's saved state, so little is recomputed."""
     model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
-    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_slots=4)
+    engine = build_engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_slots=4)
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 (a binary file piped in) become U+FFFD
     fmt = chat_format_for(args, tokenizer)
     params = _chat_params(args, tokenizer, fmt)
     print(f"k3 chat ({fmt.name} format): type a message, empty line or Ctrl-D to quit", file=sys.stderr)

@@ -338,7 +338,7 @@ class Engine:
         want, top_n = False, 0
         for seq, p in zip(rows, params):
             if p.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(p.seed + seq.index)
+                seq.generator = torch.Generator(device=self.device).manual_seed((p.seed + seq.index) % 2**64)
             generators.append(seq.generator)
             if p.penalised:
                 if seq.output_counts is None:

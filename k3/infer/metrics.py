@@ -60,7 +60,7 @@ class ServerMetrics:
         self.output_tokens = 0
         self.requests = {"finished": 0, "aborted": 0, "rejected": 0, "failed": 0}
         self.in_flight = 0
-        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) for the tokens/s window
+        self._recent: deque[list] = deque()  # [time, tokens] for the tokens/s window
 
     def started(self, prompt_tokens: int) -> None:
         with self.lock:
@@ -76,7 +76,14 @@ class ServerMetrics:
         now = time.monotonic() if now is None else now
         with self.lock:
             self.output_tokens += count
-            self._recent.append((now, count))
+            # Pruned here, not only at scrape time: a server nobody scrapes must not grow. Tokens of one 10 ms
+            # share an entry, so the window holds at most window_s / 0.01 entries at any rate.
+            if self._recent and now - self._recent[-1][0] < 0.01:
+                self._recent[-1][1] += count
+            else:
+                self._recent.append([now, count])
+            while self._recent[0][0] < now - self.window_s:
+                self._recent.popleft()
             if gap_s is not None:
                 self.per_token.observe(gap_s)
 

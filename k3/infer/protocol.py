@@ -6,8 +6,10 @@ fields) with pydantic in strict mode, so `"max_tokens": "10"` or `"n": true` are
 The server then checks what needs the tokenizer and the engine's limits (`check_prompt`, `resolve_max_tokens`).
 Every refusal is an `APIError`, whose `body()` is OpenAI's error shape:
     {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
-Fields OpenAI defines but k3 does not implement (suffix, best_of > n, logit_bias, streamed echo) are refused by name
-instead of silently ignored; fields nobody defines are ignored, as OpenAI's own server does.
+Fields OpenAI defines but k3 does not implement (UNSUPPORTED_FIELDS where a request kind lacks them, suffix,
+best_of > n, logit_bias, streamed echo) are refused by name instead of silently ignored; fields nobody defines are
+ignored, as OpenAI's own server does. Text must be valid Unicode: a lone UTF-16 surrogate ("\\ud800" in the JSON)
+is refused.
 """
 
 from __future__ import annotations
@@ -28,26 +30,30 @@ ALLOWED = {
                 "\"image_url\", \"image_url\": {\"url\": \"data:image/...;base64,...\"}}}",
     "max_tokens": "an integer >= 1, at most the context length minus the prompt's tokens",
     "max_completion_tokens": "an integer >= 1, at most the context length minus the prompt's tokens",
-    "temperature": "a number >= 0 (0 = greedy)",
+    "temperature": "a number >= 0 (0 = greedy; below 1e-5 also greedy), not Infinity or NaN",
     "top_p": "a number in (0, 1] (1 = off)",
-    "top_k": "an integer >= 0 (0 or -1 = off)",
+    "top_k": "an integer >= 0 (0 or -1 = off; values past the vocabulary size mean all of it)",
     "min_p": "a number in [0, 1] (0 = off)",
     "presence_penalty": "a number in [-2, 2]",
     "frequency_penalty": "a number in [-2, 2]",
-    "repetition_penalty": "a number > 0 (1 = off)",
+    "repetition_penalty": "a number in [0.01, 100] (1 = off)",
     "n": "an integer in [1, 64]",
     "logprobs": "an integer in [0, 20] for /v1/completions; true or false for /v1/chat/completions",
     "top_logprobs": "an integer in [0, 20], with logprobs: true",
     "stop": "a string or a list of at most 16 non-empty strings",
     "stop_token_ids": "a list of token ids",
-    "seed": "an integer",
+    "seed": "an integer in [-2**63, 2**64)",
     "stream": "true or false",
     "stream_options": "{\"include_usage\": true|false}",
     "return_token_ids": "true or false",
     "echo": "true or false (with max_tokens 0 and logprobs: the prompt's own logprobs)",
     **TOOLS_ALLOWED,
 }
+# OpenAI request fields refused by name (400) when present, not null, and not a field of the request kind (chat
+# completions implement tools, tool_choice and response_format; the legacy functions API nowhere).
+UNSUPPORTED_FIELDS = ("tools", "tool_choice", "functions", "function_call", "response_format")
 MAX_N = 64
+SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes (a 64-bit value, either sign)
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 
@@ -67,7 +73,7 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -126,11 +132,11 @@ class _SamplingRequest(_Strict):
     min_p: float = Field(default=0.0, ge=0, le=1)
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    repetition_penalty: float = Field(default=1.0, gt=0)
+    repetition_penalty: float = Field(default=1.0, ge=0.01, le=100)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -146,7 +152,8 @@ class _SamplingRequest(_Strict):
         return stops
 
     def _check_common(self) -> None:
-        self.stop_strings()
+        for stop in self.stop_strings():
+            check_text(stop, "stop")
         if self.logit_bias:
             raise APIError("'logit_bias' is not supported by this server; leave it out", param="logit_bias")
         if self.stream_options is not None and not self.stream:
@@ -178,6 +185,9 @@ class CompletionRequest(_SamplingRequest):
                            f"leave it out", param="best_of")
         if isinstance(self.prompt, list) and not self.prompt:
             raise APIError(f"invalid 'prompt': the list is empty; allowed: {ALLOWED['prompt']}", param="prompt")
+        for prompt in self.prompts():
+            if isinstance(prompt, str):
+                check_text(prompt, "prompt")
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each a string or a token id list."""
@@ -206,6 +216,8 @@ class ChatCompletionRequest(_SamplingRequest):
         if not self.messages:
             raise APIError(f"invalid 'messages': the list is empty; allowed: {ALLOWED['messages']}",
                            param="messages")
+        for i, message in enumerate(self.messages):
+            check_text(message.text(), f"messages.{i}.content")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
         if self.max_tokens is not None and self.max_completion_tokens is not None and \
@@ -217,6 +229,16 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def top_logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def check_text(text: str, param: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate cannot be encoded, so no tokenizer takes it)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise APIError(f"invalid '{param}': it holds a lone UTF-16 surrogate ({text[error.start]!r} at character "
+                       f"{error.start}), which is not a Unicode character; send valid UTF-8 text", param=param,
+                       code="invalid_value") from None
 
 
 def _describe(error: dict[str, Any]) -> tuple[str, str]:
@@ -248,6 +270,10 @@ def parse_request(body: bytes, kind: type[_SamplingRequest]) -> _SamplingRequest
                        f"Content-Type: application/json", code="invalid_json") from error
     if not isinstance(data, dict):
         raise APIError(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    for name in UNSUPPORTED_FIELDS:
+        if data.get(name) is not None and name not in kind.model_fields:
+            raise APIError(f"'{name}' is not supported by this endpoint; leave it out", param=name,
+                           code="unsupported_field")
     try:
         request = kind.model_validate(data)
     except ValidationError as error:
@@ -294,14 +320,17 @@ def resolve_max_tokens(requested: int | None, prompt_length: int, max_context: i
     return requested
 
 
-def sampling_params(request: _SamplingRequest, max_tokens: int, stops: list[str], logprobs: int | None):
-    """The engine's SamplingParams for a checked request."""
+def sampling_params(request: _SamplingRequest, max_tokens: int, stops: list[str], logprobs: int | None,
+                    vocab_size: int | None = None):
+    """The engine's SamplingParams for a checked request (top_k clipped to vocab_size when given)."""
     from k3.infer.sampling import SamplingParams
 
+    top_k = 0 if request.top_k == -1 else request.top_k
+    if vocab_size is not None:
+        top_k = min(top_k, vocab_size)
     try:
         return SamplingParams(
-            max_new_tokens=max_tokens, temperature=request.temperature,
-            top_k=0 if request.top_k == -1 else request.top_k, top_p=request.top_p, min_p=request.min_p,
+            max_new_tokens=max_tokens, temperature=request.temperature, top_k=top_k, top_p=request.top_p, min_p=request.min_p,
             repetition_penalty=request.repetition_penalty, presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty, stop_token_ids=list(request.stop_token_ids or []),
             stop=list(stops), seed=request.seed, logprobs=logprobs, n=request.n)

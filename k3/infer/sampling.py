@@ -10,9 +10,13 @@ and slime take them; RL's trainer recomputes them at the same temperature (k3.rl
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -39,12 +43,18 @@ class SamplingParams:
 
         need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
              f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            need(isinstance(getattr(self, name), (int, float)) and math.isfinite(getattr(self, name)),
+                 f"{name} must be a finite number, got {getattr(self, name)!r}")
         need(self.temperature >= 0, f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got "
                                                                f"{self.top_k!r}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
         need(0 <= self.min_p <= 1, f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
-        need(self.repetition_penalty > 0, f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        need(0.01 <= self.repetition_penalty <= 100,
+             f"repetition_penalty must be in [0.01, 100] (1 = off), got {self.repetition_penalty}")
+        need(self.seed is None or (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64),
+             f"seed must be None or an integer in [-2**63, 2**64), got {self.seed!r}")
         need(-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         need(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
@@ -56,7 +66,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Below this, logits / temperature leave float32's range: such a temperature means greedy anyway.
+        return self.temperature < GREEDY_BELOW
 
     @property
     def penalised(self) -> bool:
@@ -141,9 +152,10 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     temperature = None
     if not all(p.greedy for p in params):
         greedy = torch.tensor([p.greedy for p in params], device=device)
-        temperature = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=device)
+        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        vocab = work.shape[-1]
         filtered = filter_rows(work / temperature[:, None],
-                               torch.tensor([p.top_k for p in params], device=device),
+                               torch.tensor([min(p.top_k, vocab) for p in params], device=device),
                                torch.tensor([p.top_p for p in params], device=device),
                                torch.tensor([p.min_p for p in params], device=device),
                                sort=any(p.top_k > 0 or p.top_p < 1 for p in params),

@@ -9,6 +9,18 @@ from pathlib import Path
 from k3.infer.cli import DTYPE_CHOICES, DTYPE_HELP, has_vision, load_multimodal, tokenizer_directory
 
 
+def _default_max_connections() -> int:
+    """1024, or fewer where the open-file limit is lower: connections past that limit fail in accept(), which
+    the client sees as a hang, so the cap must come first. 100 files are left for the model, logs and sockets."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 1024
+    return 1024 if soft == resource.RLIM_INFINITY else max(1, min(1024, soft - 100))
+
+
 def _check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535] (0 = any free port), got {args.port}")
@@ -24,6 +36,15 @@ def _check_args(args: argparse.Namespace) -> None:
     if template and template not in BUILTIN and not Path(template).is_file():
         raise FileNotFoundError(f"--chat-template {template}: no such file, and not a built-in format "
                                 f"({', '.join(BUILTIN)})")
+    if not 0 < args.max_body_mb < 2**20:
+        raise ValueError(f"--max-body-mb must be in (0, {2**20}), got {args.max_body_mb}")
+    if args.max_connections is None:
+        args.max_connections = _default_max_connections()
+    if args.max_connections < 1:
+        raise ValueError(f"--max-connections must be >= 1, got {args.max_connections}")
+    for flag in ("header_timeout", "keep_alive_timeout"):
+        if not 0 < getattr(args, flag) < 86400:
+            raise ValueError(f"--{flag.replace('_', '-')} must be in (0, 86400) seconds, got {getattr(args, flag)}")
 
 
 def chosen_chat_template(choice: str, loaded):
@@ -48,9 +69,10 @@ def serve_command(args: argparse.Namespace) -> int:
         raise RuntimeError(f"k3 serve needs FastAPI and uvicorn ({error}); install them with "
                            f"pip install 'k3[serve]'") from error
     from k3.infer.async_engine import AsyncEngine
+    from k3.infer.connection_limits import ServerLimits
+    from k3.infer.origins import default_allowed_hosts
     from k3.infer.chat_template import load_chat_template
-    from k3.infer.cli import load_for_inference
-    from k3.infer.engine import Engine
+    from k3.infer.cli import build_engine, load_for_inference
 
     images = None
     if args.model is not None and has_vision(Path(args.model)):
@@ -58,16 +80,21 @@ def serve_command(args: argparse.Namespace) -> int:
     else:
         model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
     name = args.served_model_name or Path(args.run or args.model).resolve().name
-    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
+    engine = build_engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
                     prefix_cache=not args.no_prefix_cache)
     template = load_chat_template(tokenizer, tokenizer_directory(args.run, args.model))
     if args.chat_template:
         template = chosen_chat_template(args.chat_template, template)
     aengine = AsyncEngine(engine, max_queue=args.max_queue)
+    limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), header_timeout_s=args.header_timeout,
+                          keep_alive_s=args.keep_alive_timeout, max_connections=args.max_connections)
+    hosts = tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else default_allowed_hosts(args.host)
+    origins = tuple(args.allowed_origins.split(",")) if args.allowed_origins else ()
     import os
 
     api_key = args.api_key or os.environ.get("K3_API_KEY") or None  # the environment is read here, at the edge
-    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template, images, api_key=api_key)
+    app = create_app(aengine, name, tokenizer, args.max_context, args.max_queue, template, images, limits,
+                     allowed_origins=origins, allowed_hosts=hosts, api_key=api_key)
 
     def listening(url: str) -> None:
         print(f"k3 serve: {name} on {url} (OpenAI-compatible: {url}/v1; device {engine.device}, max batch "
@@ -76,7 +103,8 @@ def serve_command(args: argparse.Namespace) -> int:
               f"{', images: yes' if images is not None else ''}); Ctrl-C stops", flush=True)
 
     try:
-        run_server(app, args.host, args.port, on_listening=listening, log_level=args.log_level)
+        run_server(app, args.host, args.port, on_listening=listening, log_level=args.log_level,
+                   exit_on_engine_death=not args.keep_serving_after_engine_error, limits=limits)
     finally:
         aengine.shutdown()
     print("k3 serve: stopped", file=sys.stderr, flush=True)
@@ -103,6 +131,24 @@ def register(subparsers) -> None:
     http.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 = any free port)")
     http.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1/ routes (default: the "
                                         "K3_API_KEY environment variable; none = open)")
+    http.add_argument("--allowed-origins", help="comma-separated web origins (e.g. http://localhost:3000) whose "
+                      "pages may call the server, with CORS headers; '*' = any. By default a request that carries "
+                      "an Origin header (any browser page) is refused with 403")
+    http.add_argument("--allowed-hosts", help="comma-separated Host header values accepted (default: localhost, "
+                      "127.0.0.1 and ::1 when listening on loopback, any otherwise); others get 400")
+    http.add_argument("--max-body-mb", type=float, default=32.0,
+                      help="largest request body in MiB; larger ones get HTTP 413 before they are read (default 32)")
+    http.add_argument("--max-connections", type=int, default=None,
+                      help="most open connections; past it new ones get HTTP 503 and are closed (default 1024, or "
+                           "fewer when the process may open fewer files: its open-file limit less 100)")
+    http.add_argument("--header-timeout", type=float, default=10.0,
+                      help="seconds a connection may take to send a request's headers before it is closed "
+                           "(default 10)")
+    http.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                      help="seconds an idle connection is kept open between requests (default 5)")
+    http.add_argument("--keep-serving-after-engine-error", action="store_true",
+                      help="if the engine loop stops, keep answering (/health 503, requests 503) instead of "
+                           "exiting with status 1 for a supervisor to restart")
     http.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
                       help="uvicorn's log level (default warning)")
     engine = serve.add_argument_group("engine")

@@ -30,12 +30,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.chat.reply import ReplyParser
-from k3.infer.async_engine import EngineDead, QueueFull
+from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed
 from k3.infer.chat_request import plan_chat
 from k3.infer.chat_template import ChatTemplate, load_chat_template
+from k3.infer.connection_limits import (ServerLimits, check_prompt_chars, limited_h11_protocol, rate_limit_logs,
+                                        read_body)
 from k3.infer.detokenize import TextAssembler
 from k3.infer.echo import join_logprobs, prompt_logprobs, score_prompts
 from k3.infer.metrics import ServerMetrics
+from k3.infer.origins import add_origin_checks
 from k3.infer.protocol import (IMAGE_MARKER, APIError, ChatCompletionRequest, CompletionRequest, check_model,
                                check_prompt, parse_request, resolve_max_tokens, sampling_params)
 from k3.infer.sse import SSE_DONE, sse_event
@@ -153,6 +156,9 @@ class _Generation:
                             code="queue_full")
         if isinstance(error, EngineDead):
             return APIError(str(error), status=503, code="engine_dead")
+        if isinstance(error, RequestFailed):  # logged by the engine loop
+            return APIError(f"generation failed: {error}; other requests are not affected", status=500,
+                            code="generation_failed")
         if isinstance(error, ValueError):
             return APIError(str(error))
         log.error("generation failed", exc_info=error)
@@ -442,16 +448,22 @@ async def _respond(request: Request, server: _Server, fmt: _Format, prompts: lis
 
 
 def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_queue: int,
-               chat_template: ChatTemplate | None = None, images=None, api_key: str | None = None) -> "FastAPI":
+               chat_template: ChatTemplate | None = None, images=None, limits: ServerLimits | None = None,
+               allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ("*",),
+               api_key: str | None = None) -> "FastAPI":
     """The FastAPI application. async_engine: k3.infer.AsyncEngine (its engine's tokenizer must be
     `tokenizer`); max_context: longest prompt + generation; max_queue: as given to the AsyncEngine (shown in
     errors and /health); images: k3.infer.image_inputs.ImageInputs when the model has a vision tower (chat
-    messages may then carry image_url parts with data: URLs); api_key: when given, every /v1/ route needs
-    `Authorization: Bearer <api_key>` (k3.infer.auth)."""
+    messages may then carry image_url parts with data: URLs); limits: body and prompt sizes (defaults if None);
+    allowed_origins / allowed_hosts: see k3.infer.origins; api_key: when given, every /v1/ route needs
+    `Authorization: Bearer <api_key>` (k3.infer.auth).
+    Tokenizing runs in worker threads, so a long prompt does not hold up other requests."""
+    limits = limits or ServerLimits()
     server = _Server(async_engine, model_name, tokenizer, max_context, max_queue,
                      chat_template or load_chat_template(tokenizer), images)
     app = FastAPI(title="k3", description="OpenAI-compatible inference for K3-architecture models")
     app.state.k3 = server
+    add_origin_checks(app, allowed_origins, allowed_hosts)
     if api_key:
         from k3.infer.auth import require_api_key
 
@@ -486,12 +498,13 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
     # stats() waits for the engine's lock, which a step holds: wait in a worker thread, not in the event loop.
     @app.get("/health")
-    async def health() -> dict:
+    async def health() -> JSONResponse:
         stats = await asyncio.to_thread(async_engine.stats)
         alive = async_engine.error is None
-        return {"status": "ok" if alive else "engine stopped", "model": server.model_name,
+        body = {"status": "ok" if alive else f"engine stopped: {async_engine.error!r}", "model": server.model_name,
                 "max_context": server.max_context, "max_queue": server.max_queue,
                 "in_flight": server.metrics.in_flight, **stats}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -500,13 +513,22 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = parse_request(await request.body(), CompletionRequest)
+        body = parse_request(await read_body(request, limits), CompletionRequest)
         check_model(body.model, server.model_name)
+        if len(body.prompts()) > max(server.max_queue, 1):
+            raise APIError(f"the request has {len(body.prompts())} prompts, more than this server ever queues at "
+                           f"once ({server.max_queue}, --max-queue); send at most that many per request",
+                           param="prompt")
         prompts = []
         many = len(body.prompts()) > 1
         for i, prompt in enumerate(body.prompts()):
-            ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            check_prompt(ids, server.max_context, server.vocab_size, f"prompt {i}" if many else "prompt")
+            what = f"prompt {i}" if many else "prompt"
+            if isinstance(prompt, str):
+                check_prompt_chars(len(prompt), server.max_context, limits, what)
+                ids = await asyncio.to_thread(tokenizer.encode, prompt)
+            else:
+                ids = list(prompt)
+            check_prompt(ids, server.max_context, server.vocab_size, what)
             prompts.append(ids)
         max_tokens = resolve_max_tokens(body.max_tokens, max(map(len, prompts)), server.max_context,
                                         DEFAULT_COMPLETION_TOKENS)
@@ -525,13 +547,14 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
                 return JSONResponse({"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
                                      "created": int(time.time()), "model": server.model_name, "choices": choices,
                                      "usage": {"prompt_tokens": used, "completion_tokens": 0, "total_tokens": used}})
-        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
+        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count(), server.vocab_size)
         return await _respond(request, server, fmt, prompts, params, stops, body.stream, body.include_usage())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_request(await request.body(), ChatCompletionRequest)
+        body = parse_request(await read_body(request, limits), ChatCompletionRequest)
         check_model(body.model, server.model_name)
+        check_prompt_chars(sum(len(m.text()) for m in body.messages), server.max_context, limits, "messages")
         # Off the event loop: compiling a request's grammar (a large schema) takes a while.
         plan = await asyncio.to_thread(plan_chat, body, server.chat_template, tokenizer, server.grammar_tokenizer)
         messages = plan.messages
@@ -545,7 +568,7 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
             if urls:
                 text = server.chat_template.render(messages, plan.tools)
             else:  # message by message, as the model was trained (k3.chat)
-                ids = server.chat_template.encode(messages, tokenizer, plan.tools)
+                ids = await asyncio.to_thread(server.chat_template.encode, messages, tokenizer, plan.tools)
         except ValueError as error:
             raise APIError(f"the messages could not be put through the chat template "
                            f"({server.chat_template.source}): {error}", param="messages") from error
@@ -557,7 +580,7 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
         check_prompt(ids, server.max_context, server.vocab_size, "messages")
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), server.max_context, None)
         stops = body.stop_strings() + [s for s in plan.stops if s not in body.stop_strings()]
-        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count())
+        params = sampling_params(body, max_tokens, stops, body.top_logprobs_count(), server.vocab_size)
         params.stop_token_ids += [t for t in plan.stop_token_ids if t not in params.stop_token_ids]
         params.grammar = plan.grammar
         fmt = _ChatFormat(server, body.top_logprobs_count(), body.return_token_ids, plan)
@@ -568,15 +591,23 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Callable[[str], None] | None = None,
-               log_level: str = "warning", graceful_timeout_s: float = 5.0) -> None:
+               log_level: str = "warning", graceful_timeout_s: float = 5.0, exit_on_engine_death: bool = True,
+               limits: ServerLimits | None = None) -> None:
     """Serve `app` until SIGINT or SIGTERM. on_listening(url) is called once the socket is bound (port 0
     picks a free port; the url names the real one). On the signal, requests in progress end at once with
-    finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams."""
+    finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams.
+    exit_on_engine_death: when the engine loop stops, shut down and raise EngineDead (so the process exits
+    non-zero and a supervisor restarts it); else keep answering, /health with 503. limits: connection count and
+    timeouts (k3.infer.connection_limits)."""
     import uvicorn
 
+    limits = limits or ServerLimits()
     # lifespan off: the app has no startup/shutdown hooks (the engine is started and stopped by the caller).
+    # limit_concurrency one past the connection cap: the protocol refuses extra connections itself, uvicorn
+    # refuses extra requests (503) should tasks pile up on the connections it keeps.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=graceful_timeout_s)
+                            timeout_graceful_shutdown=graceful_timeout_s, http=limited_h11_protocol(limits),
+                            timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections + 1)
     server = uvicorn.Server(config)
     k3_server = getattr(app.state, "k3", None)
     signalled: list[int] = []
@@ -588,6 +619,17 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
         server.should_exit = True
 
     bind_failed: list[bool] = []
+    engine_died: list[BaseException] = []
+
+    async def watch_engine(serving: asyncio.Task) -> None:
+        while not serving.done():
+            error = k3_server.aengine.error
+            if error is not None:
+                engine_died.append(error)
+                k3_server.abort_all()
+                server.should_exit = True
+                return
+            await asyncio.sleep(0.2)
 
     async def serve() -> None:
         try:
@@ -606,6 +648,8 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
 
         server.handle_exit = handle_exit
         task = asyncio.create_task(serve())
+        if exit_on_engine_death and k3_server is not None:
+            asyncio.create_task(watch_engine(task))
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         if server.started and on_listening is not None:
@@ -615,6 +659,7 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
 
     # uvicorn takes SIGINT/SIGTERM while it runs, shuts down, then re-raises the signal to these handlers.
     previous = {sig: signal.signal(sig, remember) for sig in (signal.SIGINT, signal.SIGTERM)}
+    rate_limit_logs()
     try:
         asyncio.run(main())
     finally:
@@ -622,3 +667,6 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
             signal.signal(sig, handler)
     if bind_failed:
         raise RuntimeError(f"could not listen on {host}:{port} (is the port in use? --port 0 picks a free one)")
+    if engine_died:
+        raise EngineDead(f"the engine loop stopped ({engine_died[0]!r}); the server shut down so that a "
+                         f"supervisor can restart it (--keep-serving-after-engine-error keeps it answering 503)")

@@ -14,9 +14,7 @@ Run directory layout:
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import io
 import json
 import random
 import shutil
@@ -152,7 +150,18 @@ class NonFiniteLossError(RuntimeError):
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise ValueError(f"--device {name!r} is not a device ({error}); use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: no CUDA device is available to torch here; use --device cpu "
+                             f"(or auto)")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                             f"numbered from 0")
+    return device
 
 
 def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
@@ -170,30 +179,55 @@ def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
 
 
 def _rng_state() -> dict[str, Any]:
+    """Every RNG's state as plain lists and numbers: it loads with weights_only=True and goes into JSON as is."""
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    return plain_rng_state(state)
+
+
+def plain_rng_state(state: dict[str, Any]) -> dict[str, Any]:
+    """RNG states as torch / numpy / random return them ({"torch": ByteTensor, "numpy": (kind, keys, pos,
+    has_gauss, gauss), "python": (version, internal, gauss_next)}) -> the plain form _set_rng_state takes."""
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    version, internal, gauss_next = state["python"]
+    plain = {"torch": [int(b) for b in state["torch"].tolist()],
+             "numpy": {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
+             "python": {"version": int(version), "internal": [int(i) for i in internal], "gauss_next": gauss_next}}
+    if "cuda" in state:
+        plain["cuda"] = [[int(b) for b in s.tolist()] for s in state["cuda"]]
+    return plain
 
 
 def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    if not isinstance(state.get("numpy"), dict):
+        raise ValueError("the checkpoint's RNG states are not in k3's plain form (a checkpoint of an older k3?); "
+                         "convert them with k3.train.trainer.plain_rng_state")
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    numpy_state = state["numpy"]
+    np.random.set_state((numpy_state["kind"], np.array(numpy_state["keys"], dtype=np.uint32), numpy_state["pos"],
+                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
+    python_state = state["python"]
+    random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
-def _encode_rng(state: dict[str, Any]) -> str:
-    """The RNG states as text, for the JSON metadata of a sharded checkpoint."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
+RUN_MARKER = ".k3-run"  # written first into a new run directory: what a later attempt may clear is k3's own
 
 
-def _decode_rng(text: str) -> dict[str, Any]:
-    # weights_only=False: numpy and python RNG states, written by _encode_rng into our own checkpoint.
-    return torch.load(io.BytesIO(base64.b64decode(text)), weights_only=False)
+def _check_fresh_out(out: Path) -> None:
+    """A new run starts in a new or empty directory, or one an earlier attempt of k3 train left: it clears
+    that attempt's files, so a directory of anything else is refused."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a directory for the run")
+    if not out.is_dir() or (out / RUN_MARKER).is_file() or (out / "train_config.json").is_file():
+        return
+    entries = sorted(p.name for p in out.iterdir())
+    if entries:
+        raise ValueError(f"--out {out} already holds files that k3 train did not write ({len(entries)} entries, "
+                         f"e.g. {entries[:3]}); a new run starts in a new or empty directory: choose another --out")
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:
@@ -236,7 +270,9 @@ class Trainer:
                 from k3.distributed.sharded_checkpoint import read_sharded_extra
                 # Model and optimizer shards load later, into the parallel layout; here only the run's state.
                 self.resume_state = read_sharded_extra(checkpoint_path(self.out, "sharded"))
-                self.resume_state["rng"] = _decode_rng(self.resume_state["rng"])
+                if isinstance(self.resume_state.get("rng"), str):
+                    raise ValueError(f"{checkpoint_path(self.out, 'sharded')} keeps its RNG states as a pickle "
+                                     "(written by an older k3); k3 no longer unpickles checkpoint metadata")
             self.resume_state["saved_format"] = found
             saved = TrainConfig(**self.resume_state["train"])
             # Data, model and optimizer settings must stay as they were, or the resumed run would diverge from
@@ -249,12 +285,15 @@ class Trainer:
             raise ValueError(f"{self.out} already holds a run ({checkpoint_path(self.out, found)}); pass --resume "
                              f"to continue it or choose another --out")
         else:
+            _check_fresh_out(self.out)
             # Left by an attempt that stopped before its first checkpoint: made from possibly other settings.
             for stale in ("tokenizer", "data"):
                 if (Path(config.out) / stale).is_dir():
                     shutil.rmtree(Path(config.out) / stale)
         self.config = config
         self.out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            atomic_write_bytes(self.out / RUN_MARKER, b"")
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         random.seed(config.seed)
@@ -599,7 +638,7 @@ class Trainer:
     def _save_sharded(self) -> None:
         from k3.distributed.sharded_checkpoint import save_sharded
 
-        extra = {**self._run_state(), "rng": _encode_rng(_rng_state())}
+        extra = {**self._run_state(), "rng": _rng_state()}
         data_per_rank = self._data_per_rank()
         if data_per_rank is not None:
             extra["data_per_rank"] = data_per_rank

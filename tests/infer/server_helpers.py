@@ -55,9 +55,12 @@ class Server:
     """`k3 serve` on a free loopback port (--port 0; the address is read from its first line).
     source: a run directory (--run), or with hf=True a Hugging Face-format directory (--model)."""
 
-    def __init__(self, source: Path, *args: str, hf: bool = False, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, source: Path, *args: str, hf: bool = False, start_timeout_s: float = 120.0,
+                 module: str = "k3") -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        command = [sys.executable, "-m", "k3", "serve", "--model" if hf else "--run", str(source), "--port", "0",
+        # module: "k3", or a module of this folder standing in for it (dying_serve)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
+        command = [sys.executable, "-m", module, "serve", "--model" if hf else "--run", str(source), "--port", "0",
                    "--device", "cpu", "--served-model-name", "tiny", *args]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=env)

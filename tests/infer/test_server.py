@@ -192,7 +192,7 @@ def test_disconnect_mid_stream_frees_the_slot(server, client):
     host, port = server.url.removeprefix("http://").split(":")
     raw = json.dumps({**body, "stream": False}).encode()
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
         server.wait_until(lambda h: h["running"] == 1, "the request starting")
     server.wait_idle()

@@ -34,7 +34,7 @@ def send_raw(server: Server, body: dict) -> socket.socket:
     host, port = server.url.removeprefix("http://").split(":")
     raw = json.dumps(body).encode()
     sock = socket.create_connection((host, int(port)))
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                  b"Content-Length: %d\r\n\r\n%s" % (len(raw), raw))
     return sock
 

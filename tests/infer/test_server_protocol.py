@@ -83,6 +83,53 @@ def test_bad_chat_requests_say_what_is_wrong(body, param, words):
     assert error.param == param and words in error.message, error.message
 
 
+@pytest.mark.parametrize("raw, param", [
+    ('"seed": 18446744073709551616', "seed"),  # 2**64: past what a generator's seed holds
+    ('"seed": 1208925819614629174706176', "seed"),  # 2**80
+    ('"seed": -9223372036854775809', "seed"),  # -2**63 - 1
+    ('"temperature": Infinity', "temperature"),
+    ('"temperature": NaN', "temperature"),
+    ('"top_p": NaN', "top_p"),
+    ('"presence_penalty": -Infinity', "presence_penalty"),
+    ('"repetition_penalty": 1e-300', "repetition_penalty"),
+    ('"repetition_penalty": 1e300', "repetition_penalty"),
+])
+def test_numeric_fields_out_of_the_kernels_range_are_refused(raw, param):
+    # Python's json reads Infinity and NaN, so they reach the checks: each must be a 400 naming its field.
+    error = refused('{"model": "m", "prompt": "x", ' + raw + '}')
+    assert error.param == param, error.message
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("tool_choice", "auto"), ("functions", [{"name": "f"}]),
+                                          ("function_call", "auto"), ("response_format", {"type": "json_object"})])
+def test_unimplemented_openai_fields_are_refused_by_name(field, value):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+    error = refused(body, ChatCompletionRequest)
+    assert error.param == field and f"'{field}' is not supported" in error.message
+
+
+@pytest.mark.parametrize("body, param", [
+    ('{"model": "m", "prompt": "a\\ud800b"}', "prompt"),
+    ('{"model": "m", "prompt": ["ok", "\\udfff"]}', "prompt"),
+    ('{"model": "m", "prompt": "x", "stop": "\\ud800"}', "stop"),
+])
+def test_a_lone_surrogate_is_a_400_not_a_500(body, param):
+    assert refused(body).param == param
+
+
+def test_a_lone_surrogate_in_a_chat_message_is_a_400():
+    error = refused('{"model": "m", "messages": [{"role": "user", "content": "hi \\udc80"}]}', ChatCompletionRequest)
+    assert error.param == "messages.0.content" and "surrogate" in error.message
+
+
+def test_top_k_past_the_vocabulary_is_clipped_to_it():
+    from k3.infer.protocol import sampling_params
+
+    request = parse_request(b'{"model": "m", "prompt": "x", "top_k": 1180591620717411303424}', CompletionRequest)
+    assert sampling_params(request, 4, [], None, vocab_size=300).top_k == 300
+
+
 def test_malformed_bodies():
     assert "not valid JSON" in refused(b'{"model": "m", "prompt": ').message
     assert "not valid JSON" in refused(b"\xff\xfe").message
@@ -208,3 +255,11 @@ def test_prometheus_text():
     assert samples["k3_time_to_first_token_seconds_count"] == "1"
     assert samples["k3_time_per_output_token_seconds_count"] == "1"
     assert samples["k3_server_requests_in_flight"] == "0"
+
+
+def test_the_tokens_per_second_window_is_pruned_without_scrapes():
+    metrics = ServerMetrics(window_s=10)
+    for i in range(100_000):  # one token every 5 ms for 500 s, and nobody reads /metrics
+        metrics.tokens(1, now=i * 0.005)
+    assert len(metrics._recent) <= 10 / 0.01 + 1
+    assert metrics.tokens_per_second(now=100_000 * 0.005) == pytest.approx(200, rel=0.01)

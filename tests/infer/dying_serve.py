@@ -1,0 +1,18 @@
+"""`k3 serve` whose engine steps all fail, for the tests of an engine that dies:
+python -m dying_serve serve --run DIR ... (the first request's step fails and stops the engine loop)."""
+
+import sys
+
+from k3.cli import main
+from k3.infer import async_engine
+from k3.infer.engine import Engine
+
+
+def _broken_step(self):
+    raise RuntimeError("injected engine failure")
+
+
+if __name__ == "__main__":
+    async_engine.MAX_FAILED_STEPS = 1
+    Engine.step = _broken_step
+    sys.exit(main(sys.argv[1:]))
