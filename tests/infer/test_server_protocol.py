@@ -100,12 +100,17 @@ def test_numeric_fields_out_of_the_kernels_range_are_refused(raw, param):
     assert error.param == param, error.message
 
 
-@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
-                                          ("tool_choice", "auto"), ("functions", [{"name": "f"}]),
-                                          ("function_call", "auto"), ("response_format", {"type": "json_object"})])
-def test_unimplemented_openai_fields_are_refused_by_name(field, value):
+@pytest.mark.parametrize("field, value", [("functions", [{"name": "f"}]), ("function_call", "auto")])
+def test_the_legacy_functions_api_is_refused_by_name(field, value):
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
     error = refused(body, ChatCompletionRequest)
+    assert error.param == field and f"'{field}' is not supported" in error.message
+
+
+@pytest.mark.parametrize("field, value", [("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                          ("tool_choice", "auto"), ("response_format", {"type": "json_object"})])
+def test_chat_only_fields_are_refused_by_name_on_completions(field, value):
+    error = refused({"model": "m", "prompt": "x", field: value})
     assert error.param == field and f"'{field}' is not supported" in error.message
 
 
