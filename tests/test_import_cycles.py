@@ -31,7 +31,7 @@ ALLOWED: dict[frozenset[str], str] = {
 # names a module's layer.
 LAYERS: list[tuple[str, ...]] = [
     ("k3.kernels", "k3.config", "k3.hf_config", "k3.vision.config"),
-    ("k3.ops", "k3.data"),
+    ("k3.ops", "k3.data", "k3.chat"),
     ("k3.layers", "k3.cache"),
     ("k3.model", "k3.vision", "k3.multimodal"),
     ("k3.checkpoint", "k3.distributed"),
