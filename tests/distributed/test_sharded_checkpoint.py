@@ -71,6 +71,7 @@ def run_worker(tmp_path: Path, name: str, nproc: int, *args: str) -> dict:
     return run_scenario(WORKER, tmp_path / f"{name}.json", name, nproc, args, timeout=600)
 
 
+@pytest.mark.slow  # 27-39 s on 2 cores: the default suite stays near 15 minutes
 def test_ep2_checkpoint_resumes_in_one_process_and_under_fsdp_only(tmp_path):
     checkpoint = str(tmp_path / "ep2")
     unbroken = run_worker(tmp_path, "ep2", 2, "--ep", "2", "--save", checkpoint)["losses"]

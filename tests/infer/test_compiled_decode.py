@@ -167,6 +167,7 @@ def small_like_model():
     return model
 
 
+@pytest.mark.slow  # 27-39 s on 2 cores: the default suite stays near 15 minutes
 def test_compiled_decode_over_the_small_layout_equals_eager(small_like_model):
     check_compiled_equals_eager(small_like_model, torch.compile(decode_step, fullgraph=True, dynamic=False,
                                                                 backend="aot_eager"))

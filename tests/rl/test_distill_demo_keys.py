@@ -1,11 +1,13 @@
 """`k3 distill demo` at a few steps: its --json has, per domain, the keys the issue names and every arm's."""
 
+import pytest
 import json
 import math
 
 from k3.rl.distill_demo import ARMS, KEYS, run_distill_demo
 
 
+@pytest.mark.slow  # 27-39 s on 2 cores: the default suite stays near 15 minutes
 def test_the_demo_writes_every_domain_and_arm(tmp_path):
     lines = []
     summary = run_distill_demo(out=str(tmp_path / "demo"), teacher_steps=3, student_steps=2, distill_steps=2,

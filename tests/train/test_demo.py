@@ -20,6 +20,7 @@ def keep_torch_threads():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # 27-39 s on 2 cores: the default suite stays near 15 minutes
 def test_demo_runs_end_to_end_on_a_short_budget(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--minutes", "0.5", "--out", str(out), "--threads", "1"]) == 0

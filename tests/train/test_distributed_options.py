@@ -4,11 +4,14 @@ The run then trains like the plain one (EP=2 on 2 gloo ranks)."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 
 from test_distributed_resume import losses, train
 
 
+@pytest.mark.slow  # 27-39 s on 2 cores: the default suite stays near 15 minutes
 def test_balanced_dispatch_and_histogram_qb_train_like_the_plain_run(tmp_path, corpus_dir):
     plain, options = tmp_path / "plain", tmp_path / "options"
     train(plain, corpus_dir)

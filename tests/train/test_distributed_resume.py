@@ -3,6 +3,8 @@ reaches the same losses and weights as the unbroken run, with a gathered checkpo
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import subprocess
 import sys
@@ -31,6 +33,7 @@ def losses(run: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
 
 
+@pytest.mark.slow  # 27-39 s on 2 cores: the default suite stays near 15 minutes
 def test_ep2_run_resumed_under_ep2_matches_the_unbroken_run(tmp_path, corpus_dir):
     unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
     train(unbroken, corpus_dir)
