@@ -74,6 +74,18 @@ class ExecResult:
         return self.exit_code == 0 and not self.timed_out
 
 
+def command_argv(cmd: str | list[str], timeout: float | None) -> list[str]:
+    """The argv an exec runs (a shell string goes through /bin/sh -c), after checking cmd and timeout; both
+    backends call it, so they refuse the same inputs with the same words."""
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    if isinstance(cmd, str):
+        return ["/bin/sh", "-c", cmd]
+    if not (isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd)):
+        raise ValueError(f"cmd must be a shell string or a non-empty list of strings, got {cmd!r}")
+    return list(cmd)
+
+
 def _check_path(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise ValueError(f"sandbox paths must be absolute, like /work/main.py; got {path!r}")
@@ -260,14 +272,7 @@ class Sandbox:
         started are killed and ``timed_out`` is set. env: added to the image's environment.
         cwd: working directory inside the sandbox (default: the image's workdir).
         """
-        if isinstance(cmd, str):
-            argv = ["/bin/sh", "-c", cmd]
-        elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
-            argv = list(cmd)
-        else:
-            raise ValueError(f"cmd must be a shell string or a non-empty list of strings, got {cmd!r}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        argv = command_argv(cmd, timeout)
         full_env = dict(self.image.env)
         full_env.update(env or {})
         if isinstance(stdin, str):

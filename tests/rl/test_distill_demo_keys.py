@@ -1,8 +1,9 @@
 """`k3 distill demo` at a few steps: its --json has, per domain, the keys the issue names and every arm's."""
 
-import pytest
 import json
 import math
+
+import pytest
 
 from k3.rl.distill_demo import ARMS, KEYS, run_distill_demo
 

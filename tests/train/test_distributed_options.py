@@ -4,9 +4,9 @@ The run then trains like the plain one (EP=2 on 2 gloo ranks)."""
 
 from __future__ import annotations
 
-import pytest
-
 import json
+
+import pytest
 
 from test_distributed_resume import losses, train
 

@@ -3,13 +3,12 @@ reaches the same losses and weights as the unbroken run, with a gathered checkpo
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from k3.checkpoint.native import load_checkpoint

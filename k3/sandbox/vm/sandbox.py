@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 
-from k3.sandbox.api import DEFAULT_MAX_OUTPUT, ExecResult, _check_path
+from k3.sandbox.api import DEFAULT_MAX_OUTPUT, ExecResult, _check_path, command_argv
 from k3.sandbox.cgroups import Limits
 from k3.sandbox.image import Image, default_image
 from k3.sandbox.local import SandboxError
@@ -196,14 +196,7 @@ class VmSandbox:
     def exec(self, cmd: str | list[str], timeout: float | None = 60.0, env: dict[str, str] | None = None,
              cwd: str | None = None, stdin: bytes | str | None = None, max_output: int = DEFAULT_MAX_OUTPUT) -> ExecResult:
         """Run ``cmd`` in the guest (a shell string for /bin/sh -c, or an argv list); as ``Sandbox.exec``."""
-        if isinstance(cmd, str):
-            argv = ["/bin/sh", "-c", cmd]
-        elif isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd):
-            argv = list(cmd)
-        else:
-            raise ValueError(f"cmd must be a shell string or a non-empty list of strings, got {cmd!r}")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+        argv = command_argv(cmd, timeout)
         if not 0 <= max_output <= self.config.max_reply_bytes // 3:
             raise ValueError(f"max_output must be between 0 and {self.config.max_reply_bytes // 3} bytes "
                              f"(VmConfig.max_reply_bytes / 3: output travels base64-encoded), got {max_output}")
