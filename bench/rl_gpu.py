@@ -37,6 +37,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -394,6 +395,7 @@ def phase_ablation(run: Run, args, work: Path, model, tokenizer, sft_state: dict
                   f"{result['seconds']:.0f} s")
         close(trainer)
         run.save(f"ablation_{arm}", time.perf_counter() - ta)
+        safe_plot(run)
     run.save("ablation", time.perf_counter() - t0)
 
 
@@ -424,11 +426,19 @@ def plot(run: Run, path: Path) -> None:
     left.set(title="held-out greedy pass@1", xlabel="RL step", ylim=(-0.02, 1.02))
     right.set(title="|training - rollout logprob| per token", xlabel="RL step")
     for ax in (left, right):
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def safe_plot(run: Run) -> None:
+    try:
+        plot(run, run.out / "rl_gpu.png")
+    except Exception as error:  # the numbers matter more than the picture
+        run.say(f"plot failed: {error!r}")
 
 
 def parse_args(argv=None):
@@ -438,7 +448,7 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="the CPU demo's 0.6M model and small counts: a "
                         "check of every phase in minutes on a CPU")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--deadline-s", type=float, default=540, help="ablation arms that would end past this "
+    parser.add_argument("--deadline-s", type=float, default=510, help="ablation arms that would end past this "
                         "(from the start) are skipped")
     parser.add_argument("--reserve-s", type=float, default=15, help="seconds kept for the plot and summary")
     parser.add_argument("--skip-doctor", action="store_true")
@@ -461,7 +471,7 @@ def parse_args(argv=None):
     parser.add_argument("--rl-max-s", type=float, default=150, help="no new RL step starts after this long")
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tasks-per-step", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=3e-5)
+    parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--train-probe", type=int, default=128)
     parser.add_argument("--heldout", type=int, default=1000)
     parser.add_argument("--heldout-sampled", type=int, default=200)
@@ -498,6 +508,8 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     run = Run(out, args.deadline_s)
+    # A time limit's SIGTERM unwinds through the finally below: the plot and summary of what finished survive.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cpu":  # oversubscribed OpenMP threads spin-wait: only the idle cores
@@ -518,13 +530,11 @@ def main(argv=None) -> None:
         sft_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         if not args.skip_main:
             phase_rl(run, args, work, model, tokenizer, device)
+            safe_plot(run)
         if args.arms:
             phase_ablation(run, args, work, model, tokenizer, sft_state, device)
     finally:
-        try:
-            plot(run, out / "rl_gpu.png")
-        except Exception as error:  # the numbers matter more than the picture
-            run.say(f"plot failed: {error!r}")
+        safe_plot(run)
         run.save()
         shutil.rmtree(work, ignore_errors=True)
         run.say(f"done in {run.elapsed():.0f} s; {out}/summary.json")
