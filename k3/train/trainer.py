@@ -44,6 +44,7 @@ from k3.distributed.loop import clip_grad_norm_
 from k3.kernels import applied as kernels_applied
 from k3.model import K3ForCausalLM, pad_cu_seqlens
 from k3.train.graphed_step import QB_GRAPH_UPDATES, GraphedTrainStep
+from k3.train.master_weights import MASTER_WEIGHTS, MasterWeightAdamW
 from k3.train.metrics import MetricsLog, plot_metrics
 from k3.train.optim import build_optimizer, lr_at
 from k3.train.profile import PROFILE_AFTER, StepProfiler
@@ -107,6 +108,11 @@ class TrainConfig:
     # step's values are still written, and step_seconds is the window's mean. 0: 10 on CUDA (a read per step
     # waits for the GPU and stalls the host's queue of work), 1 elsewhere.
     log_every: int = 0
+    # How the weights are kept (k3.train.master_weights): "bf16-params" holds the model's parameters in bf16 (no
+    # autocast casts) with fp32 masters in the optimizer; "fp32-autocast" fp32 parameters under --dtype's
+    # autocast; "auto" bf16-params on a bf16-capable CUDA device in one process with --dtype auto or bf16 and full
+    # checkpoints, fp32-autocast elsewhere (the CPU path stays fp32). Checkpoints hold fp32 weights either way.
+    master_weights: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every"):
@@ -136,6 +142,13 @@ class TrainConfig:
         if self.cuda_graph and self.ep:  # an explicit --cuda-graph; the default (None) turns it off under --ep
             raise ValueError("cuda_graph runs on one process (QB over ranks syncs with the host); drop --ep or "
                              "--cuda-graph")
+        if self.master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, got {self.master_weights!r}")
+        if self.master_weights == "bf16-params" and (self.dtype == "fp32" or self.ep
+                                                     or self.checkpoint_format == "sharded"):
+            raise ValueError("master_weights bf16-params runs bf16 parameters in one process with full checkpoints; "
+                             f"got dtype={self.dtype!r}, ep={self.ep}, checkpoint_format={self.checkpoint_format!r} "
+                             "(use --master-weights fp32-autocast, or drop those options)")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
 
@@ -325,6 +338,11 @@ class Trainer:
             if self.dist.rank != 0:
                 self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype(config.dtype, self.device)
+        self.bf16_params = config.master_weights == "bf16-params" or (
+            config.master_weights == "auto" and self.autocast == torch.bfloat16 and self.device.type == "cuda"
+            and not config.ep and config.checkpoint_format == "full")
+        if self.bf16_params:
+            self.autocast = None  # the parameters are bf16: nothing to cast
         if config.cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device; this run is on {self.device} (drop --cuda-graph)")
         # The default CUDA step is the graphed one (one process); --eager or another device: the eager step.
@@ -355,7 +373,10 @@ class Trainer:
         for _, router in self.model.routers():
             router.qb_max_iters = config.qb_iters
             router.aux_loss_coef = config.moe_aux_loss
-        self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
+        if self.bf16_params:  # the model's parameters become bf16, their fp32 values the optimizer's masters
+            self.optimizer = MasterWeightAdamW(self.model, config.lr, config.weight_decay)
+        else:
+            self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
         recall = None
         if config.recall_fraction > 0:
             recall = RecallTask(model_config.vocab_size, num_pairs=config.recall_pairs,
@@ -512,6 +533,8 @@ class Trainer:
             load_sharded(checkpoint_path(self.out, "sharded"), self.model, self.optimizer)
         elif self.dist is None:
             load_model_state(self.model, state["model"], str(self.out / CHECKPOINT_NAME))
+            if self.bf16_params:
+                self.optimizer.load_masters(self.model, state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             # Every rank read the whole checkpoint and keeps its own shards. The data streams are per rank
@@ -662,7 +685,9 @@ class Trainer:
 
     def _save_full(self) -> None:
         if self.dist is None:
-            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+            model_state = (self.optimizer.model_state_dict(self.model) if self.bf16_params
+                           else self.model.state_dict())
+            optimizer_state = self.optimizer.state_dict()
         else:
             # Full (single-device) state gathered on rank 0: the checkpoint loads and resumes without --ep too.
             from k3.distributed import barrier, full_state_dict
@@ -810,7 +835,9 @@ class Trainer:
             loss, logged_loss = self._global_mean(loss, batch)
         if not graphed:
             loss.backward()
-        grad_norm = clip_grad_norm_(self.model.parameters(), config.grad_clip)  # any parallel layout
+        # bf16 parameters: their gradients are clipped in fp32, as the masters' gradients.
+        trained = self.optimizer.take_grads() if self.bf16_params else self.model.parameters()
+        grad_norm = clip_grad_norm_(trained, config.grad_clip)  # any parallel layout
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.update_balancers()
