@@ -101,7 +101,7 @@ def test_bf16_parameters_train_like_fp32(tmp_path, corpus_dir, small_config):
 
 
 def test_the_cpu_default_keeps_fp32_parameters_and_bad_choices_are_refused(tmp_path, corpus_dir, small_config):
-    trainer = Trainer(small_config(tmp_path / "run", corpus_dir), show_progress=False)
+    trainer = Trainer(small_config(tmp_path / "run", corpus_dir, device="cpu"), show_progress=False)
     assert not trainer.bf16_params and all(p.dtype == torch.float32 for p in trainer.model.parameters())
     with pytest.raises(ValueError, match="master_weights must be one of"):
         small_config(tmp_path / "x", corpus_dir, master_weights="fp16")
