@@ -68,8 +68,8 @@ def shape(args) -> dict:
         return dict(preset="debug", seq_len=64, batch_size=2, device="cpu", max_corpus_mb=0.3,
                     tokenizer_sample_mb=0.3, model_overrides={"vocab_size": 512}, master_weights="bf16-params",
                     log_every=10)
-    return dict(preset="small", seq_len=4096, batch_size=4, device="cuda", max_corpus_mb=8.0,
-                tokenizer_sample_mb=4.0)
+    return dict(preset="small", seq_len=4096, batch_size=4, device="cuda", max_corpus_mb=4.0,
+                tokenizer_sample_mb=2.0)
 
 
 def flops_per_token(trainer: Trainer) -> float:
@@ -224,8 +224,8 @@ def part_e(args) -> None:
     deadline = time.perf_counter() + args.budget_s
     tokenizer = shared_tokenizer(args)
     matched = {k: v for k, v in k3_matched_config().to_dict().items() if k not in ("eos_token_id", "bos_token_id")}
-    runs = {"fp32_autocast": {"master_weights": "fp32-autocast"},
-            "matched_default": {"model_overrides": matched}}
+    runs = {"matched_default": {"model_overrides": matched},
+            "fp32_autocast": {"master_weights": "fp32-autocast"}}
     results = {}
     for name, changes in runs.items():
         if time.perf_counter() > deadline - 20:
