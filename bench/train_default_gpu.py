@@ -167,6 +167,8 @@ def part_c(args) -> None:
         arm_deadline = arm_started + (deadline - arm_started) / (len(ABLATION_ARMS) - index)
         config = qb_ablation.config_for(ablation, work / "c" / arm, arm)
         config.tokenizer = tokenizer
+        if args.master_weights != "auto":  # the shell's fallback when part b failed with the default
+            config.master_weights = args.master_weights
         if args.dry_run:
             config.model_overrides = {**config.model_overrides, **shape(args)["model_overrides"]}
             config.preset = "debug"
@@ -211,7 +213,8 @@ def ablation_summary(arms: dict, ablation, trainer: Trainer) -> dict:
                      "maxvio_p95_after_10pct": float(np.quantile(settled, 0.95)),
                      "dead_experts": a["dead_experts"], "starved_experts": a["starved_experts"],
                      "experts": a["experts"], "step_ms_p50": a["step_ms_p50"], "seconds": a["seconds"]}
-    return {"shape": f"small cut to {ablation.layers} layers ({trainer.model_config.num_layers} built), "
+    return {"master_weights": "bf16-params" if trainer.bf16_params else "fp32-autocast",
+            "shape": f"small cut to {ablation.layers} layers ({trainer.model_config.num_layers} built), "
                      f"{ablation.batch} x {ablation.seq}", "steps_asked": ablation.steps, "common_steps": common,
             "tokens_per_step": ablation.batch * ablation.seq, "arms": rows}
 
@@ -265,6 +268,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--eval-every", type=int, default=250)
     parser.add_argument("--corpus-mb", type=float, default=6.0)
+    parser.add_argument("--master-weights", default="auto", choices=["auto", "fp32-autocast", "bf16-params"],
+                        help="part c: the arms' weights (auto: the default path's)")
     parser.add_argument("--dry-run", action="store_true", help="the logic on the CPU, the debug preset, tiny")
     args = parser.parse_args()
     out = Path(args.out)

@@ -67,13 +67,19 @@ else
 fi
 
 # b: the default CLI step, 1,000 steps; recompiles after step 3 counted from TORCH_LOGS
-TORCH_LOGS=recompiles part b $TB b.log python $PY b "$OUT" "$WORK" "${B_STEPS[@]}" --budget-s $((TB - 15)) "${ARGS[@]}"
+TORCH_LOGS=recompiles part b $TB b.log python $PY b "$OUT" "$WORK" "${B_STEPS[@]}" --budget-s $((TB - 15)) ${ARGS[@]+"${ARGS[@]}"}
 RECOMPILES=$(awk '/K3-MARK: step 3 done/{after=1; next} after && /Recompiling function/{n++} END{print n+0}' "$OUT/b.log")
 merge b_recompile_lines_after_step_3 "$RECOMPILES" >> "$OUT/b.log" 2>&1
 echo "recompiles logged after step 3: $RECOMPILES" >> "$OUT/b.log"
 
-# c: the QB ablation
-part c $TC c.log python $PY c "$OUT" "$WORK" "${C_STEPS[@]}" --budget-s $((TC - 20)) "${ARGS[@]}"
+# c: the QB ablation (with the previous default's weights if the default failed in part b: an error, not a timeout)
+B_RC=$(awk '/=== part b: rc/{rc=$5} END{print rc+0}' "$OUT/b.log")
+C_WEIGHTS=()
+if [ "$B_RC" != 0 ] && [ "$B_RC" != 124 ] && [ "$B_RC" != 137 ]; then
+  C_WEIGHTS=(--master-weights fp32-autocast)
+  echo "part b failed (rc $B_RC): the ablation runs fp32 weights under autocast" >> "$OUT/c.log"
+fi
+part c $TC c.log python $PY c "$OUT" "$WORK" "${C_STEPS[@]}" ${C_WEIGHTS[@]+"${C_WEIGHTS[@]}"} --budget-s $((TC - 20)) ${ARGS[@]+"${ARGS[@]}"}
 
 # d: the graphed step's tests on the GPU
 if [ "$DRY" = "--dry-run" ]; then
@@ -85,7 +91,7 @@ fi
 # e: what is left of the budget (540 s in all)
 [ "$DRY" = "--dry-run" ] || TE=$((540 - (SECONDS - START)))
 if [ "$TE" -gt 30 ]; then
-  part e $TE de.log python $PY e "$OUT" "$WORK" "${E_STEPS[@]}" --budget-s $((TE - 10)) "${ARGS[@]}"
+  part e $TE de.log python $PY e "$OUT" "$WORK" "${E_STEPS[@]}" --budget-s $((TE - 10)) ${ARGS[@]+"${ARGS[@]}"}
 fi
 # The targets' ratios from what the parts wrote (plain python: read, divide, write)
 python - "$OUT" >> "$OUT/de.log" 2>&1 <<'PY'

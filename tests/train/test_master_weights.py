@@ -65,13 +65,14 @@ def test_a_parameter_without_a_gradient_is_left_alone():
 
 
 def test_bf16_parameter_training_resumes_exactly_with_fp32_checkpoints(tmp_path, corpus_dir, small_config):
+    """On the CPU, where a step is deterministic (the graphed CUDA twin: tests/train/test_graphed_step.py)."""
     unbroken = tmp_path / "unbroken"
-    trainer = Trainer(small_config(unbroken, corpus_dir, master_weights="bf16-params"), show_progress=False)
+    trainer = Trainer(small_config(unbroken, corpus_dir, master_weights="bf16-params", device="cpu"), show_progress=False)
     assert trainer.bf16_params and trainer.autocast is None
     assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
     trainer.train()
     broken = tmp_path / "broken"
-    Trainer(small_config(broken, corpus_dir, master_weights="bf16-params"), show_progress=False).train(stop_at=5)
+    Trainer(small_config(broken, corpus_dir, master_weights="bf16-params", device="cpu"), show_progress=False).train(stop_at=5)
     resumed = Trainer(small_config(broken, corpus_dir), resume=True, show_progress=False)
     assert resumed.bf16_params
     resumed.train()
@@ -93,7 +94,8 @@ def test_bf16_parameter_training_resumes_exactly_with_fp32_checkpoints(tmp_path,
 def test_bf16_parameters_train_like_fp32(tmp_path, corpus_dir, small_config):
     runs = {}
     for mode in ("fp32-autocast", "bf16-params"):
-        Trainer(small_config(tmp_path / mode, corpus_dir, master_weights=mode, max_steps=4, save_every=4),
+        Trainer(small_config(tmp_path / mode, corpus_dir, master_weights=mode, max_steps=4, save_every=4,
+                             device="cpu"),
                 show_progress=False).train()
         runs[mode] = [r["loss"] for r in read_metrics(tmp_path / mode / "metrics.jsonl") if "loss" in r]
     assert runs["fp32-autocast"] != runs["bf16-params"]  # the forward really ran in bf16

@@ -230,9 +230,9 @@ def step_values(run: Path) -> list[dict]:
 
 def test_metrics_read_every_n_steps_equal_those_read_every_step(tmp_path, corpus_dir, small_config):
     every = tmp_path / "every"
-    Trainer(small_config(every, corpus_dir, max_steps=7, log_every=1), show_progress=False).train()
+    Trainer(small_config(every, corpus_dir, max_steps=7, log_every=1, device="cpu"), show_progress=False).train()
     windowed = tmp_path / "windowed"
-    Trainer(small_config(windowed, corpus_dir, max_steps=7, log_every=4), show_progress=False).train()
+    Trainer(small_config(windowed, corpus_dir, max_steps=7, log_every=4, device="cpu"), show_progress=False).train()
     assert step_values(windowed) == step_values(every)
     steps = [r for r in read_metrics(windowed / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 8))
@@ -244,9 +244,9 @@ def test_metrics_read_every_n_steps_equal_those_read_every_step(tmp_path, corpus
 
 def test_resume_is_exact_with_metrics_read_every_n_steps(tmp_path, corpus_dir, small_config):
     unbroken = tmp_path / "unbroken"
-    Trainer(small_config(unbroken, corpus_dir, log_every=5, save_every=3), show_progress=False).train()
+    Trainer(small_config(unbroken, corpus_dir, log_every=5, save_every=3, device="cpu"), show_progress=False).train()
     broken = tmp_path / "broken"
-    Trainer(small_config(broken, corpus_dir, log_every=5, save_every=3), show_progress=False).train(stop_at=5)
+    Trainer(small_config(broken, corpus_dir, log_every=5, save_every=3, device="cpu"), show_progress=False).train(stop_at=5)
     assert load_checkpoint(broken)["step"] == 3
     Trainer(small_config(broken, corpus_dir), resume=True, show_progress=False).train()
     assert step_values(broken) == step_values(unbroken)
