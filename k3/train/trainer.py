@@ -868,7 +868,12 @@ class Trainer:
         """The metrics records of the steps in `pending`, their device values read in one host sync; each step's
         time is the window's mean (`seconds` over its steps). A non-finite loss writes that step's record and
         raises: the steps before it are written, and the run stops before its next save."""
-        values = torch.stack([v for _, v in pending]).cpu().tolist()
+        # One copy to the host; steps' vectors may differ in length (an eager step's QB counts are host ints).
+        flat = torch.cat([v for _, v in pending]).cpu().tolist()
+        values, start = [], 0
+        for _, v in pending:
+            values.append(flat[start:start + v.numel()])
+            start += v.numel()
         step_seconds = seconds / len(pending)
         tokens = sum(host["tokens"] for host, _ in pending)
         records = []

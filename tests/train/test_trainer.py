@@ -257,3 +257,20 @@ def test_resume_is_exact_with_metrics_read_every_n_steps(tmp_path, corpus_dir, s
 def test_log_every_must_not_be_negative(tmp_path, corpus_dir, small_config):
     with pytest.raises(ValueError, match="log_every must be 0"):
         small_config(tmp_path / "run", corpus_dir, log_every=-1)
+
+
+def test_a_window_reads_steps_whose_device_values_differ_in_length(tmp_path, corpus_dir, small_config):
+    """A graphed step of the iterated QB counts its updates on the device, an eager step of the same run (a batch
+    with more documents than the graph holds) on the host: one window holds both."""
+    trainer = Trainer(small_config(tmp_path / "run", corpus_dir, device="cpu"), show_progress=False)
+    host = {"step": 1, "lr": 0.1, "tokens": 64, "host_seconds": 0.0, "layers": [1, 2], "documents": 3,
+            "graphed": True, "epoch": 0.0, "seq_len": 32}
+    device_counted = ({**host, "qb_updates": [None, None]}, torch.tensor([2.5, 1.0, 0.25, 0.5, 4.0, 3.0],
+                                                                         dtype=torch.float64))
+    host_counted = ({**host, "step": 2, "graphed": False, "qb_updates": [7, 9]},
+                    torch.tensor([2.0, 0.5, 0.125, 0.75], dtype=torch.float64))
+    first, second = trainer._read_window([device_counted, host_counted], seconds=1.0)
+    assert (first["loss"], first["grad_norm"], first["maxvio"], first["qb_updates_max"]) == (2.5, 1.0, 0.5, 4)
+    assert first["maxvio_per_layer"] == {"1": 0.25, "2": 0.5} and first["qb_updates_mean"] == 3.5
+    assert (second["loss"], second["maxvio"], second["qb_updates_max"], second["qb_updates_mean"]) == (2.0, 0.75, 9, 8)
+    assert first["step_seconds"] == second["step_seconds"] == 0.5 and first["tokens_per_s"] == 128
