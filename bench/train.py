@@ -37,9 +37,10 @@ gate and up, and a GLU MLP's gate and up, as one GEMM each with autograd adding 
 K3_JOIN_PROJECTIONS=0, instead of one GEMM and an accumulating backward, k3.ops.shared_input_linear), `-packed` (the batch as `k3 train`
 feeds it: one row of batch x seq tokens holding
 documents of 256-4096 tokens, drawn with a fixed seed, with their cu_seqlens, so KDA, the short convs and MLA run
-their varlen paths), `-autocast` (fp32 weights under bf16 autocast, as `k3 train` trains, instead of bf16 weights).
+their varlen paths), `-autocast` (fp32 weights under bf16 autocast, as `k3 train --master-weights fp32-autocast` trains, instead of
+bf16 weights; the CUDA default now trains bf16 weights with fp32 masters in the optimizer).
 Suffixes combine: k3-small-bmm-combine-compiled-attnres is the step before both kernels; k3-small-packed-autocast is
-the trainer's eager step.
+the trainer's eager step with fp32-autocast weights.
 Also reported: the wall time of the first step (kernel compile/autotune included) and the number of frames
 torch.compile compiled during the timed steps (0 means no recompilation per step).
 --profile DIR writes torch.profiler's kernel table of one step by self CUDA time to DIR/train_profile_<variant>.txt

@@ -19,7 +19,8 @@ def train_command(args: argparse.Namespace) -> int:
     overrides = {}
     if args.resume:
         # Only what the user typed replaces the saved settings.
-        for name in ("max_steps", "time_budget_s", "ep", "checkpoint_format", "ep_balanced", "qb_aggregate"):
+        for name in ("max_steps", "time_budget_s", "ep", "checkpoint_format", "ep_balanced", "qb_aggregate",
+                     "log_every"):
             if getattr(args, name) is not None:
                 overrides[name] = getattr(args, name)
         config = TrainConfig(out=args.out)
@@ -29,7 +30,8 @@ def train_command(args: argparse.Namespace) -> int:
             "grad_clip", "dtype", "device", "seed", "max_corpus_mb", "tokenizer", "val_fraction", "eval_every",
             "eval_batches", "save_every", "recall_fraction", "recall_pairs", "recall_queries", "recall_length",
             "recall_weight", "time_budget_s", "ep", "checkpoint_format",
-            "ep_balanced", "qb_aggregate", "qb_iters", "global_batch", "cuda_graph") if getattr(args, name) is not None}
+            "ep_balanced", "qb_aggregate", "qb_iters", "global_batch", "cuda_graph", "log_every",
+            "master_weights") if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
         if args.seq_len_schedule:
             fields["seq_len_schedule"] = parse_seq_len_schedule(args.seq_len_schedule)
@@ -124,6 +126,13 @@ def register(subparsers) -> None:
                            "static shapes (a batch with more documents than the graph holds takes the eager step)")
     step.add_argument("--eager", action="store_const", const=False, dest="cuda_graph",
                       help="the eager step on CUDA too (for debugging: one kernel launch at a time, any batch)")
+    train.add_argument("--master-weights", choices=["auto", "fp32-autocast", "bf16-params"], dest="master_weights",
+                       help="bf16-params: the model's parameters in bf16 with fp32 masters in the optimizer (no "
+                            "autocast casts); fp32-autocast: fp32 parameters under --dtype's autocast; auto (default): "
+                            "bf16-params on CUDA in one process, fp32 on CPU. Checkpoints hold fp32 weights either way")
+    train.add_argument("--log-every", type=int, dest="log_every", metavar="N",
+                       help="read the step's metrics from the device every N steps in one sync (every step's values "
+                            "are still written; step_seconds is the window's mean); default 10 on CUDA, 1 elsewhere")
     train.add_argument("--profile", metavar="DIR",
                        help=f"profile steps {PROFILE_AFTER + 1}-{PROFILE_AFTER + PROFILE_STEPS} of this run (after "
                             f"the first ones, which compile kernels) with torch.profiler and write "

@@ -31,8 +31,15 @@ def build_optimizer(model: nn.Module, lr: float, weight_decay: float, betas: tup
     K3_ADAMW picks the implementation: auto (SplitAdamW where PyTorch's fused AdamW pays, on plain CUDA tensors
     with triton importable; torch.optim.AdamW otherwise), torch (torch.optim.AdamW) or triton (SplitAdamW
     anywhere: on the CPU its kernel runs in Triton's interpreter, TRITON_INTERPRET=1, as the tests run it)."""
+    return build_optimizer_for(model.named_parameters(), lr, weight_decay, betas, eps)
+
+
+def build_optimizer_for(named_parameters: Iterable[tuple[str, torch.Tensor]], lr: float, weight_decay: float,
+                        betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
+    """build_optimizer over (name, tensor) pairs: the tensors it updates may be other than the model's own
+    parameters (k3.train.master_weights: fp32 masters of bf16 parameters, named as those)."""
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for name, param in named_parameters:
         if not param.requires_grad:
             continue
         (decay if param.dim() >= 2 and "embed_tokens" not in name else no_decay).append(param)

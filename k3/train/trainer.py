@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import shutil
 import time
@@ -43,6 +44,7 @@ from k3.distributed.loop import clip_grad_norm_
 from k3.kernels import applied as kernels_applied
 from k3.model import K3ForCausalLM, pad_cu_seqlens
 from k3.train.graphed_step import QB_GRAPH_UPDATES, GraphedTrainStep
+from k3.train.master_weights import MASTER_WEIGHTS, MasterWeightAdamW
 from k3.train.metrics import MetricsLog, plot_metrics
 from k3.train.optim import build_optimizer, lr_at
 from k3.train.profile import PROFILE_AFTER, StepProfiler
@@ -102,11 +104,23 @@ class TrainConfig:
     # The iterated QB (qb_iters > 0) solves on the device with min(qb_iters, QB_GRAPH_UPDATES) updates.
     cuda_graph: bool | None = None
     max_documents_per_row: int = 0  # the graphed step's static document count per row; 0: max(16, seq_len // 128)
+    # Steps whose metrics (loss, grad norm, maxvio, ...) stay on the device and are read in one host sync; every
+    # step's values are still written, and step_seconds is the window's mean. 0: 10 on CUDA (a read per step
+    # waits for the GPU and stalls the host's queue of work), 1 elsewhere.
+    log_every: int = 0
+    # How the weights are kept (k3.train.master_weights): "bf16-params" holds the model's parameters in bf16 (no
+    # autocast casts) with fp32 masters in the optimizer; "fp32-autocast" fp32 parameters under --dtype's
+    # autocast; "auto" bf16-params on a bf16-capable CUDA device in one process with --dtype auto or bf16 and full
+    # checkpoints, fp32-autocast elsewhere (the CPU path stays fp32). Checkpoints hold fp32 weights either way.
+    master_weights: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.log_every < 0:
+            raise ValueError(f"log_every must be 0 (auto: 10 on CUDA, 1 elsewhere) or a positive step count, got "
+                             f"{self.log_every}")
         if self.qb_iters < 0:
             raise ValueError(f"qb_iters must be 0 (published Quantile Balancing) or a positive cap on the iterated "
                              f"solve, got {self.qb_iters}")
@@ -128,11 +142,25 @@ class TrainConfig:
         if self.cuda_graph and self.ep:  # an explicit --cuda-graph; the default (None) turns it off under --ep
             raise ValueError("cuda_graph runs on one process (QB over ranks syncs with the host); drop --ep or "
                              "--cuda-graph")
+        if self.master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, got {self.master_weights!r}")
+        if self.master_weights == "bf16-params" and (self.dtype == "fp32" or self.ep
+                                                     or self.checkpoint_format == "sharded"):
+            raise ValueError("master_weights bf16-params runs bf16 parameters in one process with full checkpoints; "
+                             f"got dtype={self.dtype!r}, ep={self.ep}, checkpoint_format={self.checkpoint_format!r} "
+                             "(use --master-weights fp32-autocast, or drop those options)")
         if self.checkpoint_format not in CHECKPOINT_FORMATS:
             raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def device_maxvio(load_E: torch.Tensor) -> torch.Tensor:
+    """k3.layers.balancing.maxvio as a 0-dim device tensor (no host sync): max_e(load_e / mean_load) - 1."""
+    load_E = load_E.float()
+    mean = load_E.mean()
+    return torch.where(mean > 0, load_E.max() / mean - 1, torch.zeros_like(mean))
 
 
 def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -310,11 +338,17 @@ class Trainer:
             if self.dist.rank != 0:
                 self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype(config.dtype, self.device)
+        self.bf16_params = config.master_weights == "bf16-params" or (
+            config.master_weights == "auto" and self.autocast == torch.bfloat16 and self.device.type == "cuda"
+            and not config.ep and config.checkpoint_format == "full")
+        if self.bf16_params:
+            self.autocast = None  # the parameters are bf16: nothing to cast
         if config.cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device; this run is on {self.device} (drop --cuda-graph)")
         # The default CUDA step is the graphed one (one process); --eager or another device: the eager step.
         self.graph_step = (config.cuda_graph if config.cuda_graph is not None
                            else self.device.type == "cuda" and not config.ep)
+        self.log_every = config.log_every or (10 if self.device.type == "cuda" else 1)
         self.eager_steps = 0  # graphed runs: steps whose batch held more documents than the graph's static count
         self.graphed: GraphedTrainStep | None = None  # captured at the first step (and again on a new row shape)
 
@@ -339,7 +373,10 @@ class Trainer:
         for _, router in self.model.routers():
             router.qb_max_iters = config.qb_iters
             router.aux_loss_coef = config.moe_aux_loss
-        self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
+        if self.bf16_params:  # the model's parameters become bf16, their fp32 values the optimizer's masters
+            self.optimizer = MasterWeightAdamW(self.model, config.lr, config.weight_decay)
+        else:
+            self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
         recall = None
         if config.recall_fraction > 0:
             recall = RecallTask(model_config.vocab_size, num_pairs=config.recall_pairs,
@@ -496,6 +533,8 @@ class Trainer:
             load_sharded(checkpoint_path(self.out, "sharded"), self.model, self.optimizer)
         elif self.dist is None:
             load_model_state(self.model, state["model"], str(self.out / CHECKPOINT_NAME))
+            if self.bf16_params:
+                self.optimizer.load_masters(self.model, state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             # Every rank read the whole checkpoint and keeps its own shards. The data streams are per rank
@@ -646,7 +685,9 @@ class Trainer:
 
     def _save_full(self) -> None:
         if self.dist is None:
-            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+            model_state = (self.optimizer.model_state_dict(self.model) if self.bf16_params
+                           else self.model.state_dict())
+            optimizer_state = self.optimizer.state_dict()
         else:
             # Full (single-device) state gathered on rank 0: the checkpoint loads and resumes without --ep too.
             from k3.distributed import barrier, full_state_dict
@@ -703,6 +744,8 @@ class Trainer:
                        else "--profile-at")
                 self.log(f"--profile: the run ends before step {profiler.first}, where the profile would start "
                          f"({why}); nothing profiled")
+        pending: list[tuple[dict[str, Any], torch.Tensor]] = []  # steps whose device values are not read yet
+        window_started = time.perf_counter()
         try:
             while self.step < config.max_steps:
                 if stop_at is not None and self.step >= stop_at:
@@ -718,24 +761,41 @@ class Trainer:
                     bar.refresh()
                 if profiler is not None:
                     profiler.before(self.step + 1)
-                record = self._train_step()
+                pending.append(self._train_step())
+                tokens_seen += pending[-1][0]["tokens"]
+                bar.update(1)
+                eval_due = self.step % config.eval_every == 0 or self.step == config.max_steps
+                save_due = self.step % config.save_every == 0 or self.step == config.max_steps
+                # Read the window: at its end, at the session's first step (its time is the compile's), before an
+                # eval or a save (a non-finite loss must stop the run before it reaches a checkpoint), in a
+                # profiled run, and where the loop will stop.
+                if not (self.step % self.log_every == 0 or "first_step_s" not in summary or eval_due or save_due
+                        or profiler is not None or (stop_at is not None and self.step >= stop_at)
+                        or (config.time_budget_s is not None
+                            and time.perf_counter() - started > config.time_budget_s)):
+                    continue
+                records = self._read_window(pending, time.perf_counter() - window_started)
+                pending = []
                 if profiler is not None:
-                    profiler.after(self.step, record["step_seconds"])
+                    profiler.after(self.step, records[-1]["step_seconds"])
                     if self.step == profiler.last:
                         self.log(f"profile of steps {profiler.first}-{self.step} written to {profiler.written}")
                 if "first_step_s" not in summary:
-                    summary["first_step_s"] = record["step_seconds"]
+                    summary["first_step_s"] = records[0]["step_seconds"]
                     if self.device.type == "cuda":
-                        self.log(f"first step took {record['step_seconds']:.1f} s (kernel compiles included)")
-                tokens_seen += record["tokens"]
-                if self.step % config.eval_every == 0 or self.step == config.max_steps:
-                    record["val_loss"] = self.evaluate()
-                    summary["last_val_loss"] = record["val_loss"]
-                self.metrics.write(record)
-                bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-                if self.step % config.save_every == 0 or self.step == config.max_steps:
+                        self.log(f"first step took {records[0]['step_seconds']:.1f} s (kernel compiles included)")
+                if eval_due:
+                    records[-1]["val_loss"] = self.evaluate()
+                    summary["last_val_loss"] = records[-1]["val_loss"]
+                for record in records:
+                    self.metrics.write(record)
+                bar.set_postfix(loss=f"{records[-1]['loss']:.3f}", tok_s=f"{records[-1]['tokens_per_s']:.0f}")
+                if save_due:
                     self.save()
+                window_started = time.perf_counter()
+            if pending:  # stopped between reads
+                for record in self._read_window(pending, time.perf_counter() - window_started):
+                    self.metrics.write(record)
         finally:
             bar.close()
             if profiler is not None:
@@ -752,7 +812,10 @@ class Trainer:
         self.plot()
         return summary
 
-    def _train_step(self) -> dict[str, Any]:
+    def _train_step(self) -> tuple[dict[str, Any], torch.Tensor]:
+        """One optimizer step, with no host sync of its own: (the step's host-side metrics, its device-side values
+        as one float64 vector: loss, grad norm, maxvio per MoE layer, device-counted QB updates), which
+        _read_window turns into the metrics record."""
         config = self.config
         lr = lr_at(self.step, config.max_steps, config.lr, config.warmup_steps, config.min_lr_ratio)
         for group in self.optimizer.param_groups:
@@ -770,44 +833,85 @@ class Trainer:
             logged_loss = loss.detach()
         if self.config.global_batch and self.dist is not None:
             loss, logged_loss = self._global_mean(loss, batch)
-        if not torch.isfinite(logged_loss):  # global under --global-batch: every rank stops together
-            # Nothing from this step reaches the weights or the checkpoint: the last good one stays on disk.
-            self.metrics.write({"step": self.step + 1, "loss": float(logged_loss), "lr": lr})
-            self.plot()
-            raise NonFiniteLossError(
-                f"loss became {float(loss.detach())} at step {self.step + 1}; training stopped and the last good checkpoint "
-                f"({self.out / CHECKPOINT_NAME}, step {self._saved_step()}) was kept. Lower --lr, raise "
-                f"--warmup-steps or check the data, then continue with --resume")
         if not graphed:
             loss.backward()
-        grad_norm = clip_grad_norm_(self.model.parameters(), config.grad_clip)  # any parallel layout
+        # bf16 parameters: their gradients are clipped in fp32, as the masters' gradients.
+        trained = self.optimizer.take_grads() if self.bf16_params else self.model.parameters()
+        grad_norm = clip_grad_norm_(trained, config.grad_clip)  # any parallel layout
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.update_balancers()
         self.step += 1
-        elapsed = time.perf_counter() - t0
-        per_layer = self.model.moe_maxvio()
-        qb_updates = [int(router.last_qb_iters) for _, router in self.model.routers()]
-        return {
+        # Copies, not views: a graph replay overwrites the routers' tensors at the next step.
+        layers = [(i, router.last_load_E) for i, router in self.model.routers() if router.last_load_E is not None]
+        qb_updates = [router.last_qb_iters for _, router in self.model.routers()]
+        values = [logged_loss.reshape(()), torch.as_tensor(grad_norm).reshape(()),
+                  *(device_maxvio(load) for _, load in layers),
+                  *(q.reshape(()) for q in qb_updates if isinstance(q, torch.Tensor))]
+        device_values = torch.stack([v.to(self.device, torch.float64) for v in values])
+        host = {
             "step": self.step,
-            "loss": float(logged_loss),
             "lr": lr,
-            "grad_norm": float(grad_norm),
             "tokens": global_tokens,
-            "tokens_per_s": global_tokens / elapsed if elapsed > 0 else 0.0,
-            "step_seconds": round(elapsed, 4),  # the first one includes kernel compiles (and a graph capture)
-            "maxvio": max(per_layer.values()) if per_layer else 0.0,
-            "maxvio_per_layer": {str(k): round(v, 4) for k, v in per_layer.items()},
-            # QB's solver iterates until the batch is balanced: its updates grow as routing sharpens, and on a
-            # GPU each few of them waits on the device, so they explain much of an eager step's time.
-            "qb_updates_max": max(qb_updates, default=0),
-            "qb_updates_mean": round(sum(qb_updates) / len(qb_updates), 2) if qb_updates else 0.0,
+            "host_seconds": time.perf_counter() - t0,
+            "layers": [i for i, _ in layers],
+            "qb_updates": [None if isinstance(q, torch.Tensor) else int(q) for q in qb_updates],  # None: on the device
             # Packed documents in this rank's batch: the full-attention layers run one SDPA call per document.
             "documents": int(batch.cu_seqlens.numel()) - 1,
             "graphed": graphed,
             "epoch": round(self.train_stream.epoch, 4),
             "seq_len": self.seq_len,
         }
+        return host, device_values
+
+    def _read_window(self, pending: list[tuple[dict[str, Any], torch.Tensor]], seconds: float) -> list[dict[str, Any]]:
+        """The metrics records of the steps in `pending`, their device values read in one host sync; each step's
+        time is the window's mean (`seconds` over its steps). A non-finite loss writes that step's record and
+        raises: the steps before it are written, and the run stops before its next save."""
+        # One copy to the host; steps' vectors may differ in length (an eager step's QB counts are host ints).
+        flat = torch.cat([v for _, v in pending]).cpu().tolist()
+        values, start = [], 0
+        for _, v in pending:
+            values.append(flat[start:start + v.numel()])
+            start += v.numel()
+        step_seconds = seconds / len(pending)
+        tokens = sum(host["tokens"] for host, _ in pending)
+        records = []
+        for (host, _), row in zip(pending, values):
+            loss, grad_norm, rest = row[0], row[1], row[2:]
+            maxvio_values, device_qb = rest[:len(host["layers"])], iter(rest[len(host["layers"]):])
+            qb_updates = [int(q) if q is not None else int(next(device_qb)) for q in host["qb_updates"]]
+            if not math.isfinite(loss):  # global under --global-batch: every rank stops together
+                # Nothing from this step reaches the checkpoint: the last good one stays on disk.
+                for record in records:
+                    self.metrics.write(record)
+                self.metrics.write({"step": host["step"], "loss": loss, "lr": host["lr"]})
+                self.plot()
+                raise NonFiniteLossError(
+                    f"loss became {loss} at step {host['step']}; training stopped and the last good checkpoint "
+                    f"({self.out / CHECKPOINT_NAME}, step {self._saved_step()}) was kept. Lower --lr, raise "
+                    f"--warmup-steps or check the data, then continue with --resume")
+            records.append({
+                "step": host["step"],
+                "loss": loss,
+                "lr": host["lr"],
+                "grad_norm": grad_norm,
+                "tokens": host["tokens"],
+                "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+                # The window's mean; the first step of a session includes kernel compiles (and a graph capture).
+                "step_seconds": round(step_seconds, 4),
+                "maxvio": max(maxvio_values) if maxvio_values else 0.0,
+                "maxvio_per_layer": {str(i): round(v, 4) for i, v in zip(host["layers"], maxvio_values)},
+                # The published QB takes one update per MoE layer and step; the iterated one, up to --qb-iters.
+                "qb_updates_max": max(qb_updates, default=0),
+                "qb_updates_mean": round(sum(qb_updates) / len(qb_updates), 2) if qb_updates else 0.0,
+                "documents": host["documents"],
+                "graphed": host["graphed"],
+                "epoch": host["epoch"],
+                "seq_len": host["seq_len"],
+                **({"window_steps": len(pending)} if len(pending) > 1 else {}),
+            })
+        return records
 
     def _saved_step(self) -> int | str:
         found = saved_format(self.out)

@@ -88,9 +88,11 @@ def test_trainer_refuses_cuda_graph_off_cuda_and_over_ranks(tmp_path, corpus_dir
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-def test_trainer_with_cuda_graph_learns_and_resumes(tmp_path, corpus_dir, small_config):
+@pytest.mark.parametrize("master_weights", ["bf16-params", "fp32-autocast"])
+def test_trainer_with_cuda_graph_learns_and_resumes(tmp_path, corpus_dir, small_config, master_weights):
     """Weighted recall rows in some batches and not others, evaluation between steps, a resume: the graphed
-    run learns, and its resumed half gives the unbroken run's losses."""
+    run learns, and its resumed half gives the unbroken run's losses; with bf16 parameters (the CUDA default)
+    and with fp32 ones under autocast."""
     from k3.train.metrics import read_metrics
     from k3.train.trainer import Trainer
 
@@ -99,11 +101,11 @@ def test_trainer_with_cuda_graph_learns_and_resumes(tmp_path, corpus_dir, small_
 
     unbroken = tmp_path / "unbroken"
     summary = Trainer(small_config(unbroken, corpus_dir, max_steps=12, eval_every=6, save_every=6, device="cuda",
-                                   cuda_graph=True), show_progress=False).train()
+                                   cuda_graph=True, master_weights=master_weights), show_progress=False).train()
     assert summary["last_val_loss"] < summary["first_val_loss"] - 0.5
     broken = tmp_path / "broken"
     config = small_config(broken, corpus_dir, max_steps=12, eval_every=6, save_every=6, device="cuda",
-                          cuda_graph=True)
+                          cuda_graph=True, master_weights=master_weights)
     Trainer(config, show_progress=False).train(stop_at=6)
     Trainer(config, resume=True, show_progress=False).train()
     want, got = losses(unbroken), losses(broken)

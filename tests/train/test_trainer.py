@@ -217,3 +217,60 @@ def test_profile_counts_each_kernel_once():
               SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=100.0, is_user_annotation=False),
               SimpleNamespace(device_type=DeviceType.CUDA, self_device_time_total=40.0, is_user_annotation=True)]
     assert sum(_kernel_time_us(e) for e in events) == 100.0
+
+
+STEP_VALUES = ("loss", "lr", "grad_norm", "tokens", "maxvio", "maxvio_per_layer", "qb_updates_max", "qb_updates_mean",
+               "documents", "graphed", "epoch", "seq_len", "val_loss")
+
+
+def step_values(run: Path) -> list[dict]:
+    """Every metrics record without its timings (which differ from run to run)."""
+    return [{k: r[k] for k in ("step", *STEP_VALUES) if k in r} for r in read_metrics(run / "metrics.jsonl")]
+
+
+def test_metrics_read_every_n_steps_equal_those_read_every_step(tmp_path, corpus_dir, small_config):
+    every = tmp_path / "every"
+    Trainer(small_config(every, corpus_dir, max_steps=7, log_every=1, device="cpu"), show_progress=False).train()
+    windowed = tmp_path / "windowed"
+    Trainer(small_config(windowed, corpus_dir, max_steps=7, log_every=4, device="cpu"), show_progress=False).train()
+    assert step_values(windowed) == step_values(every)
+    steps = [r for r in read_metrics(windowed / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 8))
+    # Read at the first step, then at the saves (every 2 steps, eval_every 3) and window ends: a window's steps
+    # share its mean step time.
+    assert "window_steps" not in steps[0] and steps[4]["window_steps"] == 2  # steps 5-6: the save at 6
+    assert steps[4]["step_seconds"] == steps[5]["step_seconds"] > 0
+
+
+def test_resume_is_exact_with_metrics_read_every_n_steps(tmp_path, corpus_dir, small_config):
+    unbroken = tmp_path / "unbroken"
+    Trainer(small_config(unbroken, corpus_dir, log_every=5, save_every=3, device="cpu"), show_progress=False).train()
+    broken = tmp_path / "broken"
+    Trainer(small_config(broken, corpus_dir, log_every=5, save_every=3, device="cpu"), show_progress=False).train(stop_at=5)
+    assert load_checkpoint(broken)["step"] == 3
+    Trainer(small_config(broken, corpus_dir), resume=True, show_progress=False).train()
+    assert step_values(broken) == step_values(unbroken)
+    a, b = load_checkpoint(unbroken)["model"], load_checkpoint(broken)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_log_every_must_not_be_negative(tmp_path, corpus_dir, small_config):
+    with pytest.raises(ValueError, match="log_every must be 0"):
+        small_config(tmp_path / "run", corpus_dir, log_every=-1)
+
+
+def test_a_window_reads_steps_whose_device_values_differ_in_length(tmp_path, corpus_dir, small_config):
+    """A graphed step of the iterated QB counts its updates on the device, an eager step of the same run (a batch
+    with more documents than the graph holds) on the host: one window holds both."""
+    trainer = Trainer(small_config(tmp_path / "run", corpus_dir, device="cpu"), show_progress=False)
+    host = {"step": 1, "lr": 0.1, "tokens": 64, "host_seconds": 0.0, "layers": [1, 2], "documents": 3,
+            "graphed": True, "epoch": 0.0, "seq_len": 32}
+    device_counted = ({**host, "qb_updates": [None, None]}, torch.tensor([2.5, 1.0, 0.25, 0.5, 4.0, 3.0],
+                                                                         dtype=torch.float64))
+    host_counted = ({**host, "step": 2, "graphed": False, "qb_updates": [7, 9]},
+                    torch.tensor([2.0, 0.5, 0.125, 0.75], dtype=torch.float64))
+    first, second = trainer._read_window([device_counted, host_counted], seconds=1.0)
+    assert (first["loss"], first["grad_norm"], first["maxvio"], first["qb_updates_max"]) == (2.5, 1.0, 0.5, 4)
+    assert first["maxvio_per_layer"] == {"1": 0.25, "2": 0.5} and first["qb_updates_mean"] == 3.5
+    assert (second["loss"], second["maxvio"], second["qb_updates_max"], second["qb_updates_mean"]) == (2.0, 0.75, 9, 8)
+    assert first["step_seconds"] == second["step_seconds"] == 0.5 and first["tokens_per_s"] == 128
