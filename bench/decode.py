@@ -299,7 +299,7 @@ def graph_kernel_count(replay, profile_path: str | None = None) -> int | None:
 
 def write_kernel_table(events, path: str) -> None:
     """Kernels of one replay grouped by name: launches, total and mean microseconds, share of the replay."""
-    from k3.checkpoint.native import atomic_write_bytes
+    from k3.atomic import atomic_write_bytes
 
     groups: dict[str, list[float]] = {}
     for e in events:

@@ -39,7 +39,7 @@ class _TokenizerFiles:
         self.files = files
 
     def save(self, directory: str | Path) -> None:
-        from k3.checkpoint.native import atomic_write_bytes
+        from k3.atomic import atomic_write_bytes
 
         for name, data in self.files.items():
             atomic_write_bytes(Path(directory) / name, data)
@@ -47,7 +47,7 @@ class _TokenizerFiles:
 
 def _load(source: Path, dtype: str | None):
     from k3.checkpoint.hf_load import from_pretrained, parse_dtype
-    from k3.checkpoint.hf_tokenizer import load_hf_tokenizer
+    from k3.data.hf_tokenizer import load_hf_tokenizer
     from k3.checkpoint.run import load_run_model
 
     if not source.exists():

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from k3.checkpoint.native import atomic_write
+from k3.atomic import atomic_write
 from k3.distributed.launch import barrier, is_distributed, is_main
 
 FORMAT = "k3-full-state-dict-v1"

@@ -37,9 +37,9 @@ class RolloutWorker:
                  max_batch: int, record_routing: bool, threads: int, env: dict[str, str], device: str = "cpu",
                  cuda_graphs: bool | None = None, dtype: str = "auto") -> None:
         from k3.config import ModelConfig
-        from k3.infer.cli import inference_dtype
         from k3.model import K3ForCausalLM
         from k3.rl.loop import build_engine
+        from k3.runtime import inference_dtype
 
         os.environ.update(env)
         torch.set_num_threads(max(1, threads))

@@ -32,13 +32,13 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from k3.checkpoint.native import atomic_write_bytes
-from k3.infer.cli import DTYPE_CHOICES
+from k3.atomic import atomic_write_bytes
 from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages, loss_config_for
 from k3.rl.policy import PolicyConfig, PolicyUpdater, Sequence
 from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.rl.tasks import Task, load_tasks
+from k3.runtime import DTYPE_CHOICES, autocast_dtype, inference_dtype, resolve_device, seed_everything
 from k3.train.metrics import MetricsLog, read_metrics
 
 
@@ -223,8 +223,6 @@ def rollout_copy(model, dtype: str):
     frozen copy in that dtype (the inference CLIs' --dtype rule: auto = bf16 on CUDA, fp32 elsewhere)."""
     import copy
 
-    from k3.infer.cli import inference_dtype
-
     weight = next(model.parameters())
     want = inference_dtype(dtype, weight.device)
     if want == weight.dtype:
@@ -255,8 +253,6 @@ class RLTrainer:
         """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``;
         ``steps_override`` may extend the run past its saved ``steps``). model and tokenizer: start from these
         (Python use) instead of loading ``config.run``."""
-        from k3.train.trainer import autocast_dtype, resolve_device
-
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
         state = open_run(self.out, resume, "rl", "k3 rl", "an RL run")
@@ -276,15 +272,14 @@ class RLTrainer:
         if not self.ranks.main:
             self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype("auto", self.device)
-        torch.manual_seed(config.seed)
-        random.seed(config.seed)
+        seed_everything(config.seed)
         policy = policy_from(state, self.out, self.device, model, tokenizer)
         if policy is not None:
             self.model, self.tokenizer = policy
         else:
             if not config.run:
                 raise ValueError("give the starting checkpoint: --run DIR (a `k3 train`, `k3 sft` or `k3 rl` run)")
-            from k3.infer.cli import load_for_inference
+            from k3.checkpoint.inference import load_for_inference
 
             self.model, self.tokenizer = load_for_inference(config.run, None, str(self.device))
         self.model_config = self.model.config
