@@ -66,7 +66,7 @@ def _save_native(model, tokenizer, target: Path) -> Path:
     import tempfile
 
     from k3.checkpoint import native
-    from k3.checkpoint.hf_save import _replace_directory
+    from k3.checkpoint.hf_save import replace_directory
 
     files: dict[str, bytes] = {}
     if tokenizer is not None:
@@ -82,7 +82,7 @@ def _save_native(model, tokenizer, target: Path) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     try:
         native.save_checkpoint(staging / native.CHECKPOINT_NAME, state)
-        _replace_directory(staging, target)
+        replace_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -46,9 +46,9 @@ from k3.infer.sampling import SamplingParams
 from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
     load_model_and_tokenizer, packed_log_softmax, route
 from k3.rl.distill_tasks import centred_rewards, load_reward_suite, suite_items, task_reward
-from k3.rl.loop import weights_changed
 from k3.rl.losses import ALGORITHMS, loss_config_for, tis_weights
 from k3.rl.policy import micro_batches, packed_logprobs, token_logprobs
+from k3.rl.rollout_engine import weights_changed
 from k3.rl.routing import RoutingReplay
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.runtime import autocast_dtype, resolve_device, seed_everything

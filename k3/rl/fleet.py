@@ -30,7 +30,7 @@ SANDBOX_ENV = ("K3_SANDBOX_HOME", "K3_SANDBOX_SCRATCH")
 
 
 class RolloutWorker:
-    """One rollout worker (a Ray actor): a policy copy, its engine (k3.rl.loop.build_engine) and a
+    """One rollout worker (a Ray actor): a policy copy, its engine (k3.rl.rollout_engine.build_engine) and a
     RolloutRunner whose sandboxes live on this worker's node."""
 
     def __init__(self, model_config: dict, state: dict, tokenizer, config: RolloutConfig, seed: int,
@@ -38,14 +38,14 @@ class RolloutWorker:
                  cuda_graphs: bool | None = None, dtype: str = "auto") -> None:
         from k3.config import ModelConfig
         from k3.model import K3ForCausalLM
-        from k3.rl.loop import build_engine
+        from k3.rl.rollout_engine import build_engine
         from k3.runtime import inference_dtype
 
         os.environ.update(env)
         torch.set_num_threads(max(1, threads))
         self.model = K3ForCausalLM(ModelConfig.from_dict(model_config))
         self.model.load_state_dict(state)
-        # The rollout dtype as the in-process engine has it (k3.rl.loop.rollout_copy): auto = bf16 on CUDA.
+        # The rollout dtype as the in-process engine has it (k3.rl.rollout_engine.rollout_copy): auto = bf16 on CUDA.
         # Pushed fp32 weights are cast on load_state_dict's copy.
         self.model.to(device=device, dtype=inference_dtype(dtype, device)).eval().requires_grad_(False)
         self.engine = build_engine(self.model, tokenizer, config.max_context, max_batch=max_batch,

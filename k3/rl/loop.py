@@ -36,9 +36,10 @@ from k3.atomic import atomic_write_bytes
 from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages, loss_config_for
 from k3.rl.policy import PolicyConfig, PolicyUpdater, Sequence
 from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner
+from k3.rl.rollout_engine import build_engine, rollout_copy, sync_rollout_copy, weights_changed
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.rl.tasks import Task, load_tasks
-from k3.runtime import DTYPE_CHOICES, autocast_dtype, inference_dtype, resolve_device, seed_everything
+from k3.runtime import DTYPE_CHOICES, autocast_dtype, resolve_device, seed_everything
 from k3.train.metrics import MetricsLog, read_metrics
 
 
@@ -195,56 +196,6 @@ def _episode_metrics(episodes: list[dict[str, Any]]) -> dict[str, float]:
         "episodes": len(episodes),
         "finish": finishes,
     }
-
-
-def build_engine(model, tokenizer, max_context: int, max_batch: int = 32, cuda_graphs: bool | None = None,
-                 record_routing: bool = False):
-    """The inference engine over the policy model itself: updates reach it in process, with no copy (call
-    weights_changed after each update: its prefix cache holds states computed by the old weights).
-    record_routing (MoE models only): the engine records every fed token's experts for routing replay; it
-    then runs without CUDA graphs and without its prefix cache."""
-    import inspect
-
-    from k3.infer import Engine
-
-    kwargs = {"max_context": max_context}
-    parameters = inspect.signature(Engine.__init__).parameters
-    if "max_batch" in parameters:
-        kwargs["max_batch"] = max_batch
-    if cuda_graphs is not None and "use_cuda_graphs" in parameters:
-        kwargs["use_cuda_graphs"] = cuda_graphs
-    if record_routing and model.routers():
-        kwargs["record_routing"] = True
-    return Engine(model, tokenizer, **kwargs)
-
-
-def rollout_copy(model, dtype: str):
-    """The model the in-process engine runs: ``model`` itself when it already has the rollout dtype, else a
-    frozen copy in that dtype (the inference CLIs' --dtype rule: auto = bf16 on CUDA, fp32 elsewhere)."""
-    import copy
-
-    weight = next(model.parameters())
-    want = inference_dtype(dtype, weight.device)
-    if want == weight.dtype:
-        return model
-    return copy.deepcopy(model).to(want).eval().requires_grad_(False)
-
-
-@torch.no_grad()
-def sync_rollout_copy(copy_model, model) -> None:
-    """Copy the policy's weights (and buffers: the balancers' biases) into the rollout copy, in place, so
-    captured CUDA graphs keep reading the right addresses."""
-    for mine, theirs in zip(copy_model.parameters(), model.parameters()):
-        mine.copy_(theirs)
-    for mine, theirs in zip(copy_model.buffers(), model.buffers()):
-        mine.copy_(theirs)
-
-
-def weights_changed(engine) -> None:
-    """Tell the engine its model's weights moved: cached prefix states are stale."""
-    clear = getattr(engine, "clear_prefix_cache", None)
-    if clear is not None:
-        clear()
 
 
 class RLTrainer:
