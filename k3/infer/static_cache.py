@@ -33,6 +33,8 @@ class StaticKDASlot:
     a decode step reads it as it is and writes it back with one copy, where three buffers took a concatenation
     going in and three copies coming out (small kernels, one set per KDA layer and step)."""
 
+    in_place = True
+
     def __init__(self, config: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
         heads, dim = config.kda_num_heads, config.kda_head_dim
         self.width = heads * dim
@@ -79,6 +81,8 @@ class StaticKDASlot:
 class StaticMLASlot:
     """Latent and rope-key buffers of fixed capacity, written at the shared device-side position."""
 
+    pages_in_place = False  # a contiguous buffer, not pages: attention reads it by visible_mask
+
     def __init__(self, config: ModelConfig, batch_size: int, capacity: int, position: torch.Tensor,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.latent = torch.zeros(batch_size, capacity, config.kv_lora_rank, dtype=dtype, device=device)
@@ -104,6 +108,9 @@ class StaticMLASlot:
         self.visible_mask = self.slots[None, :] <= index[:, None]
         self.visible_limits = (self.position + 1).to(torch.int32).expand(latent.shape[0])
         return self.latent, self.k_rope
+
+    def append_in_place(self, latent: torch.Tensor, k_rope: torch.Tensor):
+        raise TypeError("StaticMLASlot keeps a contiguous buffer, not pages; use append (pages_in_place is False)")
 
     def buffers(self) -> list[torch.Tensor]:
         return [self.latent, self.k_rope]
