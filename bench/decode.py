@@ -37,8 +37,7 @@ from long import chunked_prefill
 from train import k3_matched_config, peer_model
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.infer.cuda_graph import CUDAGraphDecoder, compiled_decode_step, decode_step
-from k3.infer.static_cache import StaticCache
+from static_decode import CUDAGraphDecoder, StaticCache, compiled_decode_step, decode_step
 from k3.layers.fused_weights import fuse_model_weights, unfuse_model_weights
 import k3.layers.moe as moe_layers
 

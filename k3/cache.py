@@ -9,7 +9,7 @@ KDA slots cost the same at any context length; MLA slots grow by (kv_lora_rank +
 per token per layer.
 
 The layers see a cache slot through KDASlot and MLASlot (typing.Protocol): HybridCache's slots here, the
-engine's pool views (k3.infer.cache_pool) and the static decode cache (bench/static_cache.py). `in_place` and
+engine's pool views (k3.infer.cache_pool) and the static decode cache (bench/static_decode.py). `in_place` and
 `pages_in_place` say whether a slot's tensors stay where they are, so decode kernels advance them there.
 """
 

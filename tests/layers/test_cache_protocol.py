@@ -7,7 +7,7 @@ import torch
 from k3 import ModelConfig
 from k3.cache import HybridCache, KDASlot, MLASlot
 from k3.infer.cache_pool import BatchCache, CachePool
-from k3.infer.static_cache import StaticCache
+from bench.static_decode import StaticCache
 
 
 def slots_of(cache, config: ModelConfig) -> tuple[object, object]:
