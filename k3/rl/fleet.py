@@ -25,8 +25,7 @@ import torch
 
 from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner, episode_from_state, episode_state
 from k3.rl.tasks import Task
-
-SANDBOX_ENV = ("K3_SANDBOX_HOME", "K3_SANDBOX_SCRATCH")
+from k3.sandbox.paths import path_environment
 
 
 class RolloutWorker:
@@ -108,7 +107,7 @@ class RayRollouts:
         self._ray, self.timeout = ray, timeout
         self.config = config
         self.stats: dict[str, float] = {}
-        env = {name: os.environ[name] for name in SANDBOX_ENV if name in os.environ}
+        env = path_environment()
         actor = ray.remote(RolloutWorker).options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy="SPREAD")
         state = ray.put(_cpu_state(model))
         threads = max(1, int(num_cpus))
