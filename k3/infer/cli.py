@@ -6,10 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from k3.checkpoint.inference import load_for_inference  # noqa: F401 (the commands' loader, re-exported)
+from k3.checkpoint.inference import load_for_inference
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
-from k3.runtime import DTYPE_CHOICES, DTYPE_HELP, inference_dtype, resolve_device  # noqa: F401 (re-exported)
+from k3.runtime import DTYPE_CHOICES, DTYPE_HELP, resolve_device
 
 
 def has_vision(directory: Path) -> bool:
