@@ -110,7 +110,7 @@ def write_json(path: str | None, payload: dict[str, Any]) -> None:
     """Write the payload (plus device and torch version) as JSON, atomically (k3's checkpoint writer)."""
     if not path:
         return
-    from k3.checkpoint.native import atomic_write_bytes
+    from k3.atomic import atomic_write_bytes
 
     payload = {"device": device_name(), "torch": torch.__version__, **payload}
     atomic_write_bytes(path, json.dumps(payload, indent=2, default=str).encode())
@@ -204,7 +204,7 @@ def write_kernel_sources(run, path: str) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from k3.checkpoint.native import atomic_write_bytes
+    from k3.atomic import atomic_write_bytes
 
     try:
         synchronize()

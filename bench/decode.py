@@ -37,8 +37,7 @@ from long import chunked_prefill
 from train import k3_matched_config, peer_model
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.infer.cuda_graph import CUDAGraphDecoder, compiled_decode_step, decode_step
-from k3.infer.static_cache import StaticCache
+from static_decode import CUDAGraphDecoder, StaticCache, compiled_decode_step, decode_step
 from k3.layers.fused_weights import fuse_model_weights, unfuse_model_weights
 import k3.layers.moe as moe_layers
 
@@ -299,7 +298,7 @@ def graph_kernel_count(replay, profile_path: str | None = None) -> int | None:
 
 def write_kernel_table(events, path: str) -> None:
     """Kernels of one replay grouped by name: launches, total and mean microseconds, share of the replay."""
-    from k3.checkpoint.native import atomic_write_bytes
+    from k3.atomic import atomic_write_bytes
 
     groups: dict[str, list[float]] = {}
     for e in events:

@@ -21,8 +21,7 @@ from decode import prefill
 from gpu_check import twins
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.infer.cuda_graph import CUDAGraphDecoder, compiled_decode_step, decode_step
-from k3.infer.static_cache import StaticCache
+from static_decode import CUDAGraphDecoder, StaticCache, compiled_decode_step, decode_step
 
 
 @torch.no_grad()

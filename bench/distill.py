@@ -83,7 +83,7 @@ def main() -> None:
     bare_s, bare_tps = float("nan"), float("nan")
     if device.type == "cuda":
         from decode import synthetic_static
-        from k3.infer.cuda_graph import CUDAGraphDecoder
+        from static_decode import CUDAGraphDecoder
 
         static = synthetic_static(student.config, batch, args.prompt_len, context, device)
         decoder = CUDAGraphDecoder(student, static)

@@ -119,8 +119,7 @@ def check_batch_vs_alone(model, prompts, new: int, max_context: int, tol: float)
 
 
 def bare_graph_step_ms(model, config, prompt: int, new: int, device) -> float:
-    from k3.infer.cuda_graph import CUDAGraphDecoder
-    from k3.infer.static_cache import StaticCache
+    from static_decode import CUDAGraphDecoder, StaticCache
 
     ids = torch.randint(1, config.vocab_size, (1, prompt), device=device)
     with torch.no_grad():

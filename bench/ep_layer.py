@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from common import print_table
 from ep_dispatch import bench_all_to_all, gbps, local_median_seconds, routing_ids, say, sync, timed
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 from k3.config import ModelConfig
 from k3.distributed import balanced_plan, home_plan, imbalance, init_distributed, is_main, shutdown
 from k3.distributed.dispatcher import combine, compute_slots, dispatch, route, slot_weights

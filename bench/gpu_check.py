@@ -466,8 +466,7 @@ def check_static_decode(device, rows) -> None:
     """Static-cache steps must equal HybridCache steps (same kernels); graph replay must equal eager steps.
     Against the full forward, bf16 decode differs by the chunked-vs-recurrent rounding (a few %), so that row
     is held to a looser bound plus argmax agreement."""
-    from k3.infer.cuda_graph import CUDAGraphDecoder, decode_step
-    from k3.infer.static_cache import StaticCache
+    from static_decode import CUDAGraphDecoder, StaticCache, decode_step
 
     torch.manual_seed(11)
     model = K3ForCausalLM(wide_debug_config()).to(device, torch.bfloat16).eval()

@@ -22,8 +22,7 @@ import torch
 from common import device_name, peak_memory_gib, print_table, reset_peak_memory, synchronize, time_ms, write_json
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.infer.cuda_graph import CUDAGraphDecoder
-from k3.infer.static_cache import StaticCache
+from static_decode import CUDAGraphDecoder, StaticCache
 
 
 @torch.no_grad()

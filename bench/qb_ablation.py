@@ -34,7 +34,7 @@ from k3.ops.triton_support import limit_triton_autotune_from_env
 
 limit_triton_autotune_from_env()  # before anything imports fla (K3_AUTOTUNE_CONFIGS, as the kernel cache was built)
 
-from k3.checkpoint.native import atomic_write_bytes  # noqa: E402
+from k3.atomic import atomic_write_bytes  # noqa: E402
 from k3.train.metrics import read_metrics  # noqa: E402
 from k3.train.trainer import TrainConfig, Trainer  # noqa: E402
 

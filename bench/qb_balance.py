@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 from k3.train.metrics import read_metrics
 from k3.layers.balancing import QB_MAX_ITERS
 from k3.train.trainer import TrainConfig, Trainer

@@ -7,14 +7,79 @@ AttnRes mixes are token-local over depth and need no cache.
 
 KDA slots cost the same at any context length; MLA slots grow by (kv_lora_rank + qk_rope_head_dim) numbers
 per token per layer.
+
+The layers see a cache slot through KDASlot and MLASlot (typing.Protocol): HybridCache's slots here, the
+engine's pool views (k3.infer.cache_pool) and the static decode cache (bench/static_decode.py). `in_place` and
+`pages_in_place` say whether a slot's tensors stay where they are, so decode kernels advance them there.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
 import torch
+
+if TYPE_CHECKING:
+    from k3.ops.mla_decode import PagedLatents
+
+
+@runtime_checkable
+class KDASlot(Protocol):
+    """A KDA layer's cache for a batch of rows: the fp32 recurrent state [B, H, dk, dv] and the q, k, v conv
+    tails [B, W-1, C] (None before the first token)."""
+
+    in_place: bool  # state_in_place, conv_window_in_place and update_conv_tails work: decode advances in place
+
+    @property
+    def state(self) -> torch.Tensor | None: ...
+
+    @property
+    def conv_tails(self) -> tuple[torch.Tensor | None, ...]: ...
+
+    @property
+    def conv_window(self) -> torch.Tensor | None:
+        """The three tails side by side [B, W-1, 3C] (the joined conv's layout), or None where kept apart."""
+
+    def update(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None: ...
+
+    def state_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the state pool [slots, H, dk, dv] fp32, the rows' slots [B]) for fused_recurrent_kda_inplace."""
+
+    def conv_window_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the window pool [slots, W-1, 3C], the rows' slots [B]) for short_conv_step_inplace."""
+
+    def update_conv_tails(self, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None: ...
+
+
+@runtime_checkable
+class MLASlot(Protocol):
+    """An MLA layer's cache for a batch of rows: the normalised latents and rope keys of the tokens so far."""
+
+    pages_in_place: bool  # append_in_place works: decode attention reads the pages where they lie
+    # After append: which of the returned positions each query sees ([T, S] or [B, 1, T, S]), and the same as
+    # per-row limits [B]; None: causal from `length`.
+    visible_mask: torch.Tensor | None
+    visible_limits: torch.Tensor | None
+
+    @property
+    def length(self) -> int:
+        """Tokens cached before this forward's (the host-side count the causal mask starts from)."""
+
+    def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, T, R], k_rope [B, T, rope] -> the whole context's latents and rope keys [B, S, ...]."""
+
+    def append_in_place(self, latent: torch.Tensor, k_rope: torch.Tensor) -> PagedLatents: ...
+
+
+def _not_in_place(slot: object) -> TypeError:
+    return TypeError(f"{type(slot).__name__} grows by new tensors and has no in-place form; check its in_place / "
+                     f"pages_in_place first")
 
 
 class KDACacheSlot:
+    in_place = False
+    conv_window = None
+
     def __init__(self) -> None:
         self.state: torch.Tensor | None = None
         self.conv_tails: tuple[torch.Tensor | None, ...] = (None, None, None)
@@ -31,8 +96,20 @@ class KDACacheSlot:
         self.state = None if self.state is None else self.state[index]
         self.conv_tails = tuple(None if t is None else t[index] for t in self.conv_tails)
 
+    def state_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise _not_in_place(self)
+
+    def conv_window_in_place(self) -> tuple[torch.Tensor, torch.Tensor]:
+        raise _not_in_place(self)
+
+    def update_conv_tails(self, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        raise _not_in_place(self)
+
 
 class MLACacheSlot:
+    pages_in_place = False
+    visible_mask = visible_limits = None  # causal from `length`
+
     def __init__(self) -> None:
         self.latent: torch.Tensor | None = None  # [B, T, R]
         self.k_rope: torch.Tensor | None = None  # [B, T, rope]
@@ -56,6 +133,9 @@ class MLACacheSlot:
     def select(self, index: torch.Tensor) -> None:
         if self.latent is not None:
             self.latent, self.k_rope = self.latent[index], self.k_rope[index]
+
+    def append_in_place(self, latent: torch.Tensor, k_rope: torch.Tensor) -> PagedLatents:
+        raise _not_in_place(self)
 
 
 class HybridCache:

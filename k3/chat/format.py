@@ -226,12 +226,12 @@ def _has_kimi_tokens(tokenizer) -> bool:
 def read_template_files(directory: str | Path) -> tuple[str | None, dict]:
     """(template, tokenizer_config) of a tokenizer or model directory: tokenizer_config.json's
     `chat_template`, else chat_template.jinja, else chat_template.json."""
-    from k3.checkpoint.hf_tokenizer import _read_chat_template, _read_json
+    from k3.data.hf_tokenizer import read_chat_template, read_json
 
     directory = Path(directory)
     config_file = directory / "tokenizer_config.json"
-    config = _read_json(config_file) if config_file.is_file() else {}
-    return _read_chat_template(directory, config), config
+    config = read_json(config_file) if config_file.is_file() else {}
+    return read_chat_template(directory, config), config
 
 
 def load_chat_format(tokenizer, directory: str | Path | None = None, default: str = "plain") -> ChatFormat:

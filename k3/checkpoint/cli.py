@@ -39,7 +39,7 @@ class _TokenizerFiles:
         self.files = files
 
     def save(self, directory: str | Path) -> None:
-        from k3.checkpoint.native import atomic_write_bytes
+        from k3.atomic import atomic_write_bytes
 
         for name, data in self.files.items():
             atomic_write_bytes(Path(directory) / name, data)
@@ -47,7 +47,7 @@ class _TokenizerFiles:
 
 def _load(source: Path, dtype: str | None):
     from k3.checkpoint.hf_load import from_pretrained, parse_dtype
-    from k3.checkpoint.hf_tokenizer import load_hf_tokenizer
+    from k3.data.hf_tokenizer import load_hf_tokenizer
     from k3.checkpoint.run import load_run_model
 
     if not source.exists():
@@ -66,7 +66,7 @@ def _save_native(model, tokenizer, target: Path) -> Path:
     import tempfile
 
     from k3.checkpoint import native
-    from k3.checkpoint.hf_save import _replace_directory
+    from k3.checkpoint.hf_save import replace_directory
 
     files: dict[str, bytes] = {}
     if tokenizer is not None:
@@ -82,7 +82,7 @@ def _save_native(model, tokenizer, target: Path) -> Path:
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
     try:
         native.save_checkpoint(staging / native.CHECKPOINT_NAME, state)
-        _replace_directory(staging, target)
+        replace_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

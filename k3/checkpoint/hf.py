@@ -6,12 +6,12 @@
 
 Formats: 'kimi_linear' (transformers' / Moonshot's Kimi-Linear layout) and 'kimi_k3' (the published K3 layout,
 routed experts optionally in MXFP4). Name maps: hf_names.py; reading: hf_load.py; writing: hf_save.py;
-tokenizers: hf_tokenizer.py; MXFP4: mxfp4.py. See docs/checkpoints.md.
+tokenizers: k3/data/hf_tokenizer.py; MXFP4: mxfp4.py. See docs/checkpoints.md.
 """
 
 from k3.checkpoint.hf_load import from_pretrained, load_hf_weights, read_hf_config
 from k3.checkpoint.hf_save import checkpoint_tensors, save_pretrained
-from k3.checkpoint.hf_tokenizer import HFTokenizer, load_hf_tokenizer
+from k3.data.hf_tokenizer import HFTokenizer, load_hf_tokenizer
 
 
 def load_tokenizer(path) -> HFTokenizer:

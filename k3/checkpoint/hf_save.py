@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from k3.atomic import atomic_write_bytes
 from k3.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE
 from k3.checkpoint.hf_names import FORMATS, K3_PREFIX, is_stacked_expert, native_to_checkpoint
-from k3.checkpoint.hf_tokenizer import atomic_write_bytes
 from k3.checkpoint.mxfp4 import GROUP_SIZE, quantize_mxfp4
 from k3.hf_config import to_hf_config
 from k3.model import K3ForCausalLM
@@ -121,7 +121,7 @@ def _write_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def _replace_directory(staging: Path, target: Path) -> None:
+def replace_directory(staging: Path, target: Path) -> None:
     """Move a finished staging directory to `target`, replacing any old checkpoint there."""
     if target.exists():
         if not target.is_dir():
@@ -197,7 +197,7 @@ def save_pretrained(model: K3ForCausalLM, tokenizer, path: str | os.PathLike, fo
         atomic_write_bytes(staging / "config.json", json.dumps(hf_config, indent=2).encode("utf-8"))
         if tokenizer is not None:
             tokenizer.save(staging)
-        _replace_directory(staging, target)
+        replace_directory(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -20,17 +20,16 @@ a save that dies half-way leaves the previous checkpoint in place and loadable.
 
 from __future__ import annotations
 
-import glob
 import os
 import pickle
 import shutil
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from k3.atomic import atomic_write, atomic_write_bytes  # noqa: F401 (atomic_write_bytes re-exported)
 from k3.config import ModelConfig
 
 CHECKPOINT_FORMAT = "k3-native-1"
@@ -39,58 +38,6 @@ CHECKPOINT_NAME = "checkpoint.pt"
 
 class UnsafeCheckpointError(RuntimeError):
     """A checkpoint holds objects that only a full unpickle (which could run its code) would rebuild."""
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` so readers see the old file or the whole new one, never a part."""
-    atomic_write(Path(path), lambda handle: handle.write(data))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
-
-
-def remove_stale_temp_files(path: Path) -> list[Path]:
-    """Delete the temp files that atomic writes of `path` by processes no longer running left behind (a save
-    killed half-way): `.NAME.PID.*.tmp` with a dead PID. Other files, and those of live writers, stay."""
-    removed = []
-    for candidate in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid = candidate.name[len(path.name) + 2:].split(".", 1)[0]
-        if pid.isdigit() and not _pid_alive(int(pid)) and candidate.is_file() and not candidate.is_symlink():
-            candidate.unlink(missing_ok=True)
-            removed.append(candidate)
-    return removed
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call write(handle) on a temp file beside `path`, fsync it, rename it over `path`, fsync the directory.
-    Temp files of earlier writers of `path` that died mid-write are removed first."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temp_files(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; these are ordinary output files
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    # The rename itself must reach the disk too, or a crash can bring back the old directory entry.
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def directory_files(directory: str | os.PathLike) -> dict[str, bytes]:
@@ -130,7 +77,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             f"checkpoint {path} holds objects other than tensors and plain values ({unsafe}); k3 does not load "
             f"it, since unpickling them could run code. A checkpoint of an older k3 (RNG states as numpy "
             f"objects) can be rewritten by its owner, who trusts it, with torch.load(weights_only=False), "
-            f"converting state['rng'] with k3.train.trainer.plain_rng_state, and torch.save") from error
+            f"converting state['rng'] with k3.runtime.plain_rng_state, and torch.save") from error
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as error:
         raise RuntimeError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {error}); "
                            f"restore it from a copy or train again") from error

@@ -61,7 +61,7 @@ def tokenize_documents(texts: list[str], tokenizer, eos_token_id: int, show_prog
 
 
 def save_stream(path: Path, stream: np.ndarray) -> None:
-    from k3.checkpoint.native import atomic_write_bytes
+    from k3.atomic import atomic_write_bytes
 
     atomic_write_bytes(path, stream.astype(np.int32).tobytes())
 

@@ -59,7 +59,7 @@ class BPETokenizer:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def save(self, directory: str | os.PathLike) -> None:
-        from k3.checkpoint.native import atomic_write_bytes
+        from k3.atomic import atomic_write_bytes
 
         directory = Path(directory)
         atomic_write_bytes(directory / "tokenizer.json", self.backend.to_str().encode("utf-8"))
@@ -106,19 +106,19 @@ def _tokenizer_json(path: Path) -> BPETokenizer:
     if isinstance(bos, dict):
         bos = bos.get("content")
     tokenizer = BPETokenizer(backend, eos, bos)
-    tokenizer.chat_template = _read_chat_template(path.parent, config)
+    tokenizer.chat_template = read_chat_template(path.parent, config)
     return tokenizer
 
 
-def _read_chat_template(directory: Path, config: dict) -> str | None:
-    from k3.checkpoint.hf_tokenizer import _read_chat_template as read
+def read_chat_template(directory: Path, config: dict) -> str | None:
+    from k3.data.hf_tokenizer import read_chat_template as read
 
     return read(directory, config)
 
 
 def _save_chat_template(tokenizer, directory: Path) -> None:
     """The chat format travels with the tokenizer files (k3.chat), as transformers stores it."""
-    from k3.checkpoint.native import atomic_write_bytes
+    from k3.atomic import atomic_write_bytes
 
     if getattr(tokenizer, "chat_template", None):
         atomic_write_bytes(Path(directory) / "chat_template.jinja", tokenizer.chat_template.encode("utf-8"))
@@ -137,7 +137,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
             if not (path / "tokenizer_config.json").is_file():
                 return _tiktoken_file(path / "tiktoken.model")
             # A model directory (Kimi's layout): its config names the special tokens.
-            from k3.checkpoint.hf_tokenizer import load_hf_tokenizer
+            from k3.data.hf_tokenizer import load_hf_tokenizer
 
             return load_hf_tokenizer(path)
         raise FileNotFoundError(f"{path} holds neither tokenizer.json nor tiktoken.model")
@@ -156,7 +156,7 @@ class TiktokenTokenizer:
     def __init__(self, ranks: dict[bytes, int], source: Path) -> None:
         import tiktoken
 
-        from k3.checkpoint.hf_tokenizer import KIMI_PATTERN
+        from k3.data.hf_tokenizer import KIMI_PATTERN
 
         self.ranks = ranks
         self.eos_token_id = max(ranks.values()) + 1
@@ -175,7 +175,7 @@ class TiktokenTokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         import base64
 
-        from k3.checkpoint.native import atomic_write_bytes
+        from k3.atomic import atomic_write_bytes
 
         lines = [f"{base64.b64encode(t).decode('ascii')} {r}" for t, r in sorted(self.ranks.items(),
                                                                                   key=lambda item: item[1])]
@@ -184,7 +184,7 @@ class TiktokenTokenizer:
 
 
 def _tiktoken_file(path: Path) -> TiktokenTokenizer:
-    from k3.checkpoint.hf_tokenizer import read_tiktoken_ranks
+    from k3.data.hf_tokenizer import read_tiktoken_ranks
 
     tokenizer = TiktokenTokenizer(read_tiktoken_ranks(path), path)
     template = path.parent / "chat_template.jinja"

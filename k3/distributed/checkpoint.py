@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 
-from k3.checkpoint.native import atomic_write
+from k3.atomic import atomic_write
 from k3.distributed.launch import barrier, is_distributed, is_main
 
 FORMAT = "k3-full-state-dict-v1"
@@ -30,7 +30,7 @@ def _is_parallel(model: nn.Module) -> bool:
     return layout is not None and layout.world_size > 1
 
 
-def _reshard(model: nn.Module) -> None:
+def reshard(model: nn.Module) -> None:
     """Put every FSDP unit back into its sharded form. After a forward without backward (evaluation) the root
     unit keeps its parameters gathered (FSDP does not reshard the root after forward), and a state dict
     loaded then would be copied into plain gathered tensors instead of being sharded."""
@@ -80,7 +80,7 @@ def load_full_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> No
     """Load a single-device state dict (every rank holds the whole of it) into `model`, parallelized or not.
     Collective for a parallelized model: each rank keeps its own shards."""
     if _is_parallel(model):
-        _reshard(model)
+        reshard(model)
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
     else:
         model.load_state_dict(state, strict=True)
@@ -128,6 +128,6 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
     by_name = {"state": {names[number]: value for number, value in state["state"].items()},
                "param_groups": [{**group, "params": [names[n] for n in group["params"]]}
                                 for group in state["param_groups"]]}
-    _reshard(model)
+    reshard(model)
     # Not strict: parameters that never had a gradient have no optimizer state.
     set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True, strict=False))

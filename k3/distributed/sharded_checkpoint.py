@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from k3.distributed.checkpoint import _reshard
+from k3.distributed.checkpoint import reshard
 from k3.checkpoint.native import UnsafeCheckpointError
 from k3.distributed.launch import barrier, is_distributed, is_main
 
@@ -207,7 +207,7 @@ def load_sharded(path: str | os.PathLike, model: nn.Module,
     _load(state, path, no_dist=not is_distributed())
     if state["k3"]["format"] != FORMAT:
         raise ValueError(f"{path} is not a {FORMAT} checkpoint (found format {state['k3']['format']!r})")
-    _reshard(model)  # as load_checkpoint does: after an eval forward FSDP's root keeps parameters gathered
+    reshard(model)  # as load_checkpoint does: after an eval forward FSDP's root keeps parameters gathered
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
     if optimizer is not None:
         # Not strict: parameters that never had a gradient have no optimizer state, saved or loaded.

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 from k3.config import ModelConfig
 
 AXES: dict[str, tuple[str, ...]] = {

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 
 METRICS = (("val_loss", "val loss", "{:.4f}"), ("mqar_trained", "MQAR @L", "{:.3f}"), ("mqar_4x", "MQAR @4L", "{:.3f}"),
            ("maxvio_mean", "maxvio mean", "{:.3f}"), ("maxvio_p99", "maxvio p99", "{:.3f}"),

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from k3.infer.cli import DTYPE_CHOICES, DTYPE_HELP
+from k3.runtime import DTYPE_CHOICES, DTYPE_HELP
 
 
 def _held_out_stream(args: argparse.Namespace, tokenizer) -> np.ndarray | None:
@@ -60,7 +60,7 @@ def eval_command(args: argparse.Namespace) -> int:
     from k3.eval.report import (accuracy_table, cost_table, parse_lengths, perplexity_table, plot_accuracy,
                                 plot_perplexity, write_json)
     from k3.eval.tasks import TASKS, Filler, TaskContext
-    from k3.infer.cli import load_for_inference
+    from k3.checkpoint.inference import load_for_inference
 
     if args.n < 1:
         raise ValueError(f"--n must be >= 1 (examples per task and length), got {args.n}")

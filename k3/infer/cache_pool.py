@@ -11,9 +11,8 @@
 Slot 0 and page 0 are scratch: padded rows of a CUDA-graph batch read and write there, so real slots and
 pages never see them.
 
-`BatchCache` is the view a forward takes: `cache[i]` is layer i's adapter with the interface the layers
-already use with HybridCache (KDA: `state`, `conv_tails`, `update`, and `state_in_place` / `update_conv_tails`
-for decode; MLA: `length`, `append`, `visible_mask`, and `append_in_place` for decode). It gathers the rows' slots
+`BatchCache` is the view a forward takes: `cache[i]` is layer i's adapter, a k3.cache.KDASlot / MLASlot as
+HybridCache's slots are (in place: decode advances KDA states and reads MLA pages where they lie). It gathers the rows' slots
 and pages, and scatters what the layer writes back into the pool (a decode step's KDA states are advanced in the
 pool itself, and its MLA attention reads the pages where they lie).
 """
@@ -138,6 +137,8 @@ class KDAView:
     where they lie instead (`state_in_place`), which reads and writes each state once where a gather, a new
     state and a scatter move it six times."""
 
+    in_place = True
+
     def __init__(self, pool: CachePool, layer: int, slots: torch.Tensor) -> None:
         self.pool, self.n, self.slots = pool, pool.kda_index[layer], slots
 
@@ -187,6 +188,7 @@ class MLAView:
         self.page_table, self.positions = page_table, positions  # [B, P] int64, [B] int64 (first new position)
         self.mask_rows, self.past = mask_rows, past
         self.visible_mask: torch.Tensor | None = None
+        self.visible_limits = None  # the paged decode kernel reads `positions` instead
 
     @property
     def length(self) -> int:

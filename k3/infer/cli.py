@@ -4,66 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
-import torch
-
+from k3.checkpoint.inference import load_for_inference
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
-
-
-DTYPE_CHOICES = ("auto", "fp32", "bf16")
-DTYPE_HELP = ("weights and activations: auto = bf16 on a CUDA device with bf16 support (the grouped-GEMM MoE and "
-              "CUDA-graph decode need it), fp32 elsewhere")
-
-
-def inference_dtype(name: str, device) -> torch.dtype:
-    """The dtype a served/evaluated model runs in: `--dtype` resolved for the device (auto: bf16 on CUDA)."""
-    from k3.train.trainer import autocast_dtype
-
-    return autocast_dtype(name, torch.device(device)) or torch.float32
-
-
-def load_for_inference(run: str | None, model_path: str | None, device: str = "auto", dtype: str | None = None):
-    """(model, tokenizer) from a training run directory / checkpoint file, or from a Hugging Face-format
-    directory. dtype (auto | fp32 | bf16): cast the weights for inference and freeze them; None keeps the
-    checkpoint's and leaves them trainable (fp32 master weights, for trainers that start from a run)."""
-    if (run is None) == (model_path is None):
-        raise ValueError("give exactly one of --run DIR (a k3 training run) or --model PATH (a Hugging Face-format "
-                         "directory)")
-    from k3.train.trainer import resolve_device
-
-    target = resolve_device(device)  # before loading: a device that does not exist fails at once
-    if model_path is not None:
-        try:
-            from k3.checkpoint.hf import from_pretrained, load_hf_tokenizer
-        except ImportError as error:
-            raise RuntimeError(f"--model needs the Hugging Face loader k3.checkpoint.hf, which is not available "
-                               f"({error}); use --run with a k3 training run instead") from error
-        model = from_pretrained(model_path)
-        tokenizer = load_hf_tokenizer(model_path, required=False)
-        if tokenizer is None:
-            raise FileNotFoundError(f"{model_path} holds no tokenizer files (tokenizer.json or tiktoken.model); "
-                                    f"generation needs one")
-    else:
-        from k3.checkpoint.native import tokenizer_from_checkpoint
-        from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME, load_run_model
-        from k3.data.tokenizer import load_tokenizer
-
-        model, state = load_run_model(run)
-        inside = Path(run).is_file() or Path(run).name == SHARDED_CHECKPOINT_NAME
-        run_dir = Path(run).parent if inside else Path(run)
-        if (run_dir / "tokenizer").is_dir():
-            tokenizer = load_tokenizer(run_dir / "tokenizer")
-        else:
-            tokenizer = tokenizer_from_checkpoint(state, tempfile.mkdtemp(prefix="k3-tokenizer-"))
-    # One move that also casts: moving the fp32 weights first would hold them on the device before the cast.
-    model = model.to(target, inference_dtype(dtype, target) if dtype is not None else None)
-    if dtype is not None:
-        # An inference copy: frozen, so the engine may fuse its projection weights (k3.layers.fused_weights).
-        model.requires_grad_(False)
-    return model.eval(), tokenizer
+from k3.runtime import DTYPE_CHOICES, DTYPE_HELP, resolve_device
 
 
 def has_vision(directory: Path) -> bool:
@@ -81,8 +27,6 @@ def load_multimodal(path: str, device: str):
     from k3.checkpoint.hf import load_hf_tokenizer
     from k3.infer.image_inputs import ImageInputs
     from k3.multimodal import from_pretrained
-    from k3.train.trainer import resolve_device
-
     target = resolve_device(device)
     model = from_pretrained(path, progress=False).to(target).eval()
     tokenizer = load_hf_tokenizer(path, required=False)

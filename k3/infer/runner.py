@@ -11,7 +11,7 @@ returns next-token logits. It decides nothing.
   are padded to the pool's largest table, so one graph serves every context length. The eager path is the
   PyTorch twin; tests hold the two equal.
 - With compile_decode (K3_COMPILE_DECODE=1; default off) decode forwards, captured graphs included, run
-  through torch.compile as one graph (k3.infer.cuda_graph): inductor fuses the elementwise kernels between
+  through torch.compile as one graph (compiled_decode_logits): inductor fuses the elementwise kernels between
   the GEMMs and fla kernels. Batch rows, page-table width and pool sizes are marked dynamic, so an engine
   compiles twice (a batch of one row, and any larger batch) during its first decodes or graph captures.
 """
@@ -22,9 +22,14 @@ import functools
 
 import torch
 
+from k3 import kernels
 from k3.infer.cache_pool import SCRATCH, BatchCache, CachePool
-from k3.infer.cuda_graph import compile_decode_from_env
 from k3.infer.scheduler import Sequence, pages_for
+
+
+def compile_decode_from_env() -> bool:
+    """K3_COMPILE_DECODE=1 turns the compiled decode step on where the engine captures its graphs (default 0)."""
+    return kernels.enabled("compile_decode")
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from k3.cache import KDASlot
 from k3.config import ModelConfig
 from k3.layers.conv import ShortConv
 from k3.layers.norm import GatedRMSNorm
@@ -86,9 +87,9 @@ class KimiDeltaAttention(nn.Module):
             kwargs.update(lower_bound=self.lower_bound, safe_gate=-5.0 <= self.lower_bound < 0.0)
         return kwargs
 
-    def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, cache: KDASlot | None = None, cu_seqlens: torch.Tensor | None = None,
                 position_in_doc: torch.Tensor | None = None, max_documents: int | None = None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]. `cache` is this layer's KDACacheSlot (or None). Packed documents are
+        """x [B, T, D] -> [B, T, D]. `cache` is this layer's slot (k3.cache.KDASlot, or None). Packed documents are
         given by cu_seqlens [N+1] (B must be 1) together with position_in_doc [T]; with max_documents, cu_seqlens
         is padded to max_documents + 1 entries by zero-length documents (static shapes: fla's graph mode, the
         convs by position alone)."""
@@ -99,9 +100,9 @@ class KimiDeltaAttention(nn.Module):
         shape = (batch, length, self.num_heads, self.head_dim)
         qkv, f_a, g_in, beta_logits = self._project(x)
         recurrent = cache is not None and length <= RECURRENT_MAX_TOKENS
-        in_place = recurrent and hasattr(cache, "state_in_place")
+        in_place = recurrent and cache.in_place
         if (in_place and length == 1 and cu_seqlens is None and position_in_doc is None
-                and not isinstance(qkv, (list, tuple)) and hasattr(cache, "conv_window_in_place")):
+                and not isinstance(qkv, (list, tuple))):
             # One decode token through the joined conv: one kernel reads the window where the cache keeps it,
             # slides it there and writes q, k, v contiguous (k3/ops/conv_step_triton.py).
             window, rows = cache.conv_window_in_place()
@@ -110,7 +111,7 @@ class KimiDeltaAttention(nn.Module):
         else:
             if cache is None:
                 tails = (None, None, None)
-            elif not isinstance(qkv, (list, tuple)) and (window := getattr(cache, "conv_window", None)) is not None:
+            elif not isinstance(qkv, (list, tuple)) and (window := cache.conv_window) is not None:
                 tails = window  # joined q/k/v tails in the joined conv's layout (read once: the pool's is a gather)
             else:
                 tails = cache.conv_tails

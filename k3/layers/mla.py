@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from k3.cache import MLASlot
 from k3.config import ModelConfig
 from k3.layers.fused_weights import Group, fused, linear_group
 from k3.layers.norm import RMSNorm
@@ -87,9 +88,9 @@ class GatedMLA(nn.Module):
         latent, k_rope = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_layernorm(latent), k_rope  # [B, T, R], [B, T, rope]
 
-    def forward(self, x: torch.Tensor, cache=None, cu_seqlens: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, cache: MLASlot | None = None, cu_seqlens: torch.Tensor | None = None,
                 position_in_doc: torch.Tensor | None = None, row_length: int | None = None) -> torch.Tensor:
-        """x [B, T, D] -> [B, T, D]. `cache` is this layer's MLACacheSlot (or None); packed documents are given by
+        """x [B, T, D] -> [B, T, D]. `cache` is this layer's slot (k3.cache.MLASlot, or None); packed documents are given by
         cu_seqlens [N+1] (no cache), and attention never crosses a document boundary. Static-shape form (a
         captured step): position_in_doc [T] instead, with rows of row_length tokens that no document crosses
         (None: one row); attention is then one masked call per row, no host sync."""
@@ -102,7 +103,7 @@ class GatedMLA(nn.Module):
         past = 0
         visible = pages = limits = None
         absorb = cache is not None and self.absorb_in_decode
-        if cache is not None and absorb and length <= ABSORB_MAX_TOKENS and getattr(cache, "pages_in_place", False):
+        if cache is not None and absorb and length <= ABSORB_MAX_TOKENS and cache.pages_in_place:
             # The engine's pool in decode: attention reads the rows' pages where they lie (no gathered copy).
             pages = cache.append_in_place(latent, k_rope)
         elif cache is not None:
@@ -110,8 +111,7 @@ class GatedMLA(nn.Module):
             latent, k_rope = cache.append(latent, k_rope)
             # A preallocated (static) cache returns its whole buffer and a [T, capacity] mask of the filled
             # slots, computed on the device, so a decode step can be captured as a CUDA graph.
-            visible = getattr(cache, "visible_mask", None)
-            limits = getattr(cache, "visible_limits", None)
+            visible, limits = cache.visible_mask, cache.visible_limits
         # Decode attends in latent space; a long prefill takes the expanded path, whose causal SDPA call runs a
         # flash kernel instead of materialising [H, T, T] scores.
         if pages is not None:

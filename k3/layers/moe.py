@@ -207,6 +207,26 @@ class Router(nn.Module):
     def maxvio(self) -> float | None:
         return None if self.last_load_E is None else maxvio(self.last_load_E)
 
+    # What a training forward leaves on the router in Python (loads, aux loss, QB's count and next bias).
+    _FORWARD_STATE = ("_pending_load", "_last_load_E", "_last_ids_TK", "aux_loss", "last_qb_iters", "_qb_next_bias")
+
+    def forward_state(self) -> dict[str, object]:
+        """What the last training forward left on the router, for restore_forward_state: a CUDA-graph replay of
+        the step (k3.train.graphed_step) runs no Python, so it hands the captured forward's tensors back."""
+        return {name: getattr(self, name) for name in self._FORWARD_STATE}
+
+    def restore_forward_state(self, state: dict[str, object]) -> None:
+        """Put back what forward_state() returned (the tensors' contents are whatever the replay wrote)."""
+        unknown = set(state) - set(self._FORWARD_STATE)
+        if unknown:
+            raise ValueError(f"not a Router forward state: {sorted(unknown)}; expected keys {self._FORWARD_STATE}")
+        for name, value in state.items():
+            setattr(self, name, value)
+
+    def drop_pending_updates(self) -> None:
+        """Forget the loads and the QB bias that earlier training forwards left for update_bias."""
+        self._pending_load = self._qb_next_bias = None
+
 
 def unpermute(y_ND: torch.Tensor, order_N: torch.Tensor) -> torch.Tensor:
     """Rows computed in `order_N` order (y_ND[i] belongs to pair order_N[i]) back in pair order."""

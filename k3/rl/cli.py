@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from k3.infer.cli import DTYPE_CHOICES
 from k3.rl.losses import ALGORITHMS
+from k3.runtime import DTYPE_CHOICES
 
 RL_FIELDS = ("run", "suite", "out", "algo", "group", "tasks_per_step", "steps", "lr", "minibatches", "temperature",
              "heldout_every", "heldout_tasks", "save_every", "seed", "kl_coef", "tis_cap", "clip_low", "clip_high",

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm import tqdm
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 from k3.rl.chat_format import format_tool_call, parse_tool_calls
 from k3.rl.rollout import initial_messages, prepare_sandbox
 from k3.rl.tasks import Task

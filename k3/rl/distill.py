@@ -33,7 +33,6 @@ import dataclasses
 import hashlib
 import io
 import math
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,16 +41,17 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 from k3.infer.sampling import SamplingParams
 from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
     load_model_and_tokenizer, packed_log_softmax, route
 from k3.rl.distill_tasks import centred_rewards, load_reward_suite, suite_items, task_reward
-from k3.rl.loop import weights_changed
 from k3.rl.losses import ALGORITHMS, loss_config_for, tis_weights
 from k3.rl.policy import micro_batches, packed_logprobs, token_logprobs
+from k3.rl.rollout_engine import weights_changed
 from k3.rl.routing import RoutingReplay
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
+from k3.runtime import autocast_dtype, resolve_device, seed_everything
 from k3.train.metrics import MetricsLog, read_metrics
 from k3.train.optim import lr_at
 
@@ -315,7 +315,6 @@ class DistillTrainer:
     def __init__(self, config: DistillConfig, resume: bool = False, log: Callable[[str], None] = print,
                  show_progress: bool = True, student=None, tokenizer=None, teachers: dict | None = None) -> None:
         from k3.infer import Engine
-        from k3.train.trainer import autocast_dtype, resolve_device
 
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
@@ -325,8 +324,7 @@ class DistillTrainer:
         self.config = config
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)
-        torch.manual_seed(config.seed)
-        random.seed(config.seed)
+        seed_everything(config.seed)
         policy = policy_from(state, self.out, self.device, student, tokenizer)
         if policy is not None:
             self.model, self.tokenizer = policy

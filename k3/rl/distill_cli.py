@@ -54,7 +54,7 @@ def distill_command(args: argparse.Namespace) -> int:
     trainer = DistillTrainer(config, resume=args.resume)
     summary = trainer.train()
     if args.json:
-        from k3.checkpoint.native import atomic_write_bytes
+        from k3.atomic import atomic_write_bytes
 
         atomic_write_bytes(args.json, (json.dumps(summary, indent=2) + "\n").encode())
     print(json.dumps(summary.get("last", {})))

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 
 DEMO_MARKER = "distill_demo.json"
 VOCAB = 512

@@ -176,7 +176,7 @@ def route(items: list[Item]) -> dict[str, list[int]]:
 def load_model_and_tokenizer(path: str, device: str):
     """A k3 run (directory with checkpoint.pt / checkpoint/, or a checkpoint file) or a Hugging Face-format
     directory (Kimi-Linear, K3: config.json + safetensors) -> (model, tokenizer)."""
-    from k3.infer.cli import load_for_inference
+    from k3.checkpoint.inference import load_for_inference
 
     where = Path(path)
     if not where.exists():

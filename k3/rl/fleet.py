@@ -25,27 +25,26 @@ import torch
 
 from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner, episode_from_state, episode_state
 from k3.rl.tasks import Task
-
-SANDBOX_ENV = ("K3_SANDBOX_HOME", "K3_SANDBOX_SCRATCH")
+from k3.sandbox.paths import path_environment
 
 
 class RolloutWorker:
-    """One rollout worker (a Ray actor): a policy copy, its engine (k3.rl.loop.build_engine) and a
+    """One rollout worker (a Ray actor): a policy copy, its engine (k3.rl.rollout_engine.build_engine) and a
     RolloutRunner whose sandboxes live on this worker's node."""
 
     def __init__(self, model_config: dict, state: dict, tokenizer, config: RolloutConfig, seed: int,
                  max_batch: int, record_routing: bool, threads: int, env: dict[str, str], device: str = "cpu",
                  cuda_graphs: bool | None = None, dtype: str = "auto") -> None:
         from k3.config import ModelConfig
-        from k3.infer.cli import inference_dtype
         from k3.model import K3ForCausalLM
-        from k3.rl.loop import build_engine
+        from k3.rl.rollout_engine import build_engine
+        from k3.runtime import inference_dtype
 
         os.environ.update(env)
         torch.set_num_threads(max(1, threads))
         self.model = K3ForCausalLM(ModelConfig.from_dict(model_config))
         self.model.load_state_dict(state)
-        # The rollout dtype as the in-process engine has it (k3.rl.loop.rollout_copy): auto = bf16 on CUDA.
+        # The rollout dtype as the in-process engine has it (k3.rl.rollout_engine.rollout_copy): auto = bf16 on CUDA.
         # Pushed fp32 weights are cast on load_state_dict's copy.
         self.model.to(device=device, dtype=inference_dtype(dtype, device)).eval().requires_grad_(False)
         self.engine = build_engine(self.model, tokenizer, config.max_context, max_batch=max_batch,
@@ -108,7 +107,7 @@ class RayRollouts:
         self._ray, self.timeout = ray, timeout
         self.config = config
         self.stats: dict[str, float] = {}
-        env = {name: os.environ[name] for name in SANDBOX_ENV if name in os.environ}
+        env = path_environment()
         actor = ray.remote(RolloutWorker).options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy="SPREAD")
         state = ray.put(_cpu_state(model))
         threads = max(1, int(num_cpus))

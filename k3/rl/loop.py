@@ -32,13 +32,14 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from k3.checkpoint.native import atomic_write_bytes
-from k3.infer.cli import DTYPE_CHOICES
+from k3.atomic import atomic_write_bytes
 from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages, loss_config_for
 from k3.rl.policy import PolicyConfig, PolicyUpdater, Sequence
 from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner
+from k3.rl.rollout_engine import build_engine, rollout_copy, sync_rollout_copy, weights_changed
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.rl.tasks import Task, load_tasks
+from k3.runtime import DTYPE_CHOICES, autocast_dtype, resolve_device, seed_everything
 from k3.train.metrics import MetricsLog, read_metrics
 
 
@@ -197,66 +198,12 @@ def _episode_metrics(episodes: list[dict[str, Any]]) -> dict[str, float]:
     }
 
 
-def build_engine(model, tokenizer, max_context: int, max_batch: int = 32, cuda_graphs: bool | None = None,
-                 record_routing: bool = False):
-    """The inference engine over the policy model itself: updates reach it in process, with no copy (call
-    weights_changed after each update: its prefix cache holds states computed by the old weights).
-    record_routing (MoE models only): the engine records every fed token's experts for routing replay; it
-    then runs without CUDA graphs and without its prefix cache."""
-    import inspect
-
-    from k3.infer import Engine
-
-    kwargs = {"max_context": max_context}
-    parameters = inspect.signature(Engine.__init__).parameters
-    if "max_batch" in parameters:
-        kwargs["max_batch"] = max_batch
-    if cuda_graphs is not None and "use_cuda_graphs" in parameters:
-        kwargs["use_cuda_graphs"] = cuda_graphs
-    if record_routing and model.routers():
-        kwargs["record_routing"] = True
-    return Engine(model, tokenizer, **kwargs)
-
-
-def rollout_copy(model, dtype: str):
-    """The model the in-process engine runs: ``model`` itself when it already has the rollout dtype, else a
-    frozen copy in that dtype (the inference CLIs' --dtype rule: auto = bf16 on CUDA, fp32 elsewhere)."""
-    import copy
-
-    from k3.infer.cli import inference_dtype
-
-    weight = next(model.parameters())
-    want = inference_dtype(dtype, weight.device)
-    if want == weight.dtype:
-        return model
-    return copy.deepcopy(model).to(want).eval().requires_grad_(False)
-
-
-@torch.no_grad()
-def sync_rollout_copy(copy_model, model) -> None:
-    """Copy the policy's weights (and buffers: the balancers' biases) into the rollout copy, in place, so
-    captured CUDA graphs keep reading the right addresses."""
-    for mine, theirs in zip(copy_model.parameters(), model.parameters()):
-        mine.copy_(theirs)
-    for mine, theirs in zip(copy_model.buffers(), model.buffers()):
-        mine.copy_(theirs)
-
-
-def weights_changed(engine) -> None:
-    """Tell the engine its model's weights moved: cached prefix states are stale."""
-    clear = getattr(engine, "clear_prefix_cache", None)
-    if clear is not None:
-        clear()
-
-
 class RLTrainer:
     def __init__(self, config: RLConfig, resume: bool = False, log: Callable[[str], None] = print,
                  show_progress: bool = True, model=None, tokenizer=None, steps_override: int | None = None) -> None:
         """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``;
         ``steps_override`` may extend the run past its saved ``steps``). model and tokenizer: start from these
         (Python use) instead of loading ``config.run``."""
-        from k3.train.trainer import autocast_dtype, resolve_device
-
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
         state = open_run(self.out, resume, "rl", "k3 rl", "an RL run")
@@ -276,15 +223,14 @@ class RLTrainer:
         if not self.ranks.main:
             self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype("auto", self.device)
-        torch.manual_seed(config.seed)
-        random.seed(config.seed)
+        seed_everything(config.seed)
         policy = policy_from(state, self.out, self.device, model, tokenizer)
         if policy is not None:
             self.model, self.tokenizer = policy
         else:
             if not config.run:
                 raise ValueError("give the starting checkpoint: --run DIR (a `k3 train`, `k3 sft` or `k3 rl` run)")
-            from k3.infer.cli import load_for_inference
+            from k3.checkpoint.inference import load_for_inference
 
             self.model, self.tokenizer = load_for_inference(config.run, None, str(self.device))
         self.model_config = self.model.config

@@ -51,12 +51,12 @@ def start_or_restore(out: Path, state: dict | None, optimizer, tokenizer, settin
     run's tokenizer/, its settings (settings_file, e.g. rl_config.json) and config.json, and return 0."""
     import json
 
-    from k3.checkpoint.native import atomic_write_bytes
-    from k3.train.trainer import _set_rng_state
+    from k3.atomic import atomic_write_bytes
+    from k3.runtime import set_rng_state
 
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
         return int(state["step"])
     out.mkdir(parents=True, exist_ok=True)
     from k3.chat import attach_chat_format
@@ -75,9 +75,9 @@ def save_run(out: Path, model, optimizer, key: str, settings: dict, step: int, e
     RNG states and the tokenizer files (what open_run / policy_from / start_or_restore read back); extra:
     more entries of the command's own (k3 rl: its parked partial rollouts)."""
     from k3.checkpoint.native import directory_files, save_checkpoint
-    from k3.train.trainer import _rng_state
+    from k3.runtime import rng_state
 
     save_checkpoint(out / CHECKPOINT_NAME, {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(), "config": model.config.to_dict(),
-        key: settings, "step": step, "rng": _rng_state(), "tokenizer": directory_files(out / "tokenizer"),
+        key: settings, "step": step, "rng": rng_state(), "tokenizer": directory_files(out / "tokenizer"),
         **(extra or {})})

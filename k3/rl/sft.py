@@ -23,6 +23,7 @@ from k3.data.packing import filler_length
 from k3.rl.chat_format import render_ids
 from k3.rl.demos import read_demonstrations
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
+from k3.runtime import autocast_dtype, resolve_device
 from k3.train.metrics import MetricsLog
 from k3.train.optim import build_optimizer, lr_at
 
@@ -66,8 +67,6 @@ class SFTTrainer:
                  log: Callable[[str], None] = print, show_progress: bool = True,
                  steps_override: int | None = None) -> None:
         """resume: continue DIR/checkpoint.pt with its saved settings (``steps_override`` may extend it)."""
-        from k3.train.trainer import autocast_dtype, resolve_device
-
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
         state = open_run(self.out, resume, "sft", "k3 sft", "an SFT run")
@@ -84,7 +83,7 @@ class SFTTrainer:
         else:
             if not config.run:
                 raise ValueError("give the starting checkpoint: --run DIR (a `k3 train` run)")
-            from k3.infer.cli import load_for_inference
+            from k3.checkpoint.inference import load_for_inference
 
             model, tokenizer = load_for_inference(config.run, None, str(self.device))
         if tokenizer is None:

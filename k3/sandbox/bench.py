@@ -75,7 +75,8 @@ def _tree_bytes(root: str) -> int:
     return total
 
 
-def _percentiles(name: str, samples: list[float]) -> dict:
+def percentiles(name: str, samples: list[float]) -> dict:
+    """{NAME_p50_ms, NAME_p99_ms} of samples in seconds."""
     ordered = sorted(samples)
     p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return {f"{name}_p50_ms": round(statistics.median(ordered) * 1000, 2), f"{name}_p99_ms": round(p99 * 1000, 2)}
@@ -86,7 +87,8 @@ def _settle() -> None:
     local.spares().wait_ready()
 
 
-def _timed(operation, iterations: int, before=None, after=None) -> list[float]:
+def timed(operation, iterations: int, before=None, after=None) -> list[float]:
+    """Seconds of each of `iterations` calls of operation(); before() runs untimed ahead of each, after(result) after."""
     samples = []
     for _ in range(iterations):
         if before:
@@ -111,10 +113,10 @@ def run(iterations: int = 30, edits: int = 100, image_mb: int = 200, density_san
     limits = Limits(memory_mb=512, pids=256, cpus=1.0, disk_mb=disk_mb)
     results["disk_mb"] = disk_mb
 
-    results.update(_percentiles("create", _timed(lambda: Sandbox(image, limits), iterations, after=lambda box: box.close())))
+    results.update(percentiles("create", timed(lambda: Sandbox(image, limits), iterations, after=lambda box: box.close())))
 
     with Sandbox(image, limits) as box:
-        results.update(_percentiles("exec", _timed(lambda: box.exec(["true"]), iterations)))
+        results.update(percentiles("exec", timed(lambda: box.exec(["true"]), iterations)))
         clean = box.snapshot()  # the image as it is, to come back to before each round of edits
 
         def edit() -> None:
@@ -132,8 +134,8 @@ def run(iterations: int = 30, edits: int = 100, image_mb: int = 200, density_san
         # on the scratch disk, it adopts the upper as the layer and goes on over a fresh upper
         # (see Sandbox.snapshot); with a disk quota (a tmpfs upper) the files are copied.
         taken: list[str] = []
-        samples = _timed(box.snapshot, iterations, before=edit, after=taken.append)
-        results.update(_percentiles("snapshot", samples))
+        samples = timed(box.snapshot, iterations, before=edit, after=taken.append)
+        results.update(percentiles("snapshot", samples))
         snapshot = taken[-1]
         results["snapshot_layer_files"] = box.store.info(snapshot).files
 
@@ -142,28 +144,28 @@ def run(iterations: int = 30, edits: int = 100, image_mb: int = 200, density_san
             edit()
             box.exec("sleep 1000 > /dev/null 2>&1 &")
 
-        results.update(_percentiles("snapshot_copy", _timed(box.snapshot, max(5, iterations // 3), before=edit_busy)))
+        results.update(percentiles("snapshot_copy", timed(box.snapshot, max(5, iterations // 3), before=edit_busy)))
 
         # Incremental: one more edit after an (idle) snapshot, the common case in a rollout that
         # snapshots every step: only what changed since is stored.
         edit()
         box.snapshot()
         step = lambda: box.write_file("/work/repo/step.txt", uuid.uuid4().hex)  # noqa: E731
-        results.update(_percentiles("snapshot_incremental", _timed(box.snapshot, max(5, iterations // 3), before=step)))
-        results.update(_percentiles("restore", _timed(lambda: box.restore(snapshot), iterations)))
+        results.update(percentiles("snapshot_incremental", timed(box.snapshot, max(5, iterations // 3), before=step)))
+        results.update(percentiles("restore", timed(lambda: box.restore(snapshot), iterations)))
         check = box.exec("grep -c '# edited' src/* | grep -c ':1$'").stdout.strip()
         if check != str(edits):
             raise RuntimeError(f"restore lost edits: {check} of {edits} files carry the edit")
-        results.update(_percentiles("fork", _timed(lambda: box.fork(snapshot, 1), iterations, after=lambda f: f[0].close())))
+        results.update(percentiles("fork", timed(lambda: box.fork(snapshot, 1), iterations, after=lambda f: f[0].close())))
 
         # Cold: no spare supervisor ready, so a Python start is on the critical path.
         spares = local.spares()
         target, spares.target = spares.target, 0
         try:
             count = max(3, iterations // 5)
-            cold = _timed(lambda: box.restore(snapshot), count, before=spares.drain)
+            cold = timed(lambda: box.restore(snapshot), count, before=spares.drain)
             results["restore_cold_p50_ms"] = round(statistics.median(cold) * 1000, 2)
-            cold = _timed(lambda: box.fork(snapshot, 1), count, before=spares.drain, after=lambda f: f[0].close())
+            cold = timed(lambda: box.fork(snapshot, 1), count, before=spares.drain, after=lambda f: f[0].close())
             results["fork_cold_p50_ms"] = round(statistics.median(cold) * 1000, 2)
         finally:
             spares.target = target

@@ -19,7 +19,7 @@ The K3 report's microVM numbers (133 ms snapshot, 49 ms restore, with memory) ar
 from __future__ import annotations
 
 from k3.sandbox.api import Sandbox
-from k3.sandbox.bench import _percentiles, _timed
+from k3.sandbox.bench import percentiles, timed
 from k3.sandbox.cgroups import Limits
 
 K3_REPORT_MS = {"snapshot": 133.0, "restore": 49.0}
@@ -41,8 +41,8 @@ def run(iterations: int = 20, state_mb: int = 50, disk_mb: int | None = Limits.d
             repl.run(f"counter = {next(rounds)}")
 
         snapshots: list[str] = []
-        samples = _timed(lambda: box.snapshot(memory=True), iterations, before=bump, after=snapshots.append)
-        results.update(_percentiles("memory_snapshot", samples))
+        samples = timed(lambda: box.snapshot(memory=True), iterations, before=bump, after=snapshots.append)
+        results.update(percentiles("memory_snapshot", samples))
         snapshot, expected = snapshots[-1], f"({len(snapshots)}, {state_mb << 20})"
 
         def check(sandbox: Sandbox) -> None:
@@ -50,26 +50,26 @@ def run(iterations: int = 20, state_mb: int = 50, disk_mb: int | None = Limits.d
             if got != expected:
                 raise RuntimeError(f"memory restore lost the REPL's state: got {got}, expected {expected}")
 
-        results.update(_percentiles("memory_restore", _timed(lambda: box.restore(snapshot), iterations,
+        results.update(percentiles("memory_restore", timed(lambda: box.restore(snapshot), iterations,
                                                               after=lambda _: check(box))))
 
         def close_fork(forks: list) -> None:
             check(forks[0])
             forks[0].close()
 
-        results.update(_percentiles("memory_fork", _timed(lambda: box.fork(snapshot, 1), iterations, after=close_fork)))
+        results.update(percentiles("memory_fork", timed(lambda: box.fork(snapshot, 1), iterations, after=close_fork)))
 
         # The same sandbox (REPL running, 50 MB in it), files only.
         fs_snapshots: list[str] = []
-        results.update(_percentiles("fs_snapshot", _timed(box.snapshot, iterations, before=bump, after=fs_snapshots.append)))
-        results.update(_percentiles("fs_restore", _timed(lambda: box.restore(fs_snapshots[-1]), iterations)))
-        results.update(_percentiles("fs_fork", _timed(lambda: box.fork(fs_snapshots[-1], 1), iterations,
+        results.update(percentiles("fs_snapshot", timed(box.snapshot, iterations, before=bump, after=fs_snapshots.append)))
+        results.update(percentiles("fs_restore", timed(lambda: box.restore(fs_snapshots[-1]), iterations)))
+        results.update(percentiles("fs_fork", timed(lambda: box.fork(fs_snapshots[-1], 1), iterations,
                                                       after=lambda forks: forks[0].close())))
 
         def fresh_repl() -> None:
             box.repl("probe").close()
 
-        results.update(_percentiles("repl_start", _timed(lambda: box.repl("probe").run("0"), iterations,
+        results.update(percentiles("repl_start", timed(lambda: box.repl("probe").run("0"), iterations,
                                                          before=fresh_repl)))
     results["k3_report_ms"] = K3_REPORT_MS
     results["memory_vs_k3_report"] = {

@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from k3.sandbox.bench import _percentiles
+from k3.sandbox.bench import percentiles
 from k3.sandbox.cgroups import Limits
 
 K3_REPORT_MS = {"snapshot": 133.0, "restore": 49.0}
@@ -58,8 +58,8 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
             pauses.append(box.last_pause_s)
             taken.append(snapshot)
             dirty.append(box.store.meta(snapshot)["dirty_bytes"])
-        results.update(_percentiles("vm_snapshot", samples))
-        results.update(_percentiles("vm_snapshot_pause", pauses))  # the guest stopped: state + its private pages
+        results.update(percentiles("vm_snapshot", samples))
+        results.update(percentiles("vm_snapshot_pause", pauses))  # the guest stopped: state + its private pages
         results["vm_snapshot_written_mb_p50"] = round(statistics.median(dirty) / (1 << 20), 1)
         results["vm_snapshot_file_mb"] = round(box.store.meta(taken[-1])["memory_bytes"] / (1 << 20), 1)
         snapshot = taken[-1]
@@ -71,7 +71,7 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
             start = time.perf_counter()
             box.restore(snapshot)
             samples.append(time.perf_counter() - start)
-        results.update(_percentiles("vm_restore", samples))
+        results.update(percentiles("vm_restore", samples))
         _check(box, state_mb)
 
         samples = []
@@ -81,7 +81,7 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
             box.restore(snapshot)
             box.exec(["true"])
             samples.append(time.perf_counter() - start)
-        results.update(_percentiles("vm_restore_exec", samples))
+        results.update(percentiles("vm_restore_exec", samples))
 
         samples = []
         for _ in range(iterations):
@@ -91,7 +91,7 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
             samples.append(time.perf_counter() - start)
             _check(fork, state_mb)
             fork.close()
-        results.update(_percentiles("vm_fork", samples))
+        results.update(percentiles("vm_fork", samples))
 
         forks = box.fork(snapshot, 4)
         try:

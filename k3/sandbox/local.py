@@ -32,6 +32,7 @@ import weakref
 
 from k3.sandbox import leftovers, untrusted
 from k3.sandbox.cgroups import Cgroup, Limits
+from k3.sandbox.paths import spare_supervisors, supervisor_debug
 
 SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor.py")
 SUPERVISOR_EXTRA = os.path.join(os.path.dirname(SUPERVISOR), "supervisor_extra.py")
@@ -118,7 +119,7 @@ class Supervisor:
     """
 
     def __init__(self) -> None:
-        debug = bool(os.environ.get("K3_SANDBOX_DEBUG"))
+        debug = supervisor_debug()
         self.name = uuid.uuid4().hex[:12]
         self._owner_record = os.path.join(leftovers.owners_dir(), self.name)
         leftovers.record_owner(self._owner_record)  # before the cgroup: gc must never see it ownerless
@@ -391,7 +392,7 @@ def spares() -> Spares:
     global _spares
     with _spares_lock:
         if _spares is None:
-            _spares = Spares(int(os.environ.get("K3_SANDBOX_SPARES", "2")))
+            _spares = Spares(spare_supervisors())
         return _spares
 
 

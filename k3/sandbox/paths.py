@@ -6,6 +6,9 @@ upper directories go to ``K3_SANDBOX_SCRATCH`` (default: the home). Pointing the
 tmpfs (``/dev/shm/k3``) makes snapshots several times faster, at the price of RAM and of losing
 snapshots at reboot. Overlay needs the upper and work directories on one filesystem that is not
 itself an overlay.
+
+The sandbox's other settings from the environment are read here too (the one place it reads it):
+``K3_SANDBOX_SPARES`` and ``K3_SANDBOX_DEBUG``.
 """
 
 from __future__ import annotations
@@ -39,3 +42,22 @@ def scratch_dir(home: str | None = None) -> str:
         os.makedirs(path, mode=0o700, exist_ok=True)
         os.chmod(path, 0o700)
     return scratch
+
+
+def spare_supervisors() -> int:
+    """How many idle supervisors to keep ready (``K3_SANDBOX_SPARES``, default 2; 0 disables)."""
+    raw = os.environ.get("K3_SANDBOX_SPARES", "2")
+    if not raw.isdigit():
+        raise ValueError(f"K3_SANDBOX_SPARES must be a count of spare supervisors (0 or more), got {raw!r}")
+    return int(raw)
+
+
+def supervisor_debug() -> bool:
+    """``K3_SANDBOX_DEBUG`` set (non-empty): supervisors keep their stderr, for debugging the sandbox itself."""
+    return bool(os.environ.get("K3_SANDBOX_DEBUG"))
+
+
+def path_environment() -> dict[str, str]:
+    """The sandbox path variables set here (``K3_SANDBOX_HOME``, ``K3_SANDBOX_SCRATCH``), for worker processes
+    elsewhere (Ray rollout workers) to use the same sandbox directories."""
+    return {name: os.environ[name] for name in ("K3_SANDBOX_HOME", "K3_SANDBOX_SCRATCH") if name in os.environ}

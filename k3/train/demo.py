@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 from k3.data.synthetic import recall_accuracy
 from k3.layers.balancing import QB_MAX_ITERS
 from k3.infer.engine import Engine

@@ -36,8 +36,6 @@ from k3.layers.moe import Router
 # H200 (48 top-k calls over 15 MoE layers: two per layer plus one per update). A batch still unbalanced after
 # these takes the most balanced iterate; the trainer's maxvio metric shows it.
 QB_GRAPH_UPDATES = 4
-# Attributes a Router's training forward sets in Python; re-pointed after each replay (module docstring).
-ROUTER_STATE = ("_pending_load", "_last_load_E", "_last_ids_TK", "aux_loss", "last_qb_iters", "_qb_next_bias")
 
 
 @contextlib.contextmanager
@@ -116,14 +114,14 @@ class GraphedTrainStep:
                 buffer.copy_(saved)
         self._zero_grads()
         for router in self.routers:  # the captured load must be this forward's alone
-            router._pending_load = router._qb_next_bias = None
+            router.drop_pending_updates()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             loss = self.loss_fn(self.model, self.static)
             loss.backward()
         self.loss = loss.detach()
         self.grads = [p.grad for p in self.params]
-        self.router_state = [{name: getattr(router, name) for name in ROUTER_STATE} for router in self.routers]
+        self.router_state = [router.forward_state() for router in self.routers]
 
     def __call__(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         self._copy_in(batch)
@@ -133,6 +131,5 @@ class GraphedTrainStep:
         for p, grad in zip(self.params, self.grads):
             p.grad = grad
         for router, state in zip(self.routers, self.router_state):
-            for name, value in state.items():
-                setattr(router, name, value)
+            router.restore_forward_state(state)
         return self.loss.clone()

@@ -17,7 +17,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 
 PROFILE_AFTER = 3  # steps before the window (the first compiles kernels; the next ones settle allocator and caches)
 PROFILE_STEPS = 3

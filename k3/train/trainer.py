@@ -35,6 +35,8 @@ from k3.checkpoint.run import FORMATS as CHECKPOINT_FORMATS
 from k3.checkpoint.run import checkpoint_path, saved_format
 from k3.config import ModelConfig
 from k3.layers.balancing import QB_AGGREGATES, QB_PUBLISHED
+from k3.runtime import autocast_dtype, resolve_device
+from k3.runtime import rng_state as _rng_state, set_rng_state as _set_rng_state
 from k3.data.corpus import load_corpus, split_validation
 from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, text_row, pack_rows, \
     tokenize_documents
@@ -173,73 +175,6 @@ def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Ten
 
 class NonFiniteLossError(RuntimeError):
     pass
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as error:
-        raise ValueError(f"--device {name!r} is not a device ({error}); use cpu, cuda, cuda:N or auto") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: no CUDA device is available to torch here; use --device cpu "
-                             f"(or auto)")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                             f"numbered from 0")
-    return device
-
-
-def autocast_dtype(name: str, device: torch.device) -> torch.dtype | None:
-    """The autocast dtype, or None for plain fp32. bf16 on CPU is slower than fp32 on most CPUs, so auto keeps
-    fp32 there."""
-    if name == "fp32":
-        return None
-    if name == "bf16":
-        return torch.bfloat16
-    if name != "auto":
-        raise ValueError(f"dtype must be auto, fp32 or bf16, got {name!r}")
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return None
-
-
-def _rng_state() -> dict[str, Any]:
-    """Every RNG's state as plain lists and numbers: it loads with weights_only=True and goes into JSON as is."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return plain_rng_state(state)
-
-
-def plain_rng_state(state: dict[str, Any]) -> dict[str, Any]:
-    """RNG states as torch / numpy / random return them ({"torch": ByteTensor, "numpy": (kind, keys, pos,
-    has_gauss, gauss), "python": (version, internal, gauss_next)}) -> the plain form _set_rng_state takes."""
-    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
-    version, internal, gauss_next = state["python"]
-    plain = {"torch": [int(b) for b in state["torch"].tolist()],
-             "numpy": {"kind": str(kind), "keys": [int(k) for k in keys], "pos": int(pos),
-                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)},
-             "python": {"version": int(version), "internal": [int(i) for i in internal], "gauss_next": gauss_next}}
-    if "cuda" in state:
-        plain["cuda"] = [[int(b) for b in s.tolist()] for s in state["cuda"]]
-    return plain
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    if not isinstance(state.get("numpy"), dict):
-        raise ValueError("the checkpoint's RNG states are not in k3's plain form (a checkpoint of an older k3?); "
-                         "convert them with k3.train.trainer.plain_rng_state")
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    numpy_state = state["numpy"]
-    np.random.set_state((numpy_state["kind"], np.array(numpy_state["keys"], dtype=np.uint32), numpy_state["pos"],
-                         numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
-    python_state = state["python"]
-    random.setstate((python_state["version"], tuple(python_state["internal"]), python_state["gauss_next"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
 
 
 RUN_MARKER = ".k3-run"  # written first into a new run directory: what a later attempt may clear is k3's own

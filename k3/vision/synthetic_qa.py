@@ -122,7 +122,7 @@ class SyntheticVQA:
     def write_jsonl(self, directory: str | Path, count: int, seed: int | None = None) -> Path:
         """`count` samples as PNGs plus data.jsonl ({"text": "<image> question answer", "images": [png],
         "question", "answer", "kind"}); returns the JSONL path."""
-        from k3.checkpoint.native import atomic_write_bytes
+        from k3.atomic import atomic_write_bytes
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

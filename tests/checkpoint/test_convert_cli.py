@@ -8,7 +8,7 @@ import torch
 
 from k3.checkpoint import native
 from k3.checkpoint.hf import from_pretrained
-from k3.checkpoint.hf_tokenizer import load_hf_tokenizer
+from k3.data.hf_tokenizer import load_hf_tokenizer
 from k3.cli import main
 from k3.config import ModelConfig
 from k3.model import K3ForCausalLM

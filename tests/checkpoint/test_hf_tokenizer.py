@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3.checkpoint.hf import from_pretrained, save_pretrained
-from k3.checkpoint.hf_tokenizer import load_hf_tokenizer
+from k3.data.hf_tokenizer import load_hf_tokenizer
 from k3.config import ModelConfig
 from k3.model import K3ForCausalLM
 

@@ -76,7 +76,8 @@ def test_inference_dtype_casts_only_when_asked(run, capsys):
     (dtype=None) keep the fp32 master weights."""
     import torch
 
-    from k3.infer.cli import inference_dtype, load_for_inference
+    from k3.checkpoint.inference import load_for_inference
+    from k3.runtime import inference_dtype
 
     assert inference_dtype("auto", "cpu") == torch.float32
     assert inference_dtype("bf16", "cpu") == torch.bfloat16

@@ -22,9 +22,10 @@ import torch
 
 from k3 import K3ForCausalLM, ModelConfig
 from k3.infer.cache_pool import BatchCache, CachePool
-from k3.infer.cuda_graph import compile_decode_from_env, compiled_decode_step, decode_step
+from k3.infer.runner import compile_decode_from_env
+from bench.static_decode import compiled_decode_step, decode_step
 from k3.infer.runner import decode_logits
-from k3.infer.static_cache import StaticCache
+from bench.static_decode import StaticCache
 from k3.ops.attn_res import set_attn_res_backend
 from tests.ops import fla_standins
 

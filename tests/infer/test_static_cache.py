@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.infer.cuda_graph import decode_step
-from k3.infer.static_cache import StaticCache
+from bench.static_decode import StaticCache, decode_step
 
 
 def model_and_ids():

@@ -89,3 +89,26 @@ def test_router_bias_selects_only_and_freezes_in_eval():
     assert not torch.equal(router.e_score_correction_bias, before)
     # the same scores under the new bias are better balanced
     assert maxvio(expert_load(router(x).topk_ids_TK, E)) < maxvio(expert_load(routing.topk_ids_TK, E))
+
+
+def test_router_forward_state_hands_a_forwards_updates_to_another_router():
+    """What graphed_step re-points after a replay: the state one training forward leaves, restored on a router
+    that ran no forward, gives the same step-end update; drop_pending_updates makes update_bias a no-op."""
+    config = ModelConfig.from_preset("debug", num_experts=E, num_experts_per_tok=K)
+    ran, restored = Router(config), Router(config)
+    torch.nn.init.normal_(ran.weight, std=0.5)
+    restored.load_state_dict(ran.state_dict())
+    ran.train(), restored.train()
+    ran(torch.randn(64, config.hidden_size))
+    restored.restore_forward_state(ran.forward_state())
+    assert restored.maxvio() == ran.maxvio() and restored.maxvio() > 0
+    ran.update_bias(), restored.update_bias()
+    assert not torch.equal(ran.e_score_correction_bias, torch.zeros(E))
+    torch.testing.assert_close(restored.e_score_correction_bias, ran.e_score_correction_bias, rtol=0, atol=0)
+    before = ran.e_score_correction_bias.clone()
+    ran(torch.randn(64, config.hidden_size))
+    ran.drop_pending_updates()
+    ran.update_bias()
+    assert torch.equal(ran.e_score_correction_bias, before)
+    with pytest.raises(ValueError, match="not a Router forward state"):
+        ran.restore_forward_state({"weight": None})

@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.infer.cuda_graph import decode_step
-from k3.infer.static_cache import StaticCache
+from bench.static_decode import StaticCache, decode_step
 from k3.layers.fused_weights import FUSED_ATTR, fuse_model_weights, fused, unfuse_model_weights
 from k3.layers.kda import KimiDeltaAttention
 from k3.layers.moe import LatentMoE
@@ -69,7 +68,7 @@ def test_fused_decode_convolves_q_k_v_as_one_and_slides_the_joined_window_in_pla
     """With fused weights, q, k and v leave the GEMM side by side: prefill runs one conv over the three (weights
     from the conv group's buffer), and each decode token one step that reads the static cache's joined window
     where it lies and slides it there (k3.ops.conv_step_triton), with no window stored back."""
-    from k3.infer.static_cache import StaticKDASlot
+    from bench.static_decode import StaticKDASlot
     import k3.layers.kda as kda_module
 
     model = make_model()

@@ -25,9 +25,9 @@ import k3.ops.kda as kda_ops
 from k3 import K3ForCausalLM, ModelConfig
 from k3.cache import KDACacheSlot
 from k3.infer.cache_pool import BatchCache, CachePool, KDAView
-from k3.infer.cuda_graph import decode_step
+from bench.static_decode import decode_step
 from k3.infer.runner import decode_logits
-from k3.infer.static_cache import StaticCache, StaticKDASlot
+from bench.static_decode import StaticCache, StaticKDASlot
 from k3.layers.fused_weights import fuse_model_weights
 from k3.layers.kda import KimiDeltaAttention
 from k3.ops.kda import fused_recurrent_kda, fused_recurrent_kda_inplace

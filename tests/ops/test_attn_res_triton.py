@@ -235,8 +235,9 @@ def test_auto_selected_kernel_that_fails_to_compile_falls_back_to_the_twin(monke
 
     monkeypatch.setattr(dispatch, "attn_res_backend", lambda x=None: "auto" if x is None else "triton")
     monkeypatch.setattr(dispatch, "attn_res_mix_triton", failing)
-    sources = [torch.randn(2, 3, 24) for _ in range(3)]
-    norm_w, query = torch.rand(24) + 0.5, torch.randn(24)
+    # On DEVICE: with a GPU, CPU tensors under a forced "triton" choice are refused (no interpreter there).
+    sources = [torch.randn(2, 3, 24, device=DEVICE) for _ in range(3)]
+    norm_w, query = torch.rand(24, device=DEVICE) + 0.5, torch.randn(24, device=DEVICE)
     want = dispatch.attn_res_mix_eager(sources, norm_w, query, 1e-5)
     try:
         with pytest.warns(RuntimeWarning, match="failed to compile"):
@@ -255,7 +256,7 @@ def test_auto_leaves_more_sources_than_the_kernels_unroll_to_the_compiled_mix(mo
     monkeypatch.setattr(dispatch, "attn_res_backend", lambda x=None: "auto" if x is None else "triton")
     monkeypatch.setattr(dispatch, "attn_res_mix_triton", lambda *a, **k: taken.append("triton"))
     monkeypatch.setattr(dispatch, "attn_res_mix_compiled", lambda *a: taken.append("compiled"))
-    norm_w, query = torch.rand(8), torch.randn(8)
+    norm_w, query = torch.rand(8, device=DEVICE), torch.randn(8, device=DEVICE)
     for count in (MAX_SOURCES, MAX_SOURCES + 1):
-        dispatch.attn_res_mix([torch.randn(1, 2, 8) for _ in range(count)], norm_w, query, 1e-5)
+        dispatch.attn_res_mix([torch.randn(1, 2, 8, device=DEVICE) for _ in range(count)], norm_w, query, 1e-5)
     assert taken == ["triton", "compiled"]

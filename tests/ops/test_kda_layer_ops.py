@@ -11,11 +11,9 @@ import torch
 import torch.nn.functional as F
 
 import k3.layers.kda as kda_layer
-from k3 import ModelConfig
+from k3 import ModelConfig, kernels
 from k3.cache import KDACacheSlot
 from k3.layers.kda import KimiDeltaAttention
-from k3.ops.kda import set_kda_backend
-from k3.ops.fused_backend import set_fused_backend
 from k3.ops.fused_backend import is_triton_compile_failure, with_torch_fallback
 from k3.ops.norm import (GATED_NORM_BUCKET_ROWS, RMS_NORM_BUCKET_ROWS, fla_row_count_ok, rms_norm, rms_norm_gated,
                          rms_norm_gated_torch, rms_norm_torch)
@@ -222,12 +220,11 @@ def test_kda_layer_fla_paths_equal_torch_cuda():
         return [y, *torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])]
 
     fast = run()
-    set_kda_backend("torch")
-    set_fused_backend("torch")
-    try:
+    with kernels.reference():  # every switch on its PyTorch twin (kda, conv, norms, projections)
         twin = run()
-    finally:
-        set_kda_backend(None)
-        set_fused_backend(None)
-    for a, b in zip(fast, twin):
-        assert rel(a, b) < 5e-3
+    names = ["y", "dx", *(name for name, _ in layer.named_parameters())]
+    # The output as before; gradients get the op-level fla-vs-twin bound of this file (2e-2), which the whole
+    # layer, chaining several such ops, cannot be held under more tightly.
+    errors = {name: rel(a, b) for name, a, b in zip(names, fast, twin)}
+    assert errors["y"] < 5e-3, errors
+    assert all(error < 2e-2 for error in errors.values()), errors

@@ -20,7 +20,7 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 from k3.cache import MLACacheSlot  # noqa: E402
 from k3.config import ModelConfig  # noqa: E402
 from k3.infer.cache_pool import CachePool, MLAView  # noqa: E402
-from k3.infer.static_cache import StaticMLASlot  # noqa: E402
+from bench.static_decode import StaticMLASlot  # noqa: E402
 from k3.layers.mla import GatedMLA  # noqa: E402
 from k3.ops import mla_decode  # noqa: E402
 from k3.ops.mla_decode import latent_attention_einsum, latent_attention_triton_eager, visible_before  # noqa: E402

@@ -152,7 +152,7 @@ def test_heldout_scoring_runs_in_waves_of_at_most_max_live_episodes(sandbox_home
 
 
 def test_the_engine_and_a_tiny_model_run_calc_episodes(sandbox_home, tokenizer, tiny_model):
-    from k3.rl.loop import build_engine
+    from k3.rl.rollout_engine import build_engine
     from k3.rl.suites import get_suite
 
     engine = build_engine(tiny_model, tokenizer, max_context=1024)

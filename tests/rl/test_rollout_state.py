@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from k3.rl.loop import RLConfig, RLTrainer, build_engine
+from k3.rl.loop import RLConfig, RLTrainer
+from k3.rl.rollout_engine import build_engine
 from k3.rl.rollout import RolloutConfig, RolloutRunner
 from k3.rl.tasks import task_from_dict
 from tests.rl.callers import make_caller_run, say_tasks

@@ -78,7 +78,7 @@ def load_or_build(cache_dir: str | None, modules: list[str] | None = None, docs:
     if path:
         from pathlib import Path
 
-        from k3.checkpoint.native import atomic_write
+        from k3.atomic import atomic_write
 
         atomic_write(Path(path), lambda handle: pickle.dump((corpus, index), handle, protocol=pickle.HIGHEST_PROTOCOL))
     return corpus, index

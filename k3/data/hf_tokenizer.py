@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 
 KIMI_NUM_RESERVED_SPECIAL_TOKENS = 256
 # The pre-tokenizer split of Kimi's tiktoken tokenizer (tokenization_kimi.py's pat_str, as published).
@@ -46,14 +46,14 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not valid JSON ({error})") from error
 
 
-def _read_chat_template(directory: Path, config: dict) -> str | None:
+def read_chat_template(directory: Path, config: dict) -> str | None:
     template = config.get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -63,7 +63,7 @@ def _read_chat_template(directory: Path, config: dict) -> str | None:
     if (directory / "chat_template.jinja").is_file():
         return (directory / "chat_template.jinja").read_text(encoding="utf-8")
     if (directory / "chat_template.json").is_file():
-        return _read_json(directory / "chat_template.json").get("chat_template")
+        return read_json(directory / "chat_template.json").get("chat_template")
     return None
 
 
@@ -216,8 +216,8 @@ def load_hf_tokenizer(path: str | os.PathLike, required: bool = True) -> HFToken
     gives None instead of an error."""
     directory = Path(path)
     config_file = directory / "tokenizer_config.json"
-    config = _read_json(config_file) if config_file.is_file() else {}
-    chat_template = _read_chat_template(directory, config)
+    config = read_json(config_file) if config_file.is_file() else {}
+    chat_template = read_chat_template(directory, config)
     if (directory / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
 
