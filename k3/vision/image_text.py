@@ -167,7 +167,8 @@ class ImageTextReader:
         ids, trainable = self._expand(ids, trainable, tokens)
         limit = self.options.max_tokens
         if limit is not None and len(ids) > limit:
-            raise ImageDataError(f"{where}: field {'images' if 'messages' not in record else 'messages'}: the "
+            name = "\"messages\"" if "messages" in record else "\"images\""
+            raise ImageDataError(f"{where}: field {name}: the "
                                  f"example is {len(ids)} tokens with its {len(images)} image(s) of {tokens} tokens, "
                                  f"over the limit of {limit} (a row: --seq-len); images are never cut: lower "
                                  f"--max-image-patches or raise --seq-len")

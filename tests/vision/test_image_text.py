@@ -172,7 +172,7 @@ def test_image_over_the_row_budget_is_a_named_error(tmp_path):
     two_colour_png(tmp_path / "a.png", size=(224, 224))  # 16 x 16 patches = 64 tokens
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "x <image>", "images": ["a.png"]}])
     message = expect_error(data, "over the limit of 40", max_tokens=40, max_patches=1024)
-    assert "field images" in message and "[64]" in message
+    assert "field \"images\"" in message and "[64]" in message
 
 
 def test_placeholder_count_mismatch_is_a_named_error(tmp_path):
