@@ -19,8 +19,8 @@ IMAGE_FLAGS = ("vision", "vision_train", "vision_lr", "image_fraction", "max_ima
                "max_image_bytes", "skip_bad_images", "allow_image_paths_outside")
 
 
-def add_image_flags(parser: argparse.ArgumentParser) -> None:
-    """The flags of image-text data and the vision tower (k3 train and k3 sft)."""
+def add_image_flags(parser: argparse.ArgumentParser, mixed: bool = True) -> None:
+    """The flags of image-text data and the vision tower (k3 train; k3 sft without mixed, it has no text rows)."""
     group = parser.add_argument_group("image-text data (a --data .jsonl of {\"text\": \"... <image> ...\", "
                                       "\"images\": [...]} or {\"messages\": [...]} with image_url parts; "
                                       "docs/vision.md)")
@@ -32,9 +32,10 @@ def add_image_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vision-lr", type=float, dest="vision_lr",
                        help="peak learning rate of the vision tower and projector (default: --lr), on the same "
                             "warmup + cosine schedule")
-    group.add_argument("--image-fraction", type=float, dest="image_fraction",
-                       help="share of each step's rows that are image-text rows, beside text rows (default 0.5); "
-                            "the text comes from the other --data files, or the default corpus")
+    if mixed:
+        group.add_argument("--image-fraction", type=float, dest="image_fraction",
+                           help="share of each step's rows that are image-text rows, beside text rows (default "
+                                "0.5); the text comes from the other --data files, or the default corpus")
     group.add_argument("--max-image-patches", type=int, dest="max_image_patches",
                        help="images are scaled down to at most this many 14-px patches (default 16384, as K2.5); "
                             "an example longer than a row with its images is an error")

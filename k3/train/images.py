@@ -55,6 +55,43 @@ def vision_config_for(name: str | None, preset: str, text_hidden_size: int) -> V
     return VisionConfig.from_preset(name or ("k3" if preset == "k3" else "tiny"), text_hidden_size=text_hidden_size)
 
 
+def image_processor(vision_config: VisionConfig, max_image_patches: int | None,
+                    max_image_pixels: int | None) -> ImageProcessor:
+    """The K2.5/K3 processor for the tower, with the run's patch budget and decompression-bomb limit."""
+    overrides = {"max_input_pixels": max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS}
+    if max_image_patches:
+        overrides["max_patches"] = max_image_patches
+    return ImageProcessor.for_vision(vision_config, **overrides)
+
+
+def set_vision_trainable(vision, mode: str) -> None:
+    """vision_train: "all" trains tower and projector, "projector" freezes the tower, "none" freezes both."""
+    if mode not in VISION_TRAIN:
+        raise ValueError(f"vision_train must be one of {VISION_TRAIN}, got {mode!r}")
+    vision.vision_tower.requires_grad_(mode == "all")
+    vision.mm_projector.requires_grad_(mode in ("all", "projector"))
+
+
+def add_vision_param_groups(optimizer: torch.optim.Optimizer, vision, lr: float, vision_lr: float | None,
+                            weight_decay: float) -> None:
+    """The trained vision parameters as groups of their own (matrices decayed, as build_optimizer does), their
+    lr_scale = vision_lr / lr: a loop that sets group["lr"] = lr * lr_scale keeps the vision on its own peak."""
+    scale = (vision_lr or lr) / lr
+    decay, no_decay = [], []
+    for param in vision.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    for params, wd in ((decay, weight_decay), (no_decay, 0.0)):
+        if params:
+            optimizer.add_param_group({"params": params, "weight_decay": wd, "lr": lr * scale, "lr_scale": scale})
+
+
+def embed_images(multimodal, ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    """inputs_embeds [1, T, d]: the ids' embeddings with the images' at the media tokens."""
+    dtype = next(multimodal.vision.parameters()).dtype
+    return multimodal.embed_multimodal(ids, pixel_values.to(ids.device, dtype), grid_thw.to(ids.device))
+
+
 def _held_out(source: str, fraction: float) -> bool:
     digest = int.from_bytes(hashlib.sha1(f"validation:{source}".encode()).digest()[:8], "little")
     return digest < fraction * 2**64
@@ -67,16 +104,11 @@ class ImageTraining:
         if config.ep or config.checkpoint_format != "full":
             raise ValueError("image-text data trains in one process with --checkpoint-format full (drop --ep and "
                              "--checkpoint-format sharded)")
-        if config.vision_train not in VISION_TRAIN:
-            raise ValueError(f"vision_train must be one of {VISION_TRAIN}, got {config.vision_train!r}")
         if not 0 < config.image_fraction <= 1:
             raise ValueError(f"image_fraction must be in (0, 1], got {config.image_fraction}")
         self.config, self.files = config, files
         self.media_token_id, self.vision_config = media_token_id, vision_config
-        overrides = {"max_input_pixels": config.max_image_pixels or DEFAULT_MAX_IMAGE_PIXELS}
-        if config.max_image_patches:
-            overrides["max_patches"] = config.max_image_patches
-        self.processor = ImageProcessor.for_vision(vision_config, **overrides)
+        self.processor = image_processor(vision_config, config.max_image_patches, config.max_image_pixels)
         self.train_examples: list[ImageTextExample] = []
         self.val_examples: list[ImageTextExample] = []
         self.skipped: list[str] = []
@@ -139,10 +171,7 @@ class ImageTraining:
         from k3.multimodal import K3ForConditionalGeneration
 
         self.multimodal = K3ForConditionalGeneration(model_config, self.vision_config, self.media_token_id)
-        vision = self.multimodal.vision
-        train = self.config.vision_train
-        vision.vision_tower.requires_grad_(train == "all")
-        vision.mm_projector.requires_grad_(train in ("all", "projector"))
+        set_vision_trainable(self.multimodal.vision, self.config.vision_train)
         return self.multimodal
 
     @property
@@ -150,22 +179,11 @@ class ImageTraining:
         return self.multimodal.vision
 
     def add_param_groups(self, optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
-        """The trained vision parameters as groups of their own, their lr at lr_scale = vision_lr / lr."""
-        scale = (self.config.vision_lr or lr) / lr
-        decay, no_decay = [], []
-        for param in self.vision.parameters():
-            if param.requires_grad:
-                (decay if param.dim() >= 2 else no_decay).append(param)
-        for params, wd in ((decay, weight_decay), (no_decay, 0.0)):
-            if params:
-                optimizer.add_param_group({"params": params, "weight_decay": wd, "lr": lr * scale,
-                                           "lr_scale": scale})
+        add_vision_param_groups(optimizer, self.vision, lr, self.config.vision_lr, weight_decay)
 
     def embed(self, ids: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """inputs_embeds [1, T, d]: the ids' embeddings with the batch's images at the media tokens."""
-        device = ids.device
-        dtype = next(self.vision.parameters()).dtype
-        return self.multimodal.embed_multimodal(ids, batch.pixel_values.to(device, dtype), batch.grid_thw.to(device))
+        return embed_images(self.multimodal, ids, batch.pixel_values, batch.grid_thw)
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.vision.parameters() if p.requires_grad]

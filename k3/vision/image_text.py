@@ -93,6 +93,28 @@ def is_image_text_file(path: str | os.PathLike) -> bool:
     return False
 
 
+def has_images(path: str | os.PathLike) -> bool:
+    """Whether a JSONL file has a record with a non-empty "images" list or an image_url part."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        for line in handle:
+            if "image" not in line:  # cheap pre-check; records are parsed only when they may hold images
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if record.get("images"):
+                return True
+            for message in record.get("messages") or []:
+                content = message.get("content") if isinstance(message, dict) else None
+                if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                     for p in content):
+                    return True
+    return False
+
+
 class _MediaTokens:
     """The tokenizer, except that the chat marker encodes as one media token (chat templates render text)."""
 
