@@ -304,7 +304,9 @@ class Trainer:
                     shutil.rmtree(Path(config.out) / stale)
         self.config = config
         from k3.train.images import split_data_files
-        self.text_data, self.image_files = split_data_files(config.data)
+        # A resumed run reads its data from DIR/data (kept at the first run), not from the --data files.
+        self.text_data, self.image_files = split_data_files(config.data) if not resume else (config.data, [])
+        self.has_images = bool(self.image_files) if not resume else "vision" in self.resume_state
         self.images = None  # k3.train.images.ImageTraining when --data holds image-text files
         self.out.mkdir(parents=True, exist_ok=True)
         if not resume:
@@ -329,8 +331,8 @@ class Trainer:
             raise ValueError(f"cuda_graph needs a CUDA device; this run is on {self.device} (drop --cuda-graph)")
         # The default CUDA step is the graphed one (one process); --eager or another device: the eager step.
         self.graph_step = (config.cuda_graph if config.cuda_graph is not None
-                           else self.device.type == "cuda" and not config.ep and not self.image_files)
-        if self.graph_step and self.image_files:
+                           else self.device.type == "cuda" and not config.ep and not self.has_images)
+        if self.graph_step and self.has_images:
             raise ValueError("image-text data trains with the eager step (images differ in size); drop --cuda-graph")
         self.eager_steps = 0  # graphed runs: steps whose batch held more documents than the graph's static count
         self.graphed: GraphedTrainStep | None = None  # captured at the first step (and again on a new row shape)
@@ -490,7 +492,7 @@ class Trainer:
 
     def _model_config(self) -> ModelConfig:
         model_config = self._text_model_config()
-        if self.image_files:
+        if self.has_images:
             from k3.train.images import ImageTraining, vision_config_for
             from k3.vision.config import VisionConfig
             if self.resume_state is not None:

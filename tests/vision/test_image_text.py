@@ -101,8 +101,8 @@ def test_document_round_trip_gives_exact_ids_labels_and_pixels(tmp_path):
 
 
 def test_chat_round_trip_trains_on_assistant_tokens_only(tmp_path):
-    record = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
-                                                        {"type": "image_url", "image_url": {"url": data_url(png_bytes())}}]},
+    image_part = {"type": "image_url", "image_url": {"url": data_url(png_bytes())}}
+    record = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, image_part]},
                            {"role": "assistant", "content": "ok"}]}
     [example] = read(write_jsonl(tmp_path / "c.jsonl", [record])).examples
     prompt = enc("<|user|>hi") + [MEDIA] + enc("\n<|assistant|>")  # 28 x 28 px: one merged token
