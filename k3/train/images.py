@@ -30,8 +30,7 @@ from k3.data.corpus import expand_data_paths
 from k3.data.packing import PackedBatch
 from k3.vision.config import VisionConfig
 from k3.vision.image_batches import mixed_batch, pack_image_rows
-from k3.vision.image_text import (ImageDataOptions, ImageTextExample, is_image_text_file, media_token_id_for,
-                                  read_image_text)
+from k3.vision.image_text import ImageDataOptions, ImageTextExample, is_image_text_file, read_image_text
 from k3.vision.processing import ImageProcessor
 
 VISION_TRAIN = ("all", "projector", "none")
@@ -113,10 +112,6 @@ class ImageTraining:
         self.val_examples: list[ImageTextExample] = []
         self.skipped: list[str] = []
         self.multimodal = None
-
-    @staticmethod
-    def media_token_id_for(tokenizer) -> int:
-        return media_token_id_for(tokenizer)
 
     def rows_per_step(self, rows: int) -> int:
         return max(1, min(rows, round(rows * self.config.image_fraction)))

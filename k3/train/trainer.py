@@ -495,11 +495,12 @@ class Trainer:
         if self.has_images:
             from k3.train.images import ImageTraining, vision_config_for
             from k3.vision.config import VisionConfig
+            from k3.vision.image_text import media_token_id_for
             if self.resume_state is not None:
                 media, vision = self.resume_state["media_token_id"], VisionConfig.from_dict(
                     self.resume_state["vision_config"])
             else:
-                media = ImageTraining.media_token_id_for(self.tokenizer)
+                media = media_token_id_for(self.tokenizer)
                 vision = vision_config_for(self.config.vision, self.config.preset, model_config.hidden_size)
                 if media >= model_config.vocab_size:  # the media token is one past the tokenizer's ids
                     model_config = dataclasses.replace(model_config, vocab_size=media + 1)

@@ -78,18 +78,21 @@ def media_token_id_for(tokenizer) -> int:
 
 
 def is_image_text_file(path: str | os.PathLike) -> bool:
-    """A .jsonl file whose first record has "images" or "messages" (an image-text file, not a text corpus)."""
+    """A .jsonl file with a record that has "images" or "messages" (an image-text file, not a text corpus: read
+    as one, its <image> tags would be trained as text)."""
     path = Path(path)
     if path.suffix != ".jsonl" or not path.is_file():
         return False
     with open(path, encoding="utf-8", errors="replace") as handle:
         for line in handle:
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    return False
-                return isinstance(record, dict) and ("images" in record or "messages" in record)
+            if '"images"' not in line and '"messages"' not in line:  # most text lines are never parsed
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and ("images" in record or "messages" in record):
+                return True
     return False
 
 

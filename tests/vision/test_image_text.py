@@ -78,6 +78,12 @@ def test_media_token_is_one_past_a_table_without_it():
     assert MEDIA == 257
 
 
+def test_a_file_is_image_text_when_any_record_has_images_or_messages(tmp_path):
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": "plain"}, {"text": "also plain"}])
+    mixed = write_jsonl(tmp_path / "m.jsonl", [{"text": "plain"}, {"text": "<image>", "images": ["a.png"]}])
+    assert not is_image_text_file(text) and is_image_text_file(mixed)
+
+
 def test_document_round_trip_gives_exact_ids_labels_and_pixels(tmp_path):
     two_colour_png(tmp_path / "a.png")
     data = write_jsonl(tmp_path / "d.jsonl", [{"text": "A <image> b", "images": ["a.png"]}])
