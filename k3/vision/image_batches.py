@@ -72,7 +72,11 @@ def mixed_batch(text: PackedBatch | None, rows: list[ImageRow], processor) -> Pa
         base = cu[-1]
         cu.extend(base + int(end) for end in np.cumsum(row.lengths))
         images += row.images
-    processed = processor(images) if images else None
+    try:
+        processed = processor(images) if images else None
+    except (ValueError, OSError) as error:  # every image was read whole when the data was; a file changed since
+        raise ValueError(f"an image of this step cannot be read any more ({error}); it was readable when the run "
+                         f"read its data: restore the file, or start a new run without it") from error
     return PackedBatch(torch.cat(ids)[None], torch.cat(labels)[None], torch.tensor(cu, dtype=torch.int64),
                        torch.cat(weights)[None] if weights is not None else None,
                        processed.pixel_values if processed is not None else None,

@@ -137,6 +137,49 @@ def test_image_rows_pack_beside_text_rows_with_images_in_reading_order(tmp_path)
     assert batch.grid_thw.shape[0] == len(chosen)
 
 
+class InOrder:
+    """Draws examples 0, 1, 2, ... (a stand-in for random.Random in pack_image_rows)."""
+
+    def __init__(self):
+        self.next = 0
+
+    def randrange(self, n):
+        self.next += 1
+        return (self.next - 1) % n
+
+
+def test_images_land_at_their_media_positions_in_reading_order(tmp_path):
+    """Two examples with images of two sizes in one row: the tower's rows for image i fill exactly the positions
+    of image i's media tokens."""
+    from k3.config import ModelConfig
+    from k3.multimodal import K3ForConditionalGeneration
+    from k3.vision.config import VisionConfig
+
+    two_colour_png(tmp_path / "wide.png")  # 2 tokens
+    (tmp_path / "small.png").write_bytes(png_bytes())  # 1 token
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "ab<image>c", "images": ["wide.png"]},
+                                              {"text": "<image>d<image>", "images": ["small.png", "wide.png"]}])
+    first, second = read(data).examples
+    rows = pack_image_rows([first, second], 1, 16, filler_id=0, rng=InOrder())
+    assert rows[0].lengths == [len(first.ids), len(second.ids), 16 - len(first.ids) - len(second.ids)]
+    batch = mixed_batch(None, rows, ImageProcessor(max_patches=64))
+    positions = (batch.input_ids[0] == MEDIA).nonzero().flatten().tolist()
+    # "ab", the wide image (2), "c", EOS; then the small image (1), "d", the wide image (2)
+    assert positions == [2, 3, 6, 8, 9]
+    assert batch.grid_thw.tolist() == [[1, 2, 4], [1, 2, 2], [1, 2, 4]]
+    torch.manual_seed(0)
+    text = ModelConfig.from_preset("debug", vocab_size=MEDIA + 1)
+    model = K3ForConditionalGeneration(text, VisionConfig.from_preset("tiny", text_hidden_size=text.hidden_size),
+                                       MEDIA).eval()
+    with torch.no_grad():
+        embeds = model.embed_multimodal(batch.input_ids, batch.pixel_values, batch.grid_thw)
+        images = model.vision(batch.pixel_values, batch.grid_thw)
+    assert images.shape[0] == len(positions)
+    assert torch.equal(embeds[0, positions], images)
+    others = [t for t in range(batch.input_ids.shape[1]) if t not in positions]
+    assert torch.equal(embeds[0, others], model.language_model.model.embed_tokens(batch.input_ids[0, others]))
+
+
 # --- bad inputs: one property each ---------------------------------------------------------------------------
 def expect_error(path, match, **options):
     with pytest.raises(ImageDataError, match=match) as caught:
@@ -238,3 +281,13 @@ def test_skip_bad_images_keeps_the_good_records_and_counts_the_rest(tmp_path):
     assert [e.source for e in read_back.examples] == [f"{data}:1", f"{data}:4"]
     assert len(read_back.skipped) == 2
     assert "d.jsonl:2" in read_back.skipped[0] and "d.jsonl:3" in read_back.skipped[1]
+
+
+def test_an_image_removed_after_reading_is_a_clear_error_at_its_step(tmp_path):
+    (tmp_path / "a.png").write_bytes(png_bytes())
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": "<image>", "images": ["a.png"]}])
+    examples = read(data).examples
+    (tmp_path / "a.png").unlink()
+    rows = pack_image_rows(examples, 1, 8, filler_id=0, rng=random.Random(0))
+    with pytest.raises(ValueError, match="cannot be read any more.*a.png.*readable when the run read its data"):
+        mixed_batch(None, rows, ImageProcessor(max_patches=64))
