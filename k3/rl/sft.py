@@ -127,9 +127,11 @@ class SFTTrainer:
         config = self.config
         if state is not None:
             source = state
-        elif config.run:
+        elif config.run:  # a full checkpoint may hold a tower; a sharded one (no image-text runs) does not
             from k3.checkpoint.native import load_checkpoint
-            source = load_checkpoint(config.run)
+            from k3.checkpoint.run import saved_format
+            run = Path(config.run)
+            source = load_checkpoint(run) if run.is_file() or saved_format(run) == "full" else {}
         else:
             source = {}
         if "vision" not in source and not (config.data and has_images(config.data)):
