@@ -103,6 +103,8 @@ class ImageTraining:
         if config.ep or config.checkpoint_format != "full":
             raise ValueError("image-text data trains in one process with --checkpoint-format full (drop --ep and "
                              "--checkpoint-format sharded)")
+        if config.vision_lr is not None and config.vision_lr <= 0:
+            raise ValueError(f"vision_lr must be positive, got {config.vision_lr} (freeze with vision_train instead)")
         if not 0 < config.image_fraction <= 1:
             raise ValueError(f"image_fraction must be in (0, 1], got {config.image_fraction}")
         self.config, self.files = config, files

@@ -117,3 +117,22 @@ def test_skip_bad_images_counts_them_in_the_summary(tmp_path, corpus_dir, small_
     summary = Trainer(image_config(small_config, tmp_path / "skips", corpus_dir, image_data, max_steps=1,
                                    skip_bad_images=True), show_progress=False).train()
     assert summary["skipped_image_records"] == 1 and summary["image_examples"] >= 8
+
+
+def test_cli_flags_reach_the_run(tmp_path, corpus_dir, image_data, capsys):
+    from k3.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--out", str(run), "--data", str(corpus_dir), "--data",
+                 str(image_data), "--max-steps", "1", "--seq-len", "64", "--batch-size", "4", "--eval-batches", "1",
+                 "--val-fraction", "0.25", "--vision-train", "projector", "--vision-lr", "1e-3",
+                 "--image-fraction", "0.25", "--max-image-patches", "64", "--skip-bad-images"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-2])
+    assert summary["skipped_image_records"] == 0 and summary["steps"] == 1
+    saved = json.loads((run / "train_config.json").read_text())
+    assert (saved["vision_train"], saved["vision_lr"], saved["image_fraction"], saved["max_image_patches"],
+            saved["skip_bad_images"]) == ("projector", 1e-3, 0.25, 64, True)
+    for command in ("train", "sft"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        assert "--vision-train {all,projector,none}" in capsys.readouterr().out
