@@ -25,7 +25,8 @@ def add_image_flags(parser: argparse.ArgumentParser, mixed: bool = True) -> None
                                       "\"images\": [...]} or {\"messages\": [...]} with image_url parts; "
                                       "docs/vision.md)")
     group.add_argument("--vision", choices=sorted(VISION_PRESETS),
-                       help="vision preset of a new tower (default: k3 for --preset k3, else tiny)")
+                       help="vision preset of a new tower (k3 train: default k3 for --preset k3, else tiny; k3 sft: "
+                            "only when the starting run has no tower, default tiny)")
     group.add_argument("--vision-train", choices=VISION_TRAIN, dest="vision_train",
                        help="all (default): tower and projector trained with the model; projector: tower frozen; "
                             "none: both frozen")
@@ -38,7 +39,7 @@ def add_image_flags(parser: argparse.ArgumentParser, mixed: bool = True) -> None
                                 "0.5); the text comes from the other --data files, or the default corpus")
     group.add_argument("--max-image-patches", type=int, dest="max_image_patches",
                        help="images are scaled down to at most this many 14-px patches (default 16384, as K2.5); "
-                            "an example longer than a row with its images is an error")
+                            "an example longer than a row (k3 train: --seq-len) with its images is an error")
     group.add_argument("--max-image-pixels", type=int, dest="max_image_pixels",
                        help="refuse an image with more pixels, before decoding it (decompression bombs; default "
                             "Pillow's MAX_IMAGE_PIXELS, 89,478,485)")
