@@ -83,17 +83,12 @@ def _hf_vision(source: Path, dtype: str | None):
 def _native_vision(state: dict, source: str, dtype: str | None):
     """The vision part a native checkpoint keeps (a run trained on image-text data), else None."""
     from k3.checkpoint.hf_load import parse_dtype
-    from k3.checkpoint.native import load_model_state
-    from k3.vision.config import VisionConfig
-    from k3.vision.model import VisionModel
+    from k3.checkpoint.run import vision_from_checkpoint
 
-    if "vision" not in state:
-        return None
-    vision = VisionModel(VisionConfig.from_dict(state["vision_config"]))
-    load_model_state(vision, state["vision"], source)
-    if dtype is not None:
-        vision = vision.to(parse_dtype(dtype))
-    return vision.eval(), int(state["media_token_id"])
+    found = vision_from_checkpoint(state, source)
+    if found is None or dtype is None:
+        return found
+    return found[0].to(parse_dtype(dtype)), found[1]
 
 
 def _save_native(model, tokenizer, target: Path, vision=None) -> Path:

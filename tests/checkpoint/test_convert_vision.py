@@ -58,3 +58,17 @@ def test_kimi_linear_refuses_a_model_with_a_vision_tower(multimodal_run, tmp_pat
     assert main(["convert", "--from", str(run), "--to", str(tmp_path / "hf"), "--format", "kimi_linear"]) == 1
     assert "has a vision tower" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_multimodal_run_loads_as_one_model(multimodal_run, tmp_path):
+    from k3.checkpoint.run import load_run_multimodal
+
+    run, model, vision = multimodal_run
+    multimodal, state = load_run_multimodal(run)
+    assert multimodal.media_token_id == 250 and state["step"] == 3 and "vision" not in state
+    assert all(torch.equal(multimodal.vision.state_dict()[k], v) for k, v in vision.state_dict().items())
+    assert all(torch.equal(multimodal.language_model.state_dict()[k], v) for k, v in model.state_dict().items())
+    native.save_checkpoint(tmp_path / "text" / "checkpoint.pt",
+                           {"model": model.state_dict(), "config": model.config.to_dict(), "step": 1})
+    with pytest.raises(ValueError, match="holds no vision tower"):
+        load_run_multimodal(tmp_path / "text")
