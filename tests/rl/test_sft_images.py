@@ -80,3 +80,61 @@ def test_image_sft_with_the_projector_only_leaves_the_tower(tmp_path, demos, tok
     after = trainer.multimodal.vision.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before if k.startswith("vision_tower."))
     assert any(not torch.equal(before[k], after[k]) for k in before if k.startswith("mm_projector."))
+
+
+@pytest.mark.slow
+def test_image_sft_learns_an_answer_only_the_image_holds(tmp_path):
+    """A colour question over solid, jittered images of random sizes: the answer is in the image alone, so
+    held-out accuracy far above the most frequent answer shows images reach the loss and the tower learns
+    (measured: 0.28 before, 1.00 after 60 steps on 60 held-out images; about 80 s on 2 busy cores)."""
+    import random
+
+    from k3.data.tokenizer import train_bpe
+    from k3.vision.image_text import ImageDataOptions, ImageTextReader
+
+    colours = {"red": (220, 30, 30), "blue": (30, 30, 220), "green": (30, 200, 30)}
+    rng = random.Random(0)
+
+    def chat(i, answer):
+        return {"messages": [{"role": "user", "content": [{"type": "text", "text": "colour?"},
+                                                          {"type": "image_url", "image_url": {"url": f"{i}.png"}}]},
+                             {"role": "assistant", "content": answer}]}
+
+    def record(i, name):
+        jitter = tuple(max(0, min(255, v + rng.randint(-30, 30))) for v in colours[name])
+        Image.new("RGB", (28 * rng.randint(1, 2), 28 * rng.randint(1, 2)), jitter).save(tmp_path / f"{i}.png")
+        return chat(i, name)
+
+    train = [record(i, rng.choice(list(colours))) for i in range(60)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
+    held = [(i, rng.choice(list(colours))) for i in range(60, 120)]
+    for i, name in held:
+        record(i, name)
+    tokenizer = train_bpe(["<|user|>colour?\n<|assistant|>red blue green\n"] * 50, 300, show_progress=False)
+    config = SFTConfig(data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "out"), steps=60, batch_size=8,
+                       lr=2e-3, device="cpu", vision="tiny", save_every=1000)
+    trainer = SFTTrainer(config, model=start_model(tokenizer), tokenizer=tokenizer, show_progress=False,
+                         log=lambda *_: None)
+
+    def accuracy():
+        model = trainer.multimodal.eval()
+        reader = ImageTextReader(tokenizer, trainer.processor, model.media_token_id, ImageDataOptions())
+        correct = 0
+        for i, name in held:
+            scores = {}
+            for guess in colours:
+                line = json.dumps(chat(i, guess))
+                example = reader.example(line, tmp_path / "held.jsonl", 1)
+                images = trainer.processor(example.images)
+                with torch.no_grad():
+                    scores[guess] = -float(model(torch.tensor([example.ids]), images.pixel_values, images.grid_thw,
+                                                 labels=torch.tensor([example.labels])).loss)
+            correct += max(scores, key=scores.get) == name
+        model.train()
+        return correct / len(held)
+
+    majority = max(sum(n == c for _, n in held) for c in colours) / len(held)
+    before = accuracy()
+    trainer.train()
+    after = accuracy()
+    assert before < majority + 0.15 and after > majority + 0.4, (before, after, majority)
