@@ -7,6 +7,11 @@ checkpoint (a run directory holding checkpoint.pt or a sharded checkpoint/, or e
 chosen layout, or with --format native a native checkpoint (DIR/checkpoint.pt) holding the model, its config
 and the tokenizer files.
 
+The vision part (`vision_tower.*`, `mm_projector.*`: a K3 / Kimi-K2.5 directory with a vision_config, or a run
+trained on image-text data) is carried both ways: into kimi_k3 (with vision_config and
+media_placeholder_token_id) and into native (keys vision, vision_config, media_token_id). kimi_linear has no
+place for it, so converting a model with a vision tower to kimi_linear is refused.
+
 The target must not exist or be empty (--force replaces it, contents and all), and may not hold the source
 or lie inside it. Everything is written into a new hidden directory beside it, renamed into place at the end:
 a conversion that fails leaves the target as it was.
@@ -46,6 +51,7 @@ class _TokenizerFiles:
 
 
 def _load(source: Path, dtype: str | None):
+    """(text model, tokenizer or None, (VisionModel, media token id) or None)."""
     from k3.checkpoint.hf_load import from_pretrained, parse_dtype
     from k3.data.hf_tokenizer import load_hf_tokenizer
     from k3.checkpoint.run import load_run_model
@@ -53,15 +59,39 @@ def _load(source: Path, dtype: str | None):
     if not source.exists():
         raise FileNotFoundError(f"--from {source} does not exist")
     if source.is_dir() and _is_hf_directory(source):
-        return from_pretrained(source, dtype=dtype), load_hf_tokenizer(source, required=False)
+        return (from_pretrained(source, dtype=dtype), load_hf_tokenizer(source, required=False),
+                _hf_vision(source, dtype))
     model, state = load_run_model(source)
     if dtype is not None:
         model = model.to(parse_dtype(dtype))
     files = state.get("tokenizer") or {}
-    return model, (_TokenizerFiles(files) if files else None)
+    return model, (_TokenizerFiles(files) if files else None), _native_vision(state, str(source), dtype)
 
 
-def _save_native(model, tokenizer, target: Path) -> Path:
+def _hf_vision(source: Path, dtype: str | None):
+    """The vision part of an HF directory whose config.json has a vision_config, else None."""
+    from k3.multimodal import DEFAULT_MEDIA_TOKEN_ID
+    from k3.vision.checkpoint import load_vision
+
+    raw = json.loads((source / "config.json").read_text())
+    if "vision_config" not in raw:
+        return None
+    media = raw.get("media_placeholder_token_id", raw.get("image_token_id", DEFAULT_MEDIA_TOKEN_ID))
+    return load_vision(source, dtype), int(media)
+
+
+def _native_vision(state: dict, source: str, dtype: str | None):
+    """The vision part a native checkpoint keeps (a run trained on image-text data), else None."""
+    from k3.checkpoint.hf_load import parse_dtype
+    from k3.checkpoint.run import vision_from_checkpoint
+
+    found = vision_from_checkpoint(state, source)
+    if found is None or dtype is None:
+        return found
+    return found[0].to(parse_dtype(dtype)), found[1]
+
+
+def _save_native(model, tokenizer, target: Path, vision=None) -> Path:
     import shutil
     import tempfile
 
@@ -74,6 +104,9 @@ def _save_native(model, tokenizer, target: Path) -> Path:
             tokenizer.save(scratch)
             files = native.directory_files(scratch)
     state = {"model": model.state_dict(), "config": model.config.to_dict(), "step": 0, "tokenizer": files}
+    if vision is not None:
+        tower, media = vision
+        state.update(vision=tower.state_dict(), vision_config=tower.config.to_dict(), media_token_id=media)
     if target.suffix == ".pt":  # one file: written beside itself and renamed over
         native.save_checkpoint(target, state)
         return target
@@ -118,15 +151,25 @@ def convert(args: argparse.Namespace) -> int:
     check_target(source, target, args.force)
     if target.is_file() and args.format != "native":
         raise ValueError(f"--to {target} is a file; the {args.format} layout is a directory: choose another --to")
-    model, tokenizer = _load(source, args.dtype)
+    model, tokenizer, vision = _load(source, args.dtype)
+    if vision is not None and args.format not in ("kimi_k3", "native"):
+        raise ValueError(f"--from {source} has a vision tower, which the {args.format} layout has no place for; "
+                         f"use --format kimi_k3 or native to keep it")
     if args.format == "native":
-        written = _save_native(model, tokenizer, target)
+        written = _save_native(model, tokenizer, target, vision)
+    elif vision is not None:
+        tower, media = vision
+        written = save_pretrained(model, tokenizer, target, format=args.format, mxfp4_experts=args.mxfp4,
+                                  max_shard_size=args.max_shard_size, vision=tower,
+                                  extra_config={"media_placeholder_token_id": media})
     else:
         written = save_pretrained(model, tokenizer, target, format=args.format, mxfp4_experts=args.mxfp4,
                                   max_shard_size=args.max_shard_size)
     experts = " (routed experts in MXFP4)" if args.mxfp4 else ""
+    with_vision = (f" + vision tower and projector, {sum(p.numel() for p in vision[0].parameters()):,} parameters"
+                   if vision is not None else "")
     print(f"wrote {written} as {args.format}{experts}: {model.config.num_layers} layers, "
-          f"{sum(p.numel() for p in model.parameters()):,} parameters")
+          f"{sum(p.numel() for p in model.parameters()):,} parameters{with_vision}")
     return 0
 
 

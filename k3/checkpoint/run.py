@@ -70,3 +70,35 @@ def load_run_model(run: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     state = load_checkpoint(run)
     model = model_from_checkpoint(state, str(run))
     return model, {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+
+
+def vision_from_checkpoint(state: dict[str, Any], source: str = "checkpoint"):
+    """(VisionModel in eval mode, media token id) of a checkpoint that keeps a vision tower (a run trained on
+    image-text data: keys vision, vision_config, media_token_id), else None."""
+    from k3.checkpoint.native import load_model_state
+    from k3.vision.config import VisionConfig
+    from k3.vision.model import VisionModel
+
+    if "vision" not in state:
+        return None
+    vision = VisionModel(VisionConfig.from_dict(state["vision_config"]))
+    load_model_state(vision, state["vision"], source)
+    return vision.eval(), int(state["media_token_id"])
+
+
+def load_run_multimodal(run: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
+    """(K3ForConditionalGeneration in eval mode, checkpoint dict without weights) of a run trained on image-text
+    data; ValueError for a run without a vision tower."""
+    import torch
+
+    from k3.multimodal import K3ForConditionalGeneration
+
+    model, state = load_run_model(run)
+    found = vision_from_checkpoint(state, str(run))
+    if found is None:
+        raise ValueError(f"{run} holds no vision tower: it was not trained on image-text data (docs/vision.md)")
+    vision, media = found
+    with torch.device("meta"):
+        multimodal = K3ForConditionalGeneration(model.config, vision.config, media)
+    multimodal.language_model, multimodal.vision = model, vision
+    return multimodal.eval(), {k: v for k, v in state.items() if k != "vision"}

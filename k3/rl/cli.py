@@ -89,8 +89,11 @@ def sft_command(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from k3.train.cli import IMAGE_FLAGS
+
     fields = {name: getattr(args, name) for name in ("run", "data", "out", "steps", "batch_size", "lr", "seed",
-                                                     "device", "save_every") if getattr(args, name) is not None}
+                                                     "device", "save_every", *IMAGE_FLAGS)
+              if getattr(args, name, None) is not None}
     if not args.resume and not (args.run and args.data):
         raise ValueError("k3 sft needs --run DIR (the starting checkpoint) and --data FILE.jsonl (demonstrations)")
     trainer = SFTTrainer(SFTConfig(**fields), resume=args.resume, steps_override=args.steps)
@@ -157,7 +160,9 @@ def register(subparsers) -> None:
     sft = subparsers.add_parser("sft", help="supervised fine-tuning on chat-formatted trajectories (assistant "
                                             "tokens only)")
     sft.add_argument("--run", help="starting checkpoint (a k3 train run directory)")
-    sft.add_argument("--data", help="demonstrations JSONL ({\"messages\": [...]} per line; k3 rl demos writes one)")
+    sft.add_argument("--data", help="demonstrations JSONL ({\"messages\": [...]} per line; k3 rl demos writes one); "
+                                    "content may hold image_url parts (docs/vision.md): the vision tower is then "
+                                    "trained too")
     sft.add_argument("--out", required=True)
     sft.add_argument("--steps", type=int)
     sft.add_argument("--batch-size", type=int, dest="batch_size")
@@ -167,4 +172,6 @@ def register(subparsers) -> None:
     sft.add_argument("--device")
     sft.add_argument("--threads", type=int, default=0)
     sft.add_argument("--resume", action="store_true")
+    from k3.train.cli import add_image_flags
+    add_image_flags(sft, mixed=False)
     sft.set_defaults(func=sft_command)

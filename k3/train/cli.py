@@ -8,9 +8,50 @@ import json
 import torch
 
 from k3.layers.balancing import QB_AGGREGATES
+from k3.train.images import VISION_TRAIN
 from k3.train.profile import PROFILE_AFTER, PROFILE_STEPS
 from k3.train.schedule import parse_seq_len_schedule
 from k3.train.trainer import TrainConfig, Trainer
+from k3.vision.config import VISION_PRESETS
+
+
+IMAGE_FLAGS = ("vision", "vision_train", "vision_lr", "image_fraction", "max_image_patches", "max_image_pixels",
+               "max_image_bytes", "skip_bad_images", "allow_image_paths_outside")
+
+
+def add_image_flags(parser: argparse.ArgumentParser, mixed: bool = True) -> None:
+    """The flags of image-text data and the vision tower (k3 train; k3 sft without mixed, it has no text rows)."""
+    group = parser.add_argument_group("image-text data (a --data .jsonl of {\"text\": \"... <image> ...\", "
+                                      "\"images\": [...]} or {\"messages\": [...]} with image_url parts; "
+                                      "docs/vision.md)")
+    group.add_argument("--vision", choices=sorted(VISION_PRESETS),
+                       help="vision preset of a new tower (k3 train: default k3 for --preset k3, else tiny; k3 sft: "
+                            "only when the starting run has no tower, default tiny)")
+    group.add_argument("--vision-train", choices=VISION_TRAIN, dest="vision_train",
+                       help="all (default): tower and projector trained with the model; projector: tower frozen; "
+                            "none: both frozen")
+    group.add_argument("--vision-lr", type=float, dest="vision_lr",
+                       help="peak learning rate of the vision tower and projector (default: --lr), on the same "
+                            "warmup + cosine schedule")
+    if mixed:
+        group.add_argument("--image-fraction", type=float, dest="image_fraction",
+                           help="share of each step's rows that are image-text rows, beside text rows (default "
+                                "0.5); the text comes from the other --data files, or the default corpus")
+    group.add_argument("--max-image-patches", type=int, dest="max_image_patches",
+                       help="images are scaled down to at most this many 14-px patches (default 16384, as K2.5); "
+                            "an example longer than a row (k3 train: --seq-len) with its images is an error")
+    group.add_argument("--max-image-pixels", type=int, dest="max_image_pixels",
+                       help="refuse an image with more pixels, before decoding it (decompression bombs; default "
+                            "Pillow's MAX_IMAGE_PIXELS, 89,478,485)")
+    group.add_argument("--max-image-bytes", type=int, dest="max_image_bytes",
+                       help="refuse an image file or data: URL larger than this (default 32 MiB)")
+    group.add_argument("--skip-bad-images", action="store_const", const=True, dest="skip_bad_images",
+                       help="leave bad records out (missing or unreadable image, too large, placeholder count "
+                            "mismatch) and print their count, instead of stopping at the first with its "
+                            "file:line and field")
+    group.add_argument("--allow-image-paths-outside", action="store_const", const=True,
+                       dest="allow_image_paths_outside",
+                       help="follow absolute image paths and paths outside the JSONL's folder (refused by default)")
 
 
 def train_command(args: argparse.Namespace) -> int:
@@ -31,7 +72,7 @@ def train_command(args: argparse.Namespace) -> int:
             "eval_batches", "save_every", "recall_fraction", "recall_pairs", "recall_queries", "recall_length",
             "recall_weight", "time_budget_s", "ep", "checkpoint_format",
             "ep_balanced", "qb_aggregate", "qb_iters", "global_batch", "cuda_graph", "log_every",
-            "master_weights") if getattr(args, name) is not None}
+            "master_weights", *IMAGE_FLAGS) if getattr(args, name) is not None}
         fields["data"] = list(args.data or [])
         if args.seq_len_schedule:
             fields["seq_len_schedule"] = parse_seq_len_schedule(args.seq_len_schedule)
@@ -66,7 +107,9 @@ def register(subparsers) -> None:
     train.add_argument("--out", required=True, help="run directory")
     train.add_argument("--max-steps", type=int, dest="max_steps")
     train.add_argument("--data", action="append",
-                       help=".txt, .jsonl (\"text\" field) or .parquet file, or a directory of them; repeatable")
+                       help=".txt, .jsonl (\"text\" field) or .parquet file, or a directory of them; repeatable. "
+                            "A .jsonl of image-text records (\"images\" or \"messages\") trains the vision tower "
+                            "too: see the image-text flags below")
     train.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     train.add_argument("--tokenizer", help="a tokenizer.json, tiktoken model file or tokenizer directory "
                                            "(default: train a byte-level BPE on the corpus)")
@@ -146,6 +189,7 @@ def register(subparsers) -> None:
                        help="full (default): DIR/checkpoint.pt, gathered on rank 0; sharded: DIR/checkpoint/, "
                             "every rank writes its own shards (for models too large to gather); both resume under "
                             "any layout and load in `k3 generate`")
+    add_image_flags(train)
     train.set_defaults(func=train_command)
 
     demo = subparsers.add_parser("demo", help="train the tiny preset on this machine's stdlib, sample from it and "

@@ -115,6 +115,18 @@ class TrainConfig:
     # autocast; "auto" bf16-params on a bf16-capable CUDA device in one process with --dtype auto or bf16 and full
     # checkpoints, fp32-autocast elsewhere (the CPU path stays fp32). Checkpoints hold fp32 weights either way.
     master_weights: str = "auto"
+    # Image-text data (k3.train.images; a --data .jsonl with "images" or "messages" records): the tower trained
+    # with the model. vision: a vision preset for the new tower (None: "k3" for the k3 preset, else "tiny");
+    # vision_train: "all" (tower + projector), "projector" (tower frozen) or "none"; vision_lr: None = lr.
+    vision: str | None = None
+    vision_train: str = "all"
+    vision_lr: float | None = None
+    image_fraction: float = 0.5  # share of each step's rows that are image-text rows
+    max_image_patches: int | None = None  # images scaled down within this many 14-px patches (None: 16384)
+    max_image_pixels: int | None = None  # decoded pixels an image may have (None: Pillow's MAX_IMAGE_PIXELS)
+    max_image_bytes: int = 32 << 20  # bytes of an image file or data: URL
+    skip_bad_images: bool = False  # leave bad image-text records out (counted) instead of stopping at the first
+    allow_image_paths_outside: bool = False  # follow absolute paths and paths outside the JSONL's folder
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every"):
@@ -254,6 +266,11 @@ class Trainer:
                 if (Path(config.out) / stale).is_dir():
                     shutil.rmtree(Path(config.out) / stale)
         self.config = config
+        from k3.train.images import split_data_files
+        # A resumed run reads its data from DIR/data (kept at the first run), not from the --data files.
+        self.text_data, self.image_files = split_data_files(config.data) if not resume else (config.data, [])
+        self.has_images = bool(self.image_files) if not resume else "vision" in self.resume_state
+        self.images = None  # k3.train.images.ImageTraining when --data holds image-text files
         self.out.mkdir(parents=True, exist_ok=True)
         if not resume:
             atomic_write_bytes(self.out / RUN_MARKER, b"")
@@ -275,14 +292,18 @@ class Trainer:
         self.autocast = autocast_dtype(config.dtype, self.device)
         self.bf16_params = config.master_weights == "bf16-params" or (
             config.master_weights == "auto" and self.autocast == torch.bfloat16 and self.device.type == "cuda"
-            and not config.ep and config.checkpoint_format == "full")
+            and not config.ep and config.checkpoint_format == "full" and not self.has_images)
+        if self.bf16_params and self.has_images:
+            raise ValueError("image-text data trains with fp32 weights under autocast; drop --master-weights bf16-params")
         if self.bf16_params:
             self.autocast = None  # the parameters are bf16: nothing to cast
         if config.cuda_graph and self.device.type != "cuda":
             raise ValueError(f"cuda_graph needs a CUDA device; this run is on {self.device} (drop --cuda-graph)")
         # The default CUDA step is the graphed one (one process); --eager or another device: the eager step.
         self.graph_step = (config.cuda_graph if config.cuda_graph is not None
-                           else self.device.type == "cuda" and not config.ep)
+                           else self.device.type == "cuda" and not config.ep and not self.has_images)
+        if self.graph_step and self.has_images:
+            raise ValueError("image-text data trains with the eager step (images differ in size); drop --cuda-graph")
         self.log_every = config.log_every or (10 if self.device.type == "cuda" else 1)
         self.eager_steps = 0  # graphed runs: steps whose batch held more documents than the graph's static count
         self.graphed: GraphedTrainStep | None = None  # captured at the first step (and again on a new row shape)
@@ -293,12 +314,16 @@ class Trainer:
             model_config = self._model_config()
             self.model_config = model_config
             self._prepare_data()
+            if self.images is not None:
+                self.images.prepare(self.out / "data", self.tokenizer, min(n for n, _ in self.stages), self.log)
         if self.dist is not None:
             # Built on the meta device and sharded before any storage exists, so no rank ever holds the whole
             # model; the seeded init gives the same weights under every layout.
             from k3.distributed.init import build_parallel_model
             self.model = build_parallel_model(model_config, self.device, ep_size=config.ep, seed=config.seed,
                                               balanced=config.ep_balanced, qb_aggregate=config.qb_aggregate)
+        elif self.images is not None:
+            self.model = self.images.build(model_config).to(self.device).language_model
         else:
             self.model = K3ForCausalLM(model_config).to(self.device)
             if config.global_batch:
@@ -312,6 +337,8 @@ class Trainer:
             self.optimizer = MasterWeightAdamW(self.model, config.lr, config.weight_decay)
         else:
             self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
+        if self.images is not None:
+            self.images.add_param_groups(self.optimizer, config.lr, config.weight_decay)
         recall = None
         if config.recall_fraction > 0:
             recall = RecallTask(model_config.vocab_size, num_pairs=config.recall_pairs,
@@ -352,7 +379,10 @@ class Trainer:
         rank = self.dist.rank if self.dist is not None else 0
         # Stage 0 keeps the seed a run without a schedule has, so such runs are unchanged.
         seed = config.seed + (0 if config.global_batch else rank) + 100_003 * index
-        return BatchStream(self.train_tokens, self.stages[index][0], rows_for(self.stages, index, config.batch_size),
+        rows = rows_for(self.stages, index, config.batch_size)
+        if self.images is not None:  # image rows take their share of the batch
+            rows -= self.images.rows_per_step(rows)
+        return BatchStream(self.train_tokens, self.stages[index][0], rows,
                            self.tokenizer.eos_token_id, seed=seed, recall=self.recall_task,
                            recall_fraction=config.recall_fraction, recall_length=config.recall_length,
                            recall_weight=config.recall_weight)
@@ -370,6 +400,12 @@ class Trainer:
 
     def _next_batch(self) -> tuple[PackedBatch, int]:
         """(this rank's packed batch, tokens in the global batch)."""
+        if self.images is not None:
+            stream = self.train_stream
+            text = stream.next_batch() if stream.batch_size else None
+            rows = self.images.rows_per_step(rows_for(self.stages, self.stage, self.config.batch_size))
+            batch = self.images.batch(text, self.step + 1, rows, self.seq_len, self.tokenizer.eos_token_id)
+            return batch, batch.num_tokens
         if not (self.config.global_batch and self.dist is not None):
             batch = self.train_stream.next_batch()
             return batch, batch.num_tokens
@@ -400,7 +436,7 @@ class Trainer:
 
     def _corpus(self):
         cap = None if self.config.max_corpus_mb is None else int(self.config.max_corpus_mb * 1e6)
-        docs = load_corpus(self.config.data or None, max_bytes=cap)
+        docs = load_corpus(self.text_data or None, max_bytes=cap)  # image-text files are read apart
         return split_validation(docs, self.config.val_fraction)
 
     def _prepare_tokenizer(self):
@@ -429,6 +465,23 @@ class Trainer:
         return tokenizer
 
     def _model_config(self) -> ModelConfig:
+        model_config = self._text_model_config()
+        if self.has_images:
+            from k3.train.images import ImageTraining, vision_config_for
+            from k3.vision.config import VisionConfig
+            from k3.vision.image_text import media_token_id_for
+            if self.resume_state is not None:
+                media, vision = self.resume_state["media_token_id"], VisionConfig.from_dict(
+                    self.resume_state["vision_config"])
+            else:
+                media = media_token_id_for(self.tokenizer)
+                vision = vision_config_for(self.config.vision, self.config.preset, model_config.hidden_size)
+                if media >= model_config.vocab_size:  # the media token is one past the tokenizer's ids
+                    model_config = dataclasses.replace(model_config, vocab_size=media + 1)
+            self.images = ImageTraining(self.config, self.image_files, media, vision)
+        return model_config
+
+    def _text_model_config(self) -> ModelConfig:
         overrides = dict(self.config.model_overrides)
         if self.resume_state is not None:
             return ModelConfig.from_dict(self.resume_state["config"])
@@ -470,6 +523,8 @@ class Trainer:
             load_model_state(self.model, state["model"], str(self.out / CHECKPOINT_NAME))
             if self.bf16_params:
                 self.optimizer.load_masters(self.model, state["model"])
+            if self.images is not None:
+                self.images.load_checkpoint_state(state, str(self.out / CHECKPOINT_NAME))
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             # Every rank read the whole checkpoint and keeps its own shards. The data streams are per rank
@@ -501,10 +556,14 @@ class Trainer:
         labels = batch.labels.to(self.device)
         cu = batch.cu_seqlens.to(self.device)
         with self._autocast():
+            embeds = None
+            if batch.pixel_values is not None:  # image-text rows: the images' embeddings at the media tokens
+                ids, embeds = None, self.images.embed(ids, batch)
             if batch.weights is None:
-                loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False).loss
+                loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False, inputs_embeds=embeds).loss
             else:
-                loss = weighted_loss(self.model(ids, cu_seqlens=cu).logits, labels, batch.weights.to(self.device))
+                loss = weighted_loss(self.model(ids, cu_seqlens=cu, inputs_embeds=embeds).logits, labels,
+                                     batch.weights.to(self.device))
         return self._plus_aux_loss(self.model, loss)
 
     def max_documents(self, rows: int | None = None) -> int:
@@ -569,7 +628,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches * batch_size rows of the validation stream (fixed rows)."""
         self.model.eval()
-        rows_per_batch = self.train_stream.batch_size
+        rows_per_batch = self.train_stream.batch_size or self.config.batch_size  # 0 text rows: image-only steps
         seq_len = self.seq_len  # the current stage's length
         num_rows = (len(self.val_tokens) - 1) // seq_len
         total, count = 0.0, 0
@@ -577,6 +636,21 @@ class Trainer:
             indices = [(b * rows_per_batch + r) % num_rows for r in range(rows_per_batch)]
             batch = pack_rows([text_row(self.val_tokens, i, seq_len, self.tokenizer.eos_token_id)
                                for i in indices], self.tokenizer.eos_token_id)
+            scored = int((batch.labels != -100).sum())
+            total += float(self._forward(batch)) * scored
+            count += scored
+        self.model.train()
+        return total / max(count, 1)
+
+    @kernels_applied
+    @torch.no_grad()
+    def evaluate_images(self) -> float:
+        """Mean loss over fixed batches of the held-out image-text examples."""
+        self.model.eval()
+        rows = self.images.rows_per_step(rows_for(self.stages, self.stage, self.config.batch_size))
+        total, count = 0.0, 0
+        for batch in self.images.validation_batches(self.config.eval_batches, rows, self.seq_len,
+                                                    self.tokenizer.eos_token_id):
             scored = int((batch.labels != -100).sum())
             total += float(self._forward(batch)) * scored
             count += scored
@@ -636,6 +710,7 @@ class Trainer:
         state = {
             "model": model_state,
             "optimizer": optimizer_state,
+            **(self.images.checkpoint_state() if self.images is not None else {}),
             **self._run_state(),
             **({"data_per_rank": data_per_rank} if self.dist is not None else {}),
             "rng": _rng_state(),
@@ -722,6 +797,8 @@ class Trainer:
                 if eval_due:
                     records[-1]["val_loss"] = self.evaluate()
                     summary["last_val_loss"] = records[-1]["val_loss"]
+                    if self.images is not None and self.images.val_examples:
+                        records[-1]["val_image_loss"] = summary["last_val_image_loss"] = self.evaluate_images()
                 for record in records:
                     self.metrics.write(record)
                 bar.set_postfix(loss=f"{records[-1]['loss']:.3f}", tok_s=f"{records[-1]['tokens_per_s']:.0f}")
@@ -744,6 +821,12 @@ class Trainer:
             self.save()
         summary.update(steps=self.step, train_seconds=elapsed,
                        tokens_per_s=tokens_seen / elapsed if elapsed > 0 else 0.0)
+        if self.images is not None:
+            summary["image_examples"] = len(self.images.train_examples)
+            summary["skipped_image_records"] = len(self.images.skipped)
+            if self.images.skipped:
+                self.log(f"{len(self.images.skipped)} bad image-text record(s) were skipped (--skip-bad-images), "
+                         f"e.g. {self.images.skipped[0]}")
         self.plot()
         return summary
 
@@ -754,7 +837,7 @@ class Trainer:
         config = self.config
         lr = lr_at(self.step, config.max_steps, config.lr, config.warmup_steps, config.min_lr_ratio)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # vision groups: --vision-lr / --lr
         self._enter_stage_of_next_step()
         t0 = time.perf_counter()
         batch, global_tokens = self._next_batch()
@@ -770,8 +853,9 @@ class Trainer:
             loss, logged_loss = self._global_mean(loss, batch)
         if not graphed:
             loss.backward()
-        # bf16 parameters: their gradients are clipped in fp32, as the masters' gradients.
-        trained = self.optimizer.take_grads() if self.bf16_params else self.model.parameters()
+        # bf16 parameters: their gradients are clipped in fp32, as the masters' gradients (no images then).
+        trained = (self.optimizer.take_grads() if self.bf16_params else
+                   [*self.model.parameters(), *(self.images.trained_parameters() if self.images is not None else [])])
         grad_norm = clip_grad_norm_(trained, config.grad_clip)  # any parallel layout
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -6,8 +6,9 @@
     embeds = vision(batch.pixel_values, batch.grid_thw)   # [merged tokens, text width]
 
 Config: config.py; tower: tower.py (rope.py, attention.py); projector: projector.py; tower + projector:
-model.py; images and placeholders: processing.py; checkpoints: checkpoint.py; a synthetic visual QA set and a
-tiny training run: synthetic_qa.py, train_vqa.py. See docs/vision.md.
+model.py; images and placeholders: processing.py; checkpoints: checkpoint.py; image-text training data (JSONL)
+and its packed rows: image_text.py, image_batches.py; a synthetic visual QA set and a tiny training run:
+synthetic_qa.py, train_vqa.py. See docs/vision.md.
 """
 
 from k3.vision.checkpoint import load_vision, read_vision_config
