@@ -565,6 +565,37 @@ class Engine:
                 values, index = log_probs.topk(top_k, dim=-1)
                 top += [list(zip(i_row, v_row)) for i_row, v_row in zip(index.tolist(), values.tolist())]
 
+    # --- warm-up ------------------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Build now what the first requests would build lazily: the decode CUDA graphs for every batch size up
+        to max_batch (compiled with K3_COMPILE_DECODE), a prefill of one full chunk and a short one (kernels
+        autotune per shape), greedy and sampled decoding with logprobs. Leaves no trace: the prefix cache and
+        the counters are as before. Returns the seconds it took."""
+        start = time.perf_counter()
+        if self.has_unfinished():
+            raise RuntimeError("warm up an idle engine: requests are queued or running")
+        counters = dict(self.stats_counters)
+        runner = self.runner
+        if runner.use_cuda_graphs:
+            top = next((b for b in runner.graph_batch_sizes if b >= self.max_batch), runner.graph_batch_sizes[-1])
+            runner.capture(tuple(b for b in runner.graph_batch_sizes if b <= top))
+        greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+        sampled = SamplingParams(max_new_tokens=2, temperature=1.0, top_p=0.9, top_k=50, logprobs=1, seed=0)
+        length = min(self.scheduler.prefill_chunk, self.max_context - greedy.max_new_tokens - 1)
+        while length > 1:
+            try:
+                self.check_prompt([0] * length, greedy)
+                break
+            except ValueError:  # the page pool cannot hold a full chunk: a shorter prompt still warms up
+                length //= 2
+        prompts = [[0] * max(1, length), [0] * max(1, min(length, 17))]
+        self.complete(prompts, [greedy, sampled][:len(prompts)])
+        self.clear_prefix_cache()
+        self.stats_counters = counters
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
     # --- accounting ---------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Queue and memory counters. kda_slots_used / mla_pages_used count what requests hold (0 when idle);
