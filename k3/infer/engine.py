@@ -147,6 +147,18 @@ class Engine:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 num_pages = max(max_pages, min(num_pages, int(0.5 * free) // max(page_bytes, 1)))
         self.pool = CachePool(self.config, max_batch + prefix_slots, num_pages, page_size, self.device, dtype)
+        self.prefill_fit = None
+        if self.device.type == "cuda" and batch_tokens is not None and max_step_tokens is None:
+            # The default sizes come from max_context; what is left of the device after the weights and the pool
+            # may hold less (k3.infer.memory_budget). Cached blocks the allocator holds count as free.
+            from k3.infer.memory_budget import fit_prefill
+
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            self.prefill_fit = fit_prefill(self.config, max_context, prefill_chunk, self.batch_tokens, free,
+                                           dtype.itemsize, quantum=max(page_size, 2048))
+            prefill_chunk = max(page_size, self.prefill_fit.chunk // page_size * page_size)
+            self.batch_tokens = self.prefill_fit.step_tokens
         self.prefix_cache = PrefixCache(self.pool, prefix_slots) if prefix_slots > 0 else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_batch, max_context, prefill_chunk,
                                    max_step_tokens or self.batch_tokens + max_batch)

@@ -695,7 +695,8 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
             asyncio.create_task(watch_engine(task))
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
-        if server.started and on_listening is not None:
+        # An engine that died during its warm-up may have shut the server down already: no socket to name.
+        if server.started and on_listening is not None and server.servers and server.servers[0].sockets:
             bound_host, bound_port = server.servers[0].sockets[0].getsockname()[:2]
             on_listening(f"http://{bound_host}:{bound_port}")
         await task
