@@ -18,6 +18,8 @@ prefix-cache hits). The phases run one after another, never side by side (they w
                prompt): what the server's batching is measured against.
   in process   the largest level's requests submitted at once to the engine in process with max_batch C:
                the same batching without HTTP, so the gap to the server's row is the server's own cost.
+               On a shared CPU, wall times move with other processes' load; "CPU ms / token" (the server
+               process's, or this process's for the in-process rows) much less: it is the number to compare.
   transformers KimiLinearForCausalLM.generate, greedy, one request at a time: TTFT = the time to generate
                one token, TPOT = (time for 1 + new tokens - time for 1) / new, as in bench/decode.py. On the
                `small` preset the peer is bench/train.py's matched config; on others a Kimi-Linear config of
@@ -113,10 +115,12 @@ def serve_main(args) -> None:
         model, config = build_model(args.preset, torch.device(args.device), _dtype(args))
         tokenizer = NumberTokenizer(config.vocab_size)
     engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
-    aengine = AsyncEngine(engine, max_queue=4096, warmup=None if args.no_warmup else engine.warmup)
+    # Without the warm-up argument when it is off, so the same script drives an older k3 (before/after runs).
+    aengine = AsyncEngine(engine, max_queue=4096, **({} if args.no_warmup else {"warmup": engine.warmup}))
     app = create_app(aengine, "bench", tokenizer, args.max_context, 4096)
     try:
-        run_server(app, "127.0.0.1", 0, on_listening=lambda url: print(f"listening {url}", flush=True))
+        run_server(app, "127.0.0.1", 0, on_listening=lambda url: print(f"listening {url}", flush=True),
+                   **({"switch_interval_s": args.switch_interval} if args.switch_interval else {}))
     finally:
         aengine.shutdown()
 
@@ -137,6 +141,8 @@ def start_server(args, chat: bool = False) -> tuple[subprocess.Popen, str, dict]
         command += ["--chat", "--max-context", str(args.prompt + args.new + 1024)]
     if args.no_warmup:
         command.append("--no-warmup")
+    if args.switch_interval:
+        command += ["--switch-interval", str(args.switch_interval)]
     if args.dtype:
         command += ["--dtype", args.dtype]
     if args.threads:
@@ -243,6 +249,18 @@ def mixed_levels(args) -> dict:
     return levels
 
 
+def process_cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system) a process has used: the server's cost of a level apart from the load
+    other processes put on a shared machine (wall times move with it, CPU time much less). None off Linux."""
+    if pid is None:
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def summary(requests: int, tokens: int, seconds: float, ttft_s: list[float], tpot_s: list[float]) -> dict:
     return dict(requests=requests, output_tokens=tokens, seconds=seconds, output_tokens_per_s=tokens / seconds,
                 ttft_p50_ms=percentile([t * 1e3 for t in ttft_s], 50), ttft_p99_ms=percentile([t * 1e3 for t in ttft_s], 99),
@@ -325,6 +343,8 @@ def main() -> None:
     parser.add_argument("--mixed", nargs="*", default=[], choices=["tools", "json_schema"],
                         help="also chat at the top concurrency with these grammar-constrained requests mixed in")
     parser.add_argument("--no-warmup", action="store_true", help="start the bench servers without their warm-up")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="the server process's sys.setswitchinterval in seconds (default: Python's 0.005)")
     parser.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
@@ -340,7 +360,7 @@ def main() -> None:
     vocab = ModelConfig.from_preset(args.preset).vocab_size
     # On a shared CPU machine the other processes' load moves every number: it is recorded with them.
     results: dict = {"bench": "serve", "device_name": device_name(), "preset": args.preset, "prompt": args.prompt,
-                     "new": args.new, "dtype": str(dtype), "rate": args.rate, "cpu_count": os.cpu_count(),
+                     "new": args.new, "dtype": str(dtype), "rate": args.rate, "switch_interval": args.switch_interval, "cpu_count": os.cpu_count(),
                      "load_average_at_start": os.getloadavg(), "levels": {}}
 
     process, url, start = (None, args.url, None) if args.url else start_server(args)
@@ -358,7 +378,10 @@ def main() -> None:
         asyncio.run(load_level(url, model_name, prompts_for(2, args.prompt, vocab, seed=7), 4, 2, None))  # warm-up
         for level, concurrency in enumerate(args.concurrency):
             prompts = prompts_for(concurrency * args.requests_per_level, args.prompt, vocab, seed=100 + level)
+            cpu = process_cpu_s(process.pid) if process is not None else None
             r = asyncio.run(load_level(url, model_name, prompts, args.new, concurrency, args.rate))
+            if cpu is not None:
+                r["cpu_ms_per_token"] = (process_cpu_s(process.pid) - cpu) * 1e3 / r["output_tokens"]
             results["levels"][concurrency] = r
             print(f"server C={concurrency}: {r}", flush=True)
             write_json(args.out, {**results, "partial": True})
@@ -376,7 +399,10 @@ def main() -> None:
     if set(args.skip) != {"one-by-one", "in-process", "transformers"}:
         model, config = build_model(args.preset, device, dtype)
     if "one-by-one" not in args.skip:
+        cpu = process_cpu_s()
         baselines["engine one-by-one"] = one_by_one(model, config, prompts, args.new, args.prompt + args.new + 64)
+        baselines["engine one-by-one"]["cpu_ms_per_token"] = ((process_cpu_s() - cpu) * 1e3
+                                                             / baselines["engine one-by-one"]["output_tokens"])
         print(f"one-by-one: {baselines['engine one-by-one']}", flush=True)
     if "in-process" not in args.skip:
         # The server's own cost: the top level's requests through the engine in process, submitted at once
@@ -387,7 +413,9 @@ def main() -> None:
         level_prompts = prompts_for(top * args.requests_per_level, args.prompt, vocab,
                                     seed=100 + args.concurrency.index(top))
         name = f"engine in process, C={top}"
+        cpu = process_cpu_s()
         baselines[name] = run_load(engine, level_prompts, SamplingParams(max_new_tokens=args.new, temperature=0))
+        baselines[name]["cpu_ms_per_token"] = (process_cpu_s() - cpu) * 1e3 / baselines[name]["output_tokens"]
         print(f"{name}: {baselines[name]}", flush=True)
         del engine
     if "transformers" not in args.skip:
@@ -408,12 +436,13 @@ def main() -> None:
         rows.append([name, r["requests"], r["output_tokens_per_s"],
                      f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else "",
                      r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"],
-                     f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x" if base else ""])
+                     f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x" if base else "",
+                     r.get("cpu_ms_per_token", "")])
     load = f", load average {results['load_average_at_start'][0]:.1f} on {os.cpu_count()} cores" \
         if device.type == "cpu" else ""
     print_table(f"Serving {args.preset} ({args.prompt} in / {args.new} out, {dtype}) on {device_name()}{load}",
                 ["", "requests", "output tok/s", "vs one-by-one", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                 "TPOT p99 ms", "TPOT vs one-by-one"], rows)
+                 "TPOT p99 ms", "TPOT vs one-by-one", "CPU ms / token"], rows)
     if "fresh" in results:
         fresh = results["fresh"]
         print(f"fresh server: ready {fresh['ready_s']:.1f} s after spawning (warm-up {fresh['warmup_s'] or 0:.1f} "

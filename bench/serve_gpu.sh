@@ -7,11 +7,13 @@
 #   eval      k3 eval --task needle_single mqar --lengths 1M (seconds and peak memory per task)
 #   serve1m   k3 serve --max-context 1048576: warm-up, then one request with a 1M-token prompt (TTFT, peak memory
 #             as nvidia-smi sees the process)
+#   serve_switch  the server levels C=16 / 64 again with sys.setswitchinterval(0.0005) in the server process
+#             (last: expected total about 8.5 minutes; should the 10-minute limit cut it, the rest has been written)
 # Each part runs under its own timeout; summary.json is rewritten as each part ends (status, seconds, numbers).
 #
 # Usage: bench/serve_gpu.sh OUT_DIR            on the GPU
 #        bench/serve_gpu.sh OUT_DIR --cpu-check the same logic on CPU: debug preset, tiny lengths (minutes)
-# Files in OUT_DIR (7): summary.json probe.log serve.json serve.log run.log eval.json eval.log (+ serve1m in eval.log)
+# Files in OUT_DIR (8): summary.json probe.log serve.json serve.log run.log eval.json eval.log serve_switch.json
 set -u
 OUT=${1:?usage: bench/serve_gpu.sh OUT_DIR [--cpu-check]}
 MODE=${2:-gpu}
@@ -27,11 +29,13 @@ if [ "$MODE" = "--cpu-check" ]; then
   export OMP_NUM_THREADS=1
   PRESET=debug DEVICE=cpu LENGTH=2K LONG_CONTEXT=4096
   SERVE_ARGS=(--prompt 64 --new 8 --concurrency 1 4 8 --threads 1 --baseline-requests 2)
-  T_PROBE=60 T_SERVE=400 T_RUN=120 T_EVAL=300 T_SERVE1M=300
+  T_PROBE=60 T_SERVE=400 T_RUN=120 T_EVAL=300 T_SERVE1M=300 T_SWITCH=300
+  SWITCH_LEVELS=(4 8)
 else
   PRESET=small DEVICE=cuda LENGTH=1M LONG_CONTEXT=1048576
   SERVE_ARGS=()
-  T_PROBE=40 T_SERVE=220 T_RUN=60 T_EVAL=150 T_SERVE1M=100
+  T_PROBE=40 T_SERVE=220 T_RUN=60 T_EVAL=150 T_SERVE1M=100 T_SWITCH=80
+  SWITCH_LEVELS=(16 64)
 fi
 
 # summary.json: {"mode", "parts": {name: {"status", "seconds", ...}}}, rewritten after every part.
@@ -154,4 +158,10 @@ finally:
 PY
 record serve1m "$LAST_STATUS" "$LAST_SECONDS" "$OUT/serve1m.json"
 rm -f "$OUT/serve1m.json"  # embedded in summary.json; keeps OUT within its file count
+
+# --- the server levels again with a 0.5 ms thread switch interval (the engine thread's GIL waits) ---------------
+part serve_switch "$T_SWITCH" "$OUT/serve.log" python bench/serve.py --preset "$PRESET" --device "$DEVICE" \
+  --skip one-by-one in-process transformers --switch-interval 0.0005 --out "$OUT/serve_switch.json" \
+  "${SERVE_ARGS[@]}" --concurrency "${SWITCH_LEVELS[@]}"
+record serve_switch "$LAST_STATUS" "$LAST_SECONDS" "$OUT/serve_switch.json"
 echo "done: $OUT/summary.json"

@@ -635,14 +635,21 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Callable[[str], None] | None = None,
                log_level: str = "warning", graceful_timeout_s: float = 5.0, exit_on_engine_death: bool = True,
-               limits: ServerLimits | None = None) -> None:
+               limits: ServerLimits | None = None, switch_interval_s: float | None = None) -> None:
     """Serve `app` until SIGINT or SIGTERM. on_listening(url) is called once the socket is bound (port 0
     picks a free port; the url names the real one). On the signal, requests in progress end at once with
     finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams.
     exit_on_engine_death: when the engine loop stops, shut down and raise EngineDead (so the process exits
     non-zero and a supervisor restarts it); else keep answering, /health with 503. limits: connection count and
-    timeouts (k3.infer.connection_limits)."""
+    timeouts (k3.infer.connection_limits). switch_interval_s: the interpreter's thread switch interval for the
+    process (sys.setswitchinterval; Python's default 5 ms): the engine thread gives up the GIL in every torch
+    call and may then wait that long for the event loop to hand it back."""
     import uvicorn
+
+    if switch_interval_s is not None:
+        import sys
+
+        sys.setswitchinterval(switch_interval_s)
 
     limits = limits or ServerLimits()
     # lifespan off: the app has no startup/shutdown hooks (the engine is started and stopped by the caller).
