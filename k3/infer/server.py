@@ -41,7 +41,7 @@ from k3.infer.metrics import ServerMetrics
 from k3.infer.origins import add_origin_checks
 from k3.infer.protocol import (IMAGE_MARKER, APIError, ChatCompletionRequest, CompletionRequest, check_model,
                                check_prompt, parse_request, resolve_max_tokens, sampling_params)
-from k3.infer.sse import SSE_DONE, sse_event
+from k3.infer.sse import SSE_DONE, sse_chunks, sse_event
 
 log = logging.getLogger("k3.serve")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat: all the room left)
@@ -467,11 +467,10 @@ async def _respond(request: Request, server: _Server, fmt: _Format, prompts: lis
     async def events() -> AsyncIterator[str]:
         outcome = "aborted"  # unless the loop below completes: a cancelled stream is a client gone
         try:
+            chunk = sse_chunks({**head, "object": fmt.chunk_object})
             async for batch in generation.updates():
                 # One write for the batch: the events of every choice that changed.
-                yield "".join(sse_event({**head, "object": fmt.chunk_object,
-                                         "choices": [fmt.chunk_choice(update, prompt_of[update.choice.index])]})
-                              for update in batch)
+                yield "".join(chunk(fmt.chunk_choice(update, prompt_of[update.choice.index])) for update in batch)
             if include_usage:
                 yield sse_event({**head, "object": fmt.chunk_object, "choices": [], "usage": generation.usage()})
             yield SSE_DONE
