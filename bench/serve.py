@@ -80,6 +80,66 @@ def build_model(preset: str, device: torch.device, dtype: torch.dtype, vocab_siz
     return model.to(dtype).eval(), config
 
 
+class StubEngine:
+    """--stub-step-ms: what AsyncEngine and the server read of an Engine, with steps that give every running
+    request one token after sleeping the given time (as a GPU step leaves the host free), and no model: the
+    server's own cost per token, and whether it keeps up with an engine of that step time."""
+
+    def __init__(self, vocab_size: int, max_batch: int, step_s: float) -> None:
+        from collections import deque
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(vocab_size=vocab_size)
+        self.max_batch, self.step_s, self.tokenizer = max_batch, step_s, None
+        self.waiting: deque = deque()
+        self.running: dict[str, list] = {}  # request id -> [params, tokens given]
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.device = torch.device("cpu")
+        self.steps = 0
+
+    def stop_ids(self, params) -> set[int]:
+        return set(params.stop_token_ids)
+
+    def check_prompt(self, ids, params, name: str = "the prompt") -> None:
+        if not ids:
+            raise ValueError(f"{name} is empty")
+
+    def add_request(self, prompt, params, request_id=None, prompt_embeds=None) -> str:
+        self.waiting.append((request_id, params))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        self.waiting = type(self.waiting)(w for w in self.waiting if w[0] != request_id)
+        return self.running.pop(request_id, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list:
+        from k3.infer.engine import TokenEvent
+
+        while self.waiting and len(self.running) < self.max_batch:
+            request_id, params = self.waiting.popleft()
+            self.running[request_id] = [params, 0]
+        time.sleep(self.step_s)
+        events = []
+        for request_id, state in list(self.running.items()):
+            state[1] += 1
+            done = state[1] >= state[0].max_new_tokens
+            events.append(TokenEvent(request_id, 0, 1 + state[1] % 200, finished=done,
+                                     finish_reason="length" if done else None))
+            if done:
+                del self.running[request_id]
+        self.steps += 1
+        return events
+
+    def stats(self) -> dict:
+        return {"waiting": len(self.waiting), "running": len(self.running), "prefilling": 0, "kda_slots_total": 0,
+                "kda_slots_used": 0, "mla_pages_total": 0, "mla_pages_used": 0, "mla_pages_free": 0,
+                "prefix_entries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0, "prompt_tokens": 0,
+                "generated_tokens": 0, "steps": self.steps, "finished": 0}
+
+
 CHAT_TEXT = ('{"city": "Paris", "zone": "UTC", "answer": [1, 2, 3], "ok": true} ' * 8
              + "<|user|>What is the weather?<|assistant|><think>Let me look.</think><tool_call>")
 WEATHER_TOOL = {"type": "function", "function": {
@@ -108,13 +168,18 @@ def serve_main(args) -> None:
     from k3.infer import AsyncEngine
     from k3.infer.server import create_app, run_server
 
-    if args.chat:
+    if args.stub_step_ms is not None:
+        config = ModelConfig.from_preset(args.preset)
+        tokenizer = NumberTokenizer(config.vocab_size)
+        engine = StubEngine(config.vocab_size, args.max_batch, args.stub_step_ms / 1e3)
+    elif args.chat:
         tokenizer = chat_tokenizer()
         model, config = build_model(args.preset, torch.device(args.device), _dtype(args), tokenizer.vocab_size)
     else:
         model, config = build_model(args.preset, torch.device(args.device), _dtype(args))
         tokenizer = NumberTokenizer(config.vocab_size)
-    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
+    if args.stub_step_ms is None:
+        engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
     # Without the warm-up argument when it is off, so the same script drives an older k3 (before/after runs).
     aengine = AsyncEngine(engine, max_queue=4096, **({} if args.no_warmup else {"warmup": engine.warmup}))
     app = create_app(aengine, "bench", tokenizer, args.max_context, 4096)
@@ -143,6 +208,8 @@ def start_server(args, chat: bool = False) -> tuple[subprocess.Popen, str, dict]
         command.append("--no-warmup")
     if args.switch_interval:
         command += ["--switch-interval", str(args.switch_interval)]
+    if args.stub_step_ms is not None:
+        command += ["--stub-step-ms", str(args.stub_step_ms)]
     if args.dtype:
         command += ["--dtype", args.dtype]
     if args.threads:
@@ -345,6 +412,9 @@ def main() -> None:
     parser.add_argument("--no-warmup", action="store_true", help="start the bench servers without their warm-up")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="the server process's sys.setswitchinterval in seconds (default: Python's 0.005)")
+    parser.add_argument("--stub-step-ms", type=float, default=None,
+                        help="serve a stub engine (no model: every step sleeps this long, then gives each running "
+                             "request a token) to measure the server's own cost; skips the in-process rows")
     parser.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
@@ -360,7 +430,8 @@ def main() -> None:
     vocab = ModelConfig.from_preset(args.preset).vocab_size
     # On a shared CPU machine the other processes' load moves every number: it is recorded with them.
     results: dict = {"bench": "serve", "device_name": device_name(), "preset": args.preset, "prompt": args.prompt,
-                     "new": args.new, "dtype": str(dtype), "rate": args.rate, "switch_interval": args.switch_interval, "cpu_count": os.cpu_count(),
+                     "new": args.new, "dtype": str(dtype), "rate": args.rate, "switch_interval": args.switch_interval,
+                     "stub_step_ms": args.stub_step_ms, "cpu_count": os.cpu_count(),
                      "load_average_at_start": os.getloadavg(), "levels": {}}
 
     process, url, start = (None, args.url, None) if args.url else start_server(args)
@@ -394,6 +465,8 @@ def main() -> None:
         results["mixed"] = mixed_levels(args)
         write_json(args.out, {**results, "partial": True})
 
+    if args.stub_step_ms is not None:  # no model: the engine rows would measure nothing of the server
+        args.skip = ["one-by-one", "in-process", "transformers"]
     baselines = {}
     prompts = prompts_for(args.baseline_requests, args.prompt, vocab, seed=100)
     if set(args.skip) != {"one-by-one", "in-process", "transformers"}:
