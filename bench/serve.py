@@ -3,6 +3,7 @@ one through the engine in process, and against transformers' `generate` on the m
 
 Usage: python bench/serve.py [--preset debug|tiny|small] [--prompt 1024] [--new 256] [--concurrency 1 16 64]
                              [--requests-per-level 2] [--url URL] [--device cpu|cuda] [--out F]
+                             [--mixed tools json_schema] [--no-warmup]
 
 Model: the preset with random weights (seed 0) and a bench-only tokenizer with no EOS (token i <-> " i"),
 so every request runs its full --new tokens. Prompts are random token ids, a fresh set per level (no
@@ -17,10 +18,18 @@ prefix-cache hits). The phases run one after another, never side by side (they w
                prompt): what the server's batching is measured against.
   in process   the largest level's requests submitted at once to the engine in process with max_batch C:
                the same batching without HTTP, so the gap to the server's row is the server's own cost.
+               On a shared CPU, wall times move with other processes' load; "CPU ms / token" (the server
+               process's, or this process's for the in-process rows) much less: it is the number to compare.
   transformers KimiLinearForCausalLM.generate, greedy, one request at a time: TTFT = the time to generate
                one token, TPOT = (time for 1 + new tokens - time for 1) / new, as in bench/decode.py. On the
                `small` preset the peer is bench/train.py's matched config; on others a Kimi-Linear config of
                the preset's widths, layers and MLA positions (no AttnRes, latent MoE or output gates).
+  fresh        the server's start: seconds from spawning it to /health 200 (after its warm-up, unless
+               --no-warmup), the warm-up's own seconds, and the TTFT of the very first request (same shape).
+  mixed        --mixed tools json_schema: a second server speaking chat (a small byte-level BPE tokenizer, the
+               k3 chat format, the preset's model with that vocabulary), at the top concurrency: plain chat
+               requests, then the same with every other request carrying `tools` (tool_choice required) or a
+               `json_schema` response_format (both grammar-constrained in the engine's sampling).
 Presets also set the default sizes: debug 64 in / 16 out, tiny 256 / 32, small 1024 / 256 (the issue's).
 """
 
@@ -63,12 +72,95 @@ class NumberTokenizer:
         return "".join(f" {int(i)}" for i in ids)
 
 
-def build_model(preset: str, device: torch.device, dtype: torch.dtype):
+def build_model(preset: str, device: torch.device, dtype: torch.dtype, vocab_size: int | None = None):
     torch.manual_seed(0)
-    config = ModelConfig.from_preset(preset)
+    config = ModelConfig.from_preset(preset, **({"vocab_size": vocab_size} if vocab_size else {}))
     with torch.device(device):
         model = K3ForCausalLM(config)
     return model.to(dtype).eval(), config
+
+
+class StubEngine:
+    """--stub-step-ms: what AsyncEngine and the server read of an Engine, with steps that give every running
+    request one token after sleeping the given time (as a GPU step leaves the host free), and no model: the
+    server's own cost per token, and whether it keeps up with an engine of that step time."""
+
+    def __init__(self, vocab_size: int, max_batch: int, step_s: float) -> None:
+        from collections import deque
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(vocab_size=vocab_size)
+        self.max_batch, self.step_s, self.tokenizer = max_batch, step_s, None
+        self.waiting: deque = deque()
+        self.running: dict[str, list] = {}  # request id -> [params, tokens given]
+        self.scheduler = SimpleNamespace(running=[], waiting=[])
+        self.device = torch.device("cpu")
+        self.steps = 0
+
+    def stop_ids(self, params) -> set[int]:
+        return set(params.stop_token_ids)
+
+    def check_prompt(self, ids, params, name: str = "the prompt") -> None:
+        if not ids:
+            raise ValueError(f"{name} is empty")
+
+    def add_request(self, prompt, params, request_id=None, prompt_embeds=None) -> str:
+        self.waiting.append((request_id, params))
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        self.waiting = type(self.waiting)(w for w in self.waiting if w[0] != request_id)
+        return self.running.pop(request_id, None) is not None
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def step(self) -> list:
+        from k3.infer.engine import TokenEvent
+
+        while self.waiting and len(self.running) < self.max_batch:
+            request_id, params = self.waiting.popleft()
+            self.running[request_id] = [params, 0]
+        time.sleep(self.step_s)
+        events = []
+        for request_id, state in list(self.running.items()):
+            state[1] += 1
+            done = state[1] >= state[0].max_new_tokens
+            events.append(TokenEvent(request_id, 0, 1 + state[1] % 200, finished=done,
+                                     finish_reason="length" if done else None))
+            if done:
+                del self.running[request_id]
+        self.steps += 1
+        return events
+
+    def stats(self) -> dict:
+        return {"waiting": len(self.waiting), "running": len(self.running), "prefilling": 0, "kda_slots_total": 0,
+                "kda_slots_used": 0, "mla_pages_total": 0, "mla_pages_used": 0, "mla_pages_free": 0,
+                "prefix_entries": 0, "prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0, "prompt_tokens": 0,
+                "generated_tokens": 0, "steps": self.steps, "finished": 0}
+
+
+CHAT_TEXT = ('{"city": "Paris", "zone": "UTC", "answer": [1, 2, 3], "ok": true} ' * 8
+             + "<|user|>What is the weather?<|assistant|><think>Let me look.</think><tool_call>")
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
+                                                    "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"type": "array", "items": {"type": "integer"}, "maxItems": 64},
+                                     "ok": {"type": "boolean"}},
+    "required": ["answer", "ok"], "additionalProperties": False}}}
+
+
+def chat_tokenizer():
+    """--mixed: a small byte-level BPE in the k3 chat format (any text encodes; JSON has tokens to use)."""
+    from k3.chat import ChatFormat, attach_chat_format, builtin_template
+    from k3.data.tokenizer import train_bpe
+
+    tokenizer = train_bpe([CHAT_TEXT] * 8, vocab_size=512, show_progress=False)
+    attach_chat_format(tokenizer, ChatFormat(builtin_template("k3"), "built-in k3"))
+    return tokenizer
 
 
 def serve_main(args) -> None:
@@ -76,13 +168,24 @@ def serve_main(args) -> None:
     from k3.infer import AsyncEngine
     from k3.infer.server import create_app, run_server
 
-    model, config = build_model(args.preset, torch.device(args.device), _dtype(args))
-    tokenizer = NumberTokenizer(config.vocab_size)
-    engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
-    aengine = AsyncEngine(engine, max_queue=4096)
+    if args.stub_step_ms is not None:
+        config = ModelConfig.from_preset(args.preset)
+        tokenizer = NumberTokenizer(config.vocab_size)
+        engine = StubEngine(config.vocab_size, args.max_batch, args.stub_step_ms / 1e3)
+    elif args.chat:
+        tokenizer = chat_tokenizer()
+        model, config = build_model(args.preset, torch.device(args.device), _dtype(args), tokenizer.vocab_size)
+    else:
+        model, config = build_model(args.preset, torch.device(args.device), _dtype(args))
+        tokenizer = NumberTokenizer(config.vocab_size)
+    if args.stub_step_ms is None:
+        engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
+    # Without the warm-up argument when it is off, so the same script drives an older k3 (before/after runs).
+    aengine = AsyncEngine(engine, max_queue=4096, **({} if args.no_warmup else {"warmup": engine.warmup}))
     app = create_app(aengine, "bench", tokenizer, args.max_context, 4096)
     try:
-        run_server(app, "127.0.0.1", 0, on_listening=lambda url: print(f"listening {url}", flush=True))
+        run_server(app, "127.0.0.1", 0, on_listening=lambda url: print(f"listening {url}", flush=True),
+                   **({"switch_interval_s": args.switch_interval} if args.switch_interval else {}))
     finally:
         aengine.shutdown()
 
@@ -93,9 +196,20 @@ def _dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.device.startswith("cuda") else torch.float32
 
 
-def start_server(args) -> tuple[subprocess.Popen, str]:
+def start_server(args, chat: bool = False) -> tuple[subprocess.Popen, str, dict]:
+    """The bench server as a subprocess -> (process, url, its start: seconds to listening and to /health 200,
+    and the warm-up's seconds as /health reports them)."""
+    started = time.perf_counter()
     command = [sys.executable, __file__, "--serve", "--preset", args.preset, "--device", args.device,
                "--max-batch", str(max(args.concurrency)), "--max-context", str(args.prompt + args.new + 64)]
+    if chat:  # room for the tool definitions the chat format writes into the prompt
+        command += ["--chat", "--max-context", str(args.prompt + args.new + 1024)]
+    if args.no_warmup:
+        command.append("--no-warmup")
+    if args.switch_interval:
+        command += ["--switch-interval", str(args.switch_interval)]
+    if args.stub_step_ms is not None:
+        command += ["--stub-step-ms", str(args.stub_step_ms)]
     if args.dtype:
         command += ["--dtype", args.dtype]
     if args.threads:
@@ -105,15 +219,31 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     if not line.startswith("listening "):
         process.kill()
         raise RuntimeError(f"the bench server did not start (exit {process.wait()})")
-    return process, line.split()[1]
+    url = line.split()[1]
+    listening = time.perf_counter() - started
+    import httpx
+
+    deadline = time.monotonic() + 1800  # a warm-up that compiles every decode graph can take minutes
+    while True:
+        health = httpx.get(f"{url}/health", timeout=60)
+        if health.status_code == 200:
+            break
+        if health.json().get("status") != "warming up" or time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            raise RuntimeError(f"the bench server did not get ready: {health.text[:300]}")
+        time.sleep(0.1)
+    return process, url, {"listening_s": listening, "ready_s": time.perf_counter() - started,
+                          "warmup_s": health.json().get("warmup_s")}
 
 
-async def one_request(http, model: str, prompt: list[int], new: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-            "return_token_ids": True}
+async def one_request(http, model: str, prompt: list[int] | dict, new: int) -> dict:
+    """prompt: token ids (/v1/completions), or a chat body's fields (/v1/chat/completions)."""
+    chat = isinstance(prompt, dict)
+    body = {"model": model, "max_tokens": new, "temperature": 0, "stream": True, "return_token_ids": True,
+            **(prompt if chat else {"prompt": prompt})}
     start = time.perf_counter()
     times: list[float] = []
-    async with http.stream("POST", "/v1/completions", json=body) as response:
+    async with http.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread())[:300]!r}")
         async for line in response.aiter_lines():
@@ -126,7 +256,7 @@ async def one_request(http, model: str, prompt: list[int], new: int) -> dict:
     return dict(start=start, end=times[-1], tokens=len(times), ttft=times[0] - start, tpot=tpot)
 
 
-async def load_level(url: str, model: str, prompts: list[list[int]], new: int, concurrency: int,
+async def load_level(url: str, model: str, prompts: list, new: int, concurrency: int,
                      rate: float | None) -> dict:
     import httpx
 
@@ -148,6 +278,54 @@ async def load_level(url: str, model: str, prompts: list[list[int]], new: int, c
     tokens = sum(r["tokens"] for r in results)
     return summary(len(results), tokens, wall, [r["ttft"] for r in results],
                    [r["tpot"] for r in results if r["tokens"] > 1])
+
+
+def chat_bodies(count: int, prompt_tokens: int, kind: str, seed: int) -> list[dict]:
+    """Chat requests of about prompt_tokens tokens each (random words of the tokenizer's text); with kind
+    "tools" or "json_schema" every other one carries tools (tool_choice required) or a json_schema format."""
+    rng = random.Random(seed)
+    words = CHAT_TEXT.split()
+    per_word = len(chat_tokenizer().encode(" ".join(words))) / len(words)
+    length = max(1, int(0.9 * (prompt_tokens - 48) / per_word))  # room for the chat format's own tokens
+    bodies = []
+    for i in range(count):
+        text = " ".join(rng.choice(words) for _ in range(length))
+        body: dict = {"messages": [{"role": "user", "content": text}]}
+        if i % 2 and kind == "tools":
+            body.update(tools=[WEATHER_TOOL], tool_choice="required")
+        elif i % 2 and kind == "json_schema":
+            body["response_format"] = ANSWER_SCHEMA
+        bodies.append(body)
+    return bodies
+
+
+def mixed_levels(args) -> dict:
+    """The chat server at the top concurrency: plain chat, then each --mixed kind mixed into it."""
+    top = max(args.concurrency)
+    process, url, start = start_server(args, chat=True)
+    levels = {"start": start}
+    try:
+        asyncio.run(load_level(url, "bench", chat_bodies(2, args.prompt, "plain", 7), 4, 2, None))  # warm-up
+        for kind in ["plain", *args.mixed]:
+            bodies = chat_bodies(top * args.requests_per_level, args.prompt, kind, 200)
+            levels[kind] = r = asyncio.run(load_level(url, "bench", bodies, args.new, top, args.rate))
+            print(f"chat server C={top}, {kind}: {r}", flush=True)
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+    return levels
+
+
+def process_cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system) a process has used: the server's cost of a level apart from the load
+    other processes put on a shared machine (wall times move with it, CPU time much less). None off Linux."""
+    if pid is None:
+        return time.process_time()
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def summary(requests: int, tokens: int, seconds: float, ttft_s: list[float], tpot_s: list[float]) -> dict:
@@ -229,6 +407,15 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="bfloat16 on CUDA, float32 on CPU by default")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads of every phase")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--mixed", nargs="*", default=[], choices=["tools", "json_schema"],
+                        help="also chat at the top concurrency with these grammar-constrained requests mixed in")
+    parser.add_argument("--no-warmup", action="store_true", help="start the bench servers without their warm-up")
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="the server process's sys.setswitchinterval in seconds (default: Python's 0.005)")
+    parser.add_argument("--stub-step-ms", type=float, default=None,
+                        help="serve a stub engine (no model: every step sleeps this long, then gives each running "
+                             "request a token) to measure the server's own cost; skips the in-process rows")
+    parser.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--max-context", type=int, default=2048, help=argparse.SUPPRESS)
@@ -243,18 +430,29 @@ def main() -> None:
     vocab = ModelConfig.from_preset(args.preset).vocab_size
     # On a shared CPU machine the other processes' load moves every number: it is recorded with them.
     results: dict = {"bench": "serve", "device_name": device_name(), "preset": args.preset, "prompt": args.prompt,
-                     "new": args.new, "dtype": str(dtype), "rate": args.rate, "cpu_count": os.cpu_count(),
+                     "new": args.new, "dtype": str(dtype), "rate": args.rate, "switch_interval": args.switch_interval,
+                     "stub_step_ms": args.stub_step_ms, "cpu_count": os.cpu_count(),
                      "load_average_at_start": os.getloadavg(), "levels": {}}
 
-    process, url = (None, args.url) if args.url else start_server(args)
+    process, url, start = (None, args.url, None) if args.url else start_server(args)
     try:
         import httpx
 
         model_name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        if start is not None:  # a fresh server: its very first request, as a user's would be
+            first = asyncio.run(load_level(url, model_name, prompts_for(1, args.prompt, vocab, seed=5), args.new,
+                                           1, None))
+            results["fresh"] = {**start, "first_request_ttft_ms": first["ttft_p50_ms"],
+                                "first_request_tpot_ms": first["tpot_p50_ms"]}
+            print(f"fresh server: {results['fresh']}", flush=True)
+            write_json(args.out, {**results, "partial": True})
         asyncio.run(load_level(url, model_name, prompts_for(2, args.prompt, vocab, seed=7), 4, 2, None))  # warm-up
         for level, concurrency in enumerate(args.concurrency):
             prompts = prompts_for(concurrency * args.requests_per_level, args.prompt, vocab, seed=100 + level)
+            cpu = process_cpu_s(process.pid) if process is not None else None
             r = asyncio.run(load_level(url, model_name, prompts, args.new, concurrency, args.rate))
+            if cpu is not None:
+                r["cpu_ms_per_token"] = (process_cpu_s(process.pid) - cpu) * 1e3 / r["output_tokens"]
             results["levels"][concurrency] = r
             print(f"server C={concurrency}: {r}", flush=True)
             write_json(args.out, {**results, "partial": True})
@@ -263,12 +461,21 @@ def main() -> None:
             process.terminate()
             process.wait(timeout=60)
 
+    if args.mixed:
+        results["mixed"] = mixed_levels(args)
+        write_json(args.out, {**results, "partial": True})
+
+    if args.stub_step_ms is not None:  # no model: the engine rows would measure nothing of the server
+        args.skip = ["one-by-one", "in-process", "transformers"]
     baselines = {}
     prompts = prompts_for(args.baseline_requests, args.prompt, vocab, seed=100)
     if set(args.skip) != {"one-by-one", "in-process", "transformers"}:
         model, config = build_model(args.preset, device, dtype)
     if "one-by-one" not in args.skip:
+        cpu = process_cpu_s()
         baselines["engine one-by-one"] = one_by_one(model, config, prompts, args.new, args.prompt + args.new + 64)
+        baselines["engine one-by-one"]["cpu_ms_per_token"] = ((process_cpu_s() - cpu) * 1e3
+                                                             / baselines["engine one-by-one"]["output_tokens"])
         print(f"one-by-one: {baselines['engine one-by-one']}", flush=True)
     if "in-process" not in args.skip:
         # The server's own cost: the top level's requests through the engine in process, submitted at once
@@ -279,7 +486,9 @@ def main() -> None:
         level_prompts = prompts_for(top * args.requests_per_level, args.prompt, vocab,
                                     seed=100 + args.concurrency.index(top))
         name = f"engine in process, C={top}"
+        cpu = process_cpu_s()
         baselines[name] = run_load(engine, level_prompts, SamplingParams(max_new_tokens=args.new, temperature=0))
+        baselines[name]["cpu_ms_per_token"] = (process_cpu_s() - cpu) * 1e3 / baselines[name]["output_tokens"]
         print(f"{name}: {baselines[name]}", flush=True)
         del engine
     if "transformers" not in args.skip:
@@ -292,16 +501,25 @@ def main() -> None:
 
     base = baselines.get("engine one-by-one")
     rows = []
-    for name, r in [*((f"k3 serve, C={c}", r) for c, r in results["levels"].items()), *baselines.items()]:
+    named = [*((f"k3 serve, C={c}", r) for c, r in results["levels"].items()), *baselines.items()]
+    top = max(args.concurrency)
+    named += [(f"k3 serve chat, C={top}, {kind}", r) for kind, r in results.get("mixed", {}).items()
+              if kind != "start"]
+    for name, r in named:
         rows.append([name, r["requests"], r["output_tokens_per_s"],
                      f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else "",
                      r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"],
-                     f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x" if base else ""])
+                     f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x" if base else "",
+                     r.get("cpu_ms_per_token", "")])
     load = f", load average {results['load_average_at_start'][0]:.1f} on {os.cpu_count()} cores" \
         if device.type == "cpu" else ""
     print_table(f"Serving {args.preset} ({args.prompt} in / {args.new} out, {dtype}) on {device_name()}{load}",
                 ["", "requests", "output tok/s", "vs one-by-one", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                 "TPOT p99 ms", "TPOT vs one-by-one"], rows)
+                 "TPOT p99 ms", "TPOT vs one-by-one", "CPU ms / token"], rows)
+    if "fresh" in results:
+        fresh = results["fresh"]
+        print(f"fresh server: ready {fresh['ready_s']:.1f} s after spawning (warm-up {fresh['warmup_s'] or 0:.1f} "
+              f"s), first request TTFT {fresh['first_request_ttft_ms']:.1f} ms")
     write_json(args.out, results)
 
 

@@ -90,8 +90,8 @@ def eval_command(args: argparse.Namespace) -> int:
         rows = [r.row() for r in results]
         print(accuracy_table(rows))
         print("\n" + cost_table(results))
-        if json_path:
-            write_json(json_path, rows)
+        if json_path:  # with what each task cost: wall seconds and peak CUDA memory (None off CUDA)
+            write_json(json_path, [{**r.row(), "seconds": r.seconds, "peak_gib": r.peak_gib} for r in results])
             print(f"rows written to {json_path}")
         if plot_path:
             plot_accuracy(rows, plot_path)

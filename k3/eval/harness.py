@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from k3.eval.tasks import Example
 from k3.infer.engine import Engine
+from k3.infer.memory_budget import release_cached_memory
 from k3.infer.sampling import SamplingParams
 
 # Tokens one engine holds at once (prompt + generation over its batch): bounds the MLA page pool.
@@ -122,5 +123,6 @@ def evaluate_tasks(model, tokenizer, ctx, tasks: list[str], lengths: list[int], 
             results.append(result)
             bar.update(1)
         del engine
+        release_cached_memory()
     bar.close()
     return results

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from k3.infer.engine import Engine
+from k3.infer.memory_budget import release_cached_memory
 
 
 @dataclass
@@ -104,7 +105,10 @@ def perplexity_by_position(model, tokenizer, stream: np.ndarray, lengths: list[i
     for length in lengths:
         chosen, source = held_out_windows(stream, eos, length, windows, seed)
         # The engine's prefill chunk grows with max_context (long_prefill_chunk) and sets Engine.score's
-        # per-forward budget (4 chunks): a 1M window is scored in four cached forwards of 256K tokens.
+        # per-forward budget (4 chunks; fewer tokens where the device's free memory says so, see
+        # k3.infer.memory_budget): a 1M window is scored in four cached forwards of 256K tokens on a large GPU.
         engine = Engine(model, tokenizer, max_context=length, max_batch=1, prefix_cache=False)
         rows.extend(bucketed_loss(engine, chosen, length, source))
+        del engine
+        release_cached_memory()
     return rows

@@ -147,6 +147,18 @@ class Engine:
                 free, _ = torch.cuda.mem_get_info(self.device)
                 num_pages = max(max_pages, min(num_pages, int(0.5 * free) // max(page_bytes, 1)))
         self.pool = CachePool(self.config, max_batch + prefix_slots, num_pages, page_size, self.device, dtype)
+        self.prefill_fit = None
+        if self.device.type == "cuda" and batch_tokens is not None and max_step_tokens is None:
+            # The default sizes come from max_context; what is left of the device after the weights and the pool
+            # may hold less (k3.infer.memory_budget). Cached blocks the allocator holds count as free.
+            from k3.infer.memory_budget import fit_prefill
+
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            self.prefill_fit = fit_prefill(self.config, max_context, prefill_chunk, self.batch_tokens, free,
+                                           dtype.itemsize, quantum=max(page_size, 2048))
+            prefill_chunk = max(page_size, self.prefill_fit.chunk // page_size * page_size)
+            self.batch_tokens = self.prefill_fit.step_tokens
         self.prefix_cache = PrefixCache(self.pool, prefix_slots) if prefix_slots > 0 else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, max_batch, max_context, prefill_chunk,
                                    max_step_tokens or self.batch_tokens + max_batch)
@@ -564,6 +576,37 @@ class Engine:
             if top is not None:
                 values, index = log_probs.topk(top_k, dim=-1)
                 top += [list(zip(i_row, v_row)) for i_row, v_row in zip(index.tolist(), values.tolist())]
+
+    # --- warm-up ------------------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Build now what the first requests would build lazily: the decode CUDA graphs for every batch size up
+        to max_batch (compiled with K3_COMPILE_DECODE), a prefill of one full chunk and a short one (kernels
+        autotune per shape), greedy and sampled decoding with logprobs. Leaves no trace: the prefix cache and
+        the counters are as before. Returns the seconds it took."""
+        start = time.perf_counter()
+        if self.has_unfinished():
+            raise RuntimeError("warm up an idle engine: requests are queued or running")
+        counters = dict(self.stats_counters)
+        runner = self.runner
+        if runner.use_cuda_graphs:
+            top = next((b for b in runner.graph_batch_sizes if b >= self.max_batch), runner.graph_batch_sizes[-1])
+            runner.capture(tuple(b for b in runner.graph_batch_sizes if b <= top))
+        greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+        sampled = SamplingParams(max_new_tokens=2, temperature=1.0, top_p=0.9, top_k=50, logprobs=1, seed=0)
+        length = min(self.scheduler.prefill_chunk, self.max_context - greedy.max_new_tokens - 1)
+        while length > 1:
+            try:
+                self.check_prompt([0] * length, greedy)
+                break
+            except ValueError:  # the page pool cannot hold a full chunk: a shorter prompt still warms up
+                length //= 2
+        prompts = [[0] * max(1, length), [0] * max(1, min(length, 17))]
+        self.complete(prompts, [greedy, sampled][:len(prompts)])
+        self.clear_prefix_cache()
+        self.stats_counters = counters
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     # --- accounting ---------------------------------------------------------------------------------
     def stats(self) -> dict:

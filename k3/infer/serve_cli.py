@@ -85,7 +85,11 @@ def serve_command(args: argparse.Namespace) -> int:
     template = load_chat_template(tokenizer, tokenizer_directory(args.run, args.model))
     if args.chat_template:
         template = chosen_chat_template(args.chat_template, template)
-    aengine = AsyncEngine(engine, max_queue=args.max_queue)
+    def warm_up() -> None:
+        print(f"k3 serve: warmed up in {engine.warmup():.1f} s (decode graphs, prefill shapes); /health is "
+              f"ready", flush=True)
+
+    aengine = AsyncEngine(engine, max_queue=args.max_queue, warmup=None if args.no_warmup else warm_up)
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), header_timeout_s=args.header_timeout,
                           keep_alive_s=args.keep_alive_timeout, max_connections=args.max_connections)
     hosts = tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else default_allowed_hosts(args.host)
@@ -158,4 +162,8 @@ def register(subparsers) -> None:
     engine.add_argument("--max-queue", type=int, default=256,
                         help="most requests waiting for a slot; beyond it requests get HTTP 429 (default 256)")
     engine.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    engine.add_argument("--no-warmup", action="store_true",
+                        help="skip the warm-up (decode graphs for every batch size, prefill shapes) that runs "
+                             "before /health reports ready (503 'warming up' until then); the first requests then "
+                             "pay for it")
     serve.set_defaults(func=serve_command)

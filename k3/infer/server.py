@@ -41,7 +41,7 @@ from k3.infer.metrics import ServerMetrics
 from k3.infer.origins import add_origin_checks
 from k3.infer.protocol import (IMAGE_MARKER, APIError, ChatCompletionRequest, CompletionRequest, check_model,
                                check_prompt, parse_request, resolve_max_tokens, sampling_params)
-from k3.infer.sse import SSE_DONE, sse_event
+from k3.infer.sse import SSE_DONE, sse_chunks, sse_event
 
 log = logging.getLogger("k3.serve")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat: all the room left)
@@ -115,38 +115,45 @@ class _Generation:
         self.choices = [Choice(p * self.n + i, TextAssembler(server.tokenizer, stops))
                         for p in range(len(prompts)) for i in range(self.n)]
         self.stop_ids = server.aengine.engine.stop_ids(params)
+        # (prompt, the engine's events of one step for it | an exception | None: the prompt was let go)
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.tasks: list[asyncio.Task] = []
-        self.open = set(range(len(prompts)))  # prompts whose engine stream has not ended
+        self.request_ids: list[str | None] = [None] * len(prompts)
+        self.open = set(range(len(prompts)))  # prompts whose engine request has not ended
+        self._unfinished = [self.n] * len(prompts)  # samples of each prompt still running in the engine
         self.started_at = time.monotonic()
         self.first_token_at: float | None = None
         self._buffered: list[tuple[int, Any]] = []
 
-    async def _pump(self, p: int, ids: list[int]) -> None:
-        try:
-            async for event in self.server.aengine.stream(ids, self.params,
-                                                          prompt_embeds=self.prompt_embeds[p]):
-                self.queue.put_nowait((p, event))
-            self.queue.put_nowait((p, None))
-        except asyncio.CancelledError:
-            # The engine stream's own cleanup has aborted the request. A reader still waiting (the server
-            # shutting down) sees the prompt end; its unfinished choices end with "abort".
-            self.queue.put_nowait((p, None))
-            raise
-        except Exception as error:  # noqa: BLE001 - handed to the request's handler, which answers it
-            self.queue.put_nowait((p, error))
+    def _sink(self, p: int):
+        """Where the engine thread's events for prompt p land (on this loop, a step's worth at a time)."""
+        def sink(request_id: str, items: list) -> None:
+            self.queue.put_nowait((p, items))
+        return sink
 
     async def start(self) -> None:
         """Submit every prompt and wait until each has been admitted and produced its first event."""
-        self.tasks = [asyncio.create_task(self._pump(p, ids)) for p, ids in enumerate(self.prompts)]
+        aengine = self.server.aengine
+        for p, ids in enumerate(self.prompts):
+            try:
+                self.request_ids[p] = aengine.add(ids, self.params, prompt_embeds=self.prompt_embeds[p],
+                                                  sink=self._sink(p))
+            except Exception as error:  # noqa: BLE001 - answered as the request's error
+                self.close()
+                raise self._api_error(error) from error
         waiting = set(range(len(self.prompts)))
         while waiting:
             p, payload = await self.queue.get()
-            if isinstance(payload, BaseException):
+            if payload and isinstance(payload[0], BaseException):
                 self.close()
-                raise self._api_error(payload)
+                raise self._api_error(self._engine_error(payload[0]))
             self._buffered.append((p, payload))
             waiting.discard(p)
+
+    @staticmethod
+    def _engine_error(error: BaseException) -> BaseException:
+        if isinstance(error, (ValueError, RequestFailed, EngineDead)):
+            return error
+        return EngineDead(f"the engine loop stopped: {error!r}")
 
     def _api_error(self, error: BaseException) -> APIError:
         if isinstance(error, APIError):
@@ -164,27 +171,46 @@ class _Generation:
         log.error("generation failed", exc_info=error)
         return APIError(f"generation failed: {type(error).__name__}: {error}", status=500)
 
-    async def updates(self) -> AsyncIterator[Update]:
+    async def updates(self) -> AsyncIterator[list[Update]]:
+        """Updates in batches: everything that arrived since the last batch, one Update per choice that changed
+        (a reader that fell behind gets several tokens of a choice in one update, so one chunk, one write)."""
         while self.open:
-            p, payload = self._buffered.pop(0) if self._buffered else await self.queue.get()
-            if isinstance(payload, BaseException):
-                raise self._api_error(payload)
-            if payload is None:
-                self.open.discard(p)
-                for choice in self.choices[p * self.n:(p + 1) * self.n]:
-                    if choice.finish_reason is None:  # the engine ended it without a last token
-                        choice.finish_reason = "abort"
-                        yield Update(choice, choice.assembler.finish(), len(choice.token_ids), True)
-                continue
-            update = self._apply(p, payload)
-            if update is None:
-                continue
-            yield update
-            group = self.choices[p * self.n:(p + 1) * self.n]
-            if update.finished and p in self.open and all(c.finish_reason for c in group):
-                # Ended here (a stop string) before the engine noticed: stop its request now.
-                self.open.discard(p)
-                self.tasks[p].cancel()
+            batch, self._buffered = self._buffered, []
+            if not batch:
+                batch.append(await self.queue.get())
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            merged: dict[int, Update] = {}
+            error = None
+            for p, items in batch:
+                if p not in self.open:
+                    continue
+                if items is None:
+                    self.open.discard(p)
+                    for choice in self.choices[p * self.n:(p + 1) * self.n]:
+                        if choice.finish_reason is None:  # let go (shutdown) before its last token
+                            choice.finish_reason = "abort"
+                            _merge(merged, Update(choice, choice.assembler.finish(), len(choice.token_ids), True))
+                    continue
+                for event in items:
+                    if isinstance(event, BaseException):
+                        error = error or self._engine_error(event)
+                        break
+                    self._unfinished[p] -= bool(event.finished)
+                    update = self._apply(p, event)
+                    if update is not None:
+                        _merge(merged, update)
+                group = self.choices[p * self.n:(p + 1) * self.n]
+                if self._unfinished[p] == 0:
+                    self.open.discard(p)
+                elif all(c.finish_reason for c in group):
+                    # Ended here (a stop string) before the engine noticed: stop its request now.
+                    self.open.discard(p)
+                    self.server.aengine.cancel(self.request_ids[p])
+            if merged:
+                yield list(merged.values())
+            if error is not None:
+                raise self._api_error(error)
 
     def _apply(self, p: int, event) -> Update | None:
         choice = self.choices[p * self.n + event.index]
@@ -217,16 +243,28 @@ class _Generation:
         return Update(choice, text, first, choice.finish_reason is not None)
 
     def close(self) -> None:
-        """Cancel whatever still runs (each cancelled engine stream aborts its request). Synchronous, so it
-        works inside a cancelled scope."""
-        for task in self.tasks:
-            if not task.done():
-                task.cancel()
+        """Let go of every engine request still running (each is aborted at the next step boundary); a reader
+        still waiting sees those prompts end (their unfinished choices with "abort"). Synchronous, so it works
+        inside a cancelled scope."""
+        for p in list(self.open):
+            if self.request_ids[p] is not None:
+                self.server.aengine.cancel(self.request_ids[p])
+            self.queue.put_nowait((p, None))
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(ids) for ids in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _merge(merged: dict[int, Update], update: Update) -> None:
+    """Fold a choice's later update into its earlier one of the same batch."""
+    earlier = merged.get(update.choice.index)
+    if earlier is None:
+        merged[update.choice.index] = update
+    else:
+        earlier.text += update.text
+        earlier.finished = earlier.finished or update.finished
 
 
 class _ClientGone(Exception):
@@ -429,9 +467,10 @@ async def _respond(request: Request, server: _Server, fmt: _Format, prompts: lis
     async def events() -> AsyncIterator[str]:
         outcome = "aborted"  # unless the loop below completes: a cancelled stream is a client gone
         try:
-            async for update in generation.updates():
-                choice = fmt.chunk_choice(update, prompt_of[update.choice.index])
-                yield sse_event({**head, "object": fmt.chunk_object, "choices": [choice]})
+            chunk = sse_chunks({**head, "object": fmt.chunk_object})
+            async for batch in generation.updates():
+                # One write for the batch: the events of every choice that changed.
+                yield "".join(chunk(fmt.chunk_choice(update, prompt_of[update.choice.index])) for update in batch)
             if include_usage:
                 yield sse_event({**head, "object": fmt.chunk_object, "choices": [], "usage": generation.usage()})
             yield SSE_DONE
@@ -501,10 +540,13 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
     async def health() -> JSONResponse:
         stats = await asyncio.to_thread(async_engine.stats)
         alive = async_engine.error is None
-        body = {"status": "ok" if alive else f"engine stopped: {async_engine.error!r}", "model": server.model_name,
-                "max_context": server.max_context, "max_queue": server.max_queue,
-                "in_flight": server.metrics.in_flight, **stats}
-        return JSONResponse(body, status_code=200 if alive else 503)
+        # Until the engine has warmed up (k3.infer.AsyncEngine's warmup), requests would wait for it: not ready.
+        ready = alive and async_engine.ready.is_set()
+        status = "ok" if ready else "warming up" if alive else f"engine stopped: {async_engine.error!r}"
+        body = {"status": status, "model": server.model_name, "max_context": server.max_context,
+                "max_queue": server.max_queue, "in_flight": server.metrics.in_flight,
+                "warmup_s": async_engine.warmup_s, **stats}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
@@ -592,14 +634,21 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Callable[[str], None] | None = None,
                log_level: str = "warning", graceful_timeout_s: float = 5.0, exit_on_engine_death: bool = True,
-               limits: ServerLimits | None = None) -> None:
+               limits: ServerLimits | None = None, switch_interval_s: float | None = None) -> None:
     """Serve `app` until SIGINT or SIGTERM. on_listening(url) is called once the socket is bound (port 0
     picks a free port; the url names the real one). On the signal, requests in progress end at once with
     finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams.
     exit_on_engine_death: when the engine loop stops, shut down and raise EngineDead (so the process exits
     non-zero and a supervisor restarts it); else keep answering, /health with 503. limits: connection count and
-    timeouts (k3.infer.connection_limits)."""
+    timeouts (k3.infer.connection_limits). switch_interval_s: the interpreter's thread switch interval for the
+    process (sys.setswitchinterval; Python's default 5 ms): the engine thread gives up the GIL in every torch
+    call and may then wait that long for the event loop to hand it back."""
     import uvicorn
+
+    if switch_interval_s is not None:
+        import sys
+
+        sys.setswitchinterval(switch_interval_s)
 
     limits = limits or ServerLimits()
     # lifespan off: the app has no startup/shutdown hooks (the engine is started and stopped by the caller).
@@ -652,7 +701,8 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
             asyncio.create_task(watch_engine(task))
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
-        if server.started and on_listening is not None:
+        # An engine that died during its warm-up may have shut the server down already: no socket to name.
+        if server.started and on_listening is not None and server.servers and server.servers[0].sockets:
             bound_host, bound_port = server.servers[0].sockets[0].getsockname()[:2]
             on_listening(f"http://{bound_host}:{bound_port}")
         await task

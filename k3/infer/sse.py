@@ -13,6 +13,16 @@ def sse_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def sse_chunks(head: dict[str, Any]):
+    """A function choice -> the event of a chunk `{**head, "choices": [choice]}`, with the head serialised once
+    per stream instead of once per token (the same bytes as sse_event)."""
+    prefix = "data: " + json.dumps(head, ensure_ascii=False, separators=(",", ":"))[:-1] + ',"choices":['
+
+    def event(choice: dict[str, Any]) -> str:
+        return f"{prefix}{json.dumps(choice, ensure_ascii=False, separators=(',', ':'))}]}}\n\n"
+    return event
+
+
 def parse_sse(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
     """The JSON payloads of an event stream given line by line, up to `[DONE]` (for clients and tests)."""
     data: list[str] = []

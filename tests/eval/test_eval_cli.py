@@ -20,7 +20,9 @@ def test_eval_run_writes_rows_plot_and_loss_by_position(tmp_path, corpus_dir, ca
     rows = json.loads((out / "eval.json").read_text())
     assert {(r["task"], r["length"]) for r in rows} == {(t, n) for t in ("mqar", "needle_single", "common_words")
                                                         for n in (400, 800)}
-    assert all(set(r) == {"task", "length", "accuracy", "n"} and 0 <= r["accuracy"] <= 1 for r in rows)
+    assert all(set(r) == {"task", "length", "accuracy", "n", "seconds", "peak_gib"} and 0 <= r["accuracy"] <= 1
+               for r in rows)
+    assert all(r["seconds"] > 0 and r["peak_gib"] is None for r in rows)  # peak memory is CUDA's only
     assert {r["n"] for r in rows if r["task"] == "mqar"} == {12}  # 2 sequences x the run's 6 recall queries
     assert {r["n"] for r in rows if r["task"] != "mqar"} == {2}
     ppl = json.loads((out / "perplexity.json").read_text())

@@ -9,7 +9,7 @@ import time
 
 class InProcessServer:
     def __init__(self, model, tokenizer, chat_template=None, max_context: int = 256, max_batch: int = 8,
-                 api_key: str | None = None, start_timeout_s: float = 30.0) -> None:
+                 api_key: str | None = None, start_timeout_s: float = 30.0, warmup=None) -> None:
         import uvicorn
 
         from k3.infer.async_engine import AsyncEngine
@@ -17,7 +17,7 @@ class InProcessServer:
         from k3.infer.server import create_app
 
         self.engine = Engine(model, tokenizer, max_context=max_context, max_batch=max_batch, prefix_cache=False)
-        self.aengine = AsyncEngine(self.engine, max_queue=64)
+        self.aengine = AsyncEngine(self.engine, max_queue=64, warmup=warmup)
         kwargs = {"api_key": api_key} if api_key is not None else {}
         app = create_app(self.aengine, "tiny", tokenizer, max_context, 64, chat_template, **kwargs)
         config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
@@ -34,6 +34,7 @@ class InProcessServer:
         self.url = f"http://{host}:{port}"
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Stops the HTTP server, then the engine (a warm-up still running finishes first: shutdown waits)."""
         self.server.should_exit = True
         self.thread.join(timeout_s)
         self.aengine.shutdown()

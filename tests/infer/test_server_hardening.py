@@ -56,6 +56,20 @@ def test_an_engine_that_dies_makes_the_process_exit_non_zero(run):
         server.stop()
 
 
+def test_a_warmup_that_fails_makes_the_process_exit_non_zero(run):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                                                           os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "dying_serve", "serve", "--run", str(run), "--port", "0",
+                           "--device", "cpu", "--warm-up-dies"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1
+    assert "injected engine failure" in done.stderr + done.stdout
+
+
 def test_an_engine_that_dies_keeps_answering_503_when_told_to(run):
     server = Server(run, "--keep-serving-after-engine-error", module="dying_serve")
     try:

@@ -11,7 +11,7 @@ from k3.infer.detokenize import IncrementalDecoder, TextAssembler
 from k3.infer.metrics import Histogram, ServerMetrics
 from k3.infer.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_model, check_prompt,
                                parse_request, resolve_max_tokens)
-from k3.infer.sse import SSE_DONE, parse_sse, sse_event
+from k3.infer.sse import SSE_DONE, parse_sse, sse_chunks, sse_event
 
 TEXTS = ["héllo wörld, ça va? 你好世界 🙂🙃 naïve café", "print('line 1')\n\tx = [1, 2, 3]  # ✓", "ab" * 40]
 
@@ -206,6 +206,14 @@ def test_sse_framing_round_trips():
     assert all(event.startswith("data: ") and event.count("\n") == 2 for event in map(sse_event, chunks))
     assert list(parse_sse(stream.splitlines(keepends=True))) == chunks
     assert list(parse_sse([": keep-alive\n", "\n", "data: {\"a\": 1}\n", "\n"])) == [{"a": 1}]
+
+
+def test_sse_chunks_with_the_head_serialised_once_are_the_same_bytes():
+    head = {"id": "cmpl-1", "created": 1, "model": "tiny é", "object": "text_completion"}
+    chunk = sse_chunks(head)
+    for choice in ({"index": 0, "text": "line\n\"q\" 🙂", "logprobs": None}, {"index": 3, "delta": {}}):
+        assert chunk(choice) == sse_event({**head, "choices": [choice]})
+        assert list(parse_sse(chunk(choice).splitlines(keepends=True))) == [{**head, "choices": [choice]}]
 
 
 def test_default_chat_template():
