@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from k3.sandbox.cgroups import Limits
@@ -120,16 +121,25 @@ def _gc(args: argparse.Namespace) -> int:
     counts = leftovers.collect(scratch, min_age_s=args.min_age)
     store = SnapshotStore(LayerStore(scratch))
     keep = set(args.keep)
+    vm_snapshots = os.path.join(scratch, "vm", "snapshots")
     for snapshot in keep:
-        store.pin(snapshot)
+        if not os.path.isfile(os.path.join(vm_snapshots, snapshot, "meta.json")):  # a VM snapshot is kept below
+            store.pin(snapshot)
     removed = store.gc(min_age_s=args.min_age)
     counts = {"layers": len(removed), **counts, "layers_kept": len(store.layers.list())}
+    if os.path.isdir(vm_snapshots):  # the microVM backend's snapshots
+        from k3.sandbox.vm.snapshots import SnapshotDir
+
+        vm_store = SnapshotDir(scratch)
+        counts["vm_snapshots"] = len(vm_store.gc(keep, min_age_s=args.min_age))
+        counts["vm_snapshots_kept"] = len(vm_store.list())
     if args.json:
         print(json.dumps(counts, indent=2))
     else:
         print(f"removed {counts['layers']} layers (kept {counts['layers_kept']}), {counts['processes']} processes, "
               f"{counts['cgroups']} cgroups, {counts['run_dirs']} run directories, {counts['staging']} staging "
-              f"directories, {counts['owner_records']} owner records")
+              f"directories, {counts['owner_records']} owner records"
+              + (f", {counts['vm_snapshots']} VM snapshots (kept {counts['vm_snapshots_kept']})" if "vm_snapshots" in counts else ""))
     return 0
 
 

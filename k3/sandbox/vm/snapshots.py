@@ -84,6 +84,37 @@ class SnapshotDir:
     def list(self) -> list[str]:
         return sorted(name for name in os.listdir(self.root) if not name.startswith("."))
 
+    def gc(self, keep=(), min_age_s: float = 0.0, include_boot: bool = False) -> list[str]:
+        """Remove the snapshots not in ``keep``, not the parent of a guest running from this
+        scratch directory (its memory file is read by the guest's next snapshot), not younger than
+        ``min_age_s`` and, unless ``include_boot``, not a boot snapshot (the cache every create
+        restores); also staging directories of dead snapshots. Only directories this store made
+        are touched (a snapshot id with its meta.json, or ``.staging-<hex>``); a link is never
+        followed. Returns the removed ids."""
+        keep = set(keep) | parents_in_use(os.path.join(os.path.dirname(self.root), "run"))
+        now = time.time()
+        removed = []
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if os.path.islink(path) or not os.path.isdir(path):
+                continue
+            if name.startswith(".staging-"):
+                if _is_hex(name.removeprefix(".staging-")) and now - os.lstat(path).st_mtime >= max(min_age_s, 3600.0):
+                    shutil.rmtree(path, ignore_errors=True)  # an hour: no snapshot takes that long to write
+                continue
+            try:
+                check_id(name)
+                meta = self.meta(name)
+            except (ValueError, OSError):
+                continue  # not one of ours
+            if name in keep or (meta.get("boot") and not include_boot):
+                continue
+            if now - float(meta.get("created", now)) < min_age_s:
+                continue
+            self.remove(name)
+            removed.append(name)
+        return sorted(removed)
+
     def remove(self, snapshot: str) -> None:
         """Delete a snapshot; guests running on its memory keep their mapping (the inode lives on)."""
         path = self.path(snapshot)
@@ -92,6 +123,31 @@ class SnapshotDir:
         except FileNotFoundError:
             pass
         shutil.rmtree(path, ignore_errors=True)
+
+
+def parents_in_use(run_root: str) -> set[str]:
+    """Snapshots whose memory running guests map (each generation directory names its parent;
+    a sandbox whose owner process is gone runs no guest: PDEATHSIG killed its QEMU)."""
+    parents: set[str] = set()
+    for sandbox_id in os.listdir(run_root) if os.path.isdir(run_root) else ():
+        directory = os.path.join(run_root, sandbox_id)
+        try:
+            with open(os.path.join(directory, "owner")) as f:
+                if not os.path.exists(f"/proc/{int(f.read().strip())}"):
+                    continue
+        except (OSError, ValueError):
+            pass  # no owner written yet: a sandbox being created; keep what it names
+        for generation in os.listdir(directory) if os.path.isdir(directory) else ():
+            try:
+                with open(os.path.join(directory, generation, "parent")) as f:
+                    parents.add(f.read().strip())
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+    return parents
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and all(c in "0123456789abcdef" for c in text)
 
 
 def new_id() -> str:
@@ -190,6 +246,6 @@ def allocated_bytes(path: str) -> int:
     return os.stat(path).st_blocks * 512
 
 
-def meta_for(snapshot: str, parent: str | None, machine: dict, memory: str, dirty: int) -> dict:
+def meta_for(snapshot: str, parent: str | None, machine: dict, memory: str, dirty: int, boot: bool = False) -> dict:
     return {"id": snapshot, "parent": parent, "machine": machine, "created": time.time(),
-            "memory_bytes": allocated_bytes(memory), "dirty_bytes": dirty}
+            "memory_bytes": allocated_bytes(memory), "dirty_bytes": dirty, "boot": boot}
