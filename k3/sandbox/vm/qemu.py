@@ -96,6 +96,7 @@ class Qemu:
         self.process = _launch(args, self.log_path)
         self.pid = self.process.pid
         self._pidfd = os.pidfd_open(self.pid)
+        self.memory_fd: int | None = None  # the snapshot's memory file, open while this guest maps it
         self._qmp: socket.socket | None = None
         self._buffer = bytearray()
         try:
@@ -220,6 +221,9 @@ class Qemu:
         if self._qmp is not None:
             self._qmp.close()
             self._qmp = None
+        if self.memory_fd is not None:
+            os.close(self.memory_fd)
+            self.memory_fd = None
 
     def _log_tail(self) -> str:
         try:

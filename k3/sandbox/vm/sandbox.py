@@ -141,6 +141,8 @@ class VmSandbox:
             f.write(snapshot)  # gc keeps it: this guest maps its memory, and its snapshots copy it
         qemu = Qemu(self.machine, generation_dir, os.path.join(path, "memory"), share=False, incoming=True)
         try:
+            # Held open: this guest's next snapshot copies the file even if gc removed the snapshot.
+            qemu.memory_fd = os.open(qemu.memory, os.O_RDONLY)
             qemu.load_device_state(os.path.join(path, "state"), deadline)
             qemu.command("cont")
             channel = qemu.connect_agent(deadline)
@@ -297,7 +299,7 @@ class VmSandbox:
                     qemu.command("cont")
                 self.last_pause_s = time.perf_counter() - start
             if self._own_memory is None:  # the parent's file never changes: copy it while the guest runs
-                snapshots.clone_or_copy(qemu.memory, memory)
+                snapshots.clone_or_copy(f"/proc/self/fd/{qemu.memory_fd}", memory)
                 dirty = snapshots.write_pages(memory, private)
                 del private
             meta = snapshots.meta_for(snapshot, self.parent, self.machine.key(), memory, dirty, boot)

@@ -209,7 +209,8 @@ def private_mapping(pid: int, memory_path: str) -> tuple[int, int]:
         best = None
         for line in f:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == wanted:
+            # " (deleted)": gc removed the snapshot while this guest runs on it (the inode lives)
+            if len(fields) == 6 and fields[5].strip() in (wanted, wanted + " (deleted)"):
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 if best is None or end - start > best[1]:
                     best = (start, end - start)
