@@ -34,7 +34,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.backend == "vm":  # the microVM backend, with the local backend's memory bench beside it
         from k3.sandbox import bench_vm
 
-        results = bench_vm.run(iterations=args.iterations, state_mb=args.state_mb)
+        results = bench_vm.run(iterations=args.iterations, state_mb=args.state_mb, memory_mb=args.vm_memory_mb,
+                               concurrent=args.concurrent)
         print(json.dumps(results, indent=2) if args.json else bench_vm.format_table(results))
         return 0
     if "base" in parts:
@@ -130,6 +131,10 @@ def _gc(args: argparse.Namespace) -> int:
     if os.path.isdir(vm_snapshots):  # the microVM backend's snapshots
         from k3.sandbox.vm.snapshots import SnapshotDir
 
+        from k3.sandbox.vm.sandbox import sweep_orphaned_run_dirs
+
+        if os.path.isdir(os.path.join(scratch, "vm", "run")):  # owners killed before close: sockets and logs
+            sweep_orphaned_run_dirs(os.path.join(scratch, "vm", "run"))
         vm_store = SnapshotDir(scratch)
         counts["vm_snapshots"] = len(vm_store.gc(keep, min_age_s=args.min_age))
         counts["vm_snapshots_kept"] = len(vm_store.list())
@@ -162,6 +167,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="which benchmarks: base (files-only ops), memory (a 50 MB REPL); default both")
     bench.add_argument("--memory-iterations", type=int, default=20, help="timed repetitions of memory ops (default 20)")
     bench.add_argument("--state-mb", type=int, default=50, help="MB of state the benchmark REPL holds (default 50)")
+    bench.add_argument("--vm-memory-mb", type=int, default=512, dest="vm_memory_mb",
+                       help="--backend vm: guest RAM in MB (more than twice --state-mb; default 512)")
+    bench.add_argument("--concurrent", type=int, default=0,
+                       help="--backend vm: also run this many guests at once (memory per guest, start time)")
     bench.add_argument("--backend", default="local", choices=("local", "vm"),
                        help="vm: whole-machine snapshots of a microVM, beside the local memory bench")
     bench.add_argument("--disk-mb", type=int, default=Limits.disk_mb,

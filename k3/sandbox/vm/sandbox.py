@@ -63,7 +63,7 @@ class VmSandbox:
         self.id = snapshots.new_id()
         self.run_dir = os.path.join(self.scratch, "vm", "run", self.id)
         os.makedirs(os.path.dirname(self.run_dir), mode=0o700, exist_ok=True)  # QMP and agent sockets: root's only
-        _sweep_orphaned_run_dirs(os.path.dirname(self.run_dir))
+        sweep_orphaned_run_dirs(os.path.dirname(self.run_dir))
         os.makedirs(self.run_dir, mode=0o700)
         with open(os.path.join(self.run_dir, "owner"), "w") as f:
             f.write(str(os.getpid()))
@@ -367,7 +367,8 @@ class VmSandbox:
         _check_path(socket_path)
         with self._lock:
             qemu = self._qemu
-            if getattr(qemu, "web_thread", None) is None:
+            thread = getattr(qemu, "web_thread", None)
+            if thread is None or not thread.is_alive():  # none yet, or it stopped on a hostile frame
                 sock = qemu.connect_web()
 
                 def serve() -> None:  # until QEMU exits (restore, close): its end of the socket closes
@@ -423,7 +424,7 @@ class VmSandbox:
         return f"VmSandbox(id={self.id!r}, image={self.image.path!r}, parent={self.parent!r}, {state})"
 
 
-def _sweep_orphaned_run_dirs(run_root: str) -> None:
+def sweep_orphaned_run_dirs(run_root: str) -> None:
     """Remove run directories whose owner process is gone (killed before ``close``): their QEMU
     died with it (PDEATHSIG), only sockets and logs are left. A live pid, whoever has it, is kept."""
     for name in os.listdir(run_root):

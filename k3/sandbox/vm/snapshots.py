@@ -82,7 +82,10 @@ class SnapshotDir:
             shutil.rmtree(staging)  # another process made the same (deterministic) snapshot first
 
     def list(self) -> list[str]:
-        return sorted(name for name in os.listdir(self.root) if not name.startswith("."))
+        """The ids of the snapshots this store made (a directory with its meta.json, never a link)."""
+        return sorted(name for name in os.listdir(self.root) if len(name) == ID_CHARS and _is_hex(name)
+                      and not os.path.islink(os.path.join(self.root, name))
+                      and os.path.isfile(os.path.join(self.root, name, "meta.json")))
 
     def gc(self, keep=(), min_age_s: float = 0.0, include_boot: bool = False) -> list[str]:
         """Remove the snapshots not in ``keep``, not the parent of a guest running from this
