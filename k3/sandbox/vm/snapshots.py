@@ -128,6 +128,59 @@ class SnapshotDir:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def export(store: SnapshotDir, snapshot: str) -> dict:
+    """A snapshot as plain data for another process or node (``import_``): its meta, its device
+    state and its memory file's data runs (holes stay holes)."""
+    path = store.path(snapshot)
+    with open(os.path.join(path, "state"), "rb") as f:
+        state = f.read()
+    runs = []
+    with open(os.path.join(path, "memory"), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        offset = 0
+        while offset < size:
+            try:
+                start = os.lseek(f.fileno(), offset, os.SEEK_DATA)
+            except OSError as error:
+                if error.errno == errno.ENXIO:
+                    break
+                raise
+            end = os.lseek(f.fileno(), start, os.SEEK_HOLE)
+            runs.append((start, os.pread(f.fileno(), end - start, start)))
+            offset = end
+    return {"backend": "vm", "id": snapshot, "meta": store.meta(snapshot), "state": state, "memory_size": size,
+            "memory": runs}
+
+
+def import_(store: SnapshotDir, exported: dict, machine: dict) -> str:
+    """Store an exported snapshot here (kept as is when this store has it already); ``machine`` is
+    the importing sandbox's machine key: a snapshot of another machine shape is refused."""
+    if not isinstance(exported, dict) or exported.get("backend") != "vm":
+        raise ValueError("not an exported VM snapshot (export it with k3.sandbox.vm.snapshots.export)")
+    snapshot = exported["id"]
+    check_id(snapshot)
+    if exported["meta"].get("machine") != machine:
+        raise ValueError(f"VM snapshot {snapshot} was taken on machine {exported['meta'].get('machine')}, this node "
+                         f"runs {machine} (same kernel, initramfs, root disk, RAM, vCPUs and accelerator needed)")
+    if store.exists(snapshot):
+        return snapshot
+    size = int(exported["memory_size"])
+    staging = store.staging()
+    try:
+        with open(os.path.join(staging, "state"), "wb") as f:
+            f.write(exported["state"])
+        with open(os.path.join(staging, "memory"), "wb") as f:
+            for offset, data in exported["memory"]:
+                if not (0 <= offset and offset + len(data) <= size):
+                    raise ValueError(f"VM snapshot {snapshot}: a memory run past the file's {size} bytes")
+                os.pwrite(f.fileno(), data, offset)
+            os.ftruncate(f.fileno(), size)
+        store.commit(staging, snapshot, dict(exported["meta"], boot=False))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return snapshot
+
+
 def parents_in_use(run_root: str) -> set[str]:
     """Snapshots whose memory running guests map (each generation directory names its parent;
     a sandbox whose owner process is gone runs no guest: PDEATHSIG killed its QEMU)."""
