@@ -222,6 +222,7 @@ def repl_call(request):
     if repl is not None and repl["process"].poll() is not None:
         repl_kill(name)
         repl = None
+    set_pids_limit(request.get("pids"))
     if repl is None:
         if not request.get("start"):
             return {"ok": True, "missing": True}
@@ -234,7 +235,6 @@ def repl_call(request):
     reply = None
     started = time.monotonic()
     oom_before = oom_kills()
-    set_pids_limit(request.get("pids"))
     timeout = request.get("timeout")
     deadline = None if timeout is None else started + float(timeout)
     data = memoryview(frame(request["message"]))
@@ -348,7 +348,10 @@ def web_on(request):
         except ChildProcessError:
             pass
         WEB["pid"] = None  # it died: start another
-    port = os.open(find_port(WEB_PORT_NAME), os.O_RDWR)
+    try:
+        port = os.open(find_port(WEB_PORT_NAME), os.O_RDWR)
+    except SystemExit as error:  # a machine without the port: an error for the host, not the agent's end
+        return {"ok": False, "error": str(error)}
     path = request["path"]
     os.makedirs(os.path.dirname(path), mode=0o755, exist_ok=True)
     if os.path.lexists(path):
