@@ -14,7 +14,7 @@ RL_FIELDS = ("run", "suite", "out", "algo", "group", "tasks_per_step", "steps", 
              "heldout_every", "heldout_tasks", "save_every", "seed", "kl_coef", "tis_cap", "clip_low", "clip_high",
              "tau", "max_context", "tool_budget", "iteration_token_budget", "device", "ray", "rollout_workers",
              "rollout_worker_cpus", "rollout_worker_gpus", "routing_source", "rollout_dtype", "heldout_samples",
-             "refill_rounds")
+             "refill_rounds", "sandbox_backend")
 
 
 # `k3 rl demo` flag -> run_rl_demo argument. Any other RL flag given to the demo is refused by name rather than
@@ -150,6 +150,9 @@ def register(subparsers) -> None:
     rl.add_argument("--rollout-workers", type=int, dest="rollout_workers", help="--ray: rollout workers (default 2)")
     rl.add_argument("--rollout-worker-cpus", type=float, dest="rollout_worker_cpus")
     rl.add_argument("--rollout-worker-gpus", type=float, dest="rollout_worker_gpus")
+    rl.add_argument("--sandbox-backend", choices=("local", "vm"), dest="sandbox_backend",
+                    help="episode sandboxes: local (namespaces, the default) or vm (microVMs; needs KVM, see "
+                         "docs/sandbox.md)")
     rl.add_argument("--device")
     rl.add_argument("--threads", type=int, default=0)
     rl.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")

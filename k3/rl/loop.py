@@ -90,6 +90,7 @@ class RLConfig:
     rollout_worker_cpus: float = 1.0
     rollout_worker_gpus: float = 0.0
     rollout_timeout_s: float | None = None  # --ray: longest wait for the workers' answer to one call
+    sandbox_backend: str = "local"  # "local" (namespaces) or "vm" (microVMs, where KVM works; docs/sandbox.md)
 
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
@@ -108,6 +109,11 @@ class RLConfig:
             raise ValueError(f"heldout_tasks must be >= 0, got {self.heldout_tasks}")
         if not 0 <= self.refill_rounds <= MAX_REFILL_ROUNDS:
             raise ValueError(f"refill_rounds must be in [0, {MAX_REFILL_ROUNDS}], got {self.refill_rounds}")
+        if self.sandbox_backend not in ("local", "vm"):
+            raise ValueError(f"sandbox_backend must be 'local' or 'vm', got {self.sandbox_backend!r}")
+        if self.sandbox_backend == "vm" and (self.ray or self.iteration_token_budget):
+            raise ValueError("sandbox_backend='vm' runs rollouts in this process without parking (no --ray, no "
+                             "--iteration-token-budget): parked and exported snapshots are the local backend's")
         if self.rollout_dtype not in DTYPE_CHOICES:
             raise ValueError(f"rollout_dtype must be one of {DTYPE_CHOICES}, got {self.rollout_dtype!r}")
 
@@ -254,7 +260,12 @@ class RLTrainer:
         max_batch = min(256, config.group * config.tasks_per_step)
         rollout = RolloutConfig(temperature=config.temperature, max_context=config.max_context,
                                 tool_budget=config.tool_budget, iteration_token_budget=config.iteration_token_budget,
-                                threads=config.threads, max_live_episodes=max_batch)
+                                threads=config.threads, max_live_episodes=max_batch,
+                                sandbox_backend=config.sandbox_backend)
+        if config.sandbox_backend == "vm":  # fail now, saying why, rather than fail every episode's sandbox
+            from k3.sandbox.vm.config import VmConfig, require_kvm
+
+            require_kvm(VmConfig.from_env())
         self._started_ray = False
         self.rollout_model = self.model
         if config.ray:

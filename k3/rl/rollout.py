@@ -98,6 +98,8 @@ class RolloutConfig:
     # tasks x 8 samples at once scored 0.14 where waves of 64 scored 0.74. A wave's episodes start their clocks
     # (and their sandboxes) when the wave starts.
     max_live_episodes: int | None = None
+    # k3.sandbox backend of every episode: "local" (namespaces) or "vm" (microVMs; see docs/sandbox.md).
+    sandbox_backend: str = "local"
 
 
 def _seed(*parts) -> int:
@@ -112,11 +114,11 @@ def initial_messages(task: Task) -> list[dict]:
     return [{"role": "system", "content": system_text(task)}, {"role": "user", "content": task.prompt}]
 
 
-def prepare_sandbox(task: Task, limits=None):
+def prepare_sandbox(task: Task, limits=None, backend: str = "local"):
     """A sandbox with the task's image, files and setup command run; the caller snapshots and forks it."""
     from k3.sandbox import Sandbox
 
-    box = Sandbox(task.image, limits)
+    box = Sandbox(task.image, limits, backend=backend)
     try:
         for path, text in task.files.items():
             box.write_file(path, text)
@@ -159,12 +161,14 @@ class RolloutRunner:
             return episodes
         started = time.perf_counter()
         try:
-            base = prepare_sandbox(task, self.sandbox_limits)
+            base = prepare_sandbox(task, self.sandbox_limits, self.config.sandbox_backend)
             try:
                 snapshot = base.snapshot()
                 forks = base.fork(snapshot, n=size)
             finally:
                 base.close()
+                if self.config.sandbox_backend == "vm":  # a whole memory file: the forks hold it open, nothing else needs it
+                    base.store.remove(snapshot)
             for episode, box in zip(episodes, forks):
                 episode.sandbox = box
         except Exception as error:  # a task that cannot be prepared fails its own group only
@@ -182,7 +186,8 @@ class RolloutRunner:
             episode.parked_snapshot = None
             return
         try:
-            episode.sandbox = Sandbox(episode.task.image, self.sandbox_limits, snapshot=episode.parked_snapshot)
+            episode.sandbox = Sandbox(episode.task.image, self.sandbox_limits, snapshot=episode.parked_snapshot,
+                                      backend=self.config.sandbox_backend)
         except Exception as error:
             self._end(episode, "sandbox_failed", f"could not restore the parked sandbox: {error}")
         episode.parked_snapshot = None

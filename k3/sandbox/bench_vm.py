@@ -14,6 +14,10 @@ background work (QEMU processes being killed) is done:
   vm_fork              ``fork(snapshot, 1)``: a second guest from the snapshot
   vm_memory_per_sandbox_mb   host memory a forked, idle guest holds on its own (private pages
                        and QEMU), and sandboxes per GB from it
+  vm_concurrent_*      with ``concurrent`` > 0: that many guests forked at once from a quiet
+                       snapshot (the counting loop stopped), each answering one exec; the time to
+                       start them all, the memory each holds on its own, and the host's available
+                       memory before and after (so page cache shared between them shows too)
 
 Every restore is checked (the state file's size and a counter that goes on). With
 ``compare_local`` the local backend's memory benchmark (``bench_memory``: a Python REPL holding
@@ -32,7 +36,8 @@ K3_REPORT_MS = {"snapshot": 133.0, "restore": 49.0}
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count.new; mv /tmp/count.new /tmp/count; sleep 0.1; done"
 
 
-def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_local: bool = True) -> dict:
+def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_local: bool = True,
+        concurrent: int = 0) -> dict:
     """Time the VM backend's snapshot / restore / fork; return the results (see the module doc)."""
     from k3.sandbox.vm import VmSandbox
 
@@ -45,7 +50,8 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
     results["vm_accel"] = box.config.accel
     taken: list[str] = []
     try:
-        made = box.exec(f"head -c {state_mb << 20} /dev/urandom > /tmp/state || exit 1; ({COUNTER}) > /dev/null 2>&1 & "
+        made = box.exec(f"head -c {state_mb << 20} /dev/urandom > /tmp/state || exit 1; "
+                        f"({COUNTER}) > /dev/null 2>&1 & echo $! > /tmp/counter.pid; "
                         "for n in $(seq 600); do [ -e /tmp/count ] && exit 0; sleep 0.1; done; exit 1", timeout=600)
         if not made.ok:
             raise RuntimeError(f"the benchmark guest could not hold {state_mb} MB: {made.stderr}")
@@ -104,6 +110,12 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
         results["vm_memory_per_sandbox_mb"] = round(per_sandbox / (1 << 20), 1)
         results["vm_sandboxes_per_gb"] = round((1 << 30) / per_sandbox, 1)
         results["vm_counter_at_snapshot"] = expected
+        if concurrent:
+            box.restore(snapshot)
+            box.exec("kill $(cat /tmp/counter.pid)")
+            quiet = box.snapshot()
+            taken.append(quiet)
+            results.update(_concurrent(box, quiet, concurrent))
     finally:
         box.close()
         for snapshot in taken:
@@ -117,6 +129,39 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
             results["local_error"] = f"{type(error).__name__}: {error}"
     results["k3_report_ms"] = K3_REPORT_MS
     return results
+
+
+def _concurrent(box, snapshot: str, n: int) -> dict:
+    """``n`` guests at once from ``snapshot``, each answering one exec; memory each holds on its own."""
+    before = _available_bytes()
+    start = time.perf_counter()
+    forks = []
+    try:
+        for _ in range(n):
+            forks += box.fork(snapshot, 1)
+        started = time.perf_counter() - start
+        for fork in forks:
+            if not fork.exec(["true"], timeout=300).ok:
+                raise RuntimeError("a concurrent guest did not run `true`")
+        answered = time.perf_counter() - start
+        time.sleep(5)  # idle
+        per_sandbox = statistics.mean(fork.memory_bytes() for fork in forks)
+        after = _available_bytes()
+    finally:
+        for fork in forks:
+            fork.close()
+    return {"vm_concurrent": n, "vm_concurrent_started_s": round(started, 1), "vm_concurrent_answered_s": round(answered, 1),
+            "vm_concurrent_memory_per_sandbox_mb": round(per_sandbox / (1 << 20), 1),
+            "vm_concurrent_host_available_drop_mb": round((before - after) / (1 << 20), 1),
+            "vm_concurrent_host_mb_per_sandbox": round((before - after) / n / (1 << 20), 1)}
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemAvailable in /proc/meminfo")
 
 
 def _settle(box) -> None:
@@ -147,6 +192,11 @@ def format_table(results: dict) -> str:
                  f"private pages: {results['vm_snapshot_written_mb_p50']} MB (p50)")
     lines.append(f"memory per idle forked guest {results['vm_memory_per_sandbox_mb']} MB -> "
                  f"{results['vm_sandboxes_per_gb']} sandboxes per GB")
+    if "vm_concurrent" in results:
+        lines.append(f"{results['vm_concurrent']} guests at once: started in {results['vm_concurrent_started_s']} s, all "
+                     f"answered by {results['vm_concurrent_answered_s']} s; {results['vm_concurrent_memory_per_sandbox_mb']} MB "
+                     f"each on its own; host MemAvailable fell {results['vm_concurrent_host_available_drop_mb']} MB "
+                     f"({results['vm_concurrent_host_mb_per_sandbox']} MB per guest)")
     if "local_error" in results:
         lines.append(f"local backend comparison failed: {results['local_error']}")
     if "memory_snapshot_p50_ms" in results:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from k3.sandbox.cgroups import Limits
@@ -33,7 +34,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.backend == "vm":  # the microVM backend, with the local backend's memory bench beside it
         from k3.sandbox import bench_vm
 
-        results = bench_vm.run(iterations=args.iterations, state_mb=args.state_mb)
+        results = bench_vm.run(iterations=args.iterations, state_mb=args.state_mb, memory_mb=args.vm_memory_mb,
+                               concurrent=args.concurrent)
         print(json.dumps(results, indent=2) if args.json else bench_vm.format_table(results))
         return 0
     if "base" in parts:
@@ -120,16 +122,29 @@ def _gc(args: argparse.Namespace) -> int:
     counts = leftovers.collect(scratch, min_age_s=args.min_age)
     store = SnapshotStore(LayerStore(scratch))
     keep = set(args.keep)
+    vm_snapshots = os.path.join(scratch, "vm", "snapshots")
     for snapshot in keep:
-        store.pin(snapshot)
+        if not os.path.isfile(os.path.join(vm_snapshots, snapshot, "meta.json")):  # a VM snapshot is kept below
+            store.pin(snapshot)
     removed = store.gc(min_age_s=args.min_age)
     counts = {"layers": len(removed), **counts, "layers_kept": len(store.layers.list())}
+    if os.path.isdir(vm_snapshots):  # the microVM backend's snapshots
+        from k3.sandbox.vm.snapshots import SnapshotDir
+
+        from k3.sandbox.vm.sandbox import sweep_orphaned_run_dirs
+
+        if os.path.isdir(os.path.join(scratch, "vm", "run")):  # owners killed before close: sockets and logs
+            sweep_orphaned_run_dirs(os.path.join(scratch, "vm", "run"))
+        vm_store = SnapshotDir(scratch)
+        counts["vm_snapshots"] = len(vm_store.gc(keep, min_age_s=args.min_age))
+        counts["vm_snapshots_kept"] = len(vm_store.list())
     if args.json:
         print(json.dumps(counts, indent=2))
     else:
         print(f"removed {counts['layers']} layers (kept {counts['layers_kept']}), {counts['processes']} processes, "
               f"{counts['cgroups']} cgroups, {counts['run_dirs']} run directories, {counts['staging']} staging "
-              f"directories, {counts['owner_records']} owner records")
+              f"directories, {counts['owner_records']} owner records"
+              + (f", {counts['vm_snapshots']} VM snapshots (kept {counts['vm_snapshots_kept']})" if "vm_snapshots" in counts else ""))
     return 0
 
 
@@ -152,6 +167,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="which benchmarks: base (files-only ops), memory (a 50 MB REPL); default both")
     bench.add_argument("--memory-iterations", type=int, default=20, help="timed repetitions of memory ops (default 20)")
     bench.add_argument("--state-mb", type=int, default=50, help="MB of state the benchmark REPL holds (default 50)")
+    bench.add_argument("--vm-memory-mb", type=int, default=512, dest="vm_memory_mb",
+                       help="--backend vm: guest RAM in MB (more than twice --state-mb; default 512)")
+    bench.add_argument("--concurrent", type=int, default=0,
+                       help="--backend vm: also run this many guests at once (memory per guest, start time)")
     bench.add_argument("--backend", default="local", choices=("local", "vm"),
                        help="vm: whole-machine snapshots of a microVM, beside the local memory bench")
     bench.add_argument("--disk-mb", type=int, default=Limits.disk_mb,

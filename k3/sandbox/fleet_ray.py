@@ -10,6 +10,10 @@
         snapshot = fleet.export_local(snapshot_id)       # a snapshot taken on this machine
         branches = fleet.fork(snapshot, 8, run_branch)   # run_branch(sandbox, index) -> result
 
+``RayFleet(backend="vm")`` runs microVM sandboxes (``k3.sandbox.vm``); their snapshots export as
+the whole machine (device state and the memory file's data) and fork only on nodes whose guests
+have the same machine shape (kernel, initramfs, root disk, RAM, vCPUs, accelerator).
+
 Workers are spread over the nodes (Ray's SPREAD strategy). Every node builds its own default image
 from its own binaries, so a snapshot can be forked on another node only when both nodes build the
 same image (same distribution and packages); otherwise the import says which image is missing.
@@ -33,10 +37,11 @@ from k3.sandbox.cgroups import Limits
 class SandboxWorker:
     """One pool of sandboxes in one Ray worker process (on whichever node Ray placed it)."""
 
-    def __init__(self, image: str | None, limits: Limits | None, warm: int, max_concurrency: int) -> None:
+    def __init__(self, image: str | None, limits: Limits | None, warm: int, max_concurrency: int,
+                 backend: str = "local") -> None:
         from k3.sandbox.pool import SandboxPool
 
-        self.pool = SandboxPool(image, warm=warm, max_concurrency=max_concurrency, limits=limits)
+        self.pool = SandboxPool(image, warm=warm, max_concurrency=max_concurrency, limits=limits, backend=backend)
         self.node = ray.get_runtime_context().get_node_id()
 
     def node_id(self) -> str:
@@ -47,6 +52,14 @@ class SandboxWorker:
             return fn(box, item)
 
     def import_snapshot(self, exported: dict) -> str:
+        if exported.get("backend") == "vm":  # a whole microVM: device state and memory file
+            from k3.sandbox.vm import snapshots
+
+            if self.pool.backend != "vm":
+                raise ValueError("a VM snapshot forks only on a RayFleet(backend='vm')")
+            with self.pool.sandbox() as box:  # the machine shape this worker's guests have
+                store, machine = box.store, box.machine.key()
+            return snapshots.import_(store, exported, machine)
         image = exported["layers"][0]["info"]["image"]
         if not os.path.isdir(image):
             raise ValueError(f"snapshot needs image {image}, which this node ({self.node}) does not have")
@@ -61,6 +74,8 @@ class SandboxWorker:
         with self.pool.sandbox() as box:
             result = fn(box, item)
             snapshot = box.snapshot(memory=memory)
+            if self.pool.backend == "vm":
+                return result, RayFleet.export_local(snapshot, box.store)
         return result, RayFleet.export_local(snapshot, self.pool.store.layers)
 
     def run_from(self, fn: Callable, item: Any, exported: dict) -> Any:
@@ -88,13 +103,15 @@ class RayFleet:
         warm: int = 1,
         max_concurrency: int = 4,
         num_cpus_per_worker: float = 0.5,
+        backend: str = "local",
     ) -> None:
         if not ray.is_initialized():
             raise RuntimeError("RayFleet needs a Ray cluster: call ray.init() (or ray.init(address=...)) first")
         if num_workers < 1:
             raise ValueError(f"num_workers must be at least 1, got {num_workers}")
         options = {"num_cpus": num_cpus_per_worker, "scheduling_strategy": "SPREAD", "max_concurrency": max_concurrency}
-        self.workers = [SandboxWorker.options(**options).remote(image, limits, warm, max_concurrency) for _ in range(num_workers)]
+        self.workers = [SandboxWorker.options(**options).remote(image, limits, warm, max_concurrency, backend)
+                        for _ in range(num_workers)]
         self._next = 0
 
     def _pick(self):
@@ -109,7 +126,12 @@ class RayFleet:
     @staticmethod
     def export_local(snapshot: str, store=None) -> dict:
         """Pack a snapshot of this machine's store (with its parent layers, and its memory image
-        when it was taken with ``memory=True``) for other nodes."""
+        when it was taken with ``memory=True``) for other nodes. ``store``: a LayerStore, or a
+        VM sandbox's ``store`` (``k3.sandbox.vm.snapshots.SnapshotDir``) for a whole-machine snapshot."""
+        from k3.sandbox.vm import snapshots as vm_snapshots
+
+        if isinstance(store, vm_snapshots.SnapshotDir):
+            return vm_snapshots.export(store, snapshot)
         from k3.sandbox.layers import LayerStore
         from k3.sandbox.paths import scratch_dir
 

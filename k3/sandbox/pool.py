@@ -118,6 +118,7 @@ class SandboxPool:
         self.warm_target = warm
         self.max_concurrency = max_concurrency
         self.store = SnapshotStore(LayerStore(scratch_dir(self.home)))
+        self._vm_pins: set[str] = set()  # VM snapshots live in their own store (k3.sandbox.vm.snapshots)
         self._slots = threading.BoundedSemaphore(max_concurrency)
         self._lock = threading.Lock()
         self._warm: list[Sandbox] = []
@@ -216,10 +217,19 @@ class SandboxPool:
             snapshot = sandbox.snapshot()
         if pin and self.backend == "local":
             self.store.pin(snapshot)
+        elif pin:
+            with self._lock:
+                self._vm_pins.add(snapshot)
         return snapshot
 
     def gc(self, min_age_s: float = 0.0) -> list[str]:
-        """Drop layers that no pinned snapshot and no open sandbox needs."""
+        """Drop layers (VM backend: snapshots) that no pinned snapshot and no open sandbox needs."""
+        if self.backend == "vm":
+            from k3.sandbox.vm.snapshots import SnapshotDir
+
+            with self._lock:
+                keep = self._vm_pins | {self.base_snapshot} - {None}
+            return SnapshotDir(scratch_dir(self.home)).gc(keep, min_age_s)
         with self._lock:
             chains = [list(box.chain) for box in list(self._warm) + list(self._in_use)]
         return self.store.gc(chains, min_age_s)

@@ -53,8 +53,8 @@ def isolation_script(text, sample):
 def test_a_forked_group_sees_one_prepared_state_and_no_sibling_writes(sandbox_home, tokenizer, monkeypatch):
     prepared = []
     real_prepare = rollout_module.prepare_sandbox
-    monkeypatch.setattr(rollout_module, "prepare_sandbox", lambda task, limits=None: prepared.append(task.id)
-                        or real_prepare(task, limits))
+    monkeypatch.setattr(rollout_module, "prepare_sandbox", lambda task, limits=None, backend="local":
+                        prepared.append(task.id) or real_prepare(task, limits, backend))
     engine = ScriptedEngine(tokenizer, isolation_script)
     task = make_task(files={"/work/state.txt": "prepared\n"}, setup="echo setup-ran >> /work/state.txt")
     groups = RolloutRunner(engine, tokenizer, RolloutConfig(threads=4)).run([task], group_size=4)

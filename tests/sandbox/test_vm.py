@@ -117,7 +117,8 @@ def test_agent_that_stops_answering_fails_by_its_deadline(vm):
     try:
         # The command stops the agent that runs it (its parent): no answer will ever come.
         with pytest.raises(SandboxError, match="deadline"):
-            box.exec("kill -STOP $PPID; sleep 1000", timeout=1.0)
+            # (a timeout long enough for the shell to start on a loaded TCG guest: the deadline is what is tested)
+            box.exec("kill -STOP $PPID; sleep 1000", timeout=10.0)
         with pytest.raises(SandboxError, match="broken"):
             box.exec("true")
         box.restore(snap)  # a restore gives a fresh guest and channel

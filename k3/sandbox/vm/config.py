@@ -106,6 +106,29 @@ def modules_dir(kernel: str) -> str:
     return os.path.join("/lib/modules", version)
 
 
+def kvm_problem() -> str | None:
+    """Why hardware KVM cannot run a stock guest kernel here, or None when it can."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return "/dev/kvm is missing or not readable and writable"
+    if os.path.isdir("/sys/module/kvm_pvm"):
+        return ("/dev/kvm is PVM (the kvm_pvm module: nested virtualisation that runs only PVM-enabled guest "
+                "kernels; Debian's kernel does not boot under it)")
+    return None
+
+
+def require_kvm(config: VmConfig) -> VmConfig:
+    """``config`` resolved, when it can run guests at KVM speed (or the caller asked for TCG by name);
+    else VmUnavailable saying why and naming the local backend. For work that would crawl under
+    QEMU's software CPU (RL rollouts: thousands of commands)."""
+    resolved = config.resolved()
+    qemu_path(resolved)
+    if resolved.accel == "tcg" and config.accel == "auto":
+        raise VmUnavailable(f"no usable KVM on this machine: {kvm_problem()}. MicroVM sandboxes would run under "
+                            "QEMU's software CPU (TCG), where each command costs about a second; use the local "
+                            "backend (--sandbox-backend local), or set K3_VM_ACCEL=tcg to run under TCG anyway")
+    return resolved
+
+
 def choose_accel() -> str:
     """"kvm" where /dev/kvm is hardware-assisted KVM; else "tcg".
 
@@ -113,8 +136,4 @@ def choose_accel() -> str:
     inside a VM), which runs only PVM-enabled guest kernels: a stock kernel crawls through its
     decompressor there (measured: about 250 KB/s) and never boots, so such a host gets "tcg".
     """
-    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return "tcg"
-    if os.path.isdir("/sys/module/kvm_pvm"):
-        return "tcg"
-    return "kvm"
+    return "tcg" if kvm_problem() else "kvm"

@@ -39,6 +39,7 @@ $B mount -t overlay overlay -o lowerdir=/lower,upperdir=/rw/upper,workdir=/rw/wo
 $B mkdir -p /newroot/.k3 /newroot/proc /newroot/sys /newroot/dev /newroot/tmp
 $B cp /k3/agent.py /newroot/.k3/agent.py
 for fs in proc sys dev; do $B mount --move /$fs /newroot/$fs; done
+$B mount -t cgroup2 cgroup2 /newroot/sys/fs/cgroup || fail "cgroup2"
 exec $B switch_root /newroot /usr/bin/python3 -I -S /.k3/agent.py
 """
 

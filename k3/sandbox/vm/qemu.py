@@ -2,7 +2,7 @@
 
 The machine is the same for a boot and for every restore of its snapshots (the device state
 only loads into an identical machine): ``-M microvm`` with virtio-mmio devices, a read-only root
-disk, one virtio-serial port for the agent, no network device, guest RAM as a memory-backend-file.
+disk, two virtio-serial ports (the agent's, and the offline web relay's), no network device, guest RAM as a memory-backend-file.
 QEMU's own seccomp filter is on, and QEMU dies with the process that started it (``PDEATHSIG``
 set in a launcher thread that lives as long as this process, since the signal follows the
 thread that forked).
@@ -28,6 +28,8 @@ from k3.sandbox.vm.channel import Channel
 from k3.sandbox.vm.config import VmConfig, qemu_path
 
 PR_SET_PDEATHSIG = 1
+# Bumped whenever the device list below changes: device state loads only into the same devices.
+DEVICES_VERSION = 2
 # Device state is written without a configuration section or section footers (that is what
 # xen-save-devices-state writes), so the loading side must expect neither.
 MIGRATION_GLOBALS = ("migration.send-configuration=off", "migration.send-section-footer=off")
@@ -45,7 +47,7 @@ class Machine:
 
     def key(self) -> dict:
         return {"kernel": self.config.kernel, "initrd": self.initrd, "root_disk": self.root_disk,
-                "memory_mb": self.memory_mb, "cpus": self.cpus, "accel": self.config.accel}
+                "memory_mb": self.memory_mb, "cpus": self.cpus, "accel": self.config.accel, "devices": DEVICES_VERSION}
 
 
 class QemuError(SandboxError):
@@ -62,6 +64,7 @@ class Qemu:
         self.machine, self.run_dir, self.memory, self.share = machine, run_dir, memory, share
         self.qmp_path = os.path.join(run_dir, "qmp.sock")
         self.agent_path = os.path.join(run_dir, "agent.sock")
+        self.web_path = os.path.join(run_dir, "web.sock")
         accel = "kvm" if config.accel == "kvm" else f"tcg,thread={'multi' if machine.cpus > 1 else 'single'}"
         cmdline = ["console=ttyS0", "quiet", "panic=-1", "rdinit=/init", "random.trust_cpu=on", *config.extra_cmdline]
         if config.accel == "tcg":
@@ -79,6 +82,8 @@ class Qemu:
             "-device", "virtio-serial-device",
             "-chardev", f"socket,id=agent,path={self.agent_path},server=on,wait=off",
             "-device", "virtserialport,chardev=agent,name=k3.agent,nr=1",
+            "-chardev", f"socket,id=web,path={self.web_path},server=on,wait=off",
+            "-device", "virtserialport,chardev=web,name=k3.web,nr=2",
             "-serial", f"file:{serial_log}" if serial_log else "null",
             "-qmp", f"unix:{self.qmp_path},server=on,wait=off",
             "-sandbox", "on,obsolete=deny,elevateprivileges=deny,resourcecontrol=deny",
@@ -91,6 +96,7 @@ class Qemu:
         self.process = _launch(args, self.log_path)
         self.pid = self.process.pid
         self._pidfd = os.pidfd_open(self.pid)
+        self.memory_fd: int | None = None  # the snapshot's memory file, open while this guest maps it
         self._qmp: socket.socket | None = None
         self._buffer = bytearray()
         try:
@@ -168,6 +174,16 @@ class Qemu:
             raise QemuError(f"cannot connect to the agent port: {error}") from None
         return Channel(sock, self.machine.config.max_reply_bytes)
 
+    def connect_web(self) -> socket.socket:
+        """A blocking connection to the web relay's port (the host answers what comes on it)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.web_path)
+        except OSError as error:
+            sock.close()
+            raise QemuError(f"cannot connect to the web relay's port: {error}") from None
+        return sock
+
     def save_device_state(self, path: str) -> None:
         """Write CPU and device state, and no RAM, to ``path`` (the guest must be stopped)."""
         self.command("xen-save-devices-state", filename=path, live=False)
@@ -205,6 +221,9 @@ class Qemu:
         if self._qmp is not None:
             self._qmp.close()
             self._qmp = None
+        if self.memory_fd is not None:
+            os.close(self.memory_fd)
+            self.memory_fd = None
 
     def _log_tail(self) -> str:
         try:

@@ -63,7 +63,7 @@ class VmSandbox:
         self.id = snapshots.new_id()
         self.run_dir = os.path.join(self.scratch, "vm", "run", self.id)
         os.makedirs(os.path.dirname(self.run_dir), mode=0o700, exist_ok=True)  # QMP and agent sockets: root's only
-        _sweep_orphaned_run_dirs(os.path.dirname(self.run_dir))
+        sweep_orphaned_run_dirs(os.path.dirname(self.run_dir))
         os.makedirs(self.run_dir, mode=0o700)
         with open(os.path.join(self.run_dir, "owner"), "w") as f:
             f.write(str(os.getpid()))
@@ -77,6 +77,8 @@ class VmSandbox:
         self._own_memory_fd: int | None = None
         self._generation = 0
         self._reapers: list[threading.Thread] = []
+        self._repls: dict = {}
+        self._web = None  # (tools, socket path) once enable_web() was called
         self.last_pause_s = 0.0  # how long the last snapshot kept the guest stopped
         try:
             self._start_from(snapshot if snapshot is not None else self._boot_snapshot())
@@ -94,7 +96,7 @@ class VmSandbox:
         with _boot_lock:
             if not self.store.exists(boot_id):
                 self._boot()
-                self._snapshot_as(boot_id)
+                self._snapshot_as(boot_id, boot=True)
                 self._stop_current()
         return boot_id
 
@@ -134,8 +136,13 @@ class VmSandbox:
                              f"({meta['machine']}), this sandbox is {self.machine.key()}")
         path = self.store.path(snapshot)
         deadline = time.monotonic() + self.config.qmp_timeout_s
-        qemu = Qemu(self.machine, self._next_generation_dir(), os.path.join(path, "memory"), share=False, incoming=True)
+        generation_dir = self._next_generation_dir()
+        with open(os.path.join(generation_dir, "parent"), "w") as f:
+            f.write(snapshot)  # gc keeps it: this guest maps its memory, and its snapshots copy it
+        qemu = Qemu(self.machine, generation_dir, os.path.join(path, "memory"), share=False, incoming=True)
         try:
+            # Held open: this guest's next snapshot copies the file even if gc removed the snapshot.
+            qemu.memory_fd = os.open(qemu.memory, os.O_RDONLY)
             qemu.load_device_state(os.path.join(path, "state"), deadline)
             qemu.command("cont")
             channel = qemu.connect_agent(deadline)
@@ -205,7 +212,8 @@ class VmSandbox:
         if isinstance(stdin, str):
             stdin = stdin.encode()
         request = {"op": "exec", "argv": argv, "env": full_env, "cwd": _check_path(cwd or self.image.workdir),
-                   "timeout": timeout, "stdin": base64.b64encode(stdin or b"").decode(), "max_output": max_output}
+                   "timeout": timeout, "stdin": base64.b64encode(stdin or b"").decode(), "max_output": max_output,
+                   "pids": self.limits.pids}
         wait = (timeout if timeout is not None else 24 * 3600.0) + self.config.call_margin_s
         answer = self._call(request, wait)
         if not answer.get("ok"):
@@ -214,8 +222,8 @@ class VmSandbox:
         if answer.get("start_error"):
             stderr += f"k3 sandbox: cannot run {argv[0]!r}: {answer['start_error']}\n".encode()
         return ExecResult(_b64(answer.get("stdout")), stderr, int(answer.get("exit_code", -1)),
-                          float(answer.get("duration", 0.0)), bool(answer.get("timed_out")), False,
-                          bool(answer.get("truncated")))
+                          float(answer.get("duration", 0.0)), bool(answer.get("timed_out")),
+                          bool(answer.get("oom_killed")), bool(answer.get("truncated")))
 
     def read_file(self, path: str) -> bytes:
         """The content of ``path`` in the guest; FileNotFoundError when it does not exist."""
@@ -273,7 +281,7 @@ class VmSandbox:
             self._alive()
             return self._snapshot_as(snapshots.new_id())
 
-    def _snapshot_as(self, snapshot: str) -> str:
+    def _snapshot_as(self, snapshot: str, boot: bool = False) -> str:
         qemu = self._qemu
         staging = self.store.staging()
         memory = os.path.join(staging, "memory")
@@ -291,10 +299,10 @@ class VmSandbox:
                     qemu.command("cont")
                 self.last_pause_s = time.perf_counter() - start
             if self._own_memory is None:  # the parent's file never changes: copy it while the guest runs
-                snapshots.clone_or_copy(qemu.memory, memory)
+                snapshots.clone_or_copy(f"/proc/self/fd/{qemu.memory_fd}", memory)
                 dirty = snapshots.write_pages(memory, private)
                 del private
-            meta = snapshots.meta_for(snapshot, self.parent, self.machine.key(), memory, dirty)
+            meta = snapshots.meta_for(snapshot, self.parent, self.machine.key(), memory, dirty, boot)
             self.store.commit(staging, snapshot, meta)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -312,6 +320,8 @@ class VmSandbox:
             self._stop_current()
             self._qemu, self._channel, self.parent = new
             self.paused = False
+        if self._web is not None:
+            self.enable_web(*self._web)  # the host's end of the relay was the old QEMU's
 
     def fork(self, snapshot: str | None = None, n: int = 1) -> list["VmSandbox"]:
         """``n`` new guests from ``snapshot`` (default: one taken now), each on its own private
@@ -325,11 +335,54 @@ class VmSandbox:
             for _ in range(n):
                 forks.append(VmSandbox(self.image, self.limits, snapshot=snapshot, hostname=self.hostname,
                                        home=self.home, config=self.config))
+                if self._web is not None:
+                    forks[-1].enable_web(*self._web)
         except BaseException:
             for box in forks:
                 box.close()
             raise
         return forks
+
+    # -- long-lived tools: the Python REPL and the offline web ---------------------------------
+
+    def repl(self, name: str = "python", python: str = "python3"):
+        """The guest's persistent Python REPL called ``name`` (``k3.sandbox.vm.repl.VmRepl``, the
+        ``Repl`` API); it starts on the first ``run`` and is part of every snapshot."""
+        from k3.sandbox.vm.repl import VmRepl
+
+        if name not in self._repls:
+            self._repls[name] = VmRepl(self, name, python)
+        return self._repls[name]
+
+    def enable_web(self, tools=None, socket_path: str = "/run/k3/web.sock") -> None:
+        """Let processes in the guest use the offline web (``k3.sandbox.web``): requests to the Unix
+        socket ``socket_path`` reach ``tools`` on the host over the guest's second virtio-serial
+        port, with no network device; ``/usr/local/bin/web`` is a client. Survives restore and fork."""
+        from k3.sandbox.web import relay
+
+        if tools is None:
+            from k3.sandbox.web.tools import default_tools
+
+            tools = default_tools()
+        _check_path(socket_path)
+        with self._lock:
+            qemu = self._qemu
+            thread = getattr(qemu, "web_thread", None)
+            if thread is None or not thread.is_alive():  # none yet, or it stopped on a hostile frame
+                sock = qemu.connect_web()
+
+                def serve() -> None:  # until QEMU exits (restore, close): its end of the socket closes
+                    try:
+                        relay.serve(sock, tools)
+                    finally:
+                        sock.close()
+
+                qemu.web_thread = threading.Thread(target=serve, daemon=True, name=f"k3-vm-web-{self.id}")
+                qemu.web_thread.start()
+        self._web = (tools, socket_path)
+        self._data(self._call({"op": "web_on", "path": socket_path}, self.config.call_margin_s), socket_path)
+        with open(relay.CLIENT_SOURCE, "rb") as f:
+            self.write_file(relay.CLIENT_PATH, f.read(), mode=0o755)
 
     # -- pause / resume / introspection --------------------------------------------------------
 
@@ -371,7 +424,7 @@ class VmSandbox:
         return f"VmSandbox(id={self.id!r}, image={self.image.path!r}, parent={self.parent!r}, {state})"
 
 
-def _sweep_orphaned_run_dirs(run_root: str) -> None:
+def sweep_orphaned_run_dirs(run_root: str) -> None:
     """Remove run directories whose owner process is gone (killed before ``close``): their QEMU
     died with it (PDEATHSIG), only sockets and logs are left. A live pid, whoever has it, is kept."""
     for name in os.listdir(run_root):

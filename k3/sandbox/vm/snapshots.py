@@ -82,7 +82,41 @@ class SnapshotDir:
             shutil.rmtree(staging)  # another process made the same (deterministic) snapshot first
 
     def list(self) -> list[str]:
-        return sorted(name for name in os.listdir(self.root) if not name.startswith("."))
+        """The ids of the snapshots this store made (a directory with its meta.json, never a link)."""
+        return sorted(name for name in os.listdir(self.root) if len(name) == ID_CHARS and _is_hex(name)
+                      and not os.path.islink(os.path.join(self.root, name))
+                      and os.path.isfile(os.path.join(self.root, name, "meta.json")))
+
+    def gc(self, keep=(), min_age_s: float = 0.0, include_boot: bool = False) -> list[str]:
+        """Remove the snapshots not in ``keep``, not the parent of a guest running from this
+        scratch directory (its memory file is read by the guest's next snapshot), not younger than
+        ``min_age_s`` and, unless ``include_boot``, not a boot snapshot (the cache every create
+        restores); also staging directories of dead snapshots. Only directories this store made
+        are touched (a snapshot id with its meta.json, or ``.staging-<hex>``); a link is never
+        followed. Returns the removed ids."""
+        keep = set(keep) | parents_in_use(os.path.join(os.path.dirname(self.root), "run"))
+        now = time.time()
+        removed = []
+        for name in os.listdir(self.root):
+            path = os.path.join(self.root, name)
+            if os.path.islink(path) or not os.path.isdir(path):
+                continue
+            if name.startswith(".staging-"):
+                if _is_hex(name.removeprefix(".staging-")) and now - os.lstat(path).st_mtime >= max(min_age_s, 3600.0):
+                    shutil.rmtree(path, ignore_errors=True)  # an hour: no snapshot takes that long to write
+                continue
+            try:
+                check_id(name)
+                meta = self.meta(name)
+            except (ValueError, OSError):
+                continue  # not one of ours
+            if name in keep or (meta.get("boot") and not include_boot):
+                continue
+            if now - float(meta.get("created", now)) < min_age_s:
+                continue
+            self.remove(name)
+            removed.append(name)
+        return sorted(removed)
 
     def remove(self, snapshot: str) -> None:
         """Delete a snapshot; guests running on its memory keep their mapping (the inode lives on)."""
@@ -92,6 +126,84 @@ class SnapshotDir:
         except FileNotFoundError:
             pass
         shutil.rmtree(path, ignore_errors=True)
+
+
+def export(store: SnapshotDir, snapshot: str) -> dict:
+    """A snapshot as plain data for another process or node (``import_``): its meta, its device
+    state and its memory file's data runs (holes stay holes)."""
+    path = store.path(snapshot)
+    with open(os.path.join(path, "state"), "rb") as f:
+        state = f.read()
+    runs = []
+    with open(os.path.join(path, "memory"), "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        offset = 0
+        while offset < size:
+            try:
+                start = os.lseek(f.fileno(), offset, os.SEEK_DATA)
+            except OSError as error:
+                if error.errno == errno.ENXIO:
+                    break
+                raise
+            end = os.lseek(f.fileno(), start, os.SEEK_HOLE)
+            runs.append((start, os.pread(f.fileno(), end - start, start)))
+            offset = end
+    return {"backend": "vm", "id": snapshot, "meta": store.meta(snapshot), "state": state, "memory_size": size,
+            "memory": runs}
+
+
+def import_(store: SnapshotDir, exported: dict, machine: dict) -> str:
+    """Store an exported snapshot here (kept as is when this store has it already); ``machine`` is
+    the importing sandbox's machine key: a snapshot of another machine shape is refused."""
+    if not isinstance(exported, dict) or exported.get("backend") != "vm":
+        raise ValueError("not an exported VM snapshot (export it with k3.sandbox.vm.snapshots.export)")
+    snapshot = exported["id"]
+    check_id(snapshot)
+    if exported["meta"].get("machine") != machine:
+        raise ValueError(f"VM snapshot {snapshot} was taken on machine {exported['meta'].get('machine')}, this node "
+                         f"runs {machine} (same kernel, initramfs, root disk, RAM, vCPUs and accelerator needed)")
+    if store.exists(snapshot):
+        return snapshot
+    size = int(exported["memory_size"])
+    staging = store.staging()
+    try:
+        with open(os.path.join(staging, "state"), "wb") as f:
+            f.write(exported["state"])
+        with open(os.path.join(staging, "memory"), "wb") as f:
+            for offset, data in exported["memory"]:
+                if not (0 <= offset and offset + len(data) <= size):
+                    raise ValueError(f"VM snapshot {snapshot}: a memory run past the file's {size} bytes")
+                os.pwrite(f.fileno(), data, offset)
+            os.ftruncate(f.fileno(), size)
+        store.commit(staging, snapshot, dict(exported["meta"], boot=False))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return snapshot
+
+
+def parents_in_use(run_root: str) -> set[str]:
+    """Snapshots whose memory running guests map (each generation directory names its parent;
+    a sandbox whose owner process is gone runs no guest: PDEATHSIG killed its QEMU)."""
+    parents: set[str] = set()
+    for sandbox_id in os.listdir(run_root) if os.path.isdir(run_root) else ():
+        directory = os.path.join(run_root, sandbox_id)
+        try:
+            with open(os.path.join(directory, "owner")) as f:
+                if not os.path.exists(f"/proc/{int(f.read().strip())}"):
+                    continue
+        except (OSError, ValueError):
+            pass  # no owner written yet: a sandbox being created; keep what it names
+        for generation in os.listdir(directory) if os.path.isdir(directory) else ():
+            try:
+                with open(os.path.join(directory, generation, "parent")) as f:
+                    parents.add(f.read().strip())
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+    return parents
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and all(c in "0123456789abcdef" for c in text)
 
 
 def new_id() -> str:
@@ -153,7 +265,8 @@ def private_mapping(pid: int, memory_path: str) -> tuple[int, int]:
         best = None
         for line in f:
             fields = line.split(maxsplit=5)
-            if len(fields) == 6 and fields[5].strip() == wanted:
+            # " (deleted)": gc removed the snapshot while this guest runs on it (the inode lives)
+            if len(fields) == 6 and fields[5].strip() in (wanted, wanted + " (deleted)"):
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 if best is None or end - start > best[1]:
                     best = (start, end - start)
@@ -190,6 +303,6 @@ def allocated_bytes(path: str) -> int:
     return os.stat(path).st_blocks * 512
 
 
-def meta_for(snapshot: str, parent: str | None, machine: dict, memory: str, dirty: int) -> dict:
+def meta_for(snapshot: str, parent: str | None, machine: dict, memory: str, dirty: int, boot: bool = False) -> dict:
     return {"id": snapshot, "parent": parent, "machine": machine, "created": time.time(),
-            "memory_bytes": allocated_bytes(memory), "dirty_bytes": dirty}
+            "memory_bytes": allocated_bytes(memory), "dirty_bytes": dirty, "boot": boot}
