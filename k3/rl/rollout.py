@@ -158,12 +158,21 @@ class RolloutRunner:
                 episode.failed = True
             return episodes
         started = time.perf_counter()
+        # Without a setup command the prepared sandbox runs no process of its own, so it is just what a fork of
+        # its snapshot would be: it serves as the first episode's, which saves a sandbox start per group.
+        keep_base = not task.setup
         try:
             base = prepare_sandbox(task, self.sandbox_limits)
+            forks = []
             try:
-                snapshot = base.snapshot()
-                forks = base.fork(snapshot, n=size)
-            finally:
+                if size > keep_base:
+                    forks = base.fork(base.snapshot(), n=size - keep_base)
+            except BaseException:
+                base.close()
+                raise
+            if keep_base:
+                forks.insert(0, base)
+            else:
                 base.close()
             for episode, box in zip(episodes, forks):
                 episode.sandbox = box
