@@ -1,4 +1,4 @@
-"""`k3 rl demo`: a warm start with headroom, then RL that finds it, in about 9 CPU-minutes.
+"""`k3 rl demo`: a warm start with headroom, then RL that finds it, in about 8 CPU-minutes.
 
 1. The arith suite's solver writes demonstrations (`Compute 17*23-5 (it is in /work/expr.txt).`: python
    evaluates the file, submit gives the output), every tool call run in a real sandbox. A deliberately noisy

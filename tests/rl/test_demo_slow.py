@@ -1,4 +1,4 @@
-"""The CPU demo end to end (slow: about 9 CPU-minutes): SFT from a noisy teacher on arith
+"""The CPU demo end to end (slow: about 8 CPU-minutes): SFT from a noisy teacher on arith
 demonstrations, the headroom gate, then RL, with every tool call run in a sandbox.
 
 It checks the demo's contract: at least 300 distinct held-out prompts, the tool calls executed, the JSON
