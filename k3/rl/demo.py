@@ -1,4 +1,4 @@
-"""`k3 rl demo`: a warm start with headroom, then RL that finds it, on a CPU in about a quarter of an hour.
+"""`k3 rl demo`: a warm start with headroom, then RL that finds it, in about 8 CPU-minutes.
 
 1. The arith suite's solver writes demonstrations (`Compute 17*23-5 (it is in /work/expr.txt).`: python
    evaluates the file, submit gives the output), every tool call run in a real sandbox. A deliberately noisy
@@ -24,8 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import resource
 import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -57,6 +59,30 @@ MODEL = dict(vocab_size=512, hidden_size=96, num_layers=4, full_attn_layers=[2, 
              qk_rope_head_dim=16, v_head_dim=32, attn_res_block_size=2, intermediate_size=256, num_experts=8,
              num_experts_per_tok=2, num_shared_experts=1, moe_intermediate_size=64, moe_latent_size=48,
              moe_balancing="loss_free")
+
+
+def cpu_seconds() -> float:
+    """User + system CPU seconds of this process and of its children that have ended (sandboxes included:
+    their supervisors and the tool processes they ran are reaped when a sandbox closes)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+class PhaseClock:
+    """Wall and CPU seconds per phase of the demo (a shared machine stretches wall time, CPU time much less)."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        wall, cpu = time.perf_counter(), cpu_seconds()
+        try:
+            yield
+        finally:
+            self.wall[phase] = self.wall.get(phase, 0.0) + time.perf_counter() - wall
+            self.cpu[phase] = self.cpu.get(phase, 0.0) + cpu_seconds() - cpu
 
 
 def standard_error(rate: float, n: int) -> float:
@@ -109,16 +135,19 @@ def add_teacher_noise(path: Path, share: float) -> int:
     return noisy
 
 
-def run_rl_demo(out: str = "runs/rl-demo", demos: int = 2000, sft_steps: int = 500, rl_steps: int = 16,
+def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 300, rl_steps: int = 10,
                 heldout: int = 300, group: int = 4, tasks_per_step: int = 16, algo: str = "gspo",
                 lr: float = 5e-4, sft_lr: float = 3e-3, threads: int = 0, json_path: str | None = None,
-                seed: int = 0, stray_share: float = 0.6, train_probe: int = 64, heldout_sampled: int = 100,
-                log=None) -> dict:
+                seed: int = 0, stray_share: float = 0.6, train_probe: int = 64, heldout_sampled: int = 50,
+                refill_rounds: int = 1, log=None) -> dict:
     """Run the demo (see the module doc); returns the summary that --json writes. group: RL's group size and
     the k of pass@k; stray_share: the share of demonstrations with the noisy teacher's mistake; train_probe:
     training tasks scored before RL for the headroom gate; heldout_sampled: held-out tasks (the first of the
-    ``heldout``) scored with ``group`` samples each for sampled pass@1 and pass@k."""
-    started = time.perf_counter()
+    ``heldout``) scored with ``group`` samples each for sampled pass@1 and pass@k; refill_rounds: dynamic
+    sampling's refill rounds a step (each episode costs a sandbox and a rollout: one round keeps most steps
+    full without doubling the late ones, whose groups mostly all pass)."""
+    started, cpu_started = time.perf_counter(), cpu_seconds()
+    clock = PhaseClock()
     log = log or (lambda message: print(message, flush=True))
 
     def say(message: str) -> None:
@@ -135,42 +164,47 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 2000, sft_steps: int = 5
     torch.set_num_threads(threads or idle_cores())
     torch.manual_seed(seed)
     demos_path = out_dir / "demos.jsonl"
-    made = write_demonstrations(SUITE, demos, demos_path, start=DEMO_START, show_progress=False)
-    noisy = add_teacher_noise(demos_path, stray_share)
+    with clock("demonstrations"):
+        made = write_demonstrations(SUITE, demos, demos_path, start=DEMO_START, show_progress=False)
+        noisy = add_teacher_noise(demos_path, stray_share)
     say(f"{made['examples']} {SUITE} demonstrations written ({made['solved']} solved by the solver, "
         f"{made['sandbox_calls']} tool calls run in sandboxes); the noisy teacher put {STRAY!r} after the answer "
         f"in {noisy} of them")
 
     from k3.data.tokenizer import train_bpe
 
-    texts = ["".join(render_message_text(m["role"], m["content"]) for m in messages)
-             for messages in read_demonstrations(demos_path)]
-    tokenizer = train_bpe(texts, MODEL["vocab_size"], show_progress=False, split_digits=True)
-    config = ModelConfig(**{**ModelConfig.from_preset("debug").to_dict(), **MODEL,
-                            "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eos_token_id})
-    model = K3ForCausalLM(config)
+    with clock("tokenizer"):
+        texts = ["".join(render_message_text(m["role"], m["content"]) for m in messages)
+                 for messages in read_demonstrations(demos_path)]
+        tokenizer = train_bpe(texts, MODEL["vocab_size"], show_progress=False, split_digits=True)
+        config = ModelConfig(**{**ModelConfig.from_preset("debug").to_dict(), **MODEL,
+                                "vocab_size": tokenizer.vocab_size, "eos_token_id": tokenizer.eos_token_id})
+        model = K3ForCausalLM(config)
     say(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, tokenizer "
         f"{tokenizer.vocab_size} ids")
-    sft = SFTTrainer(SFTConfig(data=str(demos_path), out=str(out_dir / "sft"), steps=sft_steps, batch_size=16,
-                               lr=sft_lr, warmup_steps=10, seed=seed, save_every=sft_steps, device="cpu"),
-                     model=model, tokenizer=tokenizer, show_progress=False)
-    sft_summary = sft.train()
+    with clock("sft"):
+        sft = SFTTrainer(SFTConfig(data=str(demos_path), out=str(out_dir / "sft"), steps=sft_steps, batch_size=16,
+                                   lr=sft_lr, warmup_steps=10, seed=seed, save_every=sft_steps, device="cpu"),
+                         model=model, tokenizer=tokenizer, show_progress=False)
+        sft_summary = sft.train()
     say(f"SFT: {sft_summary['steps']} steps, loss {sft_summary['first_loss']:.3f} -> {sft_summary['last_loss']:.3f}")
 
     rl_config = RLConfig(run=str(out_dir / "sft"), suite=SUITE, out=str(out_dir / "rl"), algo=algo, group=group,
                          tasks_per_step=tasks_per_step, steps=rl_steps, lr=lr, heldout_every=rl_steps,
                          heldout_tasks=heldout, save_every=rl_steps, seed=seed, max_context=1024, device="cpu",
-                         dynamic_sampling=True)
-    trainer = RLTrainer(rl_config, show_progress=False, log=lambda *_: None)
-    # The gate, on the training distribution: tasks of RL's own stream, k samples each.
-    probe = trainer.evaluate(count=train_probe, temperature=rl_config.temperature, samples=group, split="train")
+                         dynamic_sampling=True, refill_rounds=refill_rounds)
+    with clock("train_probe"):
+        trainer = RLTrainer(rl_config, show_progress=False, log=lambda *_: None)
+        # The gate, on the training distribution: tasks of RL's own stream, k samples each.
+        probe = trainer.evaluate(count=train_probe, temperature=rl_config.temperature, samples=group, split="train")
     gate = probe["heldout_pass_at_k"] - probe["heldout_pass_rate"]
     say(f"training tasks before RL ({probe['heldout_tasks']}, {group} samples each at temperature "
         f"{rl_config.temperature:g}): sampled pass@1 {probe['heldout_pass_rate']:.3f}, pass@{group} "
         f"{probe['heldout_pass_at_k']:.3f}: headroom {gate:.3f} "
         + ("(the gate of >= %.2f holds)" % HEADROOM_GATE if gate >= HEADROOM_GATE else
            "BELOW the gate of %.2f: RL has little to find on this start" % HEADROOM_GATE))
-    before = trainer.evaluate_headroom(outcomes=True, sampled_count=heldout_sampled)
+    with clock("heldout_before"):
+        before = trainer.evaluate_headroom(outcomes=True, sampled_count=heldout_sampled)
     before_outcomes, before_sampled_outcomes = before.pop("heldout_outcomes"), before.pop("heldout_sampled_outcomes")
     for line in headroom_lines(before):
         say(f"after SFT: {line}")
@@ -178,22 +212,25 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 2000, sft_steps: int = 5
     config_heldout, trainer.config.heldout_tasks = trainer.config.heldout_tasks, 0  # scored at the end
     tool_calls = before["heldout_sandbox_calls"] + probe["heldout_sandbox_calls"]
     for _ in range(rl_steps):
-        record = trainer.train_step()
+        with clock("rl"):
+            record = trainer.train_step()
         tool_calls += record["sandbox_calls"]
         trainer.metrics.write(record)
         say(f"RL step {trainer.step}: reward {record['reward_mean']:.3f}, pass rate {record['pass_rate']:.3f}, "
             f"groups kept {record['groups_kept']}/{record['groups']}, tool calls/episode {record['tool_calls']:.2f}, "
             f"entropy {record.get('entropy', float('nan')):.3f}")
     trainer.config.heldout_tasks = config_heldout
-    after = trainer.evaluate_headroom(outcomes=True, sampled_count=heldout_sampled)
+    with clock("heldout_after"):
+        after = trainer.evaluate_headroom(outcomes=True, sampled_count=heldout_sampled)
     paired = paired_change(before_outcomes, after.pop("heldout_outcomes"))
     paired_sampled = paired_change(before_sampled_outcomes, after.pop("heldout_sampled_outcomes"))
     tool_calls += after["heldout_sandbox_calls"]
     for line in headroom_lines(after):
         say(f"after RL: {line}")
     trainer.metrics.write({"step": trainer.step, **after})
-    trainer.save()
-    trainer.plot()
+    with clock("save"):
+        trainer.save()
+        trainer.plot()
     n = after["heldout_tasks"]
     summary = {
         "sft_pass_rate": before["heldout_pass_rate"], "rl_pass_rate": after["heldout_pass_rate"],
@@ -210,7 +247,9 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 2000, sft_steps: int = 5
         **paired, **{f"{key}_sampled": value for key, value in paired_sampled.items()},
         "demos": made["examples"], "noisy_demos": noisy, "stray": STRAY, "sft_steps": sft_summary["steps"],
         "rl_steps": trainer.step, "algo": algo, "group": group, "tasks_per_step": tasks_per_step, "lr": lr,
-        "suite": SUITE, "seconds": time.perf_counter() - started,
+        "suite": SUITE, "seconds": time.perf_counter() - started, "cpu_seconds_total": cpu_seconds() - cpu_started,
+        "phase_seconds": {k: round(v, 2) for k, v in clock.wall.items()},
+        "cpu_seconds": {k: round(v, 2) for k, v in clock.cpu.items()},
     }
     summary["improved_beyond_paired_noise"] = paired["paired_change"] > TARGET_SE * paired["paired_standard_error"]
     summary["improved_beyond_paired_noise_sampled"] = (paired_sampled["paired_change"]
@@ -223,6 +262,9 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 2000, sft_steps: int = 5
         f"{paired_sampled['paired_standard_error']:.3f}); pass@{group} {summary['sft_pass_at_k']:.3f} -> "
         f"{summary['rl_pass_at_k']:.3f}; {n} held-out tasks, {summary['tool_calls_executed']} tool calls run in "
         f"sandboxes; curves in {out_dir / 'rl'}/metrics.png")
+    say("time per phase, wall / CPU seconds: " + ", ".join(
+        f"{phase} {clock.wall[phase]:.0f} / {clock.cpu[phase]:.0f}" for phase in clock.wall)
+        + f"; total {summary['seconds']:.0f} / {summary['cpu_seconds_total']:.0f}")
     verdict = "met" if summary["target_met"] else "NOT met"
     log(f"target (greedy +{TARGET_GAIN} and > {TARGET_SE:g} paired standard errors): {verdict}")
     atomic_write_bytes(out_dir / DEMO_MARKER, (json.dumps(summary, indent=2) + "\n").encode())

@@ -47,9 +47,10 @@ def demonstration(suite, task: Task, budget: int = 1000, box=None) -> tuple[list
     return messages, reward, ran
 
 
-def _plain(task: Task) -> bool:
-    """A task whose sandbox is the default image as it is: no files, setup or image of its own."""
-    return not task.files and not task.setup and task.image is None
+def _reusable(task: Task) -> bool:
+    """A task whose sandbox is the default image with at most files written (no setup or image of its own),
+    verified by its answer alone (a command verifier would leave its files behind for the next task)."""
+    return not task.setup and task.image is None and task.verifier.type == "answer"
 
 
 def write_demonstrations(suite_name: str, count: int, path: str | os.PathLike, split: str = "train",
@@ -57,24 +58,31 @@ def write_demonstrations(suite_name: str, count: int, path: str | os.PathLike, s
     """Write ``count`` solver demonstrations of a built-in suite's ``split`` to ``path`` (JSONL, atomic).
     Returns {"examples", "solved", "sandbox_calls"}; a solver that fails its own task is a bug, counted here."""
     from k3.rl.suites import get_suite
+    from k3.sandbox import SandboxError
 
     suite = get_suite(suite_name)
     tasks = suite.tasks(split, count, start=start)
-    # Plain tasks (calc's) need no sandbox prepared for each: a worker thread runs its tasks' tool calls in one
-    # sandbox of its own, which saves a sandbox start per demonstration (most of a calc demonstration's time).
+    # Tasks prepared by files alone (calc's, arith's) need no sandbox started for each: a worker thread runs
+    # its tasks' tool calls in one sandbox of its own per set of file paths, each task's files written over the
+    # last one's (no other task's files in sight), which saves a sandbox start per demonstration, most of its cost.
     local, boxes = threading.local(), []
 
     def solve(task: Task):
-        if not _plain(task):
+        if not _reusable(task):
             return demonstration(suite, task)
-        for attempt in range(2):  # a sandbox that died is replaced once, in a fresh one
-            if getattr(local, "box", None) is None:
-                local.box = prepare_sandbox(task)
-                boxes.append(local.box)
+        own, paths = local.__dict__.setdefault("boxes", {}), frozenset(task.files)
+        for attempt in range(2):  # a sandbox that died is replaced once, by a fresh one
+            box = own.get(paths)
             try:
-                return demonstration(suite, task, box=local.box)
-            except SandboxGone:
-                local.box = None
+                if box is None:
+                    box = own[paths] = prepare_sandbox(task)
+                    boxes.append(box)
+                else:
+                    for file_path, text in task.files.items():
+                        box.write_file(file_path, text)
+                return demonstration(suite, task, box=box)
+            except (SandboxGone, SandboxError):
+                own[paths] = None
                 if attempt:
                     raise
 

@@ -160,14 +160,26 @@ class RolloutRunner:
                 episode.failed = True
             return episodes
         started = time.perf_counter()
+        # Without a setup command the prepared sandbox runs no process of its own, so it is just what a fork of
+        # its snapshot would be: it serves as the first episode's, which saves a sandbox start per group.
+        # (The VM backend always forks: its snapshot's memory file is removed once the forks hold it.)
+        keep_base = not task.setup and self.config.sandbox_backend != "vm"
         try:
             base = prepare_sandbox(task, self.sandbox_limits, self.config.sandbox_backend)
+            forks, snapshot = [], None
             try:
-                snapshot = base.snapshot()
-                forks = base.fork(snapshot, n=size)
-            finally:
+                if size > keep_base:
+                    snapshot = base.snapshot()
+                    forks = base.fork(snapshot, n=size - keep_base)
+            except BaseException:
                 base.close()
-                if self.config.sandbox_backend == "vm":  # a whole memory file: the forks hold it open, nothing else needs it
+                raise
+            if keep_base:
+                forks.insert(0, base)
+            else:
+                base.close()
+                # The VM snapshot is a whole memory file: the forks hold it open, nothing else needs it.
+                if self.config.sandbox_backend == "vm" and snapshot is not None:
                     base.store.remove(snapshot)
             for episode, box in zip(episodes, forks):
                 episode.sandbox = box

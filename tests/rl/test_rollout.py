@@ -71,6 +71,28 @@ def test_a_forked_group_sees_one_prepared_state_and_no_sibling_writes(sandbox_ho
         assert episode.sandbox is None  # closed after verification
 
 
+def test_without_setup_the_prepared_sandbox_is_one_episodes_and_the_rest_are_forks(sandbox_home, tokenizer,
+                                                                                      monkeypatch):
+    """A task prepared by files alone: its prepared sandbox serves the first episode (one sandbox start saved
+    per group), and the group still sees one prepared state and no sibling's writes."""
+    from k3.sandbox import Sandbox
+
+    forks = []
+    real_fork = Sandbox.fork
+    monkeypatch.setattr(Sandbox, "fork", lambda self, snapshot=None, n=1: forks.append(n)
+                        or real_fork(self, snapshot, n))
+    task = make_task(files={"/work/state.txt": "prepared\n"})
+    groups = RolloutRunner(ScriptedEngine(tokenizer, isolation_script), tokenizer,
+                           RolloutConfig(threads=4)).run([task], group_size=4)
+    assert forks == [3]
+    for episode in groups[0]:
+        assert episode.finish == "submitted"
+        assert episode.answer.split() == ["prepared", f"mine_{episode.sample}.txt", "state.txt", str(episode.sample)]
+        assert episode.sandbox is None
+    single = RolloutRunner(ScriptedEngine(tokenizer, isolation_script), tokenizer).run([task], group_size=1)
+    assert forks == [3] and single[0][0].answer.split() == ["prepared", "mine_0.txt", "state.txt", "0"]
+
+
 def test_a_killed_sandbox_or_a_crashed_verifier_ends_only_its_episode(sandbox_home, tokenizer, monkeypatch):
     real_run_tool = rollout_module.run_tool
 
