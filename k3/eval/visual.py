@@ -61,8 +61,8 @@ def visual_items(task: str, tokenizer, media_token_id: int, tokens_per_image: in
 
 
 @torch.no_grad()
-def visual_correct(model, engine: Engine, items: list[VisualItem]) -> list[bool]:
-    """Greedy completion of each item's image prompt through the engine; True where it equals the answer."""
+def visual_generate(model, engine: Engine, items: list[VisualItem]) -> list[list[int]]:
+    """Greedy completion of each item's image prompt through the engine, as many tokens as its answer has."""
     from k3.vision.processing import ImageProcessor
 
     vision_config = model.vision.config
@@ -75,7 +75,7 @@ def visual_correct(model, engine: Engine, items: list[VisualItem]) -> list[bool]
         batch = processor([item.image])
         ids = torch.tensor([item.prompt], device=device)
         embeds.append(model.embed_multimodal(ids, batch.pixel_values.to(device, dtype), batch.grid_thw)[0])
-    correct = [False] * len(items)
+    generated: list[list[int]] = [[] for _ in items]
     by_length: dict[int, list[int]] = {}
     for i, item in enumerate(items):
         by_length.setdefault(len(item.answer), []).append(i)
@@ -85,8 +85,8 @@ def visual_correct(model, engine: Engine, items: list[VisualItem]) -> list[bool]
         outputs = engine.complete([items[i].prompt for i in indices], params,
                                   prompt_embeds=[embeds[i] for i in indices])
         for i, out in zip(indices, outputs):
-            correct[i] = out.outputs[0].token_ids[:answer_length] == items[i].answer
-    return correct
+            generated[i] = out.outputs[0].token_ids[:answer_length]
+    return generated
 
 
 def evaluate_visual_tasks(model, tokenizer, tasks: list[str], count: int, seed: int = 0,
@@ -108,7 +108,7 @@ def evaluate_visual_tasks(model, tokenizer, tasks: list[str], count: int, seed: 
         context = max(len(i.prompt) + len(i.answer) for i in items) + 1
         engine = Engine(model.language_model, tokenizer, max_context=context, max_batch=min(32, count),
                         prefix_cache=False)
-        flags = visual_correct(model, engine, items)
+        flags = [out == item.answer for out, item in zip(visual_generate(model, engine, items), items)]
         seconds = time.perf_counter() - start
         kinds = VISUAL_TASKS[task]
         results.append(TaskResult(task, image_size, sum(flags), len(flags), seconds))

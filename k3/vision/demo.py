@@ -52,8 +52,9 @@ class DemoSettings:
     vision_heads: int = 4
     vision_head_dim: int = 32
     patch_size: int = 14
-    # the language model: the `debug` preset
+    # the language model: the `debug` preset (width 64), cut to text_layers layers (2: one KDA, one MLA)
     text_preset: str = "debug"
+    text_layers: int = 2
     device: str = "cpu"
     dtype: str = "fp32"  # fp32 | bf16 (autocast on CUDA)
     threads: int | None = None
@@ -77,7 +78,9 @@ class DemoSettings:
 
 
 def build_model(settings: DemoSettings, qa: SyntheticVQA) -> K3ForConditionalGeneration:
-    text = ModelConfig.from_preset(settings.text_preset, vocab_size=max(64, len(qa.vocab)), moe_balancing="none")
+    layers = settings.text_layers
+    text = ModelConfig.from_preset(settings.text_preset, vocab_size=max(64, len(qa.vocab)), moe_balancing="none",
+                                   num_layers=layers, full_attn_layers=list(range(2, layers + 1, 2)))
     grid = settings.image_size // settings.patch_size
     vision = VisionConfig(hidden_size=settings.vision_width, intermediate_size=2 * settings.vision_width,
                           num_layers=settings.vision_layers, num_heads=settings.vision_heads,

@@ -75,3 +75,23 @@ def test_visual_tasks_on_a_text_only_model_say_what_is_missing(tmp_path, capsys)
     save_pretrained(model, qa.tokenizer(), tmp_path / "text", progress=False)
     assert main(["eval", "--model", str(tmp_path / "text"), "--task", "vqa", "--n", "2", "--quiet"]) == 1
     assert "vision tower" in capsys.readouterr().err
+
+
+def test_engine_answers_equal_the_full_forward(tiny_vlm_dir):
+    """The engine's first greedy token after an image prompt is the argmax of the uncached multimodal forward."""
+    from k3.eval.visual import visual_generate
+    from k3.infer.engine import Engine
+    from k3.multimodal import from_pretrained
+    from k3.vision.processing import ImageProcessor
+
+    model = from_pretrained(tiny_vlm_dir, progress=False)
+    tokenizer = SyntheticVQA().tokenizer()
+    items = visual_items("vqa", tokenizer, model.media_token_id, 16, 6, seed=0, image_size=112)
+    engine = Engine(model.language_model, tokenizer, max_context=32, max_batch=4, prefix_cache=False)
+    generated = visual_generate(model, engine, items)
+    processor = ImageProcessor.for_vision(model.vision.config, max_patches=64)
+    with torch.no_grad():
+        for item, out in zip(items, generated):
+            batch = processor([item.image])
+            logits = model(torch.tensor([item.prompt]), batch.pixel_values, batch.grid_thw).logits[0, -1]
+            assert len(out) == len(item.answer) and out[0] == int(logits.argmax())
