@@ -20,7 +20,8 @@ def demo_command(args: argparse.Namespace) -> int:
                             vision_lr=args.vision_lr, seed=args.seed, eval_count=args.eval_count,
                             eval_every=args.eval_every, kinds=tuple(args.kinds), vision_width=args.vision_width,
                             vision_layers=args.vision_layers, vision_heads=args.vision_heads,
-                            vision_head_dim=args.vision_head_dim, device=args.device, dtype=args.dtype,
+                            vision_head_dim=args.vision_head_dim, text_preset=args.text_preset,
+                            text_layers=args.text_layers or None, loss_per=args.loss_per, device=args.device, dtype=args.dtype,
                             threads=args.threads)
     human = sys.stderr if args.json else sys.stdout
     report = run_demo(settings, out=args.out, progress=not (args.quiet or args.json),
@@ -31,7 +32,7 @@ def demo_command(args: argparse.Namespace) -> int:
     print(summary_table(report))
     print(f"cpu {report['cpu_seconds'] / 60:.1f} min, wall {report['wall_seconds'] / 60:.1f} min, training "
           f"{report['train_images_per_second']:.0f} img/s"
-          + (f", {report['train_tflops']:.2f} TFLOP/s" if "train_tflops" in report else ""))
+          + (f", {report['train_tflops']:.2f} TFLOP/s = MFU {report['mfu']:.2%}" if "mfu" in report else ""))
     if args.out:
         print(f"model, report.json and curve.png written to {args.out}; evaluate it through the engine with "
               f"`k3 eval --run {args.out} --task vqa ocr`")
@@ -56,6 +57,11 @@ def register(subparsers) -> None:
     p.add_argument("--vision-layers", type=int, default=3, dest="vision_layers")
     p.add_argument("--vision-heads", type=int, default=4, dest="vision_heads")
     p.add_argument("--vision-head-dim", type=int, default=32, dest="vision_head_dim")
+    p.add_argument("--text-preset", default="debug", dest="text_preset", help="language model preset (default debug)")
+    p.add_argument("--text-layers", type=int, default=2, dest="text_layers",
+                   help="language model layers, KDA and MLA alternating (default 2; 0: the preset's own)")
+    p.add_argument("--loss-per", choices=["sample", "token"], default="sample", dest="loss_per",
+                   help="average the answer loss per question (default) or per token")
     p.add_argument("--eval-count", type=int, default=500, dest="eval_count", help="held-out samples")
     p.add_argument("--eval-every", type=int, default=100, dest="eval_every", help="steps between curve points")
     p.add_argument("--seed", type=int, default=0)

@@ -33,6 +33,9 @@ from k3.vision.config import VisionConfig
 from k3.vision.processing import ImageProcessor
 from k3.vision.synthetic_qa import KINDS, SyntheticVQA, VQASample
 
+# Dense bf16 peak of one H100 / H200 SXM (the same 989 TFLOP/s for both); the MFU of a step is against it.
+GPU_BF16_PEAK_FLOPS = 989e12
+
 
 @dataclass
 class DemoSettings:
@@ -42,6 +45,7 @@ class DemoSettings:
     lr: float = 3e-3  # peak (one-cycle: warm-up over the first 10%, cosine down to lr/100)
     vision_lr: float | None = None  # tower + projector; None: lr
     weight_decay: float = 0.0
+    loss_per: str = "sample"  # "sample" | "token": see answer_loss
     seed: int = 0
     eval_count: int = 500  # held-out samples, balanced over the kinds
     eval_every: int = 100  # steps between points of the accuracy curve (on a fixed quarter of the held-out set)
@@ -52,9 +56,10 @@ class DemoSettings:
     vision_heads: int = 4
     vision_head_dim: int = 32
     patch_size: int = 14
-    # the language model: the `debug` preset (width 64), cut to text_layers layers (2: one KDA, one MLA)
+    # the language model: the `debug` preset (width 64) cut to text_layers layers (2: one KDA, one MLA; None: the
+    # preset's own)
     text_preset: str = "debug"
-    text_layers: int = 2
+    text_layers: int | None = 2
     device: str = "cpu"
     dtype: str = "fp32"  # fp32 | bf16 (autocast on CUDA)
     threads: int | None = None
@@ -73,14 +78,17 @@ class DemoSettings:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or (self.vision_lr is not None and self.vision_lr <= 0):
             raise ValueError("learning rates must be positive")
+        if self.loss_per not in ("sample", "token"):
+            raise ValueError(f"loss_per must be sample or token, got {self.loss_per!r}")
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"dtype must be fp32 or bf16, got {self.dtype!r}")
 
 
 def build_model(settings: DemoSettings, qa: SyntheticVQA) -> K3ForConditionalGeneration:
     layers = settings.text_layers
+    cut = {} if layers is None else dict(num_layers=layers, full_attn_layers=list(range(2, layers + 1, 2)))
     text = ModelConfig.from_preset(settings.text_preset, vocab_size=max(64, len(qa.vocab)), moe_balancing="none",
-                                   num_layers=layers, full_attn_layers=list(range(2, layers + 1, 2)))
+                                   **cut)
     grid = settings.image_size // settings.patch_size
     vision = VisionConfig(hidden_size=settings.vision_width, intermediate_size=2 * settings.vision_width,
                           num_layers=settings.vision_layers, num_heads=settings.vision_heads,
@@ -137,6 +145,17 @@ def evaluate(model, qa: SyntheticVQA, processor: ImageProcessor, samples: list[V
 def _autocast(device: torch.device, model):
     bf16 = getattr(model, "_demo_bf16", False) and device.type == "cuda"
     return torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast(device.type, enabled=False)
+
+
+def answer_loss(logits: torch.Tensor, labels: torch.Tensor, per: str = "sample") -> torch.Tensor:
+    """Cross-entropy of the answer tokens. per="sample": each row's tokens averaged, then the rows, so a question
+    counts once whatever its answer's length (a text answer has 4 tokens, the others 2); per="token": every
+    answer token counts once (text answers then carry about half the gradient)."""
+    token_loss = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, ignore_index=-100,
+                                                   reduction="none")  # [B, T], 0 where ignored
+    if per == "token":
+        return token_loss.sum() / (labels != -100).sum()
+    return (token_loss.sum(1) / (labels != -100).sum(1)).mean()
 
 
 def cpu_seconds() -> float:
@@ -199,6 +218,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
     train_seconds, images_seen, patches_per_image = 0.0, 0, (settings.image_size // settings.patch_size) ** 2
     tokens_seen = 0
     model.train()
+    loop_started = time.perf_counter()
     for step in tqdm(range(settings.steps), desc="vqa demo", disable=not progress):
         batch = [next(train) for _ in range(settings.batch_size)]
         ids, labels, pixels, grid = make_batch(qa, processor, batch)
@@ -210,7 +230,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
             group["lr"] = peak * _one_cycle(step, settings.steps)
         with _autocast(device, model):
             logits = model(ids, pixels, grid).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+        loss = answer_loss(logits, labels, settings.loss_per)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -227,6 +247,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
             if not progress:
                 log(f"step {step + 1}: loss {sum(losses[-20:]) / len(losses[-20:]):.3f}  "
                     + "  ".join(f"{k} {v:.2f}" for k, v in curve[-1].items() if k != "step"))
+    loop_seconds = time.perf_counter() - loop_started  # with picture generation and the curve's evaluations
     after = evaluate(model, qa, processor, held_out)
     report = {
         "settings": dataclasses.asdict(settings),
@@ -241,12 +262,14 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
         "curve": curve,
         "cpu_seconds": cpu_seconds() - cpu_start,
         "wall_seconds": time.perf_counter() - wall_start,
-        "train_images_per_second": images_seen / train_seconds if train_seconds else None,
+        "train_images_per_second": images_seen / train_seconds if train_seconds else None,  # the step alone
         "parameters": {"text": sum(p.numel() for p in text_params), "vision": sum(p.numel() for p in vision_params)},
     }
+    report["images_per_second_end_to_end"] = settings.steps * settings.batch_size / loop_seconds
     if device.type == "cuda" and train_seconds:
         flops = step_flops(model, tokens_seen, images_seen * patches_per_image)
         report["train_tflops"] = flops / train_seconds / 1e12
+        report["mfu"] = flops / train_seconds / GPU_BF16_PEAK_FLOPS
         report["device_name"] = torch.cuda.get_device_name(device)
     if out is not None:
         write_outputs(model, qa, report, Path(out))
