@@ -21,8 +21,8 @@ def demo_command(args: argparse.Namespace) -> int:
                             eval_every=args.eval_every, kinds=tuple(args.kinds), vision_width=args.vision_width,
                             vision_layers=args.vision_layers, vision_heads=args.vision_heads,
                             vision_head_dim=args.vision_head_dim, text_preset=args.text_preset,
-                            text_layers=args.text_layers or None, loss_per=args.loss_per, device=args.device, dtype=args.dtype,
-                            threads=args.threads)
+                            text_layers=args.text_layers or None, loss_per=args.loss_per, device=args.device,
+                            dtype=args.dtype, threads=args.threads)
     human = sys.stderr if args.json else sys.stdout
     report = run_demo(settings, out=args.out, progress=not (args.quiet or args.json),
                       log=lambda line: print(line, file=human, flush=True))
@@ -47,19 +47,19 @@ def register(subparsers) -> None:
     commands = vision.add_subparsers(dest="vision_command", metavar="COMMAND", required=True)
     p = commands.add_parser("demo", help="train on synthetic visual QA; held-out accuracy per question kind")
     p.add_argument("--out", help="directory for the model (published K3 layout), report.json and curve.png")
-    p.add_argument("--steps", type=int, default=1200)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch-size", type=int, default=32, dest="batch_size")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warm-up 10%%, cosine to 1%%)")
     p.add_argument("--vision-lr", type=float, dest="vision_lr", help="tower + projector (default --lr)")
-    p.add_argument("--image-size", type=int, default=112, dest="image_size", help="px, a multiple of 28")
+    p.add_argument("--image-size", type=int, default=84, dest="image_size", help="px, a multiple of 28")
     p.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS), help="question kinds")
     p.add_argument("--vision-width", type=int, default=96, dest="vision_width")
     p.add_argument("--vision-layers", type=int, default=3, dest="vision_layers")
     p.add_argument("--vision-heads", type=int, default=4, dest="vision_heads")
     p.add_argument("--vision-head-dim", type=int, default=32, dest="vision_head_dim")
     p.add_argument("--text-preset", default="debug", dest="text_preset", help="language model preset (default debug)")
-    p.add_argument("--text-layers", type=int, default=2, dest="text_layers",
-                   help="language model layers, KDA and MLA alternating (default 2; 0: the preset's own)")
+    p.add_argument("--text-layers", type=int, default=4, dest="text_layers",
+                   help="language model layers, KDA and MLA alternating (default 4; 0: the preset's own)")
     p.add_argument("--loss-per", choices=["sample", "token"], default="sample", dest="loss_per",
                    help="average the answer loss per question (default) or per token")
     p.add_argument("--eval-count", type=int, default=500, dest="eval_count", help="held-out samples")

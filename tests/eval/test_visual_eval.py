@@ -60,7 +60,7 @@ def test_vqa_rows_have_the_keys_of_the_text_tasks(tiny_vlm_dir, tmp_path, capsys
     assert set(by_task) == {"needle_single", "vqa", "vqa/colour", "vqa/shape", "vqa/count", "vqa/position", "ocr"}
     assert by_task["vqa"]["n"] == by_task["ocr"]["n"] == 8
     assert sum(by_task[f"vqa/{k}"]["n"] for k in ("colour", "shape", "count", "position")) == 8
-    assert by_task["vqa"]["length"] == by_task["ocr"]["length"] == 112  # the image side: 8x8 grid x 14 px
+    assert by_task["vqa"]["length"] == by_task["ocr"]["length"] == 84  # the image side: 6x6 grid x 14 px
     assert "vqa/shape" in capsys.readouterr().out
 
 
@@ -86,12 +86,14 @@ def test_engine_answers_equal_the_full_forward(tiny_vlm_dir):
 
     model = from_pretrained(tiny_vlm_dir, progress=False)
     tokenizer = SyntheticVQA().tokenizer()
-    items = visual_items("vqa", tokenizer, model.media_token_id, 16, 6, seed=0, image_size=112)
+    items = visual_items("vqa", tokenizer, model.media_token_id, 9, 6, seed=0, image_size=84)
     engine = Engine(model.language_model, tokenizer, max_context=32, max_batch=4, prefix_cache=False)
     generated = visual_generate(model, engine, items)
-    processor = ImageProcessor.for_vision(model.vision.config, max_patches=64)
+    processor = ImageProcessor.for_vision(model.vision.config, max_patches=36)
     with torch.no_grad():
         for item, out in zip(items, generated):
             batch = processor([item.image])
             logits = model(torch.tensor([item.prompt]), batch.pixel_values, batch.grid_thw).logits[0, -1]
-            assert len(out) == len(item.answer) and out[0] == int(logits.argmax())
+            assert out[0] == int(logits.argmax())
+            # The answer's length, or shorter where the engine stopped at <eos> (then a wrong answer).
+            assert len(out) == len(item.answer) or (len(out) < len(item.answer) and out[-1] == tokenizer.eos_token_id)
