@@ -197,16 +197,15 @@ def _one_cycle(step: int, total: int, warmup: float = 0.1) -> float:
 
 
 def step_flops(model: K3ForConditionalGeneration, tokens: int, patches: int) -> float:
-    """Training FLOPs of one step, 6 x parameters x tokens for the text model (embeddings excluded, active
-    experts only) plus 6 x tower parameters x patches; attention's quadratic part left out (short sequences)."""
-    text = model.language_model
-    config = text.config
-    total = sum(p.numel() for p in text.parameters()) - text.model.embed_tokens.weight.numel()
-    experts = [m for name, m in text.named_modules() if name.endswith("experts")]
-    expert_params = sum(p.numel() for m in experts for p in m.parameters())
-    active = total - expert_params * (1 - config.num_experts_per_tok / max(1, config.num_experts))
-    tower = sum(p.numel() for p in model.vision.parameters())
-    return 6.0 * active * tokens + 6.0 * tower * patches
+    """Training FLOPs of one step: 6 x parameters x what they see. The text model's active parameters (without
+    the embedding table, top-k of the routed experts) see every token, the tower's every patch, the projector's every merged
+    token (patches / 4); attention's quadratic part is left out (sequences of tens of tokens)."""
+    from k3.model import count_parameters
+
+    active = count_parameters(model.language_model.config)["active_params"]  # LM head in, embeddings out
+    tower = sum(p.numel() for p in model.vision.vision_tower.parameters())
+    projector = sum(p.numel() for p in model.vision.mm_projector.parameters())
+    return 6.0 * (active * tokens + tower * patches + projector * patches / model.vision_config.merge_area)
 
 
 def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bool = True,
