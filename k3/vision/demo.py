@@ -11,8 +11,8 @@ balanced samples. Held-out samples come from another seed; an answer counts when
 (`k3 eval --task vqa ocr` checks that on the saved model).
 
 Why the previous recipe (56 px images, patch 14 = a 4x4 patch grid, 4 image tokens, 1500 steps of 32 at lr 5e-3,
-loss on one answer token) left shape and count at chance: see docs/vision.md ("What made shape and count
-learnable"); the measured ablations are there.
+loss on one answer token) left shape and count at chance: docs/vision.md ("What held shape and count at
+chance, and what did not") has the measured runs.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def make_batch(qa: SyntheticVQA, processor: ImageProcessor, samples: list[VQASam
 
 @torch.no_grad()
 def evaluate(model, qa: SyntheticVQA, processor: ImageProcessor, samples: list[VQASample],
-             batch_size: int = 100) -> dict[str, float]:
+             batch_size: int = 100, bf16: bool = False) -> dict[str, float]:
     """Per kind: the fraction of samples whose every answer token (and <eos>) is the model's argmax."""
     device = next(model.parameters()).device
     was_training = model.training
@@ -132,7 +132,7 @@ def evaluate(model, qa: SyntheticVQA, processor: ImageProcessor, samples: list[V
         chunk = samples[start:start + batch_size]
         ids, labels, pixels, grid = make_batch(qa, processor, chunk)
         ids, labels = ids.to(device), labels.to(device)
-        with _autocast(device, model):
+        with _autocast(device, bf16):
             logits = model(ids, pixels.to(device), grid).logits
         hit = (logits.argmax(-1) == labels) | (labels == -100)
         for sample, ok in zip(chunk, hit.all(-1).tolist()):
@@ -143,7 +143,8 @@ def evaluate(model, qa: SyntheticVQA, processor: ImageProcessor, samples: list[V
 
 
 @torch.no_grad()
-def letter_accuracy(model, qa: SyntheticVQA, processor: ImageProcessor, samples: list[VQASample]) -> float | None:
+def letter_accuracy(model, qa: SyntheticVQA, processor: ImageProcessor, samples: list[VQASample],
+                    bf16: bool = False) -> float | None:
     """For the text kind: the fraction of letters read right (teacher-forced; chance 1/10), a finer measure than
     the exact answer."""
     texts = [s for s in samples if s.kind == "text"]
@@ -156,7 +157,7 @@ def letter_accuracy(model, qa: SyntheticVQA, processor: ImageProcessor, samples:
     for start in range(0, len(texts), 100):
         ids, labels, pixels, grid = make_batch(qa, processor, texts[start:start + 100])
         ids, labels = ids.to(device), labels.to(device)
-        with _autocast(device, model):
+        with _autocast(device, bf16):
             predicted = model(ids, pixels.to(device), grid).logits.argmax(-1)
         letters = (labels != -100) & (labels != qa.vocab["<eos>"])
         right += int((predicted == labels)[letters].sum())
@@ -165,9 +166,11 @@ def letter_accuracy(model, qa: SyntheticVQA, processor: ImageProcessor, samples:
     return right / total
 
 
-def _autocast(device: torch.device, model):
-    bf16 = getattr(model, "_demo_bf16", False) and device.type == "cuda"
-    return torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else torch.autocast(device.type, enabled=False)
+def _autocast(device: torch.device, bf16: bool):
+    """bf16 autocast over fp32 weights on CUDA (as k3 train does); plain fp32 elsewhere."""
+    if bf16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast(device.type, enabled=False)
 
 
 def answer_loss(logits: torch.Tensor, labels: torch.Tensor, per: str = "sample") -> torch.Tensor:
@@ -198,8 +201,8 @@ def _one_cycle(step: int, total: int, warmup: float = 0.1) -> float:
 
 def step_flops(model: K3ForConditionalGeneration, tokens: int, patches: int) -> float:
     """Training FLOPs of one step: 6 x parameters x what they see. The text model's active parameters (without
-    the embedding table, top-k of the routed experts) see every token, the tower's every patch, the projector's every merged
-    token (patches / 4); attention's quadratic part is left out (sequences of tens of tokens)."""
+    the embedding table, top-k of the routed experts) see every token, the tower's every patch, the projector's
+    every merged token (patches / 4); attention's quadratic part is left out (sequences of tens of tokens)."""
     from k3.model import count_parameters
 
     active = count_parameters(model.language_model.config)["active_params"]  # LM head in, embeddings out
@@ -221,12 +224,12 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
     qa = SyntheticVQA(size=settings.image_size, seed=settings.seed)
     processor = processor_for(settings)
     model = build_model(settings, qa).to(device)
-    model._demo_bf16 = settings.dtype == "bf16"
+    bf16 = settings.dtype == "bf16"
     held_out = qa.samples(settings.eval_count, seed=settings.seed + 1000, kinds=settings.kinds)
     curve_set = held_out[: max(len(settings.kinds), len(held_out) // 4)]
     chance = SyntheticVQA.chance(held_out)
-    before = evaluate(model, qa, processor, held_out)
-    letters_before = letter_accuracy(model, qa, processor, held_out)
+    before = evaluate(model, qa, processor, held_out, bf16=bf16)
+    letters_before = letter_accuracy(model, qa, processor, held_out, bf16=bf16)
 
     vision_params = list(model.vision.parameters())
     text_params = list(model.language_model.parameters())
@@ -236,7 +239,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
                                   fused=device.type == "cuda")
     peaks = [g["lr"] for g in optimizer.param_groups]
     train = qa.stream(settings.seed, settings.kinds)
-    curve = [{"step": 0, **{k: v for k, v in evaluate(model, qa, processor, curve_set).items()}}]
+    curve = [{"step": 0, **evaluate(model, qa, processor, curve_set, bf16=bf16)}]
     losses: list[float] = []
     train_seconds, images_seen, patches_per_image = 0.0, 0, (settings.image_size // settings.patch_size) ** 2
     tokens_seen = 0
@@ -251,7 +254,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
         ids, labels, pixels = ids.to(device, non_blocking=True), labels.to(device), pixels.to(device)
         for group, peak in zip(optimizer.param_groups, peaks):
             group["lr"] = peak * _one_cycle(step, settings.steps)
-        with _autocast(device, model):
+        with _autocast(device, bf16):
             logits = model(ids, pixels, grid).logits
         loss = answer_loss(logits, labels, settings.loss_per)
         optimizer.zero_grad(set_to_none=True)
@@ -266,12 +269,12 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
             tokens_seen += ids.numel()
         losses.append(loss.item())
         if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
-            curve.append({"step": step + 1, **evaluate(model, qa, processor, curve_set)})
+            curve.append({"step": step + 1, **evaluate(model, qa, processor, curve_set, bf16=bf16)})
             if not progress:
                 log(f"step {step + 1}: loss {sum(losses[-20:]) / len(losses[-20:]):.3f}  "
                     + "  ".join(f"{k} {v:.2f}" for k, v in curve[-1].items() if k != "step"))
     loop_seconds = time.perf_counter() - loop_started  # with picture generation and the curve's evaluations
-    after = evaluate(model, qa, processor, held_out)
+    after = evaluate(model, qa, processor, held_out, bf16=bf16)
     report = {
         "settings": dataclasses.asdict(settings),
         "kinds": list(settings.kinds),
@@ -280,7 +283,8 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
         "after": after,
         "chance": {k: chance[k]["uniform"] for k in settings.kinds},
         "majority": {k: chance[k]["majority"] for k in settings.kinds},
-        "text_letters": {"before": letters_before, "after": letter_accuracy(model, qa, processor, held_out)},
+        "text_letters": {"before": letters_before,
+                         "after": letter_accuracy(model, qa, processor, held_out, bf16=bf16)},
         "first_loss": losses[0],
         "last_loss": sum(losses[-20:]) / len(losses[-20:]),
         "curve": curve,
