@@ -18,6 +18,7 @@ SUBSYSTEMS = [
     "k3.infer.cli",
     "k3.infer.serve_cli",
     "k3.eval.cli",
+    "k3.vision.cli",
     "k3.checkpoint.cli",
     "k3.sandbox.cli",
     "k3.rl.cli",

@@ -3,6 +3,7 @@
 
     k3 eval --run runs/demo --task mqar needle_single --lengths 256,1K,4K --n 16 --json eval.json --plot eval.png
     k3 eval --run runs/demo --perplexity --lengths 1K,4K
+    k3 eval --run runs/vqa --task vqa ocr --n 200 --json vqa.json      # a model with a vision tower
     k3 ablate --base debug --axis attention balancing --steps 400 --seeds 2 --out runs/ablate
 """
 
@@ -54,6 +55,30 @@ def _mqar_layout(args: argparse.Namespace, vocab_size: int):
     return RecallTask(vocab_size, num_pairs=pairs, num_queries=queries or pairs)
 
 
+def _load_visual(args: argparse.Namespace):
+    """(K3ForConditionalGeneration, tokenizer) for the visual tasks: a directory in the published multimodal
+    layout (what `k3 vision demo` writes), or a run whose checkpoint holds a vision tower."""
+    from k3.infer.cli import has_vision, inference_dtype, load_for_inference
+
+    directory = Path(args.model or args.run)
+    if (args.run is None) == (args.model is None):
+        raise ValueError("give exactly one of --run DIR or --model PATH")
+    if directory.is_dir() and has_vision(directory):
+        from k3.checkpoint.hf import load_hf_tokenizer
+        from k3.multimodal import from_pretrained
+        from k3.train.trainer import resolve_device
+
+        target = resolve_device(args.device)
+        model = from_pretrained(directory, progress=False)
+        model = model.to(target, inference_dtype(args.dtype, target)).requires_grad_(False).eval()
+        return model, load_hf_tokenizer(directory)
+    model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
+    if not hasattr(model, "vision"):
+        raise ValueError(f"{directory} holds a text-only model; the visual tasks (vqa, ocr) need a vision tower "
+                         f"(train one with `k3 vision demo --out DIR`)")
+    return model, tokenizer
+
+
 def eval_command(args: argparse.Namespace) -> int:
     from k3.eval.harness import evaluate_tasks
     from k3.eval.perplexity import perplexity_by_position
@@ -61,6 +86,7 @@ def eval_command(args: argparse.Namespace) -> int:
                                 plot_perplexity, write_json)
     from k3.eval.tasks import TASKS, Filler, TaskContext
     from k3.checkpoint.inference import load_for_inference
+    from k3.eval.visual import VISUAL_TASKS, evaluate_visual_tasks
 
     if args.n < 1:
         raise ValueError(f"--n must be >= 1 (examples per task and length), got {args.n}")
@@ -72,9 +98,18 @@ def eval_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     lengths = parse_lengths(args.lengths)
     tasks = list(TASKS) if not args.task or "all" in args.task else list(dict.fromkeys(args.task))
+    if args.task and "all" in args.task:
+        tasks += [t for t in args.task if t in VISUAL_TASKS]
     if args.perplexity_only:
         tasks = []
-    model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
+    visual_tasks = [t for t in tasks if t in VISUAL_TASKS]
+    tasks = [t for t in tasks if t not in VISUAL_TASKS]
+    if visual_tasks:
+        visual_model, tokenizer = _load_visual(args)
+        model = visual_model.language_model
+    else:
+        model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
+        model = getattr(model, "language_model", model)  # a run with a vision tower: its text tasks
     stream = _held_out_stream(args, tokenizer)
     out = Path(args.out) if args.out else None
     if out is not None:
@@ -82,11 +117,16 @@ def eval_command(args: argparse.Namespace) -> int:
     json_path = args.json or (out / "eval.json" if out else None)
     plot_path = args.plot or (out / "eval.png" if out else None)
 
-    if tasks:
-        ctx = TaskContext(tokenizer, model.config.vocab_size, Filler(tokenizer, stream),
-                          _mqar_layout(args, model.config.vocab_size))
-        results = evaluate_tasks(model, tokenizer, ctx, tasks, lengths, args.n, args.seed, args.mode,
-                                 show_progress=not args.quiet)
+    if tasks or visual_tasks:
+        results = []
+        if tasks:
+            mqar = _mqar_layout(args, model.config.vocab_size) if "mqar" in tasks else None
+            ctx = TaskContext(tokenizer, model.config.vocab_size, Filler(tokenizer, stream), mqar)
+            results += evaluate_tasks(model, tokenizer, ctx, tasks, lengths, args.n, args.seed, args.mode,
+                                      show_progress=not args.quiet)
+        if visual_tasks:
+            results += evaluate_visual_tasks(visual_model, tokenizer, visual_tasks, args.n, args.seed,
+                                             args.image_size)
         rows = [r.row() for r in results]
         print(accuracy_table(rows))
         print("\n" + cost_table(results))
@@ -139,6 +179,7 @@ def ablate_command(args: argparse.Namespace) -> int:
 def register(subparsers) -> None:
     from k3.eval.ablate import AXES
     from k3.eval.tasks import TASKS
+    from k3.eval.visual import VISUAL_TASKS
 
     a = subparsers.add_parser("ablate", help="matched training runs, one architectural switch at a time, and a report")
     a.add_argument("--base", default="debug", help="base preset (default debug)")
@@ -171,10 +212,13 @@ def register(subparsers) -> None:
                                            "words at any length; loss by position")
     p.add_argument("--run", help="a k3 training run directory (or its checkpoint)")
     p.add_argument("--model", help="a Hugging Face-format model directory")
-    p.add_argument("--task", nargs="+", choices=sorted(TASKS) + ["all"], help="tasks (default all)")
+    p.add_argument("--task", nargs="+", choices=sorted(TASKS) + sorted(VISUAL_TASKS) + ["all"],
+                   help="tasks (default all: the text tasks); vqa and ocr need a model with a vision tower")
     p.add_argument("--lengths", default="1K,4K", help="sequence lengths, e.g. 256,1K,4K,64K,1M (default 1K,4K)")
     p.add_argument("--n", type=int, default=16, help="examples per task and length (default 16)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--image-size", type=int, dest="image_size",
+                   help="vqa / ocr: image side in px (default: the tower's position grid x patch, 112 for the demo)")
     p.add_argument("--mode", choices=["auto", "generate", "score"], default="auto",
                    help="auto: generate single final answers, score in-sequence answers (MQAR) by one prefill")
     p.add_argument("--mqar-pairs", type=int, dest="mqar_pairs",

@@ -7,8 +7,8 @@
 
 Config: config.py; tower: tower.py (rope.py, attention.py); projector: projector.py; tower + projector:
 model.py; images and placeholders: processing.py; checkpoints: checkpoint.py; image-text training data (JSONL)
-and its packed rows: image_text.py, image_batches.py; a synthetic visual QA set and a tiny training run:
-synthetic_qa.py, train_vqa.py. See docs/vision.md.
+and its packed rows: image_text.py, image_batches.py; a synthetic visual QA set and a tiny vision-language model
+that learns it on a CPU (`k3 vision demo`): synthetic_qa.py, demo.py, cli.py. See docs/vision.md.
 """
 
 from k3.vision.checkpoint import load_vision, read_vision_config

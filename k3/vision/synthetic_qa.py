@@ -1,22 +1,28 @@
-"""A synthetic visual question-answering set, rendered locally (no download): shapes, colours, counts, positions.
+"""A synthetic visual question-answering set, rendered locally (no download): shapes, colours, counts, positions
+and short rendered text.
 
-    qa = SyntheticVQA(seed=0)
-    sample = qa.sample(rng)              # VQASample(image=PIL image, question="what colour ?", answer="red", kind=...)
+    qa = SyntheticVQA(size=112, seed=0)
+    samples = qa.samples(500, seed=1)    # balanced: kinds in turn, each kind's answers in turn
+    sample = qa.sample(rng, "shape")     # VQASample(image=PIL image, question="what shape ?", answer="circle", ...)
     qa.write_jsonl("data/vqa", 1000)     # {"text": "<image> what colour ? red", "images": ["000000.png"], ...}
 
 Question kinds, each answerable from the picture alone:
     colour    one shape; its colour (6 choices)
     shape     one shape; circle, square or triangle (3)
-    count     1-4 shapes of one colour; how many (4)
+    count     1-4 small shapes of one colour; how many (4)
     position  one shape in the left or right half, upper or lower half (4)
-`chance` gives the accuracy of uniform guessing and of always answering the most frequent answer per kind.
-Words map to token ids through `vocab` (one id per word; `<image>` is the media placeholder).
+    text      three letters rendered in the picture (an OCR-like task); the answer is the letters in reading
+              order, one word each ("K A T"): 10^3 possible answers
+`chance` gives the accuracy of uniform guessing among each kind's answers and of always answering the most
+frequent one. Words map to token ids through `vocab` (one id per word; `<image>` is the media placeholder);
+`tokenizer()` is the same map as a `tokenizers` word-level tokenizer that k3's loaders read.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,21 +30,32 @@ COLOURS = {"red": (220, 30, 30), "green": (30, 170, 40), "blue": (30, 60, 220), 
            "purple": (140, 40, 170), "orange": (240, 130, 20)}
 SHAPES = ("circle", "square", "triangle")
 POSITIONS = ("upper-left", "upper-right", "lower-left", "lower-right")
-KINDS = {"colour": tuple(COLOURS), "shape": SHAPES, "count": ("1", "2", "3", "4"), "position": POSITIONS}
-QUESTIONS = {"colour": "what colour ?", "shape": "what shape ?", "count": "how many ?", "position": "where ?"}
+LETTERS = tuple("ACEHKMPSTX")  # glyphs that differ clearly in the default font
+TEXT_LENGTH = 3
+KINDS = {"colour": tuple(COLOURS), "shape": SHAPES, "count": ("1", "2", "3", "4"), "position": POSITIONS,
+         "text": LETTERS}
+QUESTIONS = {"colour": "what colour ?", "shape": "what shape ?", "count": "how many ?", "position": "where ?",
+             "text": "what text ?"}
 SPECIAL = ("<pad>", "<bos>", "<image>", "<eos>")
+
+
+def answer_space(kind: str) -> int:
+    """How many different answers a kind has (text: every string of TEXT_LENGTH letters)."""
+    return len(LETTERS) ** TEXT_LENGTH if kind == "text" else len(KINDS[kind])
 
 
 @dataclass
 class VQASample:
     image: object  # PIL.Image.Image, RGB
     question: str
-    answer: str
+    answer: str  # words separated by spaces: one word, or the letters of a text answer
     kind: str
 
 
 class SyntheticVQA:
     def __init__(self, size: int = 112, seed: int = 0) -> None:
+        if size < 56:
+            raise ValueError(f"image size {size} is too small to draw the scenes; use at least 56 px")
         self.size, self.seed = size, seed
         words = list(SPECIAL)
         for kind, question in QUESTIONS.items():
@@ -67,25 +84,45 @@ class SyntheticVQA:
                 boxes.append(box)
         return boxes
 
-    def sample(self, rng: random.Random, kind: str | None = None) -> VQASample:
+    def _font(self):
+        from PIL import ImageFont
+
+        if not hasattr(self, "_font_cache"):
+            self._font_cache = ImageFont.load_default(size=max(10, self.size // 5))
+        return self._font_cache
+
+    def sample(self, rng: random.Random, kind: str | None = None, answer: str | None = None) -> VQASample:
+        """One picture and question of `kind` (random if None); `answer` fixes the answer (for text: its first
+        letter)."""
         from PIL import Image, ImageDraw
 
         kind = kind or rng.choice(list(KINDS))
+        if kind not in KINDS:
+            raise ValueError(f"unknown question kind {kind!r}; choose from {list(KINDS)}")
         background = tuple(rng.randrange(225, 256) for _ in range(3))
         image = Image.new("RGB", (self.size, self.size), background)
         draw = ImageDraw.Draw(image)
-        colour = rng.choice(list(COLOURS))
-        shape = rng.choice(SHAPES)
+        colour = answer if kind == "colour" and answer else rng.choice(list(COLOURS))
+        shape = answer if kind == "shape" and answer else rng.choice(SHAPES)
         half = self.size // 2
         if kind == "count":
-            count = rng.randrange(1, 5)
+            count = int(answer) if answer else rng.randrange(1, 5)
             for box in self._free_boxes(rng, count, self.size // 6):
                 self._draw(draw, rng.choice(SHAPES), box, COLOURS[colour])
             answer = str(count)
+        elif kind == "text":
+            letters = [answer or rng.choice(LETTERS)] + [rng.choice(LETTERS) for _ in range(TEXT_LENGTH - 1)]
+            font = self._font()
+            x0, y0, x1, y1 = draw.textbbox((0, 0), "".join(letters), font=font)
+            x = rng.randrange(2 - x0, max(3 - x0, self.size - x1 - 2))
+            y = rng.randrange(2 - y0, max(3 - y0, self.size - y1 - 2))
+            ink = tuple(rng.randrange(0, 90) for _ in range(3))
+            draw.text((x, y), "".join(letters), fill=ink, font=font)
+            answer = " ".join(letters)
         else:
             extent = rng.randrange(self.size // 4, half - 3)  # fits a quadrant, so one size serves every kind
             if kind == "position":
-                quadrant = rng.randrange(4)
+                quadrant = POSITIONS.index(answer) if answer else rng.randrange(4)
                 x0 = rng.randrange(2, half - extent - 1) + (half if quadrant % 2 else 0)
                 y0 = rng.randrange(2, half - extent - 1) + (half if quadrant >= 2 else 0)
                 answer = POSITIONS[quadrant]
@@ -95,41 +132,66 @@ class SyntheticVQA:
             self._draw(draw, shape, (x0, y0, x0 + extent, y0 + extent), COLOURS[colour])
         return VQASample(image, QUESTIONS[kind], answer, kind)
 
+    def stream(self, seed: int, kinds: tuple[str, ...] = tuple(KINDS)) -> Iterator[VQASample]:
+        """Endless balanced samples: the kinds in turn; within a kind its answers (text: first letters) in a
+        shuffled order that is redrawn after every full pass, so counts differ by at most one."""
+        rng = random.Random(seed)
+        pending: dict[str, list[str]] = {kind: [] for kind in kinds}
+        while True:
+            for kind in kinds:
+                if not pending[kind]:
+                    pending[kind] = list(KINDS[kind])
+                    rng.shuffle(pending[kind])
+                yield self.sample(rng, kind, pending[kind].pop())
+
+    def samples(self, count: int, seed: int, kinds: tuple[str, ...] = tuple(KINDS)) -> list[VQASample]:
+        stream = self.stream(seed, kinds)
+        return [next(stream) for _ in range(count)]
+
     # --- tokens -------------------------------------------------------------------------------
     def prompt_ids(self, sample: VQASample, image_tokens: int) -> list[int]:
-        """<bos> <image> x image_tokens, then the question's words; the answer is the next token."""
+        """<bos> <image> x image_tokens, then the question's words; the answer follows."""
         return ([self.vocab["<bos>"]] + [self.media_token_id] * image_tokens
                 + [self.vocab[w] for w in sample.question.split()])
 
-    def answer_id(self, sample: VQASample) -> int:
-        return self.vocab[sample.answer]
+    def answer_ids(self, sample: VQASample) -> list[int]:
+        """The answer's words, then <eos>."""
+        return [self.vocab[w] for w in sample.answer.split()] + [self.vocab["<eos>"]]
 
-    def answer_ids(self, kind: str) -> list[int]:
-        return [self.vocab[a] for a in KINDS[kind]]
+    def tokenizer(self):
+        """The vocabulary as a word-level `tokenizers` tokenizer (split on spaces), wrapped in k3's interface;
+        `save(directory)` writes tokenizer.json for k3.load_tokenizer / the HF loader."""
+        from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+        from k3.data.tokenizer import BPETokenizer
+
+        backend = Tokenizer(models.WordLevel(self.vocab, unk_token="<pad>"))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIAL])
+        return BPETokenizer(backend, eos_token="<eos>", bos_token="<bos>")
 
     @staticmethod
-    def chance(samples: list[VQASample]) -> dict[str, float]:
-        """Accuracy of uniform guessing among each kind's answers, and of the most frequent answer per kind."""
-        uniform = sum(1 / len(KINDS[s.kind]) for s in samples) / len(samples)
-        majority = 0
+    def chance(samples: list[VQASample]) -> dict[str, dict[str, float]]:
+        """Per kind: accuracy of uniform guessing among the kind's answers, and of always giving its most frequent
+        answer in `samples`."""
+        out: dict[str, dict[str, float]] = {}
         for kind in KINDS:
             answers = [s.answer for s in samples if s.kind == kind]
             if answers:
-                majority += max(answers.count(a) for a in set(answers))
-        return {"uniform": uniform, "majority": majority / len(samples)}
+                out[kind] = {"uniform": 1 / answer_space(kind),
+                             "majority": max(answers.count(a) for a in set(answers)) / len(answers)}
+        return out
 
     # --- files --------------------------------------------------------------------------------
     def write_jsonl(self, directory: str | Path, count: int, seed: int | None = None) -> Path:
-        """`count` samples as PNGs plus data.jsonl ({"text": "<image> question answer", "images": [png],
+        """`count` balanced samples as PNGs plus data.jsonl ({"text": "<image> question answer", "images": [png],
         "question", "answer", "kind"}); returns the JSONL path."""
         from k3.atomic import atomic_write_bytes
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        rng = random.Random(self.seed if seed is None else seed)
         lines = []
-        for i in range(count):
-            sample = self.sample(rng)
+        for i, sample in enumerate(self.samples(count, self.seed if seed is None else seed)):
             name = f"{i:06d}.png"
             sample.image.save(directory / name)
             lines.append(json.dumps({"text": f"<image> {sample.question} {sample.answer}", "images": [name],

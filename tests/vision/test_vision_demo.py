@@ -1,0 +1,51 @@
+"""`k3 vision demo` end to end at toy settings: it trains, reports every question kind before and after against
+chance, writes the curve and a model that `k3 eval --task vqa ocr` reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("PIL")
+
+from k3.cli import main  # noqa: E402
+from k3.vision.synthetic_qa import KINDS  # noqa: E402
+
+
+def test_demo_settings_refuse_what_cannot_run():
+    from k3.vision.demo import DemoSettings
+
+    with pytest.raises(ValueError, match="multiple of 28"):
+        DemoSettings(image_size=100)
+    with pytest.raises(ValueError, match="kinds"):
+        DemoSettings(kinds=("colour", "smell"))
+    with pytest.raises(ValueError, match="steps"):
+        DemoSettings(steps=0)
+
+
+@pytest.mark.slow
+def test_demo_contract_end_to_end(tmp_path, capsys):
+    out = tmp_path / "vqa"
+    assert main(["vision", "demo", "--out", str(out), "--steps", "20", "--batch-size", "10", "--eval-count", "25",
+                 "--eval-every", "10", "--vision-width", "32", "--vision-layers", "1", "--vision-heads", "2",
+                 "--vision-head-dim", "16", "--threads", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for key in ("before", "after", "chance", "majority"):
+        assert set(report[key]) == set(KINDS), key
+        assert all(0 <= v <= 1 for v in report[key].values())
+    assert report["chance"]["shape"] == pytest.approx(1 / 3) and report["chance"]["text"] == pytest.approx(1e-3)
+    assert [point["step"] for point in report["curve"]] == [0, 10, 20]
+    assert all(set(point) == {"step", *KINDS} for point in report["curve"])
+    assert report["cpu_seconds"] > 0 and report["train_images_per_second"] > 0
+    assert report["last_loss"] < report["first_loss"]
+    assert 0 <= report["text_letters"]["after"] <= 1
+    assert json.loads((out / "report.json").read_text())["after"] == report["after"]
+    assert (out / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+    rows_path = tmp_path / "rows.json"
+    assert main(["eval", "--run", str(out), "--task", "vqa", "ocr", "--n", "10", "--json", str(rows_path),
+                 "--quiet"]) == 0
+    rows = json.loads(rows_path.read_text())
+    assert {r["task"] for r in rows} == {"vqa", "ocr", *(f"vqa/{k}" for k in KINDS if k != "text")}
+    assert all(r["length"] == 84 and 0 <= r["accuracy"] <= 1 for r in rows)
