@@ -58,7 +58,9 @@ def _mqar_layout(args: argparse.Namespace, vocab_size: int):
 def _load_visual(args: argparse.Namespace):
     """(K3ForConditionalGeneration, tokenizer) for the visual tasks: a directory in the published multimodal
     layout (what `k3 vision demo` writes), or a run whose checkpoint holds a vision tower."""
-    from k3.infer.cli import has_vision, inference_dtype, load_for_inference
+    from k3.checkpoint.inference import load_for_inference
+    from k3.infer.cli import has_vision
+    from k3.runtime import inference_dtype
 
     directory = Path(args.model or args.run)
     if (args.run is None) == (args.model is None):

@@ -8,7 +8,8 @@ Items are generated held out from a fixed seed, balanced over the kinds and thei
 (when the tokenizer has one), the image's placeholders, then the question's text; the expected completion is
 the answer's text and `<eos>` (when the tokenizer has one), which is the format `k3 vision demo` trains on. The
 engine decodes greedily as many tokens as the expected completion has; an item counts when they are equal.
-Rows are those of the other tasks: {"task", "length", "accuracy", "n"}, with length = the image side in pixels.
+Rows are those of the other tasks: {"task", "length", "accuracy", "n"} (and "seconds", "peak_gib" in --json), with
+length = the image side in pixels.
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def test_vqa_rows_have_the_keys_of_the_text_tasks(tiny_vlm_dir, tmp_path, capsys
                  "--n", "8", "--json", str(rows_path), "--quiet"]) == 0
     rows = json.loads(rows_path.read_text())
     text_keys = [set(r) for r in rows if r["task"] == "needle_single"]
-    assert text_keys == [{"task", "length", "accuracy", "n"}]
+    assert text_keys == [{"task", "length", "accuracy", "n", "seconds", "peak_gib"}]
     assert all(set(r) == text_keys[0] and 0 <= r["accuracy"] <= 1 for r in rows)
     by_task = {r["task"]: r for r in rows}
     assert set(by_task) == {"needle_single", "vqa", "vqa/colour", "vqa/shape", "vqa/count", "vqa/position", "ocr"}
