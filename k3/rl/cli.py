@@ -32,7 +32,9 @@ def demo_options(args: argparse.Namespace) -> dict:
         flags = ", ".join("--" + name.replace("_", "-") for name in ignored)
         allowed = ", ".join("--" + name.replace("_", "-") for name in DEMO_OPTIONS)
         raise ValueError(f"k3 rl demo does not take {flags}; it takes --out, --json, {allowed}")
-    return {target: getattr(args, name) for name, target in DEMO_OPTIONS.items() if getattr(args, name, None)}
+    # None is a flag not given; 0 (e.g. --seed 0) is a value the user chose
+    return {target: getattr(args, name) for name, target in DEMO_OPTIONS.items()
+            if getattr(args, name, None) is not None}
 
 
 def rl_command(args: argparse.Namespace) -> int:

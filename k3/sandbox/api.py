@@ -401,7 +401,9 @@ class Sandbox:
         self._pending = [d for d in self._pending if not d.is_set()]
         self._pending.append(local.janitor.submit(old, old_dir))
         self.chain = chain
-        self._start(local.spares().take(1)[0])
+        # Ours from now on, before _start can fail: close() must end it, and leave ``old`` to the janitor.
+        self._supervisor = local.spares().take(1)[0]
+        self._start(self._supervisor)
 
     def restore(self, snapshot: str) -> None:
         """Return this sandbox to ``snapshot``: every process is killed, files are as they were."""

@@ -188,11 +188,15 @@ class CgroupV1(Cgroup):
     def set_limits(self, limits: Limits) -> None:
         memory = self.paths["memory"]
         if limits.memory_mb is not None:
-            limit = str(limits.memory_mb << 20)
-            _write(os.path.join(memory, "memory.limit_in_bytes"), limit)
+            limit = limits.memory_mb << 20
+            files = [os.path.join(memory, "memory.limit_in_bytes")]
             memsw = os.path.join(memory, "memory.memsw.limit_in_bytes")
             if os.path.exists(memsw):  # with swap accounting, swap must not become a way around
-                _write(memsw, limit)
+                # The kernel refuses (EINVAL) a memory limit above memsw's: raise memsw first, lower it last.
+                raising = limit > int(_read(files[0]))
+                files = [memsw, files[0]] if raising else [files[0], memsw]
+            for path in files:
+                _write(path, str(limit))
         if limits.pids is not None:
             _write(os.path.join(self.paths["pids"], "pids.max"), str(limits.pids))
         if limits.cpus is not None:

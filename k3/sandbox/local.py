@@ -150,6 +150,8 @@ class Supervisor:
         self.host_pid: int | None = None
         self._pidfd: int | None = None
         self.dead = False
+        self._wait_lock = threading.Lock()  # close and the janitor may both wait for one supervisor
+        self._reaped = False
         try:
             self._send(boot, time.monotonic() + HELLO_TIMEOUT_S)
         except (OSError, TimeoutError):
@@ -222,7 +224,13 @@ class Supervisor:
 
     def wait(self) -> None:
         """Wait until the whole namespace is gone (unshare exits only after PID 1 is reaped),
-        then remove the cgroup."""
+        then remove the cgroup. Safe to call again, and from several threads: later calls return once it is gone."""
+        with self._wait_lock:
+            if not self._reaped:
+                self._reap()
+                self._reaped = True
+
+    def _reap(self) -> None:
         self.process.wait()
         if self._pidfd is not None:
             # Readable once the process has exited. poll, not select: select() rejects descriptors >= 1024,

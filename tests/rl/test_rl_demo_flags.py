@@ -15,7 +15,12 @@ def test_demo_flags_reach_run_rl_demo_under_its_own_names():
                  "--lr", "2e-4", "--seed", "3", "--threads", "1", "--algo", "grpo")
     assert demo_options(args) == {"rl_steps": 40, "heldout": 400, "tasks_per_step": 32, "group": 4, "lr": 2e-4,
                                   "seed": 3, "threads": 1, "algo": "grpo"}
-    assert demo_options(parse()) == {}  # run_rl_demo's own defaults
+    assert demo_options(parse()) == {"threads": 0}  # run_rl_demo's own defaults (--threads defaults to its 0)
+
+
+def test_a_flag_set_to_zero_is_passed_not_dropped():
+    args = parse("--seed", "0", "--steps", "0", "--heldout-tasks", "0", "--lr", "0", "--threads", "0")
+    assert demo_options(args) == {"seed": 0, "rl_steps": 0, "heldout": 0, "lr": 0.0, "threads": 0}
 
 
 @pytest.mark.parametrize("argv, flag", [(["--temperature", "0.7"], "--temperature"),

@@ -156,6 +156,35 @@ def test_close_is_idempotent_and_final(sandbox_home):
         sandbox.exec("true")
 
 
+def test_close_after_a_failed_restore_raises_nothing_and_leaves_no_cgroup(sandbox_home, monkeypatch):
+    sandbox = Sandbox(limits=Limits(memory_mb=300))  # not the spares' limits: restore writes them
+    snapshot = sandbox.snapshot()
+    cgroup_class = type(sandbox.cgroup)
+    failed = []
+
+    def refuse(group, limits):
+        failed.append(group)
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(cgroup_class, "set_limits", refuse)
+    with pytest.raises(OSError, match="Invalid argument"):
+        sandbox.restore(snapshot)
+    monkeypatch.undo()
+    sandbox.close()  # must not raise on top of the restore's error
+    [group] = failed  # the new generation's supervisor: killed, its cgroup removed, not leaked
+    paths = group.paths.values() if group.version == "v1" else [group.path]
+    assert not any(os.path.exists(path) for path in paths)
+
+
+def test_a_supervisor_can_be_waited_for_twice(sandbox_home):
+    from k3.sandbox import local
+
+    [supervisor] = local.spares().take(1)
+    supervisor.kill()
+    supervisor.wait()
+    supervisor.wait()  # a second waiter (close beside the janitor) finds it gone and returns
+
+
 def test_image_from_a_directory(sandbox_home, tmp_path):
     from k3.sandbox import default_image
 

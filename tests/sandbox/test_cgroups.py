@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from k3.sandbox import Limits, Sandbox
-from k3.sandbox.cgroups import CgroupV2, cgroup2_mount
+from k3.sandbox.cgroups import CgroupV1, CgroupV2, cgroup2_mount, detect
 
 
 def test_cgroup_v2_freeze_kill_and_remove(sandbox_home):
@@ -47,3 +47,19 @@ def test_limits_reach_the_kernel(sandbox_home):
             read = lambda name: open(os.path.join(group.path, name)).read().strip()  # noqa: E731
             assert read("memory.max") == str(100 << 20)
             assert read("pids.max") == "50"
+
+
+def test_v1_memory_limit_can_be_raised_and_lowered_with_swap_accounting(sandbox_home):
+    if detect() != "v1":
+        pytest.skip("a cgroup v1 hierarchy only")
+    group = CgroupV1(f"test-{os.getpid()}-memsw")
+    read = lambda name: int(open(os.path.join(group.paths["memory"], name)).read())  # noqa: E731
+    memsw = os.path.exists(os.path.join(group.paths["memory"], "memory.memsw.limit_in_bytes"))
+    try:
+        for mb in (512, 1536, 256):  # a spare's default, then a larger sandbox's (EINVAL before), then smaller
+            group.set_limits(Limits(memory_mb=mb))
+            assert read("memory.limit_in_bytes") == mb << 20
+            if memsw:
+                assert read("memory.memsw.limit_in_bytes") == mb << 20
+    finally:
+        group.remove()
