@@ -146,6 +146,15 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
     ``heldout``) scored with ``group`` samples each for sampled pass@1 and pass@k; refill_rounds: dynamic
     sampling's refill rounds a step (each episode costs a sandbox and a rollout: one round keeps most steps
     full without doubling the late ones, whose groups mostly all pass)."""
+    for name, value, least in (("demos", demos, 1), ("sft_steps", sft_steps, 1), ("rl_steps", rl_steps, 0),
+                               ("heldout", heldout, 1), ("group", group, 2), ("tasks_per_step", tasks_per_step, 1),
+                               ("train_probe", train_probe, 1), ("heldout_sampled", heldout_sampled, 0),
+                               ("refill_rounds", refill_rounds, 0), ("threads", threads, 0)):
+        if value < least:  # checked before anything is written: a bad flag costs nothing
+            raise ValueError(f"k3 rl demo: {name} must be >= {least}, got {value}")
+    if not (lr > 0 and sft_lr > 0 and 0 <= stray_share <= 1):
+        raise ValueError(f"k3 rl demo: lr and sft_lr must be > 0 and stray_share in [0, 1]; got lr {lr}, "
+                         f"sft_lr {sft_lr}, stray_share {stray_share}")
     started, cpu_started = time.perf_counter(), cpu_seconds()
     clock = PhaseClock()
     log = log or (lambda message: print(message, flush=True))

@@ -29,3 +29,21 @@ def test_a_flag_set_to_zero_is_passed_not_dropped():
 def test_a_flag_the_demo_cannot_honour_is_refused_by_name(argv, flag):
     with pytest.raises(ValueError, match=f"does not take {flag}"):
         demo_options(parse(*argv))
+
+
+@pytest.mark.parametrize("options, name", [({"group": 1}, "group"), ({"heldout": 0}, "heldout"),
+                                           ({"rl_steps": -1}, "rl_steps"), ({"demos": 0}, "demos")])
+def test_an_out_of_range_value_is_refused_before_anything_is_written(tmp_path, options, name):
+    from k3.rl.demo import run_rl_demo
+
+    out = tmp_path / "demo"
+    with pytest.raises(ValueError, match=f"{name} must be >= "):
+        run_rl_demo(out=str(out), **options)
+    assert not out.exists()
+
+
+def test_a_zero_learning_rate_is_refused(tmp_path):
+    from k3.rl.demo import run_rl_demo
+
+    with pytest.raises(ValueError, match="lr and sft_lr must be > 0"):
+        run_rl_demo(out=str(tmp_path / "demo"), lr=0.0)
