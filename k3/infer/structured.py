@@ -1,11 +1,16 @@
 """Grammar-constrained decoding (structured output) with llguidance: response_format json_object /
 json_schema, and forced tool calls (tool_choice "required" or a named function) in the chat format's syntax.
 
-A `Grammar` (a Lark grammar for llguidance, compiled once per request) travels in SamplingParams.grammar; each
-sequence that samples under it gets its own matcher (`Grammar.matcher()`), which the engine asks for the
+A `Grammar` (a Lark grammar for llguidance) travels in SamplingParams.grammar; each sequence that samples under
+it gets its own matcher (`Grammar.matcher()`, a copy of a matcher at the grammar's start), which the engine asks for the
 allowed tokens before every sample and tells the sampled token after. The engine unpacks the matchers'
 bitmasks on the device and masks those rows only, so constrained and free requests share a batch. A matcher
 that has reached the grammar's end stops its sequence (finish_reason "stop").
+
+Compiling a grammar against the vocabulary is the costly part, and agents send the same tools and schemas
+request after request, so each GrammarTokenizer keeps the compiled start matchers of recent grammars in a small
+LRU (`CompiledGrammars`) keyed by the exact Lark text, bounded in entries and characters so that requests with
+ever new schemas cannot grow it without limit.
 
 JSON is generated without free whitespace (llguidance's whitespace_flexible off), so a model cannot spend its
 tokens on blanks, and an object schema that lists properties without saying otherwise takes no others
@@ -15,6 +20,8 @@ tokens on blanks, and an object schema that lists properties without saying othe
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +32,8 @@ from k3.chat.reply import (K3_CALL_CLOSE, K3_CALL_OPEN, KIMI_CALL_ARGS, KIMI_CAL
 
 MAX_SCHEMA_CHARS = 100_000
 MAX_FORCED_CALLS = 8  # calls in one forced reply: a model cannot loop on calls until max_tokens
+CACHED_GRAMMARS = 64  # compiled grammars kept per served tokenizer
+CACHED_GRAMMAR_CHARS = 2_000_000  # their Lark text in all; a larger grammar is compiled for its request alone
 
 
 def available() -> bool:
@@ -64,26 +73,68 @@ class GrammarTokenizer:
             raise ValueError(f"structured output does not know how to read a {type(tokenizer).__name__}'s "
                              f"vocabulary (it reads `tokenizers` and tiktoken tokenizers)")
         self.special = set(getattr(tokenizer, "special_tokens", {}) or {})
+        self.compiled = CompiledGrammars()
 
     def literal(self, text: str) -> str:
         """A Lark literal for marker text: the special token itself where the tokenizer has one, else the text."""
         return text if text in self.special else json.dumps(text)
 
 
+class CompiledGrammars:
+    """A bounded LRU of compiled grammars for one tokenizer: Lark text -> a matcher at the grammar's start, never
+    advanced itself (sequences get deep copies). Thread-safe: requests are planned on worker threads."""
+
+    def __init__(self, max_entries: int = CACHED_GRAMMARS, max_chars: int = CACHED_GRAMMAR_CHARS) -> None:
+        self.max_entries, self.max_chars = max_entries, max_chars
+        self._entries: OrderedDict[str, Any] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.builds = 0  # grammars compiled so far (misses), for tests and logs
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def chars(self) -> int:
+        return self._chars
+
+    def start(self, tokenizer: "GrammarTokenizer", lark: str, description: str):
+        """The start matcher of `lark`, compiled now or taken from the cache."""
+        with self._lock:
+            if lark in self._entries:
+                self._entries.move_to_end(lark)
+                return self._entries[lark]
+        start = _compile(tokenizer, lark, description)  # outside the lock: a large grammar takes a while
+        with self._lock:
+            self.builds += 1
+            if len(lark) <= self.max_chars and lark not in self._entries:
+                self._entries[lark] = start
+                self._chars += len(lark)
+                while len(self._entries) > self.max_entries or self._chars > self.max_chars:
+                    old, _ = self._entries.popitem(last=False)
+                    self._chars -= len(old)
+        return start
+
+
+def _compile(tokenizer: "GrammarTokenizer", lark: str, description: str):
+    llg = _llguidance()
+    start = llg.LLMatcher(tokenizer.ll, llg.grammar_from("lark", lark), log_level=0)
+    if start.is_error():
+        raise ValueError(f"the {description} cannot be used: {start.get_error()}")
+    return start
+
+
 @dataclass
 class Grammar:
-    """A compiled grammar for one request; matcher() gives each sequence its own state."""
+    """A compiled grammar for one request (shared through the tokenizer's cache); matcher() gives each sequence
+    its own state."""
 
     tokenizer: GrammarTokenizer
     lark: str
     description: str
 
     def __post_init__(self) -> None:
-        llg = _llguidance()
-        self._grammar = llg.grammar_from("lark", self.lark)
-        probe = llg.LLMatcher(self.tokenizer.ll, self._grammar, log_level=0)
-        if probe.is_error():
-            raise ValueError(f"the {self.description} cannot be used: {probe.get_error()}")
+        self._start = self.tokenizer.compiled.start(self.tokenizer, self.lark, self.description)
 
     def matcher(self) -> "Matcher":
         return Matcher(self)
@@ -93,11 +144,8 @@ class Matcher:
     """One sequence's position in its grammar."""
 
     def __init__(self, grammar: Grammar) -> None:
-        llg = _llguidance()
         self.grammar = grammar
-        self.state = llg.LLMatcher(grammar.tokenizer.ll, grammar._grammar, log_level=0)
-        if self.state.is_error():
-            raise ValueError(f"the {grammar.description} cannot be used: {self.state.get_error()}")
+        self.state = grammar._start.deep_copy()  # the start matcher is shared, so each sequence copies it
 
     @property
     def stopped(self) -> bool:

@@ -88,3 +88,64 @@ def test_a_forced_reply_holds_at_most_max_calls(engine):
     for out in outputs:
         parsed = parse_reply(out.text, "k3", tool_names={"f"})
         assert out.finish_reason == "stop" and len(parsed.calls) == 3 and parsed.content == ""
+
+
+def test_the_same_schema_or_tools_reuse_the_compiled_grammar_and_still_validate(engine):
+    """Agents send the same tools and schemas request after request: the second request compiles nothing, and
+    sequences sampling from the shared compiled grammar each keep their own state (every reply validates)."""
+    from k3.chat.reply import parse_reply
+    from k3.infer.sampling import SamplingParams
+    from k3.infer.structured import GrammarTokenizer, json_grammar, tool_call_grammar
+
+    grammars = GrammarTokenizer(engine.tokenizer, engine.config.vocab_size)
+    tool = {"type": "function", "function": {"name": "f", "parameters": SCHEMA}}
+    first = json_grammar(grammars, SCHEMA)
+    forced = tool_call_grammar(grammars, "k3", [tool], parallel=False)
+    assert grammars.compiled.builds == 2
+    second = json_grammar(grammars, json.loads(json.dumps(SCHEMA)))  # an equal schema from another request
+    again = tool_call_grammar(grammars, "k3", [json.loads(json.dumps(tool))], parallel=False)
+    assert grammars.compiled.builds == 2 and second._start is first._start and again._start is forced._start
+    prompt = engine.tokenizer.encode("hello")
+    outs = engine.complete([prompt, prompt, prompt], [
+        SamplingParams(max_new_tokens=60, temperature=1.0, seed=1, grammar=first, n=2),
+        SamplingParams(max_new_tokens=60, temperature=1.0, seed=2, grammar=second, n=2),
+        SamplingParams(max_new_tokens=120, temperature=1.0, seed=3, grammar=again)])
+    for out in [o for request in outs[:2] for o in request.outputs]:
+        value = json.loads(out.text)
+        assert set(value) == {"n", "b"} and 0 <= value["n"] <= 99 and out.finish_reason == "stop"
+    [call] = parse_reply(outs[2].outputs[0].text, "k3", tool_names={"f"}).calls
+    assert set(json.loads(call.arguments)) == {"n", "b"}
+
+
+def test_distinct_schemas_do_not_share_a_compiled_grammar(engine):
+    from k3.infer.sampling import SamplingParams
+    from k3.infer.structured import GrammarTokenizer, json_grammar
+
+    grammars = GrammarTokenizer(engine.tokenizer, engine.config.vocab_size)
+    other = {"type": "object", "properties": {"z": {"type": "boolean"}}, "required": ["z"]}
+    a, b = json_grammar(grammars, SCHEMA), json_grammar(grammars, other)
+    assert grammars.compiled.builds == 2 and a._start is not b._start and len(grammars.compiled) == 2
+    out = engine.complete([engine.tokenizer.encode("hello")],
+                          SamplingParams(max_new_tokens=30, temperature=1.0, seed=0, grammar=b))[0].outputs[0]
+    assert json.loads(out.text) in ({"z": True}, {"z": False})
+
+
+def test_many_distinct_schemas_cannot_grow_the_cache_without_bound(engine):
+    """Hostile requests with ever new schemas: the cache keeps its newest entries within its entry and character
+    bounds, and a grammar larger than the character bound is compiled for its request but not kept."""
+    from k3.infer.structured import CompiledGrammars, GrammarTokenizer, json_grammar
+
+    grammars = GrammarTokenizer(engine.tokenizer, engine.config.vocab_size)
+    grammars.compiled = CompiledGrammars(max_entries=4, max_chars=2_000)
+    schemas = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}, "required": [f"k{i}"]}
+               for i in range(10)]
+    for schema in schemas:
+        json_grammar(grammars, schema)
+    assert grammars.compiled.builds == 10 and len(grammars.compiled) == 4 and grammars.compiled.chars <= 2_000
+    json_grammar(grammars, schemas[-1])  # the newest is kept
+    json_grammar(grammars, schemas[0])  # the oldest was dropped
+    assert grammars.compiled.builds == 11
+    big = {"type": "object", "properties": {"k": {"type": "string", "description": "x" * 3_000}}}
+    json_grammar(grammars, big)
+    json_grammar(grammars, big)
+    assert grammars.compiled.builds == 13 and len(grammars.compiled) == 4 and grammars.compiled.chars <= 2_000
