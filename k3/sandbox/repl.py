@@ -111,6 +111,13 @@ class ReplResult:
         return "".join(parts)
 
 
+def require_ok(name: str, reply: dict | None, failure: str) -> dict:
+    """A REPL's reply to dump / load (either backend), or SandboxError saying what failed."""
+    if not reply or not reply.get("ok"):
+        raise SandboxError(f"REPL {name!r} {failure}: {(reply or {}).get('error', 'it died')}")
+    return reply
+
+
 class Repl:
     """One named Python REPL in one sandbox (get it with ``Sandbox.repl(name)``)."""
 
@@ -179,17 +186,13 @@ class Repl:
         """Pickle the namespace to ``path`` inside the sandbox: {"names", "skipped", "bytes"}."""
         self._ensure()
         reply = self._message({"op": "dump", "path": path}, timeout, 1 << 16)["reply"]
-        if not reply or not reply.get("ok"):
-            raise SandboxError(f"REPL {self.name!r} could not save its state: {(reply or {}).get('error', 'it died')}")
-        return reply
+        return require_ok(self.name, reply, "could not save its state")
 
     def load(self, path: str, timeout: float | None = 120.0) -> list[str]:
         """Load a namespace saved by ``dump`` into this REPL; return the names restored."""
         self._ensure()
         reply = self._message({"op": "load", "path": path}, timeout, 1 << 16)["reply"]
-        if not reply or not reply.get("ok"):
-            raise SandboxError(f"REPL {self.name!r} could not load {path}: {(reply or {}).get('error', 'it died')}")
-        return reply["names"]
+        return require_ok(self.name, reply, f"could not load {path}")["names"]
 
     def reset(self) -> None:
         """Throw the variables away: the next call runs in a fresh interpreter."""

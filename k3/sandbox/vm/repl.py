@@ -13,7 +13,7 @@ from __future__ import annotations
 import base64
 
 from k3.sandbox.local import SandboxError
-from k3.sandbox.repl import DEFAULT_MAX_OUTPUT, ReplResult, server_source
+from k3.sandbox.repl import DEFAULT_MAX_OUTPUT, ReplResult, require_ok, server_source
 
 # On top of a cell's own timeout: the agent interrupts it at the timeout and kills it 2 s later.
 REPL_GRACE_S = 2.0
@@ -70,16 +70,12 @@ class VmRepl:
     def dump(self, path: str, timeout: float | None = 120.0) -> dict:
         """Pickle the namespace to ``path`` in the guest (as ``Repl.dump``; a VM snapshot needs no dump)."""
         reply = self._message({"op": "dump", "path": path}, timeout, 1 << 16).get("reply")
-        if not reply or not reply.get("ok"):
-            raise SandboxError(f"REPL {self.name!r} could not save its state: {(reply or {}).get('error', 'it died')}")
-        return reply
+        return require_ok(self.name, reply, "could not save its state")
 
     def load(self, path: str, timeout: float | None = 120.0) -> list[str]:
         """Load a namespace saved by ``dump``; return the names restored."""
         reply = self._message({"op": "load", "path": path}, timeout, 1 << 16).get("reply")
-        if not reply or not reply.get("ok"):
-            raise SandboxError(f"REPL {self.name!r} could not load {path}: {(reply or {}).get('error', 'it died')}")
-        return reply["names"]
+        return require_ok(self.name, reply, f"could not load {path}")["names"]
 
     def reset(self) -> None:
         """Throw the variables away: the next call runs in a fresh interpreter."""

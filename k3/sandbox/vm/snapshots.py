@@ -134,20 +134,9 @@ def export(store: SnapshotDir, snapshot: str) -> dict:
     path = store.path(snapshot)
     with open(os.path.join(path, "state"), "rb") as f:
         state = f.read()
-    runs = []
     with open(os.path.join(path, "memory"), "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        offset = 0
-        while offset < size:
-            try:
-                start = os.lseek(f.fileno(), offset, os.SEEK_DATA)
-            except OSError as error:
-                if error.errno == errno.ENXIO:
-                    break
-                raise
-            end = os.lseek(f.fileno(), start, os.SEEK_HOLE)
-            runs.append((start, os.pread(f.fileno(), end - start, start)))
-            offset = end
+        runs = [(start, os.pread(f.fileno(), end - start, start)) for start, end in data_runs(f.fileno(), size)]
     return {"backend": "vm", "id": snapshot, "meta": store.meta(snapshot), "state": state, "memory_size": size,
             "memory": runs}
 
@@ -215,19 +204,25 @@ def copy_sparse(source: str, target: str) -> int:
     copied = 0
     with open(source, "rb") as src, open(target, "wb") as dst:
         size = os.fstat(src.fileno()).st_size
-        offset = 0
-        while offset < size:
-            try:
-                start = os.lseek(src.fileno(), offset, os.SEEK_DATA)
-            except OSError as error:
-                if error.errno == errno.ENXIO:
-                    break  # only a hole is left
-                raise
-            end = os.lseek(src.fileno(), start, os.SEEK_HOLE)
+        for start, end in data_runs(src.fileno(), size):
             copied += _copy_range(src.fileno(), dst.fileno(), start, end - start)
-            offset = end
         os.ftruncate(dst.fileno(), size)
     return copied
+
+
+def data_runs(fd: int, size: int):
+    """The (start, end) byte ranges of a sparse file that hold data, in order (holes skipped)."""
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as error:
+            if error.errno == errno.ENXIO:
+                return  # only a hole is left
+            raise
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        yield start, end
+        offset = end
 
 
 def _copy_range(src: int, dst: int, start: int, length: int) -> int:
