@@ -216,6 +216,8 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
     """Train, evaluate before and after, and (with `out`) write report.json, curve.png and the model."""
     from tqdm import tqdm
 
+    if out is not None:
+        check_out(Path(out))  # before the minutes of training, not after them
     if settings.threads:
         torch.set_num_threads(settings.threads)
     device = torch.device(settings.device)
@@ -302,6 +304,16 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
     if out is not None:
         write_outputs(model, qa, report, Path(out))
     return report
+
+
+def check_out(out: Path) -> None:
+    """The demo writes into a new or empty folder, or over its own earlier outputs, never into another's files."""
+    if not out.exists():
+        return
+    own = all((out / name).is_file() for name in ("report.json", "curve.png"))
+    if out.is_dir() and (own or not any(out.iterdir())):
+        return
+    raise ValueError(f"{out} exists and does not hold an earlier `k3 vision demo`'s outputs; choose another --out")
 
 
 def write_outputs(model: K3ForConditionalGeneration, qa: SyntheticVQA, report: dict, out: Path) -> None:

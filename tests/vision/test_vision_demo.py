@@ -24,6 +24,17 @@ def test_demo_settings_refuse_what_cannot_run():
         DemoSettings(steps=0)
 
 
+def test_demo_refuses_a_folder_it_did_not_write_before_training(tmp_path):
+    from k3.vision.demo import DemoSettings, run_demo
+
+    foreign = tmp_path / "model"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes(b"someone else's weights")
+    with pytest.raises(ValueError, match="does not hold an earlier"):
+        run_demo(DemoSettings(), out=foreign, progress=False)
+    assert (foreign / "model.safetensors").read_bytes() == b"someone else's weights"
+
+
 @pytest.mark.slow
 def test_demo_contract_end_to_end(tmp_path, capsys):
     out = tmp_path / "vqa"
