@@ -71,11 +71,13 @@ MODEL = dict(vocab_size=512, hidden_size=1024, num_layers=8, full_attn_layers=[4
 ARMS = {"base": dict(algo="gspo", routing_replay=True, tis_cap=2.0),
         "no_replay": dict(algo="gspo", routing_replay=False, tis_cap=2.0),
         "no_tis": dict(algo="gspo", routing_replay=True, tis_cap=None),
-        "grpo": dict(algo="grpo", routing_replay=True, tis_cap=2.0)}
+        "grpo": dict(algo="grpo", routing_replay=True, tis_cap=2.0),
+        "grpo_no_replay": dict(algo="grpo", routing_replay=False, tis_cap=2.0)}
 # Keys of a step record kept in the summaries (the rest stays in metrics/*.jsonl).
 STEP_KEYS = ("step", "reward_mean", "pass_rate", "groups_kept", "groups", "refill_rounds", "episodes",
              "generated_tokens", "generation_s", "tool_s", "sandbox_setup_s", "verify_s", "train_s", "sync_s",
-             "step_s", "rollout_tokens_per_s", "logprob_gap", "clip_fraction", "entropy", "grad_norm",
+             "step_s", "rollout_tokens_per_s", "logprob_gap", "clip_fraction", "first_minibatch_clip_fraction",
+             "first_minibatch_ratio_max_dev", "entropy", "grad_norm",
              "rollout_routed_share", "turns", "tool_calls", "skipped_update")
 
 
@@ -385,7 +387,9 @@ def phase_ablation(run: Run, args, work: Path, model, tokenizer, sft_state: dict
                                                         if "heldout_pass_rate" in record else {}))
             write_jsonl(run.out / "metrics" / f"arm_{arm}.jsonl", records)
             run.say(f"arm {arm} step {trainer.step}: reward {record['reward_mean']:.3f}, logprob gap "
-                    f"{record.get('logprob_gap', math.nan):.4f}, clip fraction {record.get('clip_fraction', math.nan):.4f}"
+                    f"{record.get('logprob_gap', math.nan):.4f}, clip fraction {record.get('clip_fraction', math.nan):.4f} "
+                    f"(first mini-batch {record.get('first_minibatch_clip_fraction', math.nan):.4f}, ratio - 1 up to "
+                    f"{record.get('first_minibatch_ratio_max_dev', math.nan):.2e})"
                     + (f", held-out greedy {record['heldout_pass_rate']:.3f}" if "heldout_pass_rate" in record else ""))
         gaps = [r["logprob_gap"] for r in records if isinstance(r.get("logprob_gap"), float)]
         result.update(seconds=time.perf_counter() - ta, final_heldout=curve[-1][1],

@@ -244,6 +244,7 @@ class PolicyUpdater:
                                             dtype=torch.float64, device=self.device).reshape(-1, 2)).cpu()
         # 2. one optimizer step per mini-batch.
         losses, clips, kls, norms = [], [], [], []
+        first_clips, first_dev = [], 0.0  # the first mini-batch is on-policy: ratio 1, nothing clipped
         token_level = self.config.algorithm in ("dapo", "cispo")
         for index, mb in enumerate(minibatches):
             mb_sequences, mb_tokens = sizes[index].tolist()
@@ -279,6 +280,10 @@ class PolicyUpdater:
                 (loss * share).backward()
                 losses.append(float(out.loss.detach()) * share)
                 clips.append(out.clip_fraction)
+                if index == 0:
+                    first_clips.append(out.clip_fraction)
+                    dev = ((logp_BT.detach() - old_BT).exp() - 1).abs() * mask_BT
+                    first_dev = max(first_dev, float(dev.max()) if dev.numel() else 0.0)
             if data_parallel:
                 self._all_reduce_grads()
             norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip)))
@@ -306,6 +311,8 @@ class PolicyUpdater:
         metrics.update(loss=loss_sum / len(minibatches), clip_fraction=clip_sum / max(clip_count, 1),
                        grad_norm=sum(norms) / len(norms), trained_tokens=total_tokens,
                        kl_ref=kl_sum / kl_count if kl_count else 0.0,
-                       rollout_routed_share=routed / max(all_tokens, 1))
+                       rollout_routed_share=routed / max(all_tokens, 1),
+                       first_minibatch_clip_fraction=sum(first_clips) / max(len(first_clips), 1),
+                       first_minibatch_ratio_max_dev=first_dev)
         return metrics
 

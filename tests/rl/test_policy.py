@@ -195,3 +195,20 @@ def test_one_minibatch_takes_old_logprobs_from_the_training_forward_itself(tiny_
     metrics = updater.update(sequences)
     assert seen and all(torch.equal(new, old) for new, old in seen)
     assert metrics["clip_fraction"] == 0.0
+
+
+def test_with_two_minibatches_the_first_is_on_policy_ratio_one_nothing_clipped(tiny_model, tokenizer):
+    """With several mini-batches the old logprobs come from a no-grad pass; on the CPU both passes take the same
+    kernels, so the first mini-batch's ratio is exactly 1 and GSPO clips nothing there (reported per step)."""
+    ids, mask = render_ids(MESSAGES, tokenizer)
+    short, short_mask = render_ids(MESSAGES[:2], tokenizer)
+    sequences = [Sequence(ids, mask, [float("nan")] * len(ids), advantage=1.0),
+                 Sequence(short, short_mask, [float("nan")] * len(short), advantage=-1.0),
+                 Sequence(ids, mask, [float("nan")] * len(ids), advantage=-1.0),
+                 Sequence(short, short_mask, [float("nan")] * len(short), advantage=1.0)]
+    updater = PolicyUpdater(tiny_model, PolicyConfig(algorithm="gspo", lr=1e-2, minibatches=2),
+                            loss_config_for("gspo"))
+    metrics = updater.update(sequences)
+    assert metrics["first_minibatch_ratio_max_dev"] == 0.0
+    assert metrics["first_minibatch_clip_fraction"] == 0.0
+    assert metrics["clip_fraction"] > 0.0  # the second mini-batch, after a large step, is off-policy and clips
