@@ -227,7 +227,9 @@ class PolicyUpdater:
         old_logp, entropy, routes, ref_logp = {}, {}, {}, {}
         self.rollout_routed = 0
         if not one_pass:  # 1. the old-policy pass: logprobs, entropy, recorded routes, reference logprobs
-            with torch.no_grad():
+            # In grad mode like the training pass (its graph dropped at once): on CUDA some kernels are chosen by
+            # grad mode, and the first mini-batch's ratio must be exactly 1.
+            with torch.enable_grad():
                 for mb in minibatches:
                     for micro in micro_batches([len(sequences[i].ids) for i in mb], config.micro_tokens):
                         members = [mb[i] for i in micro]
@@ -236,8 +238,8 @@ class PolicyUpdater:
                             logps, ents = self._logprobs(self.model, members, sequences, filler, with_entropy=True)
                         routes[tuple(members)] = recorded
                         self._reference_logprobs(members, sequences, filler, ref_logp)
-                        old_logp.update(zip(members, logps))
-                        entropy.update(zip(members, ents))
+                        old_logp.update(zip(members, (logp.detach() for logp in logps)))
+                        entropy.update(zip(members, (ent.detach() for ent in ents)))
         masks = {i: torch.tensor(s.mask, dtype=torch.float32, device=self.device) for i, s in enumerate(sequences)}
         # The global size of each mini-batch (sequences, trainable tokens): the loss shares' denominators.
         sizes = all_reduce_sum(torch.tensor([[len(mb), sum(float(masks[i].sum()) for i in mb)] for mb in minibatches],

@@ -198,8 +198,11 @@ def test_one_minibatch_takes_old_logprobs_from_the_training_forward_itself(tiny_
 
 
 def test_with_two_minibatches_the_first_is_on_policy_ratio_one_nothing_clipped(tiny_model, tokenizer):
-    """With several mini-batches the old logprobs come from a no-grad pass; on the CPU both passes take the same
-    kernels, so the first mini-batch's ratio is exactly 1 and GSPO clips nothing there (reported per step)."""
+    """With several mini-batches the old logprobs come from a pass of their own, in grad mode like the training
+    pass (on CUDA kernels are chosen by grad mode): here the model is made to differ without grad, and the first
+    mini-batch's ratio is still exactly 1, GSPO clips nothing there (both reported per step)."""
+    tiny_model.lm_head.register_forward_hook(
+        lambda module, args, out: out if torch.is_grad_enabled() else out + 1e-3 * torch.linspace(0, 1, out.shape[-1]))
     ids, mask = render_ids(MESSAGES, tokenizer)
     short, short_mask = render_ids(MESSAGES[:2], tokenizer)
     sequences = [Sequence(ids, mask, [float("nan")] * len(ids), advantage=1.0),
