@@ -61,6 +61,7 @@ class MasterWeightAdamW:
         self.master_grads: list[torch.Tensor] | None = None  # take_grads' fp32 buffers, made at its first call
         self.grad_scale: torch.Tensor | None = None  # clip_grad_norm_'s coefficient for the next fused step
         self.taken = False  # take_grads ran since the last step
+        self.fused_stepped = 0  # tensors the last fused step sent through the kernel (the rest: its twin)
         self._tables: dict[int, MultiTensorTables] = {}  # per param group, kept between fused steps
         self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
         self._param_of = {id(m): p for p, m in zip(self.params, self.masters)}
@@ -121,6 +122,7 @@ class MasterWeightAdamW:
         self.taken, self.grad_scale = False, None
 
     def _fused_step(self) -> None:
+        self.fused_stepped = 0
         for index, group in enumerate(self.inner.param_groups):
             _check_fused_group(group)
             lists = ([], [], [], [], [], [])  # params, grads, masters, exp_avgs, exp_avg_sqs, steps
@@ -139,8 +141,9 @@ class MasterWeightAdamW:
             torch._foreach_add_(lists[5], 1)
             beta1, beta2 = group["betas"]
             tables = self._tables.setdefault(index, MultiTensorTables())
-            master_adamw_step(*lists, group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                              maximize=group["maximize"], grad_scale=self.grad_scale, tables=tables)
+            self.fused_stepped += master_adamw_step(*lists, group["lr"], beta1, beta2, group["eps"],
+                                                    group["weight_decay"], maximize=group["maximize"],
+                                                    grad_scale=self.grad_scale, tables=tables)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
