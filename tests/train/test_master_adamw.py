@@ -235,7 +235,8 @@ def test_the_compiled_kernel_equals_its_twin_at_a_million_elements(monkeypatch):
         masters = [torch.randn(s, device="cuda", generator=g) * 0.02 for s in shapes]
         return ([m.to(torch.bfloat16) for m in masters],
                 [(torch.randn(s, device="cuda", generator=g) * 1e-3).to(torch.bfloat16) for s in shapes],
-                masters, [torch.zeros(s, device="cuda") for s in shapes], [torch.zeros(s, device="cuda") for s in shapes],
+                masters, [torch.zeros(s, device="cuda") for s in shapes],
+                [torch.zeros(s, device="cuda") for s in shapes],
                 [torch.zeros((), device="cuda") for _ in shapes])
 
     kernel, twin = tensors(0), tensors(0)
