@@ -5,14 +5,15 @@ parameter, for a whole list of tensors in one Triton launch (k3.ops.master_adamw
 Why: the master-weight step it replaces (k3.train.master_weights with K3_MASTER_ADAMW=torch) copies every bf16
 gradient into an fp32 one (6 bytes a parameter), clips in fp32 (read 4, read and write 8), runs AdamW over the
 masters (28), then copies the masters into the parameters (6): 52 bytes a parameter, 90 GB a step for `small`'s
-1.73B. This step reads the bf16 gradient twice (the clip's norm, then here) and moves 28 bytes in the kernel:
-32 in all, and the 6.9 GB of fp32 gradient buffers are never allocated.
+1.73B. This step reads the bf16 gradient twice (2 bytes for the clip's norm, then in the kernel, which moves 28:
+the gradient read, master and moments read and written, the parameter written): 30 in all, 52 GB, and the 6.9 GB
+of fp32 gradient buffers are never allocated. Not yet timed on a GPU: bench/master_adamw.py measures it.
 
 The math is k3.ops.adamw_triton's (torch's fused AdamW order, bias corrections in fp64 from the step count on the
 device, fp32 element math, IEEE square roots and divisions), compiled without FMA contraction so that every
 operation rounds as its PyTorch twin's (master_adamw_step_torch, which the tests hold equal to the kernel, in
-Triton's CPU interpreter without a GPU): a result equal to the twin, and within an fp32 rounding or two of
-torch.optim.AdamW on the masters.
+Triton's CPU interpreter without a GPU; bench/gpu_check.py and bench/master_adamw.py check it on a GPU): a result
+equal to the twin, and within an fp32 rounding or two of torch.optim.AdamW on the masters.
 
 Tensors the kernel cannot take (another dtype, not contiguous, a step count elsewhere, storage not 16-byte
 aligned) are stepped by the twin, the same arithmetic one tensor at a time.

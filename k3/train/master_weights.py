@@ -63,7 +63,6 @@ class MasterWeightAdamW:
         self.taken = False  # take_grads ran since the last step
         self.fused_stepped = 0  # tensors the last fused step sent through the kernel (the rest: its twin)
         self._tables: dict[int, MultiTensorTables] = {}  # per param group, kept between fused steps
-        self._master_of = {id(p): m for p, m in zip(self.params, self.masters)}
         self._param_of = {id(m): p for p, m in zip(self.params, self.masters)}
 
     @property
