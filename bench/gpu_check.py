@@ -14,6 +14,8 @@ Checks (relative error ||fast - twin|| / ||twin||, every output and gradient):
   short_conv     KDA's short conv through k3's Triton kernels (joined and planar q/k/v, dense and packed) vs the twin
   adamw          SplitAdamW (Triton kernel for tensors >= TRITON_MIN_NUMEL) vs torch.optim.AdamW(fused=True),
                  bf16 and fp32, per step from equal states: error / (1 ulp + 1e-6 x the step's terms), tol 1
+  master_adamw   the fused master-weight AdamW pass (bf16 parameters, fp32 masters) vs its PyTorch twin over
+                 three steps with the clip applied: parameters, masters and moments equal bit for bit (tol 0)
   mla_flash      MLA prefill with SDPA forced to the flash kernel vs the math kernel
   model          whole model (debug preset x4 widths, bf16) under the fast run's expert choices: all fast
                  paths, then each fast path alone, against an fp32 run of the twins, next to the bf16 twin's
@@ -364,6 +366,39 @@ def check_adamw(device, rows) -> None:
             rows.append([f"adamw_{label}", f"{name} ({route})", ratio, 1.0, "ok" if ratio <= 1.0 else "FAIL"])
 
 
+def check_master_adamw(device, rows) -> None:
+    from k3.ops import master_adamw
+
+    if not master_adamw.fused_available(device):
+        rows.append(["master_adamw", "path", "no kernel here (needs CUDA or TRITON_INTERPRET=1)", "-", "info"])
+        return
+    shapes = [(1024, 1024), (4096, 257), (3,)]  # whole blocks, a tail, a tensor smaller than a block
+
+    def tensors():
+        gen = torch.Generator(device=device).manual_seed(11)
+        masters = [torch.randn(s, device=device, generator=gen) * 0.02 for s in shapes]
+        grads = [(torch.randn(s, device=device, generator=gen) * 1e-3).to(torch.bfloat16) for s in shapes]
+        return ([m.to(torch.bfloat16) for m in masters], grads, masters, [torch.zeros_like(m) for m in masters],
+                [torch.zeros_like(m) for m in masters], [torch.zeros((), device=device) for _ in shapes])
+
+    kernel, twin = tensors(), tensors()
+    scale = torch.tensor(0.8, device=device)
+    taken = 0
+    for lr in (3e-4, 2e-4, 1e-4):
+        for lists in (kernel, twin):
+            torch._foreach_add_(lists[5], 1)
+        taken = master_adamw.master_adamw_step(*kernel, lr, 0.9, 0.95, 1e-8, 0.1, grad_scale=scale)
+        master_adamw.master_adamw_step_torch(*twin, lr, 0.9, 0.95, 1e-8, 0.1, grad_scale=scale)
+    path_row("master_adamw", taken == len(shapes), f"triton ({len(shapes)} tensors)", f"{taken} through the kernel",
+             device, rows)
+    for name, a_list, b_list in zip(("param", "grad", "master", "exp_avg", "exp_avg_sq"), kernel, twin):
+        if name == "grad":
+            continue
+        differing = sum(int((a != b).sum()) for a, b in zip(a_list, b_list))
+        rows.append(["master_adamw", f"{name} (elements unequal)", float(differing), 0.0,
+                     "ok" if differing == 0 else "FAIL"])
+
+
 def check_mla_flash(device, rows) -> None:
     if device.type != "cuda":
         return
@@ -570,7 +605,8 @@ def check_graphed_documents(device, rows) -> None:
 
 
 CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_glu,
-          check_router_logits, check_moe_combine, check_short_conv, check_adamw, check_mla_flash, check_model,
+          check_router_logits, check_moe_combine, check_short_conv, check_adamw, check_master_adamw, check_mla_flash,
+          check_model,
           check_static_decode, check_graphed_documents]
 
 

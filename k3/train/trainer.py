@@ -853,10 +853,11 @@ class Trainer:
             loss, logged_loss = self._global_mean(loss, batch)
         if not graphed:
             loss.backward()
-        # bf16 parameters: their gradients are clipped in fp32, as the masters' gradients (no images then).
-        trained = (self.optimizer.take_grads() if self.bf16_params else
-                   [*self.model.parameters(), *(self.images.trained_parameters() if self.images is not None else [])])
-        grad_norm = clip_grad_norm_(trained, config.grad_clip)  # any parallel layout
+        if self.bf16_params:  # the gradients' fp32 norm; the master step applies the clip (no images then)
+            grad_norm = self.optimizer.clip_grad_norm_(config.grad_clip)
+        else:
+            trained = [*self.model.parameters(), *(self.images.trained_parameters() if self.images is not None else [])]
+            grad_norm = clip_grad_norm_(trained, config.grad_clip)  # any parallel layout
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.update_balancers()
