@@ -460,7 +460,8 @@ def server_levels(args, mode: str, vocab: int, results: dict) -> dict:
 
 
 def child_pids(pid: int) -> list[int]:
-    """The processes `pid` started (its engine process), from /proc; [] off Linux."""
+    """The processes `pid` started (its engine process, and multiprocessing's resource tracker), from /proc;
+    [] off Linux."""
     try:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:

@@ -397,8 +397,11 @@ def _run_sinks(batch: list) -> None:
 
 # --- the child's side --------------------------------------------------------------------------------------
 def _child_main(build: Callable[[], Any], max_queue: int, warmup: bool, requests, events) -> None:
+    import signal
     import sys
 
+    # Ctrl-C in a terminal reaches the whole process group: the server stops this process itself, in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = build()
@@ -462,11 +465,14 @@ class _Relay:
     def readable(self) -> None:
         try:
             while self.requests.poll():
-                self.handle(_receive(self.requests))
+                try:
+                    self.handle(_receive(self.requests))
+                except (EOFError, OSError):
+                    raise
+                except Exception as error:  # noqa: BLE001 - one bad message must not stop the relay
+                    log.error("the engine process could not use a message: %s: %s", type(error).__name__, error)
         except (EOFError, OSError):  # the parent is gone
             self.done.set()
-        except ValueError as error:
-            log.error("the engine process got a malformed message: %s", error)
 
     def handle(self, message: list) -> None:
         kind = message[0]
@@ -480,8 +486,9 @@ class _Relay:
                     raise ValueError("an add message is [\"add\", id, prompt ids, sampling parameters]")
                 params = params_from_wire(message[3], self.grammar_tokenizer)
                 self.aengine.add(message[2], params, request_id, sink=self.sink)
-            except (ValueError, TypeError, QueueFull, EngineDead) as error:
-                self.sink(request_id, [error if not isinstance(error, TypeError) else ValueError(str(error))])
+            except Exception as error:  # noqa: BLE001 - fails this request, never the engine
+                known = isinstance(error, (ValueError, QueueFull, EngineDead))
+                self.sink(request_id, [error if known else ValueError(f"{type(error).__name__}: {error}")])
         elif kind == "abort":
             if len(message) == 2 and isinstance(message[1], str):
                 self.aengine.cancel(message[1])
