@@ -402,7 +402,7 @@ def _child_main(build: Callable[[], Any], max_queue: int, warmup: bool, requests
 
     # Ctrl-C in a terminal reaches the whole process group: the server stops this process itself, in order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         engine = build()
     except BaseException as error:  # noqa: BLE001 - the parent must hear why
@@ -418,8 +418,11 @@ def _child_main(build: Callable[[], Any], max_queue: int, warmup: bool, requests
                              "max_batch": getattr(engine, "max_batch", 2**31 - 1),
                              "eos_token_id": getattr(tokenizer, "eos_token_id", None) if tokenizer else None,
                              "device": str(getattr(engine, "device", "?")), "stats": aengine.stats()}])
+    relay = _Relay(aengine, requests, events)
+    if tokenizer is not None:  # the grammar library's first import takes seconds: not on a request's time
+        threading.Thread(target=relay.prepare_grammars, name="k3-grammar-setup", daemon=True).start()
     try:
-        asyncio.run(_Relay(aengine, requests, events).run())
+        asyncio.run(relay.run())
     finally:
         aengine.shutdown()
 
@@ -434,14 +437,26 @@ class _Relay:
         self.stats_at = 0.0
         self.done = asyncio.Event()
         self._grammar_tokenizer = None
+        self._grammar_lock = threading.Lock()
 
     def grammar_tokenizer(self):
-        if self._grammar_tokenizer is None:
-            from k3.infer.structured import GrammarTokenizer
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                from k3.infer.structured import GrammarTokenizer
 
-            engine = self.aengine.engine
-            self._grammar_tokenizer = GrammarTokenizer(engine.tokenizer, engine.config.vocab_size)
-        return self._grammar_tokenizer
+                engine = self.aengine.engine
+                self._grammar_tokenizer = GrammarTokenizer(engine.tokenizer, engine.config.vocab_size)
+            return self._grammar_tokenizer
+
+    def prepare_grammars(self) -> None:
+        from k3.infer.structured import available
+
+        try:
+            if available():
+                self.grammar_tokenizer()
+        except Exception as error:  # noqa: BLE001 - a tokenizer it cannot read fails the grammar requests later
+            log.warning("the grammar library could not read the tokenizer (%s); constrained requests will fail",
+                        error)
 
     def send(self, message: list) -> None:
         try:
