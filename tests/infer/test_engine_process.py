@@ -234,3 +234,21 @@ def test_the_engine_process_exits_when_its_server_is_killed(run):
         if not gone(child, 0.1):
             os.kill(child, signal.SIGKILL)
         server.stop()
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda p: setattr(p, "temperature", float("nan")), "temperature must be a finite number"),
+    (lambda p: p.stop_token_ids.append(10**6), "stop_token_ids must be in"),
+    (lambda p: setattr(p, "max_new_tokens", 10**9), "max_new_tokens must be at most the context"),
+    (lambda p: setattr(p, "n", 0), "n must be an integer in"),
+])
+def test_sampling_fields_are_range_checked_before_they_cross(change, words):
+    """A field changed after SamplingParams checked it (the server edits stop ids and the grammar) is checked
+    again before the message is written."""
+    from k3.infer.engine_process import params_to_wire
+    from k3.infer.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=4)
+    change(params)
+    with pytest.raises(ValueError, match=words):
+        params_to_wire(params, vocab_size=300, max_context=512)
