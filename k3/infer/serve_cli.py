@@ -115,7 +115,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
         aengine = EngineProcess(functools.partial(served_engine, args.run, args.model, args.device, args.dtype,
                                                   engine_options),
-                                max_queue=args.max_queue, warmup=not args.no_warmup, on_ready=ready)
+                                max_queue=args.max_queue, warmup=not args.no_warmup,
+                                on_ready=None if args.no_warmup else ready)
         engine = aengine.engine
     else:
         if vision:
