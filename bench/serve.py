@@ -163,11 +163,39 @@ def chat_tokenizer():
     return tokenizer
 
 
+def bench_engine(args):
+    """The bench server's engine (module level: with --engine-process the spawned engine process builds it)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.stub_step_ms is not None:
+        config = ModelConfig.from_preset(args.preset)
+        return StubEngine(config.vocab_size, args.max_batch, args.stub_step_ms / 1e3)
+    tokenizer = chat_tokenizer() if args.chat else None
+    model, config = build_model(args.preset, torch.device(args.device), _dtype(args),
+                                tokenizer.vocab_size if tokenizer else None)
+    return Engine(model, tokenizer or NumberTokenizer(config.vocab_size), max_context=args.max_context,
+                  max_batch=args.max_batch)
+
+
 def serve_main(args) -> None:
     """--serve: the server side, in its own process."""
     from k3.infer import AsyncEngine
     from k3.infer.server import create_app, run_server
 
+    if args.engine_process:
+        import functools
+
+        from k3.infer.engine_process import EngineProcess
+
+        tokenizer = chat_tokenizer() if args.chat else NumberTokenizer(ModelConfig.from_preset(args.preset).vocab_size)
+        aengine = EngineProcess(functools.partial(bench_engine, args), max_queue=4096, warmup=not args.no_warmup)
+        app = create_app(aengine, "bench", tokenizer, args.max_context, 4096)
+        try:
+            run_server(app, "127.0.0.1", 0, on_listening=lambda url: print(f"listening {url}", flush=True),
+                       **({"switch_interval_s": args.switch_interval} if args.switch_interval else {}))
+        finally:
+            aengine.shutdown()
+        return
     if args.stub_step_ms is not None:
         config = ModelConfig.from_preset(args.preset)
         tokenizer = NumberTokenizer(config.vocab_size)
@@ -196,7 +224,7 @@ def _dtype(args) -> torch.dtype:
     return torch.bfloat16 if args.device.startswith("cuda") else torch.float32
 
 
-def start_server(args, chat: bool = False) -> tuple[subprocess.Popen, str, dict]:
+def start_server(args, chat: bool = False, engine_process: bool = False) -> tuple[subprocess.Popen, str, dict]:
     """The bench server as a subprocess -> (process, url, its start: seconds to listening and to /health 200,
     and the warm-up's seconds as /health reports them)."""
     started = time.perf_counter()
@@ -206,6 +234,8 @@ def start_server(args, chat: bool = False) -> tuple[subprocess.Popen, str, dict]
         command += ["--chat", "--max-context", str(args.prompt + args.new + 1024)]
     if args.no_warmup:
         command.append("--no-warmup")
+    if engine_process:
+        command.append("--engine-process")
     if args.switch_interval:
         command += ["--switch-interval", str(args.switch_interval)]
     if args.stub_step_ms is not None:
@@ -392,6 +422,52 @@ def transformers_one_by_one(model, prompts: list[list[int]], new: int, device) -
     return summary(len(prompts), len(prompts) * (1 + new), seconds, ttft, tpot)
 
 
+def server_levels(args, mode: str, vocab: int, results: dict) -> dict:
+    """The server with its engine in process or in its own process: a fresh server's first request, then each
+    concurrency level, with the server process's CPU time per token (its engine process's apart)."""
+    out: dict = {"levels": {}}
+    process, url, start = (None, args.url, None) if args.url else start_server(args, engine_process=mode == "process")
+    try:
+        import httpx
+
+        model_name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        if start is not None:  # a fresh server: its very first request, as a user's would be
+            first = asyncio.run(load_level(url, model_name, prompts_for(1, args.prompt, vocab, seed=5), args.new,
+                                           1, None))
+            out["fresh"] = {**start, "first_request_ttft_ms": first["ttft_p50_ms"],
+                            "first_request_tpot_ms": first["tpot_p50_ms"]}
+            print(f"fresh server ({mode}): {out['fresh']}", flush=True)
+        asyncio.run(load_level(url, model_name, prompts_for(2, args.prompt, vocab, seed=7), 4, 2, None))  # warm-up
+        children = child_pids(process.pid) if process is not None else []
+        for level, concurrency in enumerate(args.concurrency):
+            prompts = prompts_for(concurrency * args.requests_per_level, args.prompt, vocab, seed=100 + level)
+            cpu = process_cpu_s(process.pid) if process is not None else None
+            child_cpu = [process_cpu_s(pid) for pid in children]
+            r = asyncio.run(load_level(url, model_name, prompts, args.new, concurrency, args.rate))
+            if cpu is not None:
+                r["cpu_ms_per_token"] = (process_cpu_s(process.pid) - cpu) * 1e3 / r["output_tokens"]
+            if children:
+                used = sum((process_cpu_s(pid) or 0) - (before or 0) for pid, before in zip(children, child_cpu))
+                r["engine_process_cpu_ms_per_token"] = used * 1e3 / r["output_tokens"]
+            out["levels"][concurrency] = r
+            print(f"server ({mode}) C={concurrency}: {r}", flush=True)
+            write_json(args.out, {**results, "partial": True})
+    finally:
+        if process is not None:
+            process.terminate()
+            process.wait(timeout=60)
+    return out
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (its engine process, and multiprocessing's resource tracker), from /proc;
+    [] off Linux."""
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="debug", choices=sorted(SIZES))
@@ -415,6 +491,10 @@ def main() -> None:
     parser.add_argument("--stub-step-ms", type=float, default=None,
                         help="serve a stub engine (no model: every step sleeps this long, then gives each running "
                              "request a token) to measure the server's own cost; skips the in-process rows")
+    parser.add_argument("--engine-modes", nargs="+", default=["in-process"], choices=["in-process", "process"],
+                        help="server levels with the engine in the server's process, in its own process, or both "
+                             "(one after the other, same requests)")
+    parser.add_argument("--engine-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max-batch", type=int, default=64, help=argparse.SUPPRESS)
@@ -432,34 +512,14 @@ def main() -> None:
     results: dict = {"bench": "serve", "device_name": device_name(), "preset": args.preset, "prompt": args.prompt,
                      "new": args.new, "dtype": str(dtype), "rate": args.rate, "switch_interval": args.switch_interval,
                      "stub_step_ms": args.stub_step_ms, "cpu_count": os.cpu_count(),
-                     "load_average_at_start": os.getloadavg(), "levels": {}}
+                     "load_average_at_start": os.getloadavg(), "modes": {}}
 
-    process, url, start = (None, args.url, None) if args.url else start_server(args)
-    try:
-        import httpx
-
-        model_name = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
-        if start is not None:  # a fresh server: its very first request, as a user's would be
-            first = asyncio.run(load_level(url, model_name, prompts_for(1, args.prompt, vocab, seed=5), args.new,
-                                           1, None))
-            results["fresh"] = {**start, "first_request_ttft_ms": first["ttft_p50_ms"],
-                                "first_request_tpot_ms": first["tpot_p50_ms"]}
-            print(f"fresh server: {results['fresh']}", flush=True)
-            write_json(args.out, {**results, "partial": True})
-        asyncio.run(load_level(url, model_name, prompts_for(2, args.prompt, vocab, seed=7), 4, 2, None))  # warm-up
-        for level, concurrency in enumerate(args.concurrency):
-            prompts = prompts_for(concurrency * args.requests_per_level, args.prompt, vocab, seed=100 + level)
-            cpu = process_cpu_s(process.pid) if process is not None else None
-            r = asyncio.run(load_level(url, model_name, prompts, args.new, concurrency, args.rate))
-            if cpu is not None:
-                r["cpu_ms_per_token"] = (process_cpu_s(process.pid) - cpu) * 1e3 / r["output_tokens"]
-            results["levels"][concurrency] = r
-            print(f"server C={concurrency}: {r}", flush=True)
-            write_json(args.out, {**results, "partial": True})
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait(timeout=60)
+    for mode in args.engine_modes:
+        results["modes"][mode] = server_levels(args, mode, vocab, results)
+    first = results["modes"][args.engine_modes[0]]
+    results["levels"] = first["levels"]  # the first mode's, where earlier results had them
+    if "fresh" in first:
+        results["fresh"] = first["fresh"]
 
     if args.mixed:
         results["mixed"] = mixed_levels(args)
@@ -501,7 +561,9 @@ def main() -> None:
 
     base = baselines.get("engine one-by-one")
     rows = []
-    named = [*((f"k3 serve, C={c}", r) for c, r in results["levels"].items()), *baselines.items()]
+    named = [(f"k3 serve{'' if mode == 'in-process' else ' (engine process)'}, C={c}", r)
+             for mode, levels in results["modes"].items() for c, r in levels["levels"].items()]
+    named += list(baselines.items())
     top = max(args.concurrency)
     named += [(f"k3 serve chat, C={top}, {kind}", r) for kind, r in results.get("mixed", {}).items()
               if kind != "start"]
@@ -510,12 +572,12 @@ def main() -> None:
                      f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else "",
                      r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"],
                      f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x" if base else "",
-                     r.get("cpu_ms_per_token", "")])
+                     r.get("cpu_ms_per_token", ""), r.get("engine_process_cpu_ms_per_token", "")])
     load = f", load average {results['load_average_at_start'][0]:.1f} on {os.cpu_count()} cores" \
         if device.type == "cpu" else ""
     print_table(f"Serving {args.preset} ({args.prompt} in / {args.new} out, {dtype}) on {device_name()}{load}",
                 ["", "requests", "output tok/s", "vs one-by-one", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                 "TPOT p99 ms", "TPOT vs one-by-one", "CPU ms / token"], rows)
+                 "TPOT p99 ms", "TPOT vs one-by-one", "CPU ms / token", "engine process CPU ms / token"], rows)
     if "fresh" in results:
         fresh = results["fresh"]
         print(f"fresh server: ready {fresh['ready_s']:.1f} s after spawning (warm-up {fresh['warmup_s'] or 0:.1f} "

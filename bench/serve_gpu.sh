@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The serving and long-context numbers of BENCHMARKS.md in one call on one GPU (about 8 minutes on an H100):
 #   probe     the GPU, and whether SDPA's flash / efficient kernels take MLA's lower-right causal prefill at 1M
-#   serve     bench/serve.py --preset small: engine one by one, engine in process C=64, k3 serve C=1 / 16 / 64,
-#             the fresh server's warm-up and first-request TTFT, and chat at C=64 plain / with tools / json_schema
+#   serve     bench/serve.py --preset small: engine one by one, engine in process C=64, k3 serve C=1 / 16 / 64
+#             with the engine in the server's process and then in its own process (--engine-modes, same
+#             requests), each fresh server's warm-up and first-request TTFT, and chat at C=64 plain / with
+#             tools / json_schema
 #   run       a random-weight `small` run directory (bench/random_run.py; k3 eval and k3 serve read runs)
 #   eval      k3 eval --task needle_single mqar --lengths 1M (seconds and peak memory per task)
 #   serve1m   k3 serve --max-context 1048576: warm-up, then one request with a 1M-token prompt (TTFT, peak memory
-#             as nvidia-smi sees the process)
-#   serve_switch  the server levels C=16 / 64 again with sys.setswitchinterval(0.0005) in the server process
-#             (last: expected total about 8.5 minutes; should the 10-minute limit cut it, the rest has been written)
+#             as nvidia-smi sees the server and its engine process)
+#             (expected total about 8.5 minutes; should the 10-minute limit cut it, the rest has been written)
 # Each part runs under its own timeout; summary.json is rewritten as each part ends (status, seconds, numbers).
 #
 # Usage: bench/serve_gpu.sh OUT_DIR            on the GPU
 #        bench/serve_gpu.sh OUT_DIR --cpu-check the same logic on CPU: debug preset, tiny lengths (minutes)
-# Files in OUT_DIR (8): summary.json probe.log serve.json serve.log run.log eval.json eval.log serve_switch.json
+# Files in OUT_DIR (7): summary.json probe.log serve.json serve.log run.log eval.json eval.log
 set -u
 OUT=${1:?usage: bench/serve_gpu.sh OUT_DIR [--cpu-check]}
 MODE=${2:-gpu}
@@ -29,13 +30,11 @@ if [ "$MODE" = "--cpu-check" ]; then
   export OMP_NUM_THREADS=1
   PRESET=debug DEVICE=cpu LENGTH=2K LONG_CONTEXT=4096
   SERVE_ARGS=(--prompt 64 --new 8 --concurrency 1 4 8 --threads 1 --baseline-requests 2)
-  T_PROBE=60 T_SERVE=400 T_RUN=120 T_EVAL=300 T_SERVE1M=300 T_SWITCH=300
-  SWITCH_LEVELS=(4 8)
+  T_PROBE=60 T_SERVE=500 T_RUN=120 T_EVAL=300 T_SERVE1M=300
 else
   PRESET=small DEVICE=cuda LENGTH=1M LONG_CONTEXT=1048576
   SERVE_ARGS=()
-  T_PROBE=40 T_SERVE=220 T_RUN=60 T_EVAL=150 T_SERVE1M=100 T_SWITCH=80
-  SWITCH_LEVELS=(16 64)
+  T_PROBE=40 T_SERVE=300 T_RUN=60 T_EVAL=150 T_SERVE1M=100
 fi
 
 # summary.json: {"mode", "parts": {name: {"status", "seconds", ...}}}, rewritten after every part.
@@ -92,7 +91,8 @@ record probe "$LAST_STATUS" "$LAST_SECONDS"
 
 # --- serve ---------------------------------------------------------------------------------------------------
 part serve "$T_SERVE" "$OUT/serve.log" python bench/serve.py --preset "$PRESET" --device "$DEVICE" \
-  --skip transformers --mixed tools json_schema --out "$OUT/serve.json" "${SERVE_ARGS[@]}"
+  --skip transformers --mixed tools json_schema --engine-modes in-process process --out "$OUT/serve.json" \
+  "${SERVE_ARGS[@]}"
 record serve "$LAST_STATUS" "$LAST_SECONDS" "$OUT/serve.json"
 
 # --- a random run, then k3 eval at 1M ---------------------------------------------------------------------------
@@ -118,15 +118,20 @@ def drain():
         lines.append(line)
         print(line, end="", flush=True)
 threading.Thread(target=drain, daemon=True).start()
-def watch():  # the process's memory as nvidia-smi sees it (allocated + cached + context)
+def watch():  # the memory of the server and its engine process as nvidia-smi sees it (allocated + cached + context)
     while server.poll() is None:
         if device == "cuda":
+            try:
+                pids = {str(server.pid), *open(f"/proc/{server.pid}/task/{server.pid}/children").read().split()}
+            except OSError:
+                pids = {str(server.pid)}
             used = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                                   capture_output=True, text=True).stdout
+            total = 0
             for row in used.splitlines():
                 pid, mib = (x.strip() for x in row.split(","))
-                if pid == str(server.pid):
-                    peak[0] = max(peak[0], int(mib))
+                total += int(mib) if pid in pids else 0
+            peak[0] = max(peak[0], total)
         time.sleep(0.5)
 threading.Thread(target=watch, daemon=True).start()
 result = {}
@@ -159,9 +164,4 @@ PY
 record serve1m "$LAST_STATUS" "$LAST_SECONDS" "$OUT/serve1m.json"
 rm -f "$OUT/serve1m.json"  # embedded in summary.json; keeps OUT within its file count
 
-# --- the server levels again with a 0.5 ms thread switch interval (the engine thread's GIL waits) ---------------
-part serve_switch "$T_SWITCH" "$OUT/serve.log" python bench/serve.py --preset "$PRESET" --device "$DEVICE" \
-  --skip one-by-one in-process transformers --switch-interval 0.0005 --out "$OUT/serve_switch.json" \
-  "${SERVE_ARGS[@]}" --concurrency "${SWITCH_LEVELS[@]}"
-record serve_switch "$LAST_STATUS" "$LAST_SECONDS" "$OUT/serve_switch.json"
 echo "done: $OUT/summary.json"

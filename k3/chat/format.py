@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -128,6 +129,22 @@ class ChatFormat:
 
     def __repr__(self) -> str:
         return f"ChatFormat(name={self.name!r}, source={self.source!r})"
+
+    @functools.cached_property
+    def argument_separators(self) -> tuple[str, str]:
+        """(between items, between a key and its value) in the JSON this format writes a call's arguments with,
+        read from a rendered call (json.dumps' ", " and ": " where it shows none): forced calls use the same."""
+        if self.tool_syntax is None:
+            return ", ", ": "
+        call = {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": {"a": 1, "b": 2}}}
+        try:
+            text = self.render([{"role": "user", "content": "."},
+                                {"role": "assistant", "content": "", "tool_calls": [call]}],
+                               add_generation_prompt=False)
+        except ValueError:
+            return ", ", ": "
+        match = re.search(r'"a"(\s*:\s*)1(\s*,\s*)"b"', text)
+        return (match.group(2), match.group(1)) if match else (", ", ": ")
 
     # --- text -----------------------------------------------------------------------------------------
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,

@@ -49,3 +49,28 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
         # An inference copy: frozen, so the engine may fuse its projection weights (k3.layers.fused_weights).
         model.requires_grad_(False)
     return model.eval(), tokenizer
+
+
+def load_tokenizer_for_inference(run: str | None, model_path: str | None):
+    """The tokenizer load_for_inference would give, without the model where the files allow it (a server whose
+    engine runs in another process tokenizes here): the HF directory's files or the run's tokenizer/; a run
+    whose tokenizer sits only inside its checkpoint is read from there (on the CPU)."""
+    if (run is None) == (model_path is None):
+        raise ValueError("give exactly one of --run DIR (a k3 training run) or --model PATH (a Hugging Face-format "
+                         "directory)")
+    if model_path is not None:
+        from k3.data.hf_tokenizer import load_hf_tokenizer
+
+        tokenizer = load_hf_tokenizer(model_path, required=False)
+        if tokenizer is None:
+            raise FileNotFoundError(f"{model_path} holds no tokenizer files (tokenizer.json or tiktoken.model); "
+                                    f"generation needs one")
+        return tokenizer
+    from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME
+    from k3.data.tokenizer import load_tokenizer
+
+    inside = Path(run).is_file() or Path(run).name == SHARDED_CHECKPOINT_NAME
+    run_dir = Path(run).parent if inside else Path(run)
+    if (run_dir / "tokenizer").is_dir():
+        return load_tokenizer(run_dir / "tokenizer")
+    return load_for_inference(run, None, "cpu")[1]

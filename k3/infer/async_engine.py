@@ -274,6 +274,11 @@ class AsyncEngine:
             stats["waiting"] += self._queued
         return stats
 
+    def score(self, prompts: list[list[int]], starts: list[int], top_k: int = 0) -> list:
+        """Engine.score under the engine's lock, between steps (blocking: call it off the event loop)."""
+        with self.lock:
+            return self.engine.score(prompts, starts, top_k=top_k)
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
         self._wakeup.set()

@@ -76,9 +76,9 @@ def plan_chat(body: ChatCompletionRequest, fmt: ChatFormat, tokenizer, grammar_t
         if forced:
             from k3.infer.structured import tool_call_grammar
 
-            end = stop_strings[0] if stop_strings else None
             grammar = tool_call_grammar(grammar_tokenizer(), fmt.tool_syntax, forced, body.parallel_tool_calls,
-                                        end=end)
+                                        end=_end_of_turn(fmt, tokenizer, stop_token_ids, stop_strings),
+                                        separators=fmt.argument_separators)
         elif response_format is not None and response_format.type != "text":
             from k3.infer.structured import json_grammar
 
@@ -95,3 +95,13 @@ def plan_chat(body: ChatCompletionRequest, fmt: ChatFormat, tokenizer, grammar_t
     parse = fmt.tool_syntax if tools and choice != "none" else None
     return ChatPlan(chat_messages(body), tools, stop_strings, stop_token_ids, grammar, parse,
                     names if parse else None, fmt.thinking and grammar is None)
+
+
+def _end_of_turn(fmt: ChatFormat, tokenizer, stop_token_ids: list[int], stop_strings: list[str]) -> int | str | None:
+    """What ends an assistant turn in this format, as a forced reply must end it to be written as an unforced
+    one is: the end marker's token, else its text, else EOS (formats whose turns end with EOS)."""
+    if stop_token_ids:
+        return stop_token_ids[0]
+    if stop_strings:
+        return stop_strings[0]
+    return getattr(tokenizer, "eos_token_id", None) if fmt.end_of_turn is None else None

@@ -1,7 +1,7 @@
 """`echo` for /v1/completions: the prompt returned in front of the completion, and with `logprobs` the
 prompt's own token logprobs (the first token has none: null, as OpenAI gives it), computed by the engine's
-score() (one packed forward, under the engine's lock, off the event loop). With max_tokens 0 nothing is
-generated: the loglikelihood requests of evaluation harnesses (lm-eval-harness's local-completions)."""
+score() (one packed forward, off the event loop, in process or in the engine's process). With max_tokens 0
+nothing is generated: the loglikelihood requests of evaluation harnesses (lm-eval-harness's local-completions)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,7 @@ from typing import Any, Callable
 
 async def score_prompts(async_engine, prompts: list[list[int]], top_k: int) -> list:
     """engine.score of every prompt from its second token -> list of k3.infer.engine.ScoreOutput."""
-    def run():
-        with async_engine.lock:
-            return async_engine.engine.score(prompts, [1] * len(prompts), top_k=top_k)
-    return await asyncio.to_thread(run)
+    return await asyncio.to_thread(async_engine.score, prompts, [1] * len(prompts), top_k)
 
 
 def prompt_logprobs(ids: list[int], scored, top: int, token_text: Callable[[int], str]) -> dict[str, Any]:

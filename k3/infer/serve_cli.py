@@ -61,6 +61,23 @@ def chosen_chat_template(choice: str, loaded):
     return ChatTemplate(path.read_text(encoding="utf-8"), str(path), loaded.bos_token, loaded.eos_token)
 
 
+def engine_process_default(device: str) -> bool:
+    """--engine-process when not given: on for CUDA (the step loop's host work then never waits for the
+    server's), off on the CPU, where the engine's own threads need the cores the server would share (see
+    docs/serve.md for the measurement)."""
+    from k3.runtime import resolve_device
+
+    return resolve_device(device).type == "cuda"
+
+
+def served_engine(run: str | None, model_path: str | None, device: str, dtype: str, options: dict):
+    """The served engine, built in the engine process (module level: the spawned child imports it)."""
+    from k3.infer.cli import build_engine, load_for_inference
+
+    model, tokenizer = load_for_inference(run, model_path, device, dtype)
+    return build_engine(model, tokenizer, **options)
+
+
 def serve_command(args: argparse.Namespace) -> int:
     _check_args(args)
     try:
@@ -75,21 +92,47 @@ def serve_command(args: argparse.Namespace) -> int:
     from k3.infer.cli import build_engine, load_for_inference
 
     images = None
-    if args.model is not None and has_vision(Path(args.model)):
-        model, tokenizer, images = load_multimodal(args.model, args.device)
-    else:
-        model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
+    vision = args.model is not None and has_vision(Path(args.model))
+    use_process = engine_process_default(args.device) if args.engine_process is None else args.engine_process
+    if use_process and vision:
+        print("k3 serve: a model with images runs its engine in the server's process (its vision tower encodes "
+              "images there)", file=sys.stderr, flush=True)
+        use_process = False
     name = args.served_model_name or Path(args.run or args.model).resolve().name
-    engine = build_engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
-                    prefix_cache=not args.no_prefix_cache)
+    engine_options = dict(max_context=args.max_context, max_batch=args.max_batch,
+                          prefix_cache=not args.no_prefix_cache)
+    if use_process:
+        import functools
+
+        from k3.checkpoint.inference import load_tokenizer_for_inference
+        from k3.infer.engine_process import EngineProcess
+
+        tokenizer = load_tokenizer_for_inference(args.run, args.model)
+
+        def ready(seconds) -> None:
+            print(f"k3 serve: warmed up in {seconds or 0:.1f} s (decode graphs, prefill shapes); /health is ready",
+                  flush=True)
+
+        aengine = EngineProcess(functools.partial(served_engine, args.run, args.model, args.device, args.dtype,
+                                                  engine_options),
+                                max_queue=args.max_queue, warmup=not args.no_warmup,
+                                on_ready=None if args.no_warmup else ready)
+        engine = aengine.engine
+    else:
+        if vision:
+            model, tokenizer, images = load_multimodal(args.model, args.device)
+        else:
+            model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
+        engine = build_engine(model, tokenizer, **engine_options)
+
+        def warm_up() -> None:
+            print(f"k3 serve: warmed up in {engine.warmup():.1f} s (decode graphs, prefill shapes); /health is "
+                  f"ready", flush=True)
+
+        aengine = AsyncEngine(engine, max_queue=args.max_queue, warmup=None if args.no_warmup else warm_up)
     template = load_chat_template(tokenizer, tokenizer_directory(args.run, args.model))
     if args.chat_template:
         template = chosen_chat_template(args.chat_template, template)
-    def warm_up() -> None:
-        print(f"k3 serve: warmed up in {engine.warmup():.1f} s (decode graphs, prefill shapes); /health is "
-              f"ready", flush=True)
-
-    aengine = AsyncEngine(engine, max_queue=args.max_queue, warmup=None if args.no_warmup else warm_up)
     limits = ServerLimits(max_body_bytes=int(args.max_body_mb * 2**20), header_timeout_s=args.header_timeout,
                           keep_alive_s=args.keep_alive_timeout, max_connections=args.max_connections)
     hosts = tuple(args.allowed_hosts.split(",")) if args.allowed_hosts else default_allowed_hosts(args.host)
@@ -102,7 +145,8 @@ def serve_command(args: argparse.Namespace) -> int:
 
     def listening(url: str) -> None:
         print(f"k3 serve: {name} on {url} (OpenAI-compatible: {url}/v1; device {engine.device}, max batch "
-              f"{args.max_batch}, context {args.max_context}, chat format: {template.name} ({template.source})"
+              f"{args.max_batch}, context {args.max_context}, engine "
+              f"{'in its own process' if use_process else 'in process'}, chat format: {template.name} ({template.source})"
               f"{', API key required' if api_key else ''}"
               f"{', images: yes' if images is not None else ''}); Ctrl-C stops", flush=True)
 
@@ -162,6 +206,10 @@ def register(subparsers) -> None:
     engine.add_argument("--max-queue", type=int, default=256,
                         help="most requests waiting for a slot; beyond it requests get HTTP 429 (default 256)")
     engine.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
+    engine.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="run the engine in a process of its own, so the server's Python work (tokenizing, "
+                             "JSON, streaming) never holds up its steps (default: on for CUDA, off on the CPU; "
+                             "models with images always run in process)")
     engine.add_argument("--no-warmup", action="store_true",
                         help="skip the warm-up (decode graphs for every batch size, prefill shapes) that runs "
                              "before /health reports ready (503 'warming up' until then); the first requests then "

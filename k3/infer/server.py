@@ -151,7 +151,7 @@ class _Generation:
 
     @staticmethod
     def _engine_error(error: BaseException) -> BaseException:
-        if isinstance(error, (ValueError, RequestFailed, EngineDead)):
+        if isinstance(error, (ValueError, RequestFailed, EngineDead, QueueFull)):  # QueueFull: from an engine process
             return error
         return EngineDead(f"the engine loop stopped: {error!r}")
 

@@ -15,6 +15,12 @@ ever new schemas cannot grow it without limit.
 JSON is generated without free whitespace (llguidance's whitespace_flexible off), so a model cannot spend its
 tokens on blanks, and an object schema that lists properties without saying otherwise takes no others
 (additionalProperties false, as vLLM's strict default).
+
+A forced tool call is written with the token ids the model writes such a call with unforced: a marker that the
+tokenizer keeps as one token of its own (a special or added token, as Kimi's <|tool_call_begin|>) is that
+token (`<[id]>`; a quoted literal would forbid it and make the model spell the marker out byte by byte), the
+arguments' JSON has the separators the chat format renders calls with (", " and ": " for json.dumps-style
+templates), and the reply ends with the format's end of turn (its end marker, or EOS).
 """
 
 from __future__ import annotations
@@ -72,12 +78,29 @@ class GrammarTokenizer:
         else:
             raise ValueError(f"structured output does not know how to read a {type(tokenizer).__name__}'s "
                              f"vocabulary (it reads `tokenizers` and tiktoken tokenizers)")
-        self.special = set(getattr(tokenizer, "special_tokens", {}) or {})
+        self.atomic = atomic_tokens(tokenizer)
         self.compiled = CompiledGrammars()
 
-    def literal(self, text: str) -> str:
-        """A Lark literal for marker text: the special token itself where the tokenizer has one, else the text."""
-        return text if text in self.special else json.dumps(text)
+    def literal(self, text: str | int) -> str:
+        """A Lark item for a marker: a token id, or text that is the token itself where the tokenizer keeps it as
+        one token of its own, else the text (any tokenization of it)."""
+        if isinstance(text, int):
+            return f"<[{text}]>"
+        return f"<[{self.atomic[text]}]>" if text in self.atomic else json.dumps(text)
+
+
+def atomic_tokens(tokenizer) -> dict[str, int]:
+    """Text -> id of every token the tokenizer encodes as itself wherever it stands (special and added tokens:
+    they are matched before the text is split, so the model only ever sees them as that one id)."""
+    out: dict[str, int] = {}
+    backend = getattr(tokenizer, "backend", None)
+    if hasattr(backend, "get_added_tokens_decoder"):  # the `tokenizers` library
+        out.update({token.content: int(i) for i, token in backend.get_added_tokens_decoder().items()})
+    encoding = getattr(tokenizer, "encoding", None)
+    if hasattr(encoding, "special_tokens_set"):  # tiktoken
+        out.update({text: encoding.encode_single_token(text) for text in encoding.special_tokens_set})
+    out.update({text: int(i) for text, i in (getattr(tokenizer, "special_tokens", None) or {}).items()})
+    return out
 
 
 class CompiledGrammars:
@@ -190,8 +213,12 @@ def _closed(schema: Any) -> Any:
     return out
 
 
-def _schema_text(schema: dict[str, Any]) -> str:
-    schema = {**_closed(schema), "x-guidance": {"whitespace_flexible": False}}
+def _schema_text(schema: dict[str, Any], separators: tuple[str, str] | None = None) -> str:
+    """separators: (between items, between a key and its value) as a chat format writes them; None: compact."""
+    guidance: dict[str, Any] = {"whitespace_flexible": False}
+    if separators is not None:
+        guidance.update(item_separator=separators[0], key_separator=separators[1])
+    schema = {**_closed(schema), "x-guidance": guidance}
     text = json.dumps(schema)
     if len(text) > MAX_SCHEMA_CHARS:
         raise ValueError(f"the JSON schema has {len(text)} characters; at most {MAX_SCHEMA_CHARS} are accepted")
@@ -206,21 +233,25 @@ def json_grammar(tokenizer: GrammarTokenizer, schema: dict[str, Any] | None) -> 
 
 
 def tool_call_grammar(tokenizer: GrammarTokenizer, syntax: str, tools: list[dict[str, Any]],
-                      parallel: bool = True, end: str | None = None, max_calls: int = MAX_FORCED_CALLS) -> Grammar:
+                      parallel: bool = True, end: str | int | None = None, max_calls: int = MAX_FORCED_CALLS,
+                      separators: tuple[str, str] = (", ", ": ")) -> Grammar:
     """One to max_calls calls (one if not parallel) to the given tools, in the chat format's syntax, each with
-    arguments valid under the tool's parameters schema; then `end` (the turn's end marker text) if given."""
+    arguments valid under the tool's parameters schema and written with the format's JSON `separators`; then
+    `end`, the turn's end (marker text, or a token id such as EOS) if given."""
     lit = tokenizer.literal
+    item, key = separators
     rules, names = [], []
     for index, tool in enumerate(tools):
         function = tool["function"]
         schema = function.get("parameters") or {"type": "object"}
         name = function["name"]
+        arguments = f"%json {_schema_text(schema, separators)}"
         if syntax == "kimi_k2":
             rules.append(f'call{index}: {lit(KIMI_CALL_OPEN)} {json.dumps("functions." + name + ":")} /[0-9]{{1,2}}/ '
-                         f'{lit(KIMI_CALL_ARGS)} %json {_schema_text(schema)} {lit(KIMI_CALL_CLOSE)}')
+                         f'{lit(KIMI_CALL_ARGS)} {arguments} {lit(KIMI_CALL_CLOSE)}')
         elif syntax == "k3":
-            head = '{"name": ' + json.dumps(name) + ', "arguments": '
-            rules.append(f'call{index}: {lit(K3_CALL_OPEN)} {json.dumps(head)} %json {_schema_text(schema)} "}}" '
+            head = '{"name"' + key + json.dumps(name) + item + '"arguments"' + key
+            rules.append(f'call{index}: {lit(K3_CALL_OPEN)} {json.dumps(head)} {arguments} "}}" '
                          f'{lit(K3_CALL_CLOSE)}')
         else:
             raise ValueError("this chat format has no tool-call syntax, so calls cannot be forced")
@@ -231,6 +262,6 @@ def tool_call_grammar(tokenizer: GrammarTokenizer, syntax: str, tools: list[dict
         body = f"{lit(KIMI_SECTION_OPEN)} {calls} {lit(KIMI_SECTION_CLOSE)}"
     else:
         body = calls
-    if end:
+    if end is not None:
         body += f" {lit(end)}"
     return Grammar(tokenizer, f"start: {body}\n" + "\n".join(rules) + "\n", "tool-call grammar")
