@@ -20,10 +20,12 @@ flat name, and a saved config in the old flat layout ({"recall_fraction": ...}) 
 (from_dict). Flags default to None ("not given"), so a field keeps its dataclass default unless the flag is typed,
 and a resumed run can take only what the user typed.
 
-Types: bool (--x / --no-x, or option(negative=...) for another name), int, float, str, X | None, Literal[...]
-or option(choices=...), list[T] (a repeatable flag); anything else needs option(parse=...) or option(cli=False).
-The help is the field's docstring (a string right after it), or option(help=...) where it is computed; it gets
-"(default X)" unless it speaks of its default itself. Learnt from torchtitan's JobConfig and simple_parsing.
+Types: bool (--x when it defaults to False, --no-x when to True, both when to None; option(negative=...) names
+the False flag and adds it), int, float, str, X | None, Literal[...] or option(choices=...), list[T] (a
+repeatable flag); anything else needs option(parse=...) or option(cli=False). The help is the field's docstring (a
+string right after it), or option(help=...) where it is computed; it gets "(default X)" unless it speaks of its
+default itself. A section may hold another default than its class's (section(default=...)): the flags start from
+it. Learnt from torchtitan's JobConfig and simple_parsing.
 """
 
 from __future__ import annotations
@@ -45,25 +47,31 @@ KEY = "k3_cli"
 def option(*, help: str | None = None, name: str | None = None, aliases: tuple[str, ...] = (),
            metavar: str | None = None, choices: tuple | list | None = None, parse: Callable[[str], Any] | None = None,
            negative: str | None = None, negative_help: str | None = None, required: bool = False,
-           cli: bool = True) -> dict:
+           const: Any = None, show_default: bool = True, cli: bool = True) -> dict:
     """Field metadata for the generated flag: ``field(default=..., metadata=option(...))``.
 
     name: the flat name (and so the flag and dest) instead of the field's (prefixed) own; aliases: more flags
-    (full spellings, e.g. "--from"); parse: turns the flag's text into the value (types the generator does not
-    know); negative: the name of a bool's False flag (default no-NAME); cli=False: no flag (the field still has a
-    flat name, for from_flat and old saved configs)."""
+    (full spellings, e.g. "--from"); parse: turns the flag's text into the value, for types the generator does not
+    know (applied by given(), so its ValueError reaches the command's error handling); negative: the name of a
+    bool's False flag (default no-NAME); const: the value of the flag given without one (--ray alone: "local");
+    show_default=False: no "(default X)" in the help (a default the command replaces);
+    cli=False: no flag (the field still has a flat name, for from_flat and old saved configs)."""
     return {KEY: {"help": help, "name": name, "aliases": tuple(aliases), "metavar": metavar,
                   "choices": None if choices is None else tuple(choices), "parse": parse, "negative": negative,
-                  "negative_help": negative_help, "required": required, "cli": cli}}
+                  "negative_help": negative_help, "required": required, "const": const,
+                  "show_default": show_default, "cli": cli}}
 
 
-def section(cls: type, *, prefix: str | None = None, title: str | None = None, skip: tuple[str, ...] = (),
-            cli: bool = True) -> Any:
+def section(cls: type, *, prefix: str | None = None, title: str | None = None, default: Callable[[], Any] | None = None,
+            no_flag: tuple[str, ...] = (), derived: tuple[str, ...] = (), cli: bool = True) -> Any:
     """A nested configuration section: ``optim: OptimConfig = section(OptimConfig)``. prefix: its fields' flat
     names start with PREFIX_ (flags --PREFIX-...); title: the --help group (default: the class docstring's first
-    line); skip: fields that get no flag (set by the enclosing config, e.g. from another section)."""
-    return dataclasses.field(default_factory=cls, metadata={KEY: {"section": True, "prefix": prefix, "title": title,
-                                                                  "skip": tuple(skip), "cli": cli}})
+    line); default: a factory of the section's default (default: cls()), whose values the flags start from;
+    no_flag: fields without a flag here (they keep their flat names); derived: fields the enclosing config sets
+    from its others (no flag, no flat name)."""
+    return dataclasses.field(default_factory=default or cls, metadata={KEY: {
+        "section": True, "prefix": prefix, "title": title, "no_flag": tuple(no_flag), "derived": tuple(derived),
+        "cli": cli}})
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,7 @@ class FlatField:
     help: str
     cli: bool
     group: str | None  # the --help group of its section
+    default: Any  # in its place: a section's default may differ from its class's (section(default=...))
 
     @property
     def flag(self) -> str:
@@ -113,7 +122,7 @@ def _is_section(f: dataclasses.Field, hint: Any) -> bool:
 def flat_fields(cls: type) -> tuple[FlatField, ...]:
     """Every leaf field of ``cls`` and its sections, in declaration order; ValueError on two with one flat name."""
     out: list[FlatField] = []
-    _walk(cls, (), "", True, None, (), out)
+    _walk(cls, None, (), "", True, None, {}, out)
     seen: dict[str, tuple[str, ...]] = {}
     for leaf in out:
         if leaf.name in seen:
@@ -123,20 +132,26 @@ def flat_fields(cls: type) -> tuple[FlatField, ...]:
     return tuple(out)
 
 
-def _walk(cls: type, path: tuple[str, ...], prefix: str, cli: bool, group: str | None, skip: tuple[str, ...],
-          out: list[FlatField]) -> None:
+def _walk(cls: type, instance: Any, path: tuple[str, ...], prefix: str, cli: bool, group: str | None,
+          section_meta: dict, out: list[FlatField]) -> None:
+    """Append the leaves of ``cls`` (its default ``instance``, None at the top) to ``out``; ``section_meta`` is the
+    section() metadata of the field that holds it."""
     hints = typing.get_type_hints(cls)
     docs = field_docstrings(cls)
     for f in dataclasses.fields(cls):
+        if f.name in section_meta.get("derived", ()):
+            continue
         hint, meta = hints[f.name], f.metadata.get(KEY, {})
+        default = _default(f) if instance is None else getattr(instance, f.name)
         if _is_section(f, hint):
             title = meta.get("title") or (inspect.getdoc(hint) or hint.__name__).splitlines()[0]
             inner = prefix + meta["prefix"] + "_" if meta.get("prefix") else prefix
-            _walk(hint, path + (f.name,), inner, cli and meta.get("cli", True), title, meta.get("skip", ()), out)
+            _walk(hint, default, path + (f.name,), inner, cli and meta.get("cli", True), title, meta, out)
             continue
         name = meta.get("name") or prefix + f.name
-        out.append(FlatField(path + (f.name,), name, hint, f, cls, meta.get("help") or docs.get(f.name, ""),
-                             cli and meta.get("cli", True) and f.name not in skip, group))
+        flag = cli and meta.get("cli", True) and f.name not in section_meta.get("no_flag", ())
+        out.append(FlatField(path + (f.name,), name, hint, f, cls, meta.get("help") or docs.get(f.name, ""), flag,
+                             group, default))
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -157,9 +172,10 @@ def _strip_optional(hint: Any) -> Any:
 
 def _help_text(leaf: FlatField) -> str:
     text = leaf.help
-    default = _default(leaf.field)
+    default = leaf.default
     shown = not (default is dataclasses.MISSING or default is None or default is False or default in ("", [], {}))
-    if shown and "default" not in text.lower() and not leaf.meta.get("required"):
+    shown = shown and leaf.meta.get("show_default", True) and not leaf.meta.get("required")
+    if shown and "default" not in text.lower():
         text = f"{text} (default {default})" if text else f"default {default}"
     return text.replace("%", "%%")  # argparse formats help with %
 
@@ -173,7 +189,7 @@ def _flag_kwargs(leaf: FlatField) -> dict[str, Any]:
     if meta.get("required"):
         kwargs["required"] = True
     if meta.get("parse"):
-        kwargs["type"] = meta["parse"]
+        kwargs["type"] = str  # parsed by given(), so a bad value is the parser's ValueError, said as it words it
     elif typing.get_origin(hint) is list and typing.get_args(hint) and typing.get_args(hint)[0] in (int, float, str):
         kwargs.update(action="append", type=typing.get_args(hint)[0])
     elif typing.get_origin(hint) is Literal:
@@ -186,6 +202,8 @@ def _flag_kwargs(leaf: FlatField) -> dict[str, Any]:
                         f"option(parse=...) or option(cli=False)")
     if meta.get("choices") is not None:
         kwargs["choices"] = meta["choices"]
+    if meta.get("const") is not None:
+        kwargs.update(nargs="?", const=meta["const"])
     return kwargs
 
 
@@ -208,16 +226,21 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
 
 
 def _add_bool(target, leaf: FlatField, flags: list[str]) -> None:
+    """--x sets True, --no-x (or option(negative=...)) False: the one that changes the default, or both for a
+    default of None (decided later) or a negative named on purpose."""
+    default = leaf.default
     negative = "--" + (leaf.meta.get("negative") or "no-" + leaf.name.replace("_", "-"))
-    both = target.add_mutually_exclusive_group()
-    default = _default(leaf.field)
-    positive_help = leaf.help + (" (the default)" if default is True else "")
-    negative_help = leaf.meta.get("negative_help") or (f"not {flags[0]}" + (" (the default)" if default is False
-                                                                            else ""))
-    both.add_argument(*flags, dest=leaf.name, action="store_const", const=True, default=None,
-                      help=positive_help.replace("%", "%%"))
-    both.add_argument(negative, dest=leaf.name, action="store_const", const=False, default=None,
-                      help=negative_help.replace("%", "%%"))
+    with_positive = default is not True
+    with_negative = default is not False or bool(leaf.meta.get("negative"))
+    both = target.add_mutually_exclusive_group() if with_positive and with_negative else target
+    if with_positive:
+        both.add_argument(*flags, dest=leaf.name, action="store_const", const=True, default=None,
+                          help=leaf.help.replace("%", "%%"))
+    if with_negative:
+        text = leaf.meta.get("negative_help") or (f"off: {leaf.help} (on by default)" if default is True
+                                                  else f"the opposite of {flags[0]}")
+        both.add_argument(negative, *(() if with_positive else flags[1:]), dest=leaf.name, action="store_const",
+                          const=False, default=None, help=text.replace("%", "%%"))
 
 
 def flags_of(cls: type) -> set[str]:
@@ -228,9 +251,15 @@ def flags_of(cls: type) -> set[str]:
 
 
 def given(cls: type, args: argparse.Namespace) -> dict[str, Any]:
-    """{flat name: value} of the flags the user typed (a flag left out is None)."""
-    return {leaf.name: getattr(args, leaf.name) for leaf in flat_fields(cls)
-            if getattr(args, leaf.name, None) is not None}
+    """{flat name: value} of the flags the user typed (a flag left out is None; a field without a flag is not read,
+    so an attribute of the same name that the command adds itself is left alone)."""
+    values = {}
+    for leaf in flat_fields(cls):
+        value = getattr(args, leaf.name, None) if leaf.cli else None
+        if value is not None:
+            parse = leaf.meta.get("parse")
+            values[leaf.name] = parse(value) if parse and isinstance(value, str) else value
+    return values
 
 
 def _nest(cls: type, flat: Mapping[str, Any]) -> dict:
@@ -250,6 +279,7 @@ def _nest(cls: type, flat: Mapping[str, Any]) -> dict:
 
 
 def _build(cls: type, tree: Mapping[str, Any], base: Any = None) -> Any:
+    """``cls`` from a tree of values: a section's values replace its value in ``base``, else its default."""
     hints = typing.get_type_hints(cls)
     values = {}
     for f in dataclasses.fields(cls):
@@ -257,7 +287,7 @@ def _build(cls: type, tree: Mapping[str, Any], base: Any = None) -> Any:
             continue
         value = tree[f.name]
         if _is_section(f, hints[f.name]) and isinstance(value, Mapping):
-            value = _build(hints[f.name], value, None if base is None else getattr(base, f.name))
+            value = _build(hints[f.name], value, _default(f) if base is None else getattr(base, f.name))
         values[f.name] = value
     return cls(**values) if base is None else dataclasses.replace(base, **values)
 

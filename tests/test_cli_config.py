@@ -62,7 +62,7 @@ class Top:
         parse=lambda text: [[int(n) for n in part.split(":")] for part in text.split(",")], metavar="L:S,..."))
     """curriculum"""
     overrides: dict = field(default_factory=dict, metadata=option(cli=False))
-    optim: Optim = section(Optim, skip=("temperature",))
+    optim: Optim = section(Optim, derived=("temperature",), default=lambda: Optim(lr=0.25))
     recall: Inner = section(Inner, prefix="recall")
 
 
@@ -77,13 +77,14 @@ def parse(*argv: str) -> Top:
 
 
 def test_flags_are_flat_names_with_prefixes_and_overrides() -> None:
-    assert flags_of(Top) == {"--out", "--to", "--steps", "--dtype", "--mode", "--data", "--replay", "--no-replay",
+    assert flags_of(Top) == {"--out", "--to", "--steps", "--dtype", "--mode", "--data", "--no-replay",
                              "--graph", "--no-graph", "--ep", "--single", "--schedule", "--lr", "--clip",
                              "--recall-fraction", "--recall-pairs", "--save-every"}
 
 
 def test_flags_left_out_keep_the_dataclass_defaults() -> None:
     assert parse("--out", "r") == Top(out="r")
+    assert parse("--out", "r").optim.lr == 0.25  # a section's default, not its class's
 
 
 def test_every_kind_of_flag_parses_into_its_field() -> None:
@@ -93,7 +94,7 @@ def test_every_kind_of_flag_parses_into_its_field() -> None:
     assert config == Top(out="r", steps=3, dtype="bf16", mode="b", data=["a.txt", "b"], replay=False, graph=False,
                          ep=True, schedule=[[8, 0], [16, 5]], optim=Optim(lr=0.5, clip=2.0),
                          recall=Inner(fraction=0.25, pairs=4, every=7))
-    assert parse("--out", "r", "--replay", "--graph", "--single").replay is True
+    assert parse("--out", "r", "--graph", "--single").replay is True
     assert parse("--out", "r", "--graph").graph is True
     assert parse("--out", "r", "--single").ep is False
 
@@ -107,7 +108,7 @@ def test_bad_flags_are_refused_by_argparse(argv: list[str]) -> None:
 
 def test_help_is_the_field_docstring_with_its_default() -> None:
     text = " ".join(parser_for().format_help().split())
-    assert "peak learning rate, 100% at the top (default 0.003)" in text
+    assert "peak learning rate, 100% at the top (default 0.25)" in text
     assert "share of rows replaced (default 0.0)" in text
     assert "gradient clip (None: off) " in text  # no default shown for None
     assert "optimizer:" in text and "recall tasks:" in text  # a section is a help group titled by its docstring
@@ -141,12 +142,15 @@ def test_two_fields_of_one_flat_name_are_an_error() -> None:
 def test_from_flat_refuses_an_unknown_name() -> None:
     with pytest.raises(ValueError, match="no field 'lrr'"):
         from_flat(Top, lrr=1)
+    with pytest.raises(ValueError, match="no field 'temperature'"):  # derived: the enclosing config sets it
+        from_flat(Top, temperature=1)
 
 
 def test_replace_flat_changes_named_fields_and_keeps_the_rest() -> None:
     base = from_flat(Top, out="r", lr=0.1, recall_pairs=3)
     changed = replace_flat(base, steps=5, save_every=9)
     assert changed == Top(out="r", steps=5, optim=Optim(lr=0.1), recall=Inner(pairs=3, every=9))
+    assert from_flat(Top, clip=1.0).optim == Optim(lr=0.25, clip=1.0)  # flat names start from the section default
     assert base.steps == 10 and base.recall.every == 50
     with pytest.raises(ValueError, match="lr must be positive"):
         replace_flat(base, lr=0)
@@ -167,3 +171,21 @@ def test_from_dict_refuses_unknown_keys_in_either_layout() -> None:
         from_dict(Top, {"bogus": 1})
     with pytest.raises(ValueError, match="Top.optim has no field 'bogus'"):
         from_dict(Top, {"optim": {"bogus": 1}})
+
+
+@dataclass
+class Rollout:
+    threads: int = 8
+
+
+@dataclass
+class Run:
+    rollout: Rollout = section(Rollout, no_flag=("threads",))
+
+
+def test_a_field_without_a_flag_is_not_read_from_an_attribute_of_its_name() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, Run)
+    parser.add_argument("--threads", type=int, default=0)  # the command's own flag of the same name
+    args = parser.parse_args(["--threads", "2"])
+    assert given(Run, args) == {} and from_flat(Run, threads=3).rollout.threads == 3
