@@ -160,7 +160,8 @@ def run_one(entry: dict[str, Any], settings: AblationSettings, out: Path, tokeni
 
         shutil.rmtree(run_dir)  # an unfinished earlier attempt: start the arm over
     config = TrainConfig.flat(preset=settings.base, out=str(run_dir), max_steps=settings.steps,
-                              seq_len=settings.seq_len, batch_size=settings.batch_size, lr=settings.lr, warmup_steps=settings.warmup_steps,
+                              seq_len=settings.seq_len, batch_size=settings.batch_size, lr=settings.lr,
+                              warmup_steps=settings.warmup_steps,
                               seed=entry["seed"], data=list(settings.data), max_corpus_mb=settings.max_corpus_mb,
                               tokenizer=tokenizer_path, eval_every=settings.eval_every, eval_batches=2,
                               save_every=settings.steps, recall_fraction=settings.recall_fraction,
