@@ -55,10 +55,11 @@ def model_overrides(layers: int) -> dict:
 
 def config_for(args, out: Path, arm: str) -> TrainConfig:
     overrides, qb_iters = ARMS[arm]
-    return TrainConfig(preset="small", out=str(out), max_steps=args.steps + 1, seq_len=args.seq,
-                       batch_size=args.batch, device=args.device, cuda_graph=args.device == "cuda", eval_every=args.eval_every,
-                       eval_batches=4, save_every=10 ** 9, max_corpus_mb=args.corpus_mb, tokenizer_sample_mb=4.0,
-                       qb_iters=qb_iters, seed=0, model_overrides={**model_overrides(args.layers), **overrides})
+    return TrainConfig.flat(preset="small", out=str(out), max_steps=args.steps + 1, seq_len=args.seq,
+                            batch_size=args.batch, device=args.device, cuda_graph=args.device == "cuda",
+                            eval_every=args.eval_every, eval_batches=4, save_every=10 ** 9,
+                            max_corpus_mb=args.corpus_mb, tokenizer_sample_mb=4.0, qb_iters=qb_iters, seed=0,
+                            model_overrides={**model_overrides(args.layers), **overrides})
 
 
 def write(path: Path, payload: dict) -> None:

@@ -23,14 +23,14 @@ from k3.train.trainer import TrainConfig, Trainer
 
 
 def run_arm(out: Path, steps: int, qb_iters: int) -> dict:
-    config = TrainConfig(preset="tiny", out=str(out), max_steps=steps, seq_len=256, batch_size=4, lr=3e-3,
-                         warmup_steps=10, max_corpus_mb=1.0, tokenizer_sample_mb=1.0, eval_every=steps,
-                         save_every=steps, recall_fraction=0.25, qb_iters=qb_iters, seed=0)
+    config = TrainConfig.flat(preset="tiny", out=str(out), max_steps=steps, seq_len=256, batch_size=4, lr=3e-3,
+                              warmup_steps=10, max_corpus_mb=1.0, tokenizer_sample_mb=1.0, eval_every=steps,
+                              save_every=steps, recall_fraction=0.25, qb_iters=qb_iters, seed=0)
     trainer = Trainer(config, show_progress=False, log=lambda *_: None)
     summary = trainer.train()
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "maxvio" in r]
     maxvio = [r["maxvio"] for r in rows]
-    after_warmup = np.array(maxvio[config.warmup_steps:])
+    after_warmup = np.array(maxvio[config.optim.warmup_steps:])
     return {"qb_iters": qb_iters, "maxvio": maxvio,
             "maxvio_mean_after_warmup": float(after_warmup.mean()),
             "maxvio_p99_after_warmup": float(np.quantile(after_warmup, 0.99)),

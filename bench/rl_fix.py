@@ -80,10 +80,10 @@ def main() -> None:
         dtype, graphs, routing = VARIANTS[variant]
         if args.device != "cuda":
             dtype, graphs = "fp32", False
-        rl = RLTrainer(RLConfig(suite="fix", out=os.path.join(work, f"rl-{variant}"), algo=args.algo,
-                                group=args.group, tasks_per_step=args.tasks_per_step, steps=args.steps, lr=1e-6,
-                                heldout_tasks=0, device=args.device, max_context=4096, threads=16,
-                                rollout_dtype=dtype, cuda_graphs=graphs, routing_source=routing),
+        rl = RLTrainer(RLConfig.flat(suite="fix", out=os.path.join(work, f"rl-{variant}"), algo=args.algo,
+                                     group=args.group, tasks_per_step=args.tasks_per_step, steps=args.steps, lr=1e-6,
+                                     heldout_tasks=0, device=args.device, max_context=4096, threads=16,
+                                     rollout_dtype=dtype, cuda_graphs=graphs, routing_source=routing),
                        model=model, tokenizer=tokenizer, show_progress=False)
         records = []
         for _ in range(args.steps):

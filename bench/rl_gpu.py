@@ -210,7 +210,7 @@ def rl_config(args, device: torch.device, out: Path, **fields) -> RLConfig:
     else:
         base.update(rollout_dtype="fp32", cuda_graphs=None, routing_source="rollout")
     base.update(fields)
-    return RLConfig(**base)
+    return RLConfig.flat(**base)
 
 
 def new_trainer(config: RLConfig, model, tokenizer, device: torch.device) -> RLTrainer:
@@ -272,7 +272,7 @@ def phase_rl(run: Run, args, work: Path, model, tokenizer, device: torch.device)
     config = trainer.config
     result: dict = {"config": {k: v for k, v in config.to_dict().items() if k not in ("run", "out")}}
     run.summary["rl"] = result
-    probe = trainer.evaluate(count=args.train_probe, temperature=config.temperature, samples=args.group,
+    probe = trainer.evaluate(count=args.train_probe, temperature=config.rollout.temperature, samples=args.group,
                              split="train")
     gate = probe["heldout_pass_at_k"] - probe["heldout_pass_rate"]
     result["gate"] = {"tasks": probe["heldout_tasks"], "sampled_pass_rate": probe["heldout_pass_rate"],

@@ -9,7 +9,7 @@ bench/train_default_gpu.sh (which runs each under its own timeout and says the b
 Every part writes its results into OUT/results.json (read, updated, written atomically) as soon as it has them,
 so a part stopped by its timeout loses only what it had not finished.
 
-b  `Trainer(TrainConfig(preset="small", seq_len=4096, batch_size=4, device="cuda"))`, every other field at its
+b  `Trainer(TrainConfig.flat(preset="small", seq_len=4096, batch_size=4, device="cuda"))`, every other field at its
    default (graphed step, documents apart, published QB, bf16 parameters with fp32 masters, metrics read every
    10 steps): the first step's time, p50 / p99 step time per 100-step window (of the 10-step windows' means:
    the default reads the device every 10 steps, so no single step is timed), tokens/s and MFU of the whole
@@ -97,8 +97,8 @@ def part_b(args) -> None:
     out, work = Path(args.out), Path(args.work)
     started = time.perf_counter()
     deadline = started + args.budget_s
-    config = TrainConfig(out=str(work / "b"), max_steps=args.steps + 1, eval_every=10 ** 9, eval_batches=1,
-                         save_every=10 ** 9, **shape(args))
+    config = TrainConfig.flat(out=str(work / "b"), max_steps=args.steps + 1, eval_every=10 ** 9, eval_batches=1,
+                              save_every=10 ** 9, **shape(args))
     trainer = Trainer(config, show_progress=False, log=say)
     say(f"part b: built in {time.perf_counter() - started:.1f} s; bf16 parameters {trainer.bf16_params}, graphed "
         f"{trainer.graph_step}, log_every {trainer.log_every}")
@@ -106,11 +106,11 @@ def part_b(args) -> None:
     first = trainer.train(stop_at=3)
     print(MARK_AFTER_STEP_3, file=sys.stderr, flush=True)
     frames_after_3 = int(counters["frames"]["ok"])
-    result = {"shape": f"{config.preset} {config.batch_size} x {config.seq_len}", "steps_asked": args.steps,
+    result = {"shape": f"{config.preset} {config.data.batch_size} x {config.data.seq_len}", "steps_asked": args.steps,
               "first_step_s": first.get("first_step_s"), "bf16_params": trainer.bf16_params,
               "graphed": trainer.graph_step, "log_every": trainer.log_every}
     flops = flops_per_token(trainer)
-    tokens = config.batch_size * config.seq_len
+    tokens = config.data.batch_size * config.data.seq_len
     while trainer.step < args.steps and time.perf_counter() < deadline:
         run_in_chunks(trainer, min(trainer.step + 100, args.steps), deadline, 100)
         records = [r for r in read_metrics(work / "b" / "metrics.jsonl") if "loss" in r]
@@ -166,9 +166,9 @@ def part_c(args) -> None:
         arm_started = time.perf_counter()
         arm_deadline = arm_started + (deadline - arm_started) / (len(ABLATION_ARMS) - index)
         config = qb_ablation.config_for(ablation, work / "c" / arm, arm)
-        config.tokenizer = tokenizer
+        config.data.tokenizer = tokenizer
         if args.master_weights != "auto":  # the shell's fallback when part b failed with the default
-            config.master_weights = args.master_weights
+            config.optim.master_weights = args.master_weights
         if args.dry_run:
             config.model_overrides = {**config.model_overrides, **shape(args)["model_overrides"]}
             config.preset = "debug"
@@ -236,14 +236,14 @@ def part_e(args) -> None:
         values = {**shape(args), **changes, "tokenizer": tokenizer}
         if args.dry_run and name == "matched_default":
             continue  # the matched config is 0.5B parameters: not a dry run
-        config = TrainConfig(out=str(work / "e" / name), max_steps=args.steps + 1, eval_every=10 ** 9,
-                             eval_batches=1, save_every=10 ** 9, **values)
+        config = TrainConfig.flat(out=str(work / "e" / name), max_steps=args.steps + 1, eval_every=10 ** 9,
+                                  eval_batches=1, save_every=10 ** 9, **values)
         trainer = Trainer(config, show_progress=False, log=say)
         first = trainer.train(stop_at=3)
         run_in_chunks(trainer, args.steps, deadline, 20)
         records = [r for r in read_metrics(work / "e" / name / "metrics.jsonl") if "loss" in r]
         overall = step_stats(records, 11, trainer.step)
-        tokens = config.batch_size * config.seq_len
+        tokens = config.data.batch_size * config.data.seq_len
         tps = tokens / (overall["p50_ms"] / 1e3) if overall else 0.0
         results[name] = {"steps_run": trainer.step, "first_step_s": first.get("first_step_s"),
                          "bf16_params": trainer.bf16_params, "step_after_10": overall, "tokens_per_s": tps,

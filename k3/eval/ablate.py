@@ -159,15 +159,16 @@ def run_one(entry: dict[str, Any], settings: AblationSettings, out: Path, tokeni
         import shutil
 
         shutil.rmtree(run_dir)  # an unfinished earlier attempt: start the arm over
-    config = TrainConfig(preset=settings.base, out=str(run_dir), max_steps=settings.steps, seq_len=settings.seq_len,
-                         batch_size=settings.batch_size, lr=settings.lr, warmup_steps=settings.warmup_steps,
-                         seed=entry["seed"], data=list(settings.data), max_corpus_mb=settings.max_corpus_mb,
-                         tokenizer=tokenizer_path, eval_every=settings.eval_every, eval_batches=2,
-                         save_every=settings.steps, recall_fraction=settings.recall_fraction,
-                         recall_pairs=settings.recall_pairs, recall_queries=settings.recall_queries,
-                         recall_length=settings.recall_length, recall_weight=settings.recall_weight,
-                         model_overrides=dict(entry["model"]),
-                         **entry["train"])
+    config = TrainConfig.flat(preset=settings.base, out=str(run_dir), max_steps=settings.steps,
+                              seq_len=settings.seq_len, batch_size=settings.batch_size, lr=settings.lr,
+                              warmup_steps=settings.warmup_steps,
+                              seed=entry["seed"], data=list(settings.data), max_corpus_mb=settings.max_corpus_mb,
+                              tokenizer=tokenizer_path, eval_every=settings.eval_every, eval_batches=2,
+                              save_every=settings.steps, recall_fraction=settings.recall_fraction,
+                              recall_pairs=settings.recall_pairs, recall_queries=settings.recall_queries,
+                              recall_length=settings.recall_length, recall_weight=settings.recall_weight,
+                              model_overrides=dict(entry["model"]),
+                              **entry["train"])
     started = time.perf_counter()
     trainer = Trainer(config, show_progress=False, log=lambda *_: None)
     summary = trainer.train()
@@ -208,9 +209,9 @@ def _prepare_tokenizer(settings: AblationSettings, out: Path) -> str:
     if (directory / "tokenizer.json").is_file():
         return str(directory)
     probe = out / "tokenizer_run"
-    config = TrainConfig(preset=settings.base, out=str(probe), max_steps=1, seq_len=settings.seq_len,
-                         data=list(settings.data), max_corpus_mb=settings.max_corpus_mb,
-                         tokenizer_sample_mb=settings.max_corpus_mb)
+    config = TrainConfig.flat(preset=settings.base, out=str(probe), max_steps=1, seq_len=settings.seq_len,
+                              data=list(settings.data), max_corpus_mb=settings.max_corpus_mb,
+                              tokenizer_sample_mb=settings.max_corpus_mb)
     trainer = Trainer(config, show_progress=False, log=lambda *_: None)
     trainer.tokenizer.save(directory)
     import shutil

@@ -47,10 +47,11 @@ def _mqar_layout(args: argparse.Namespace, vocab_size: int):
     pairs, queries = args.mqar_pairs, None
     if args.run:
         saved = Path(args.run) / "train_config.json"
-        if saved.is_file():
-            trained = json.loads(saved.read_text())
-            if pairs is None:
-                pairs, queries = trained.get("recall_pairs"), trained.get("recall_queries")
+        if saved.is_file() and pairs is None:
+            from k3.train.config import TrainConfig
+
+            trained = TrainConfig.from_dict(json.loads(saved.read_text()))  # sectioned, or an earlier flat layout
+            pairs, queries = trained.recall.pairs, trained.recall.queries
     pairs = pairs or 8
     return RecallTask(vocab_size, num_pairs=pairs, num_queries=queries or pairs)
 

@@ -2,9 +2,10 @@
 per-request sampling on the device) behind `k3 generate`, `k3 chat`, `k3 serve`, evaluation and RL rollouts."""
 
 from k3.infer.engine import Completion, Engine, RequestOutput, ScoreOutput, TokenEvent, greedy_without_cache
+from k3.infer.engine_config import EngineConfig
 from k3.infer.sampling import SamplingParams, filter_logits, sample_next
 
-__all__ = ["Engine", "AsyncEngine", "QueueFull", "SamplingParams", "Completion", "RequestOutput", "ScoreOutput",
+__all__ = ["Engine", "EngineConfig", "AsyncEngine", "QueueFull", "SamplingParams", "Completion", "RequestOutput", "ScoreOutput",
            "TokenEvent", "greedy_without_cache", "filter_logits", "sample_next"]
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from k3.checkpoint.inference import load_for_inference
 from k3.infer.engine import Engine
+from k3.infer.engine_config import EngineConfig
 from k3.infer.sampling import SamplingParams
 from k3.runtime import DTYPE_CHOICES, DTYPE_HELP, resolve_device
 
@@ -36,14 +38,15 @@ def load_multimodal(path: str, device: str):
     return model.language_model, tokenizer, ImageInputs(model)
 
 
-def build_engine(model, tokenizer, **options) -> Engine:
-    """Engine(model, tokenizer, **options), with an allocation that fails (sizes too large for the device)
+def build_engine(model, tokenizer, config: EngineConfig | None = None, **options) -> Engine:
+    """Engine(model, tokenizer, config, **options), with an allocation that fails (sizes too large for the device)
     reported against the flags that set them."""
+    config = dataclasses.replace(config or EngineConfig(), **options)
     try:
-        return Engine(model, tokenizer, **options)
+        return Engine(model, tokenizer, config)
     except (RuntimeError, MemoryError, OverflowError) as error:
-        raise RuntimeError(f"the engine's caches for --max-context {options.get('max_context')} and --max-batch "
-                           f"{options.get('max_batch')} could not be allocated ({type(error).__name__}: "
+        raise RuntimeError(f"the engine's caches for --max-context {config.max_context} and --max-batch "
+                           f"{config.max_batch} could not be allocated ({type(error).__name__}: "
                            f"{str(error).splitlines()[0][:200]}); lower --max-context or --max-batch") from error
 
 

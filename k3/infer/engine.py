@@ -16,6 +16,7 @@ against a recompute-everything reference.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.infer.cache_pool import CachePool
+from k3.infer.engine_config import (EngineConfig, default_prefill_chunk, fit_prefill_to_memory,  # noqa: F401
+                                    long_prefill_chunk, plan_engine)
 from k3.kernels import applied as kernels_applied
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.runner import ModelRunner
@@ -69,115 +72,41 @@ class ScoreOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
-def default_prefill_chunk(max_context: int, on_gpu: bool) -> tuple[int, int]:
-    """(prefill chunk, prefill tokens a step or a scoring forward takes) for an engine of max_context tokens.
-
-    On a GPU a prefill forward of a mid-size model is bound by kernel launches up to several thousand tokens
-    (measured for `small` on one H200: a 512-token chunk 9 ms of GPU work under 78 ms of host time; an 8K prompt
-    through the engine in 2,048-token chunks 616 ms, as one 8K forward 146 ms), so the short chunk is 8,192 tokens
-    there and 512 elsewhere; long contexts take longer ones (long_prefill_chunk). A step's prefills (and a scoring
-    forward) take four long chunks' tokens, or with the short chunk 8,192 on a GPU (the four 2,048-token chunks
-    of before) and 2,048 (four chunks) elsewhere."""
-    short = 8192 if on_gpu else 512
-    long_chunk = long_prefill_chunk(max_context)
-    if long_chunk and long_chunk > short:
-        return long_chunk, 4 * long_chunk
-    return short, 8192 if on_gpu else 2048
-
-
-def long_prefill_chunk(length: int) -> int | None:
-    """Prefill chunk for contexts of `length` tokens: None (the engine's short default) up to 32K, then
-    length/16 in multiples of 2,048, at most 65,536. Each chunk after the first up-projects MLA's keys and
-    values over the whole context so far, so a 1M prompt in the default 2,048-token chunks would do that 512
-    times; 16 chunks keep it cheap while one chunk's MoE intermediate stays far below one whole-prompt forward's."""
-    chunk = (length // 16) // 2048 * 2048
-    return min(65536, chunk) if chunk > 2048 else None
-
-
 class Engine:
     """model: K3ForCausalLM (put in eval mode here); tokenizer: the project's tokenizer interface or None.
 
-    max_context: longest prompt + generation per sequence. max_batch: most sequences running at once (KDA
-    slots for requests). page_size: tokens per MLA page. prefill_chunk: longest prefill forward (a multiple of
-    page_size; default_prefill_chunk's by default). max_step_tokens: token budget of a step (decodes count one
-    each; default: default_prefill_chunk's step tokens, or four chunks, plus max_batch). prefix_slots: KDA slots
-    kept for prefix-cache states (0 turns prefix caching off). num_pages: MLA pages in the pool (default:
-    enough for max_batch full contexts). fuse_weights: run projections that read one input as one GEMM over
-    one weight buffer (k3.layers.fused_weights; names and state_dict unchanged); default: with CUDA graphs,
-    for a model whose parameters are all frozen. kernels: k3.kernels choices held while the engine works (setup,
-    steps, scoring), e.g. {"moe": "torch"}."""
+    config: the engine's settings (k3.infer.engine_config.EngineConfig: max_context, max_batch, page_size,
+    prefill_chunk, max_step_tokens, prefix_cache, prefix_slots, num_pages, dtype, use_cuda_graphs, record_routing,
+    fuse_weights); keyword options are its fields, replacing config's: Engine(model, tok, max_context=512).
+    What the settings leave open is decided by engine_config.plan_engine, in one place; self.plan holds the result.
+    kernels: k3.kernels choices held while the engine works (setup, steps, scoring), e.g. {"moe": "torch"}."""
 
     @kernels_applied
-    def __init__(self, model, tokenizer=None, max_context: int = 4096, max_batch: int = 32, page_size: int = 32,
-                 prefill_chunk: int | None = None, max_step_tokens: int | None = None, prefix_cache: bool = True,
-                 prefix_slots: int | None = None, num_pages: int | None = None, dtype: torch.dtype | None = None,
-                 use_cuda_graphs: bool | None = None, record_routing: bool = False,
-                 fuse_weights: bool | None = None, *, kernels: dict[str, str] | None = None) -> None:
-        if max_context < 2:
-            raise ValueError(f"max_context must be >= 2 (a prompt token and a new one), got {max_context}")
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if record_routing:
-            # Recording runs Python hooks in every forward (no CUDA graphs), and a prompt's routing must come
-            # from its own prefill (a prefix-cache hit would skip it).
-            if use_cuda_graphs:
-                raise ValueError("record_routing needs eager decode steps; leave use_cuda_graphs unset or False")
-            use_cuda_graphs, prefix_cache = False, False
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *,
+                 kernels: dict[str, str] | None = None, **options) -> None:
+        config = dataclasses.replace(config or EngineConfig(), **options)
+        plan = plan_engine(config, model)
+        self.engine_config = config
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.config = model.config
-        self.max_context, self.max_batch = max_context, max_batch
+        self.max_context, self.max_batch = config.max_context, config.max_batch
         self.device = next(model.parameters()).device
-        dtype = dtype or next(model.parameters()).dtype
-        batch_tokens = None
-        if prefill_chunk is None:
-            prefill_chunk, batch_tokens = default_prefill_chunk(max_context, self.device.type == "cuda")
-        prefill_chunk = max(page_size, (prefill_chunk // page_size) * page_size)
-        # Tokens of a step's prefills and of a scoring forward (decoding rows add one each to a step).
-        self.batch_tokens = batch_tokens or 4 * prefill_chunk
-        max_pages = pages_for(max_context, page_size)
-        prefix_slots = (max_batch if prefix_cache else 0) if prefix_slots is None else prefix_slots
-        if num_pages is None:
-            num_pages = max_batch * max_pages + (prefix_slots * max_pages // 2)
-            if self.device.type == "cuda":
-                # Full contexts for every slot can outgrow the GPU at long contexts: keep the pages within
-                # half of the free memory; admission then waits for pages instead of the allocation failing.
-                page_bytes = (self.config.layer_types.count("mla") * page_size
-                              * (self.config.kv_lora_rank + self.config.qk_rope_head_dim) * dtype.itemsize)
-                free, _ = torch.cuda.mem_get_info(self.device)
-                num_pages = max(max_pages, min(num_pages, int(0.5 * free) // max(page_bytes, 1)))
-        self.pool = CachePool(self.config, max_batch + prefix_slots, num_pages, page_size, self.device, dtype)
-        self.prefill_fit = None
-        if self.device.type == "cuda" and batch_tokens is not None and max_step_tokens is None:
-            # The default sizes come from max_context; what is left of the device after the weights and the pool
-            # may hold less (k3.infer.memory_budget). Cached blocks the allocator holds count as free.
-            from k3.infer.memory_budget import fit_prefill
-
-            free, _ = torch.cuda.mem_get_info(self.device)
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            self.prefill_fit = fit_prefill(self.config, max_context, prefill_chunk, self.batch_tokens, free,
-                                           dtype.itemsize, quantum=max(page_size, 2048))
-            prefill_chunk = max(page_size, self.prefill_fit.chunk // page_size * page_size)
-            self.batch_tokens = self.prefill_fit.step_tokens
-        self.prefix_cache = PrefixCache(self.pool, prefix_slots) if prefix_slots > 0 else None
-        self.scheduler = Scheduler(self.pool, self.prefix_cache, max_batch, max_context, prefill_chunk,
-                                   max_step_tokens or self.batch_tokens + max_batch)
-        if use_cuda_graphs is None:
-            # The MoE layers capture only on the bf16 grouped-GEMM path; the expert loop (other dtypes) reads
-            # its counts back to the host, which a graph cannot hold.
-            use_cuda_graphs = self.device.type == "cuda" and (dtype == torch.bfloat16 or not model.routers())
-        if fuse_weights is None:
-            # Projections that read one input become one GEMM over one weight buffer (k3.layers.fused_weights):
-            # worth it where launches set the step (graphs); only for frozen copies, whose weights the engine
-            # alone reads (a model being trained keeps its separate projections either way).
-            fuse_weights = use_cuda_graphs and not any(p.requires_grad for p in model.parameters())
-        if fuse_weights:
+        self.pool = CachePool(self.config, config.max_batch + plan.prefix_slots, plan.num_pages, config.page_size,
+                              self.device, plan.dtype)
+        self.plan = plan = fit_prefill_to_memory(plan, config, model)
+        self.batch_tokens, self.prefill_fit = plan.batch_tokens, plan.prefill_fit
+        self.prefix_cache = PrefixCache(self.pool, plan.prefix_slots) if plan.prefix_slots > 0 else None
+        self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_batch, config.max_context,
+                                   plan.prefill_chunk, plan.max_step_tokens)
+        if plan.fuse_weights:
             from k3.layers.fused_weights import fuse_model_weights
 
             fuse_model_weights(model)
+        record_routing = config.record_routing
         # K3_COMPILE_DECODE=1 compiles the decode step (k3.infer.runner); recording routes runs Python hooks in
         # every forward, which a compiled graph would not run.
-        self.runner = ModelRunner(self.model, self.pool, max_pages, use_cuda_graphs,
+        self.runner = ModelRunner(self.model, self.pool, plan.max_pages, plan.use_cuda_graphs,
                                   compile_decode=False if record_routing else None)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

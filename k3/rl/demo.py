@@ -198,17 +198,18 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
         sft_summary = sft.train()
     say(f"SFT: {sft_summary['steps']} steps, loss {sft_summary['first_loss']:.3f} -> {sft_summary['last_loss']:.3f}")
 
-    rl_config = RLConfig(run=str(out_dir / "sft"), suite=SUITE, out=str(out_dir / "rl"), algo=algo, group=group,
-                         tasks_per_step=tasks_per_step, steps=rl_steps, lr=lr, heldout_every=rl_steps,
-                         heldout_tasks=heldout, save_every=rl_steps, seed=seed, max_context=1024, device="cpu",
-                         dynamic_sampling=True, refill_rounds=refill_rounds)
+    rl_config = RLConfig.flat(run=str(out_dir / "sft"), suite=SUITE, out=str(out_dir / "rl"), algo=algo, group=group,
+                              tasks_per_step=tasks_per_step, steps=rl_steps, lr=lr, heldout_every=rl_steps,
+                              heldout_tasks=heldout, save_every=rl_steps, seed=seed, max_context=1024, device="cpu",
+                              dynamic_sampling=True, refill_rounds=refill_rounds)
     with clock("train_probe"):
         trainer = RLTrainer(rl_config, show_progress=False, log=lambda *_: None)
         # The gate, on the training distribution: tasks of RL's own stream, k samples each.
-        probe = trainer.evaluate(count=train_probe, temperature=rl_config.temperature, samples=group, split="train")
+        probe = trainer.evaluate(count=train_probe, temperature=rl_config.rollout.temperature, samples=group,
+                                 split="train")
     gate = probe["heldout_pass_at_k"] - probe["heldout_pass_rate"]
     say(f"training tasks before RL ({probe['heldout_tasks']}, {group} samples each at temperature "
-        f"{rl_config.temperature:g}): sampled pass@1 {probe['heldout_pass_rate']:.3f}, pass@{group} "
+        f"{rl_config.rollout.temperature:g}): sampled pass@1 {probe['heldout_pass_rate']:.3f}, pass@{group} "
         f"{probe['heldout_pass_at_k']:.3f}: headroom {gate:.3f} "
         + ("(the gate of >= %.2f holds)" % HEADROOM_GATE if gate >= HEADROOM_GATE else
            "BELOW the gate of %.2f: RL has little to find on this start" % HEADROOM_GATE))

@@ -56,10 +56,10 @@ def _write_domains(data_dir: Path, code_mb: float) -> dict[str, Path]:
 def _train(out: Path, data: list[Path], tokenizer_dir: Path, steps: int, seed: int, log) -> None:
     from k3.train.trainer import TrainConfig, Trainer
 
-    config = TrainConfig(preset="debug", out=str(out), max_steps=steps, seq_len=64, batch_size=8, lr=3e-3,
-                         warmup_steps=10, eval_every=steps, eval_batches=4, save_every=steps, seed=seed,
-                         data=[str(p) for p in data], tokenizer=str(tokenizer_dir), device="cpu",
-                         model_overrides={"vocab_size": VOCAB})
+    config = TrainConfig.flat(preset="debug", out=str(out), max_steps=steps, seq_len=64, batch_size=8, lr=3e-3,
+                              warmup_steps=10, eval_every=steps, eval_batches=4, save_every=steps, seed=seed,
+                              data=[str(p) for p in data], tokenizer=str(tokenizer_dir), device="cpu",
+                              model_overrides={"vocab_size": VOCAB})
     summary = Trainer(config, log=lambda *_: None, show_progress=False).train()
     log(f"  {out.name}: {steps} steps, val loss {summary.get('first_val_loss', float('nan')):.3f} -> "
         f"{summary.get('last_val_loss', float('nan')):.3f}")

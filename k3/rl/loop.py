@@ -20,12 +20,10 @@ store), so a resumed run continues them as the unbroken run does.
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,96 +31,15 @@ import torch
 from tqdm import tqdm
 
 from k3.atomic import atomic_write_bytes
-from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages, loss_config_for
-from k3.rl.policy import PolicyConfig, PolicyUpdater, Sequence
-from k3.rl.rollout import Episode, RolloutConfig, RolloutRunner
+from k3.rl.config import MAX_REFILL_ROUNDS, REFILL_START, RLConfig  # noqa: F401 (RLConfig: k3.rl.loop's API)
+from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages
+from k3.rl.policy import PolicyUpdater, Sequence
+from k3.rl.rollout import Episode, RolloutRunner
 from k3.rl.rollout_engine import build_engine, rollout_copy, sync_rollout_copy, weights_changed
 from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.rl.tasks import Task, load_tasks
-from k3.runtime import DTYPE_CHOICES, autocast_dtype, resolve_device, seed_everything
+from k3.runtime import autocast_dtype, resolve_device, seed_everything
 from k3.train.metrics import MetricsLog, read_metrics
-
-
-@dataclass
-class RLConfig:
-    run: str = ""  # the starting checkpoint: a k3 run directory or checkpoint file
-    suite: str = "calc"  # calc | fix | files | a path to user tasks
-    out: str = "runs/rl"
-    algo: str = "gspo"
-    group: int = 8
-    tasks_per_step: int = 4
-    steps: int = 20
-    lr: float = 1e-5
-    minibatches: int = 1
-    temperature: float = 1.0
-    eval_temperature: float = 0.0
-    # Held-out episodes per task at the rollout temperature, for sampled pass@1 and pass@k beside the greedy
-    # pass rate at every held-out evaluation (None: the group size; 0: greedy only).
-    heldout_samples: int | None = None
-    heldout_every: int = 10
-    heldout_tasks: int = 50
-    save_every: int = 10
-    seed: int = 0
-    kl_coef: float = 0.0
-    tis_cap: float | None = 2.0
-    clip_low: float | None = None  # None: the algorithm's default
-    clip_high: float | None = None
-    tau: float | None = None
-    dynamic_sampling: bool | None = None  # None: on for dapo only
-    # Dynamic sampling refills the batch (DAPO): while fewer than tasks_per_step groups have unequal rewards,
-    # fresh tasks are drawn and rolled out, at most this many extra rounds a step (0: drop without refilling).
-    refill_rounds: int = 3
-    routing_replay: bool = True
-    routing_source: str = "rollout"  # rollout: replay the engine's recorded experts; trainer: the old-policy pass's
-    update_balancer: bool = False
-    max_context: int = 2048
-    tool_budget: int = 1000
-    iteration_token_budget: int | None = None
-    micro_tokens: int = 8192
-    device: str = "auto"
-    threads: int = 8
-    cuda_graphs: bool | None = None  # the engine's CUDA-graph decode (None: the engine decides)
-    # The in-process engine's weights: auto = a bf16 copy of the policy on CUDA (the grouped-GEMM MoE and CUDA
-    # graphs need bf16), refreshed after every update; fp32/bf16 force one (fp32: the trainer's policy itself).
-    rollout_dtype: str = "auto"
-    ray: str | None = None  # rollouts on Ray workers: "local" (start or join a local Ray) or a cluster address
-    rollout_workers: int = 2  # Ray rollout workers, each with a policy copy, an engine and its sandboxes
-    rollout_worker_cpus: float = 1.0
-    rollout_worker_gpus: float = 0.0
-    rollout_timeout_s: float | None = None  # --ray: longest wait for the workers' answer to one call
-    sandbox_backend: str = "local"  # "local" (namespaces) or "vm" (microVMs, where KVM works; docs/sandbox.md)
-
-    def __post_init__(self) -> None:
-        if self.algo not in ALGORITHMS:
-            raise ValueError(f"algo must be one of {sorted(ALGORITHMS)}, got {self.algo!r}")
-        for name in ("group", "tasks_per_step", "steps", "heldout_every", "save_every", "minibatches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.routing_source not in ("rollout", "trainer"):
-            raise ValueError(f"routing_source must be 'rollout' or 'trainer', got {self.routing_source!r}")
-        if self.cuda_graphs and self.routing_replay and self.routing_source == "rollout":
-            raise ValueError("cuda_graphs=True cannot record the rollout's routing (the engine records in eager steps "
-                             "only): use routing_source='trainer' with CUDA graphs, or leave cuda_graphs unset")
-        if self.heldout_samples is not None and self.heldout_samples < 0:
-            raise ValueError(f"heldout_samples must be >= 0 (0: greedy only), got {self.heldout_samples}")
-        if self.heldout_tasks < 0:
-            raise ValueError(f"heldout_tasks must be >= 0, got {self.heldout_tasks}")
-        if not 0 <= self.refill_rounds <= MAX_REFILL_ROUNDS:
-            raise ValueError(f"refill_rounds must be in [0, {MAX_REFILL_ROUNDS}], got {self.refill_rounds}")
-        if self.sandbox_backend not in ("local", "vm"):
-            raise ValueError(f"sandbox_backend must be 'local' or 'vm', got {self.sandbox_backend!r}")
-        if self.sandbox_backend == "vm" and (self.ray or self.iteration_token_budget):
-            raise ValueError("sandbox_backend='vm' runs rollouts in this process without parking (no --ray, no "
-                             "--iteration-token-budget): parked and exported snapshots are the local backend's")
-        if self.rollout_dtype not in DTYPE_CHOICES:
-            raise ValueError(f"rollout_dtype must be one of {DTYPE_CHOICES}, got {self.rollout_dtype!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-# Refill draws come from indices far from every step's first draw (which starts at 0).
-REFILL_START, MAX_REFILL_ROUNDS = 1 << 30, 16
 
 
 class TaskSource:
@@ -214,10 +131,10 @@ class RLTrainer:
         self.out = Path(config.out)
         state = open_run(self.out, resume, "rl", "k3 rl", "an RL run")
         if state is not None:
-            saved = RLConfig(**state["rl"])
+            saved = RLConfig.from_dict(state["rl"])  # nested, or the flat layout of earlier runs
             if steps_override is not None and steps_override < state["step"]:
                 raise ValueError(f"--steps {steps_override} is below the {state['step']} steps this run has done")
-            config = dataclasses.replace(saved, out=config.out, steps=steps_override or saved.steps)
+            config = saved.replace(out=config.out, steps=steps_override or saved.steps)
         self.config = config
         from k3.rl.data_parallel import Ranks
 
@@ -241,28 +158,16 @@ class RLTrainer:
             self.model, self.tokenizer = load_for_inference(config.run, None, str(self.device))
         self.model_config = self.model.config
         self.reference = None
-        if config.kl_coef > 0:
+        if config.loss.kl_coef > 0:
             import copy
 
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        loss_config = loss_config_for(config.algo, clip_low=config.clip_low, clip_high=config.clip_high,
-                                      tau=config.tau, tis_cap=config.tis_cap, kl_coef=config.kl_coef,
-                                      norm_length=config.max_context)
-        # loss_config_for skips None overrides: tis_cap=None has to be set here to turn truncated IS off.
-        loss_config = dataclasses.replace(loss_config, tis_cap=config.tis_cap)
-        policy = PolicyConfig(algorithm=config.algo, lr=config.lr, minibatches=config.minibatches,
-                              micro_tokens=config.micro_tokens, temperature=config.temperature or 1.0,
-                              routing_replay=config.routing_replay,
-                              update_balancer=config.update_balancer)
-        self.updater = PolicyUpdater(self.model, policy, loss_config, reference=self.reference,
+        self.updater = PolicyUpdater(self.model, config.policy, config.loss, reference=self.reference,
                                      autocast=self.autocast)
-        record_routing = config.routing_replay and config.routing_source == "rollout"
-        max_batch = min(256, config.group * config.tasks_per_step)
-        rollout = RolloutConfig(temperature=config.temperature, max_context=config.max_context,
-                                tool_budget=config.tool_budget, iteration_token_budget=config.iteration_token_budget,
-                                threads=config.threads, max_live_episodes=max_batch,
-                                sandbox_backend=config.sandbox_backend)
-        if config.sandbox_backend == "vm":  # fail now, saying why, rather than fail every episode's sandbox
+        record_routing = config.policy.routing_replay and config.routing_source == "rollout"
+        rollout = config.rollout
+        max_batch = rollout.max_live_episodes  # a step's episodes all run at once
+        if rollout.sandbox_backend == "vm":  # fail now, saying why, rather than fail every episode's sandbox
             from k3.sandbox.vm.config import VmConfig, require_kvm
 
             require_kvm(VmConfig.from_env())
@@ -280,7 +185,7 @@ class RLTrainer:
                                       dtype=config.rollout_dtype)
         else:
             self.rollout_model = rollout_copy(self.model, config.rollout_dtype)
-            self.engine = build_engine(self.rollout_model, self.tokenizer, config.max_context, max_batch=max_batch,
+            self.engine = build_engine(self.rollout_model, self.tokenizer, rollout.max_context, max_batch=max_batch,
                                        cuda_graphs=config.cuda_graphs, record_routing=record_routing)
             self.runner = RolloutRunner(self.engine, self.tokenizer, rollout, seed=config.seed)
         if state is not None:
@@ -375,7 +280,7 @@ class RLTrainer:
         if not greedy or k < 1:
             return greedy
         sampled = self.evaluate(count if sampled_count is None else sampled_count,
-                                temperature=self.config.temperature, outcomes=outcomes, samples=k)
+                                temperature=self.config.rollout.temperature, outcomes=outcomes, samples=k)
         result = {**greedy, "heldout_sampled_pass_rate": sampled["heldout_pass_rate"], "heldout_samples": k,
                   "heldout_sampled_tasks": sampled["heldout_tasks"],
                   "heldout_sandbox_calls": greedy["heldout_sandbox_calls"] + sampled["heldout_sandbox_calls"]}
@@ -422,8 +327,8 @@ class RLTrainer:
             count = min(want, math.ceil((want - kept) * drawn / max(kept, 1)))
             tasks, indices = self.ranks.share(self.tasks.refill(self.step, rounds, count, stride=want))
             # Its own sampling seeds (they follow from the step argument): a task drawn again samples afresh.
-            more = self.runner.run_aside(tasks, config.group, f"{self.step}/refill {rounds}", config.temperature,
-                                         indices)
+            more = self.runner.run_aside(tasks, config.group, f"{self.step}/refill {rounds}",
+                                         config.rollout.temperature, indices)
             for key, value in self.runner.stats.items():
                 if isinstance(value, (int, float)) and key != "rollout_tokens_per_s":
                     stats[key] = stats.get(key, 0) + value

@@ -37,12 +37,20 @@ import torch
 
 @dataclass
 class LossConfig:
+    """The policy loss's settings; each field's docstring is its `k3 rl` --help text."""
+
     clip_low: float = 0.2
+    """lower clip of the importance ratio, 1 - clip_low (default: the algorithm's published value)"""
     clip_high: float = 0.2
-    tau: float = 0.1  # pmd: the KL-regulariser's strength
-    norm_length: int | None = None  # drgrpo: the constant length it divides by (required by drgrpo)
-    tis_cap: float | None = 2.0  # truncated importance sampling cap (None: off)
-    kl_coef: float = 0.0  # weight of the k3 KL estimate to a frozen reference (0: no reference)
+    """upper clip of the importance ratio, 1 + clip_high (default: the algorithm's published value)"""
+    tau: float = 0.1
+    """pmd: the KL strength"""
+    norm_length: int | None = None
+    """drgrpo: the constant length it divides by (required by drgrpo)"""
+    tis_cap: float | None = 2.0
+    """truncated importance sampling cap (default 2; None: off)"""
+    kl_coef: float = 0.0
+    """KL to the frozen starting policy, the k3 estimate's weight (default 0: no reference)"""
 
 
 @dataclass

@@ -111,15 +111,26 @@ def pad(rows: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
 
 @dataclass
 class PolicyConfig:
+    """The policy update's settings; each field's docstring is its `k3 rl` --help text."""
+
     algorithm: str = "gspo"
+    """the policy objective (k3.rl.losses.ALGORITHMS)"""
     lr: float = 1e-5
+    """AdamW learning rate"""
     weight_decay: float = 0.0
+    """AdamW weight decay"""
     grad_clip: float = 1.0
-    minibatches: int = 1  # optimizer steps per batch of rollouts (>1: later ones are off-policy, ratios clip)
+    """clip the global gradient norm to this"""
+    minibatches: int = 1
+    """optimizer steps per batch of rollouts (>1: later ones are off-policy, ratios clip)"""
     micro_tokens: int = 8192
-    temperature: float = 1.0  # the rollout's sampling temperature: logprobs of softmax(logits / temperature)
+    """tokens of one packed forward and backward"""
+    temperature: float = 1.0
+    """the rollout's sampling temperature: logprobs of softmax(logits / temperature)"""
     routing_replay: bool = True
+    """the update's MoE layers route each token to the experts it took when sampled"""
     update_balancer: bool = False
+    """let the update move the routers' Quantile-Balancing biases (frozen during RL otherwise)"""
     # Packed micro-batches padded to a multiple of this many tokens (k3.data.packing.filler_length); None:
     # PACK_MULTIPLE_CUDA on CUDA, 0 (no padding) elsewhere.
     pack_multiple: int | None = None

@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from k3.cli_config import option
 from k3.rl.chat_format import parse_tool_calls, render_ids, tool_message_ids
 from k3.rl.generation import generate
 from k3.rl.tasks import Task
@@ -84,22 +85,32 @@ class Episode:
 
 @dataclass
 class RolloutConfig:
+    """How episodes are rolled out; each field's docstring is its `k3 rl` --help text."""
+
     temperature: float = 1.0
+    """sampling temperature of the rollouts"""
     top_p: float = 1.0
+    """nucleus sampling of the rollouts (1: off)"""
     max_context: int = 4096
-    tool_budget: int = 2000  # characters of one tool observation
+    """longest episode (prompt, turns and tool observations), in tokens"""
+    tool_budget: int = 2000
+    """characters of one tool observation"""
     tool_timeout: float = 20.0
-    iteration_token_budget: int | None = None  # partial rollouts: park episodes past this many tokens a step
+    """seconds one tool call may run"""
+    iteration_token_budget: int | None = None
+    """partial rollouts: park episodes once a step has generated this many tokens"""
     threads: int = 8
+    """threads running the episodes' sandbox calls"""
     keep_transcripts: bool = False
+    """keep each episode's messages"""
     # Held-out scoring (run_aside) starts at most this many episodes at once, wave after wave (None: all at
     # once). Each turn is one batched engine call over every live episode, so with thousands live a turn takes
     # minutes on a CPU and every episode runs out of its wall-time limit while it waits for the others: 200
     # tasks x 8 samples at once scored 0.14 where waves of 64 scored 0.74. A wave's episodes start their clocks
     # (and their sandboxes) when the wave starts.
     max_live_episodes: int | None = None
-    # k3.sandbox backend of every episode: "local" (namespaces) or "vm" (microVMs; see docs/sandbox.md).
-    sandbox_backend: str = "local"
+    sandbox_backend: str = field(default="local", metadata=option(choices=("local", "vm")))
+    """episode sandboxes: local (namespaces, the default) or vm (microVMs; needs KVM, see docs/sandbox.md)"""
 
 
 def _seed(*parts) -> int:

@@ -1,6 +1,9 @@
-"""Training: the loop (trainer.py), AdamW + warmup/cosine (optim.py), metrics and plots (metrics.py), the
-`k3 train` and `k3 demo` commands (cli.py, demo.py)."""
+"""Training: the run's settings (config.py), the loop (trainer.py), AdamW + warmup/cosine (optim.py), metrics and
+plots (metrics.py), the `k3 train` and `k3 demo` commands (cli.py, demo.py)."""
 
-from k3.train.trainer import NonFiniteLossError, TrainConfig, Trainer, train
+from k3.train.config import (CheckpointConfig, DataConfig, EvalConfig, ImageConfig, OptimConfig, ParallelConfig,
+                             RecallConfig, TrainConfig)
+from k3.train.trainer import NonFiniteLossError, Trainer, train
 
-__all__ = ["NonFiniteLossError", "TrainConfig", "Trainer", "train"]
+__all__ = ["NonFiniteLossError", "TrainConfig", "DataConfig", "OptimConfig", "ParallelConfig", "EvalConfig",
+           "CheckpointConfig", "RecallConfig", "ImageConfig", "Trainer", "train"]

@@ -33,7 +33,8 @@ from k3.layers.balancing import QB_MAX_ITERS
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
 from k3.model import count_parameters
-from k3.train.trainer import TrainConfig, Trainer
+from k3.train.config import CheckpointConfig, DataConfig, EvalConfig, OptimConfig, RecallConfig, TrainConfig
+from k3.train.trainer import Trainer
 
 DEMO_MARKER = "demo.json"
 RECALL_LENGTH = 63  # four sequences and their EOS fill a 256-token row
@@ -55,12 +56,13 @@ def idle_cores() -> int:
 
 def demo_config(out: str) -> TrainConfig:
     return TrainConfig(
-        preset="tiny", out=out, max_steps=400, seq_len=256, batch_size=4, lr=3e-3, warmup_steps=10,
-        max_corpus_mb=3.0, tokenizer_sample_mb=3.0, eval_every=25, eval_batches=2, save_every=50,
-        recall_fraction=0.5, recall_pairs=2, recall_queries=16, recall_length=RECALL_LENGTH, recall_weight=4.0,
+        preset="tiny", out=out, max_steps=400, seed=0,
+        data=DataConfig(seq_len=256, batch_size=4, max_corpus_mb=3.0, tokenizer_sample_mb=3.0),
         # The iterated QB, with which the README's demo numbers were measured (the published rule, k3 train's
         # default, has not been timed in the demo's 10-minute budget yet).
-        qb_iters=QB_MAX_ITERS, seed=0)
+        optim=OptimConfig(lr=3e-3, warmup_steps=10, qb_iters=QB_MAX_ITERS),
+        eval=EvalConfig(every=25, batches=2), checkpoint=CheckpointConfig(every=50),
+        recall=RecallConfig(fraction=0.5, pairs=2, queries=16, length=RECALL_LENGTH, weight=4.0))
 
 
 def run_demo(out: str = "runs/demo", minutes: float = 10.0, threads: int = 0, fresh: bool = True) -> dict:
@@ -91,13 +93,13 @@ def run_demo(out: str = "runs/demo", minutes: float = 10.0, threads: int = 0, fr
     first_val = trainer.train(stop_at=min(trainer.step + 2, config.max_steps)).get("first_val_loss")
     summary = trainer.train(stop_at=min(trainer.step + 6, config.max_steps))
     step_s = summary["train_seconds"] / max(1, summary["steps"] - summary["start_step"])
-    eval_s = step_s * 0.4 * config.eval_batches  # a forward costs about a third of forward + backward
+    eval_s = step_s * 0.4 * config.eval.batches  # a forward costs about a third of forward + backward
     # Kept back for the final evaluation, the sample and the recall measurements (all forward only), plus slack.
-    tokens_per_step = config.seq_len * config.batch_size
+    tokens_per_step = config.data.seq_len * config.data.batch_size
     reserve_s = 0.4 * step_s * (RECALL_SEQUENCES * sum(RECALL_EVAL_LENGTHS) + SAMPLE_TOKENS * 8) / tokens_per_step
     reserve_s += eval_s + 30.0  # slack: a fresh-venv run with 15 s finished at 9.9 of 10 minutes
     left = budget_s - (time.perf_counter() - started) - reserve_s
-    per_step = step_s + eval_s / config.eval_every
+    per_step = step_s + eval_s / config.eval.every
     fitted = max(trainer.step + 1, trainer.step + int(left / per_step))
     trainer.config.max_steps = min(fitted, 5000)
     print(f"measured {step_s:.2f} s/step ({summary['tokens_per_s']:.0f} tokens/s); training to step "
@@ -119,8 +121,9 @@ def run_demo(out: str = "runs/demo", minutes: float = 10.0, threads: int = 0, fr
 
     task = trainer.recall_task
     recall = {}
-    trained = config.recall_length
-    seen = int(trainer.step * config.batch_size * config.recall_fraction) * (config.seq_len // (trained + 1))
+    trained = config.recall.length
+    data = config.data
+    seen = int(trainer.step * data.batch_size * config.recall.fraction) * (data.seq_len // (trained + 1))
     print(f"associative recall: {task.num_pairs} key-value pairs, then filler, then {task.num_queries} queries; "
           f"chance {1 / task.num_values:.3f}, a stored value picked at random {1 / task.num_pairs:.3f}; trained on "
           f"about {seen:,} sequences of {trained} tokens")

@@ -100,37 +100,38 @@ class ImageTraining:
     """Built by the Trainer when --data holds image-text files; see the module docstring."""
 
     def __init__(self, config, files: list[Path], media_token_id: int, vision_config: VisionConfig) -> None:
-        if config.ep or config.checkpoint_format != "full":
+        if config.parallel.ep or config.checkpoint.format != "full":
             raise ValueError("image-text data trains in one process with --checkpoint-format full (drop --ep and "
                              "--checkpoint-format sharded)")
-        if config.vision_lr is not None and config.vision_lr <= 0:
-            raise ValueError(f"vision_lr must be positive, got {config.vision_lr} (freeze with vision_train instead)")
-        if not 0 < config.image_fraction <= 1:
-            raise ValueError(f"image_fraction must be in (0, 1], got {config.image_fraction}")
+        if config.images.vision_lr is not None and config.images.vision_lr <= 0:
+            raise ValueError(f"vision_lr must be positive, got {config.images.vision_lr} (freeze with vision_train "
+                             f"instead)")
+        if not 0 < config.images.image_fraction <= 1:
+            raise ValueError(f"image_fraction must be in (0, 1], got {config.images.image_fraction}")
         self.config, self.files = config, files
         self.media_token_id, self.vision_config = media_token_id, vision_config
-        self.processor = image_processor(vision_config, config.max_image_patches, config.max_image_pixels)
+        self.processor = image_processor(vision_config, config.images.max_image_patches, config.images.max_image_pixels)
         self.train_examples: list[ImageTextExample] = []
         self.val_examples: list[ImageTextExample] = []
         self.skipped: list[str] = []
         self.multimodal = None
 
     def rows_per_step(self, rows: int) -> int:
-        return max(1, min(rows, round(rows * self.config.image_fraction)))
+        return max(1, min(rows, round(rows * self.config.images.image_fraction)))
 
     # --- data --------------------------------------------------------------------------------------------
     def prepare(self, data_dir: Path, tokenizer, row_length: int, log: Callable[[str], None]) -> None:
         """Read the image-text files into examples once (kept in data_dir), or load the kept ones."""
         train_path, val_path = data_dir / "images_train.jsonl", data_dir / "images_val.jsonl"
         if not (train_path.is_file() and val_path.is_file()):
-            options = ImageDataOptions(max_tokens=row_length, skip_bad=self.config.skip_bad_images,
-                                       allow_outside=self.config.allow_image_paths_outside,
-                                       max_image_bytes=self.config.max_image_bytes)
+            options = ImageDataOptions(max_tokens=row_length, skip_bad=self.config.images.skip_bad_images,
+                                       allow_outside=self.config.images.allow_image_paths_outside,
+                                       max_image_bytes=self.config.images.max_image_bytes)
             data = read_image_text(self.files, tokenizer, self.processor, self.media_token_id, options)
             if not data.examples:
                 raise ValueError(f"the image-text files {[str(f) for f in self.files]} hold no usable example "
                                  f"({len(data.skipped)} skipped as bad)")
-            held = [e for e in data.examples if _held_out(e.source, self.config.val_fraction)]
+            held = [e for e in data.examples if _held_out(e.source, self.config.data.val_fraction)]
             if len(held) == len(data.examples):
                 held = held[:-1]
             held_sources = {e.source for e in held}
@@ -168,7 +169,7 @@ class ImageTraining:
         from k3.multimodal import K3ForConditionalGeneration
 
         self.multimodal = K3ForConditionalGeneration(model_config, self.vision_config, self.media_token_id)
-        set_vision_trainable(self.multimodal.vision, self.config.vision_train)
+        set_vision_trainable(self.multimodal.vision, self.config.images.vision_train)
         return self.multimodal
 
     @property
@@ -176,7 +177,7 @@ class ImageTraining:
         return self.multimodal.vision
 
     def add_param_groups(self, optimizer: torch.optim.Optimizer, lr: float, weight_decay: float) -> None:
-        add_vision_param_groups(optimizer, self.vision, lr, self.config.vision_lr, weight_decay)
+        add_vision_param_groups(optimizer, self.vision, lr, self.config.images.vision_lr, weight_decay)
 
     def embed(self, ids: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """inputs_embeds [1, T, d]: the ids' embeddings with the batch's images at the media tokens."""

@@ -20,7 +20,6 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -31,10 +30,8 @@ from tqdm import tqdm
 
 from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, directory_files, load_checkpoint,
                                   load_model_state, save_checkpoint)
-from k3.checkpoint.run import FORMATS as CHECKPOINT_FORMATS
 from k3.checkpoint.run import checkpoint_path, saved_format
 from k3.config import ModelConfig
-from k3.layers.balancing import QB_AGGREGATES, QB_PUBLISHED
 from k3.runtime import autocast_dtype, resolve_device
 from k3.runtime import rng_state as _rng_state, set_rng_state as _set_rng_state
 from k3.data.corpus import load_corpus, split_validation
@@ -46,128 +43,12 @@ from k3.distributed.loop import clip_grad_norm_
 from k3.kernels import applied as kernels_applied
 from k3.model import K3ForCausalLM, pad_cu_seqlens
 from k3.train.graphed_step import QB_GRAPH_UPDATES, GraphedTrainStep
-from k3.train.master_weights import MASTER_WEIGHTS, MasterWeightAdamW
+from k3.train.config import TrainConfig
+from k3.train.master_weights import MasterWeightAdamW
 from k3.train.metrics import MetricsLog, plot_metrics
 from k3.train.optim import build_optimizer, lr_at
 from k3.train.profile import PROFILE_AFTER, StepProfiler
-from k3.train.schedule import check_seq_len_schedule, rows_for, stage_at
-
-
-@dataclass
-class TrainConfig:
-    preset: str = "tiny"
-    out: str = "runs/tiny"
-    max_steps: int = 200
-    seq_len: int = 256
-    batch_size: int = 8  # rows of seq_len tokens per step, packed into one [1, batch_size*seq_len] sequence
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA with bf16 support, fp32 elsewhere; or "fp32" / "bf16"
-    device: str = "auto"
-    seed: int = 0
-    data: list[str] = field(default_factory=list)  # empty: the default corpus (the stdlib on this machine)
-    max_corpus_mb: float | None = None  # cap on corpus text read (None: all of it)
-    tokenizer: str | None = None  # a tokenizer.json / tiktoken file / directory; None: train a BPE
-    tokenizer_sample_mb: float = 20.0  # text used to train the BPE
-    val_fraction: float = 0.05
-    eval_every: int = 50
-    eval_batches: int = 4
-    save_every: int = 50
-    recall_fraction: float = 0.0  # share of rows replaced by synthetic recall sequences
-    recall_pairs: int = 8
-    recall_queries: int = 0  # queries per recall sequence (0: one per pair)
-    recall_length: int = 0  # tokens per recall sequence, several packed into a row (0: one sequence per row)
-    recall_weight: float = 1.0  # loss weight of a recall answer relative to a text token
-    time_budget_s: float | None = None  # stop (and save) once training has run this long
-    ep: int = 0  # under torchrun: ranks per EP group (divides the processes; FSDP2 over all); 0: one process
-    # "full": DIR/checkpoint.pt gathered on rank 0; "sharded": DIR/checkpoint/, each rank writes its own shards
-    checkpoint_format: str = "full"
-    ep_balanced: bool = False  # under --ep: MoonEP-style balanced dispatch (replicates the hottest experts)
-    qb_aggregate: str = "gather"  # under torchrun: QB pools ranks' statistics exactly ("gather") or by histograms
-    # Length curriculum [[seq_len, start_step], ...] (k3.train.schedule); None: seq_len throughout. When given,
-    # seq_len is the first stage's length and every step holds batch_size * seq_len tokens.
-    seq_len_schedule: list[list[int]] | None = None
-    # Quantile Balancing: 0 (QB_PUBLISHED) the published rule, one update per MoE layer and step applied at the next
-    # step; N > 0 the research option, the update iterated on the routed batch until it balances (at most N).
-    qb_iters: int = QB_PUBLISHED
-    # Under torchrun: batch_size is the GLOBAL number of rows; every rank reads the same stream and trains its
-    # contiguous share of each batch, so the run sees the same batches (and losses) under any layout and
-    # resumes under another one on the same stream. False: every rank reads its own stream of batch_size rows.
-    global_batch: bool = False
-    moe_aux_loss: float = 0.0  # coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)
-    model_overrides: dict[str, Any] = field(default_factory=dict)
-    # Each step's forward and backward replayed from one CUDA graph (k3.train.graphed_step), which takes the
-    # host's kernel launches out of the step. None (the default): on for a CUDA device in one process, off
-    # elsewhere; False: the eager step (--eager). Packed documents stay apart in the graph through static shapes
-    # (cu_seqlens padded to max_documents_per_row per row); a batch with more documents takes the eager step.
-    # The iterated QB (qb_iters > 0) solves on the device with min(qb_iters, QB_GRAPH_UPDATES) updates.
-    cuda_graph: bool | None = None
-    max_documents_per_row: int = 0  # the graphed step's static document count per row; 0: max(16, seq_len // 128)
-    # Steps whose metrics (loss, grad norm, maxvio, ...) stay on the device and are read in one host sync; every
-    # step's values are still written, and step_seconds is the window's mean. 0: 10 on CUDA (a read per step
-    # waits for the GPU and stalls the host's queue of work), 1 elsewhere.
-    log_every: int = 0
-    # How the weights are kept (k3.train.master_weights): "bf16-params" holds the model's parameters in bf16 (no
-    # autocast casts) with fp32 masters in the optimizer; "fp32-autocast" fp32 parameters under --dtype's
-    # autocast; "auto" bf16-params on a bf16-capable CUDA device in one process with --dtype auto or bf16 and full
-    # checkpoints, fp32-autocast elsewhere (the CPU path stays fp32). Checkpoints hold fp32 weights either way.
-    master_weights: str = "auto"
-    # Image-text data (k3.train.images; a --data .jsonl with "images" or "messages" records): the tower trained
-    # with the model. vision: a vision preset for the new tower (None: "k3" for the k3 preset, else "tiny");
-    # vision_train: "all" (tower + projector), "projector" (tower frozen) or "none"; vision_lr: None = lr.
-    vision: str | None = None
-    vision_train: str = "all"
-    vision_lr: float | None = None
-    image_fraction: float = 0.5  # share of each step's rows that are image-text rows
-    max_image_patches: int | None = None  # images scaled down within this many 14-px patches (None: 16384)
-    max_image_pixels: int | None = None  # decoded pixels an image may have (None: Pillow's MAX_IMAGE_PIXELS)
-    max_image_bytes: int = 32 << 20  # bytes of an image file or data: URL
-    skip_bad_images: bool = False  # leave bad image-text records out (counted) instead of stopping at the first
-    allow_image_paths_outside: bool = False  # follow absolute paths and paths outside the JSONL's folder
-
-    def __post_init__(self) -> None:
-        for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.log_every < 0:
-            raise ValueError(f"log_every must be 0 (auto: 10 on CUDA, 1 elsewhere) or a positive step count, got "
-                             f"{self.log_every}")
-        if self.qb_iters < 0:
-            raise ValueError(f"qb_iters must be 0 (published Quantile Balancing) or a positive cap on the iterated "
-                             f"solve, got {self.qb_iters}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be positive, got {self.lr}")
-        if not 0 <= self.recall_fraction <= 1:
-            raise ValueError(f"recall_fraction must be in [0, 1], got {self.recall_fraction}")
-        if self.recall_weight <= 0 or self.recall_length < 0 or self.recall_queries < 0:
-            raise ValueError(f"recall_weight must be positive and recall_length, recall_queries >= 0; got "
-                             f"{self.recall_weight}, {self.recall_length}, {self.recall_queries}")
-        if self.seq_len_schedule is not None:
-            self.seq_len_schedule = [[int(n), int(s)] for n, s in self.seq_len_schedule]
-            check_seq_len_schedule(self.seq_len_schedule)
-            self.seq_len = self.seq_len_schedule[0][0]
-        if self.qb_aggregate not in QB_AGGREGATES:
-            raise ValueError(f"qb_aggregate must be one of {QB_AGGREGATES}, got {self.qb_aggregate!r}")
-        if self.ep_balanced and self.ep < 2:
-            raise ValueError(f"ep_balanced needs expert parallelism: give --ep 2 or more (got ep={self.ep})")
-        if self.cuda_graph and self.ep:  # an explicit --cuda-graph; the default (None) turns it off under --ep
-            raise ValueError("cuda_graph runs on one process (QB over ranks syncs with the host); drop --ep or "
-                             "--cuda-graph")
-        if self.master_weights not in MASTER_WEIGHTS:
-            raise ValueError(f"master_weights must be one of {MASTER_WEIGHTS}, got {self.master_weights!r}")
-        if self.master_weights == "bf16-params" and (self.dtype == "fp32" or self.ep
-                                                     or self.checkpoint_format == "sharded"):
-            raise ValueError("master_weights bf16-params runs bf16 parameters in one process with full checkpoints; "
-                             f"got dtype={self.dtype!r}, ep={self.ep}, checkpoint_format={self.checkpoint_format!r} "
-                             "(use --master-weights fp32-autocast, or drop those options)")
-        if self.checkpoint_format not in CHECKPOINT_FORMATS:
-            raise ValueError(f"checkpoint_format must be one of {CHECKPOINT_FORMATS}, got {self.checkpoint_format!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+from k3.train.schedule import rows_for, stage_at
 
 
 def device_maxvio(load_E: torch.Tensor) -> torch.Tensor:
@@ -249,13 +130,12 @@ class Trainer:
                     raise ValueError(f"{checkpoint_path(self.out, 'sharded')} keeps its RNG states as a pickle "
                                      "(written by an older k3); k3 no longer unpickles checkpoint metadata")
             self.resume_state["saved_format"] = found
-            saved = TrainConfig(**self.resume_state["train"])
+            saved = TrainConfig.from_dict(self.resume_state["train"])  # a sectioned or an older flat layout
             # Data, model and optimizer settings must stay as they were, or the resumed run would diverge from
             # the unbroken one; out may move with the run directory.
             # The parallel layout is not part of the run: a resume is single-process unless --ep (and
             # --ep-balanced) are given again.
-            config = dataclasses.replace(saved, out=config.out,
-                                         **{"ep": 0, "ep_balanced": False, **(resume_overrides or {})})
+            config = saved.replace(out=config.out, **{"ep": 0, "ep_balanced": False, **(resume_overrides or {})})
         elif found is not None:
             raise ValueError(f"{self.out} already holds a run ({checkpoint_path(self.out, found)}); pass --resume "
                              f"to continue it or choose another --out")
@@ -268,7 +148,7 @@ class Trainer:
         self.config = config
         from k3.train.images import split_data_files
         # A resumed run reads its data from DIR/data (kept at the first run), not from the --data files.
-        self.text_data, self.image_files = split_data_files(config.data) if not resume else (config.data, [])
+        self.text_data, self.image_files = split_data_files(config.data.data) if not resume else (config.data.data, [])
         self.has_images = bool(self.image_files) if not resume else "vision" in self.resume_state
         self.images = None  # k3.train.images.ImageTraining when --data holds image-text files
         self.out.mkdir(parents=True, exist_ok=True)
@@ -279,20 +159,20 @@ class Trainer:
         random.seed(config.seed)
         self.device = resolve_device(config.device)
         self.dist = None
-        if config.ep:
+        if config.parallel.ep:
             # Distributed run (k3.distributed): every rank trains its own data rows; rank 0 logs and saves.
             from k3.distributed import check_ep_size, init_distributed
             self.dist = init_distributed(device=None if config.device == "auto" else config.device)
             self.device = self.dist.device
             # Before the data is prepared: a bad --ep fails at once.
-            check_ep_size(config.ep, self.dist.world_size,
+            check_ep_size(config.parallel.ep, self.dist.world_size,
                           ModelConfig.from_preset(config.preset, **config.model_overrides).num_experts)
             if self.dist.rank != 0:
                 self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype(config.dtype, self.device)
-        self.bf16_params = config.master_weights == "bf16-params" or (
-            config.master_weights == "auto" and self.autocast == torch.bfloat16 and self.device.type == "cuda"
-            and not config.ep and config.checkpoint_format == "full" and not self.has_images)
+        self.bf16_params = config.optim.master_weights == "bf16-params" or (
+            config.optim.master_weights == "auto" and self.autocast == torch.bfloat16 and self.device.type == "cuda"
+            and not config.parallel.ep and config.checkpoint.format == "full" and not self.has_images)
         if self.bf16_params and self.has_images:
             raise ValueError("image-text data trains with fp32 weights under autocast; drop --master-weights bf16-params")
         if self.bf16_params:
@@ -301,7 +181,7 @@ class Trainer:
             raise ValueError(f"cuda_graph needs a CUDA device; this run is on {self.device} (drop --cuda-graph)")
         # The default CUDA step is the graphed one (one process); --eager or another device: the eager step.
         self.graph_step = (config.cuda_graph if config.cuda_graph is not None
-                           else self.device.type == "cuda" and not config.ep and not self.has_images)
+                           else self.device.type == "cuda" and not config.parallel.ep and not self.has_images)
         if self.graph_step and self.has_images:
             raise ValueError("image-text data trains with the eager step (images differ in size); drop --cuda-graph")
         self.log_every = config.log_every or (10 if self.device.type == "cuda" else 1)
@@ -320,29 +200,30 @@ class Trainer:
             # Built on the meta device and sharded before any storage exists, so no rank ever holds the whole
             # model; the seeded init gives the same weights under every layout.
             from k3.distributed.init import build_parallel_model
-            self.model = build_parallel_model(model_config, self.device, ep_size=config.ep, seed=config.seed,
-                                              balanced=config.ep_balanced, qb_aggregate=config.qb_aggregate)
+            parallel = config.parallel
+            self.model = build_parallel_model(model_config, self.device, ep_size=parallel.ep, seed=config.seed,
+                                              balanced=parallel.ep_balanced, qb_aggregate=parallel.qb_aggregate)
         elif self.images is not None:
             self.model = self.images.build(model_config).to(self.device).language_model
         else:
             self.model = K3ForCausalLM(model_config).to(self.device)
-            if config.global_batch:
+            if config.parallel.global_batch:
                 # The layout-independent init every torchrun layout uses, so 1 process starts from the same weights.
                 from k3.distributed.init import init_weights_seeded
                 init_weights_seeded(self.model, config.seed)
         for _, router in self.model.routers():
-            router.qb_max_iters = config.qb_iters
-            router.aux_loss_coef = config.moe_aux_loss
+            router.qb_max_iters = config.optim.qb_iters
+            router.aux_loss_coef = config.optim.moe_aux_loss
         if self.bf16_params:  # the model's parameters become bf16, their fp32 values the optimizer's masters
-            self.optimizer = MasterWeightAdamW(self.model, config.lr, config.weight_decay)
+            self.optimizer = MasterWeightAdamW(self.model, config.optim.lr, config.optim.weight_decay)
         else:
-            self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
+            self.optimizer = build_optimizer(self.model, config.optim.lr, config.optim.weight_decay)
         if self.images is not None:
-            self.images.add_param_groups(self.optimizer, config.lr, config.weight_decay)
+            self.images.add_param_groups(self.optimizer, config.optim.lr, config.optim.weight_decay)
         recall = None
-        if config.recall_fraction > 0:
-            recall = RecallTask(model_config.vocab_size, num_pairs=config.recall_pairs,
-                                num_queries=config.recall_queries or config.recall_pairs)
+        if config.recall.fraction > 0:
+            recall = RecallTask(model_config.vocab_size, num_pairs=config.recall.pairs,
+                                num_queries=config.recall.queries or config.recall.pairs)
         self.recall_task = recall
         rank = self.dist.rank if self.dist is not None else 0
         self.stage = 0
@@ -354,7 +235,7 @@ class Trainer:
         elif rank == 0:
             _write_json(self.out / "train_config.json", config.to_dict())
             _write_json(self.out / "config.json", model_config.to_dict())
-        if self.dist is not None and config.checkpoint_format == "full":
+        if self.dist is not None and config.checkpoint.format == "full":
             # Model + AdamW moments, fp32, gathered whole in rank 0's memory at every save.
             gathered_mb = 3 * 4 * sum(p.numel() for p in self.model.parameters()) / 1e6
             self.log(f"checkpoints: full ({CHECKPOINT_NAME}, about {gathered_mb:,.0f} MB gathered on rank 0 per save); "
@@ -366,7 +247,7 @@ class Trainer:
     @property
     def stages(self) -> list[list[int]]:
         """[[seq_len, start_step], ...]: one stage unless a length curriculum was given."""
-        return self.config.seq_len_schedule or [[self.config.seq_len, 0]]
+        return self.config.data.seq_len_schedule or [[self.config.data.seq_len, 0]]
 
     @property
     def seq_len(self) -> int:
@@ -378,21 +259,21 @@ class Trainer:
         config = self.config
         rank = self.dist.rank if self.dist is not None else 0
         # Stage 0 keeps the seed a run without a schedule has, so such runs are unchanged.
-        seed = config.seed + (0 if config.global_batch else rank) + 100_003 * index
-        rows = rows_for(self.stages, index, config.batch_size)
+        seed = config.seed + (0 if config.parallel.global_batch else rank) + 100_003 * index
+        rows = rows_for(self.stages, index, config.data.batch_size)
         if self.images is not None:  # image rows take their share of the batch
             rows -= self.images.rows_per_step(rows)
         return BatchStream(self.train_tokens, self.stages[index][0], rows,
                            self.tokenizer.eos_token_id, seed=seed, recall=self.recall_task,
-                           recall_fraction=config.recall_fraction, recall_length=config.recall_length,
-                           recall_weight=config.recall_weight)
+                           recall_fraction=config.recall.fraction, recall_length=config.recall.length,
+                           recall_weight=config.recall.weight)
 
     def _check_global_batch(self) -> None:
-        if not (self.config.global_batch and self.dist is not None):
+        if not (self.config.parallel.global_batch and self.dist is not None):
             return
         world = self.dist.world_size
         for index, (length, _) in enumerate(self.stages):
-            rows = rows_for(self.stages, index, self.config.batch_size)
+            rows = rows_for(self.stages, index, self.config.data.batch_size)
             if rows % world:
                 raise ValueError(f"--global-batch splits every batch over the {world} ranks, but a batch of "
                                  f"{length}-token rows has {rows} rows; give a --batch-size whose rows per stage "
@@ -403,10 +284,10 @@ class Trainer:
         if self.images is not None:
             stream = self.train_stream
             text = stream.next_batch() if stream.batch_size else None
-            rows = self.images.rows_per_step(rows_for(self.stages, self.stage, self.config.batch_size))
+            rows = self.images.rows_per_step(rows_for(self.stages, self.stage, self.config.data.batch_size))
             batch = self.images.batch(text, self.step + 1, rows, self.seq_len, self.tokenizer.eos_token_id)
             return batch, batch.num_tokens
-        if not (self.config.global_batch and self.dist is not None):
+        if not (self.config.parallel.global_batch and self.dist is not None):
             batch = self.train_stream.next_batch()
             return batch, batch.num_tokens
         rows = self.train_stream.next_rows()
@@ -435,21 +316,21 @@ class Trainer:
                      f"{self.train_stream.batch_size} per step")
 
     def _corpus(self):
-        cap = None if self.config.max_corpus_mb is None else int(self.config.max_corpus_mb * 1e6)
+        cap = None if self.config.data.max_corpus_mb is None else int(self.config.data.max_corpus_mb * 1e6)
         docs = load_corpus(self.text_data or None, max_bytes=cap)  # image-text files are read apart
-        return split_validation(docs, self.config.val_fraction)
+        return split_validation(docs, self.config.data.val_fraction)
 
     def _prepare_tokenizer(self):
         tokenizer_dir = self.out / "tokenizer"
         if tokenizer_dir.is_dir():
             return load_tokenizer(tokenizer_dir)
-        if self.config.tokenizer:
-            tokenizer = load_tokenizer(self.config.tokenizer)
+        if self.config.data.tokenizer:
+            tokenizer = load_tokenizer(self.config.data.tokenizer)
         else:
             # A byte-level BPE needs 256 byte ids plus EOS; tiny presets (debug: 256) get a larger table.
             vocab = max(ModelConfig.from_preset(self.config.preset, **self.config.model_overrides).vocab_size, 320)
             train_docs, _ = self._corpus()
-            budget = int(self.config.tokenizer_sample_mb * 1e6)
+            budget = int(self.config.data.tokenizer_sample_mb * 1e6)
             sample, used = [], 0
             for doc in train_docs:
                 if used >= budget:
@@ -475,7 +356,7 @@ class Trainer:
                     self.resume_state["vision_config"])
             else:
                 media = media_token_id_for(self.tokenizer)
-                vision = vision_config_for(self.config.vision, self.config.preset, model_config.hidden_size)
+                vision = vision_config_for(self.config.images.vision, self.config.preset, model_config.hidden_size)
                 if media >= model_config.vocab_size:  # the media token is one past the tokenizer's ids
                     model_config = dataclasses.replace(model_config, vocab_size=media + 1)
             self.images = ImageTraining(self.config, self.image_files, media, vision)
@@ -537,7 +418,7 @@ class Trainer:
         self.stage = int(state["data"].get("stage", 0))
         self.train_stream = self._stream_for_stage(self.stage)
         per_rank = state.get("data_per_rank")
-        if self.config.global_batch:
+        if self.config.parallel.global_batch:
             # One global stream, at the same position on every rank: any layout continues it.
             self.train_stream.load_state_dict(state["data"])
         elif self.dist is not None and per_rank is not None and len(per_rank) == self.dist.world_size:
@@ -594,7 +475,7 @@ class Trainer:
 
     def _plus_aux_loss(self, model: K3ForCausalLM, loss: torch.Tensor) -> torch.Tensor:
         """The routers' auxiliary balance loss added in training (--moe-aux-loss > 0)."""
-        if self.config.moe_aux_loss > 0 and model.training:
+        if self.config.optim.moe_aux_loss > 0 and model.training:
             aux = [r.aux_loss for _, r in model.routers() if r.aux_loss is not None]
             if aux:
                 loss = loss + torch.stack(aux).sum()
@@ -606,7 +487,7 @@ class Trainer:
         shape = (batch.num_tokens // self.seq_len, self.seq_len)
         rows = {"ids": batch.input_ids.view(shape), "labels": batch.labels.view(shape),
                 "cu_seqlens": pad_cu_seqlens(batch.cu_seqlens, self.max_documents(shape[0]))}
-        if self.config.recall_fraction > 0:
+        if self.config.recall.fraction > 0:
             rows["weights"] = (batch.weights.view(shape) if batch.weights is not None
                                else torch.ones(shape, dtype=torch.float32))
         return {name: t.to(self.device, non_blocking=True) for name, t in rows.items()}
@@ -620,7 +501,7 @@ class Trainer:
             self.graphed = None  # a new row shape (a length-curriculum stage): free the old graph first
             torch.cuda.empty_cache()
             self.graphed = GraphedTrainStep(self.model, self._rows_loss, rows,
-                                            qb_updates=min(self.config.qb_iters, QB_GRAPH_UPDATES) or None)
+                                            qb_updates=min(self.config.optim.qb_iters, QB_GRAPH_UPDATES) or None)
         return self.graphed(rows)
 
     @kernels_applied
@@ -628,11 +509,11 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches * batch_size rows of the validation stream (fixed rows)."""
         self.model.eval()
-        rows_per_batch = self.train_stream.batch_size or self.config.batch_size  # 0 text rows: image-only steps
+        rows_per_batch = self.train_stream.batch_size or self.config.data.batch_size  # 0 text rows: image-only steps
         seq_len = self.seq_len  # the current stage's length
         num_rows = (len(self.val_tokens) - 1) // seq_len
         total, count = 0.0, 0
-        for b in range(self.config.eval_batches):
+        for b in range(self.config.eval.batches):
             indices = [(b * rows_per_batch + r) % num_rows for r in range(rows_per_batch)]
             batch = pack_rows([text_row(self.val_tokens, i, seq_len, self.tokenizer.eos_token_id)
                                for i in indices], self.tokenizer.eos_token_id)
@@ -647,9 +528,9 @@ class Trainer:
     def evaluate_images(self) -> float:
         """Mean loss over fixed batches of the held-out image-text examples."""
         self.model.eval()
-        rows = self.images.rows_per_step(rows_for(self.stages, self.stage, self.config.batch_size))
+        rows = self.images.rows_per_step(rows_for(self.stages, self.stage, self.config.data.batch_size))
         total, count = 0.0, 0
-        for batch in self.images.validation_batches(self.config.eval_batches, rows, self.seq_len,
+        for batch in self.images.validation_batches(self.config.eval.batches, rows, self.seq_len,
                                                     self.tokenizer.eos_token_id):
             scored = int((batch.labels != -100).sum())
             total += float(self._forward(batch)) * scored
@@ -658,13 +539,13 @@ class Trainer:
         return total / max(count, 1)
 
     def save(self) -> None:
-        if self.config.checkpoint_format == "sharded":
+        if self.config.checkpoint.format == "sharded":
             self._save_sharded()
         else:
             self._save_full()
         # One kind of checkpoint per run: a resume must not find an older one of the other kind.
         if self.dist is None or self.dist.rank == 0:
-            other = checkpoint_path(self.out, "full" if self.config.checkpoint_format == "sharded" else "sharded")
+            other = checkpoint_path(self.out, "full" if self.config.checkpoint.format == "sharded" else "sharded")
             if other.is_dir():
                 shutil.rmtree(other)
             elif other.exists():
@@ -774,8 +655,8 @@ class Trainer:
                 pending.append(self._train_step())
                 tokens_seen += pending[-1][0]["tokens"]
                 bar.update(1)
-                eval_due = self.step % config.eval_every == 0 or self.step == config.max_steps
-                save_due = self.step % config.save_every == 0 or self.step == config.max_steps
+                eval_due = self.step % config.eval.every == 0 or self.step == config.max_steps
+                save_due = self.step % config.checkpoint.every == 0 or self.step == config.max_steps
                 # Read the window: at its end, at the session's first step (its time is the compile's), before an
                 # eval or a save (a non-finite loss must stop the run before it reaches a checkpoint), in a
                 # profiled run, and where the loop will stop.
@@ -835,7 +716,7 @@ class Trainer:
         as one float64 vector: loss, grad norm, maxvio per MoE layer, device-counted QB updates), which
         _read_window turns into the metrics record."""
         config = self.config
-        lr = lr_at(self.step, config.max_steps, config.lr, config.warmup_steps, config.min_lr_ratio)
+        lr = lr_at(self.step, config.max_steps, config.optim.lr, config.optim.warmup_steps, config.optim.min_lr_ratio)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_scale", 1.0)  # vision groups: --vision-lr / --lr
         self._enter_stage_of_next_step()
@@ -849,15 +730,15 @@ class Trainer:
             self.eager_steps += self.graph_step  # too many documents for the graph's static count
             loss = self._forward(batch)
             logged_loss = loss.detach()
-        if self.config.global_batch and self.dist is not None:
+        if self.config.parallel.global_batch and self.dist is not None:
             loss, logged_loss = self._global_mean(loss, batch)
         if not graphed:
             loss.backward()
         if self.bf16_params:  # the gradients' fp32 norm; the master step applies the clip (no images then)
-            grad_norm = self.optimizer.clip_grad_norm_(config.grad_clip)
+            grad_norm = self.optimizer.clip_grad_norm_(config.optim.grad_clip)
         else:
             trained = [*self.model.parameters(), *(self.images.trained_parameters() if self.images is not None else [])]
-            grad_norm = clip_grad_norm_(trained, config.grad_clip)  # any parallel layout
+            grad_norm = clip_grad_norm_(trained, config.optim.grad_clip)  # any parallel layout
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.update_balancers()

@@ -8,10 +8,10 @@ from k3.train.trainer import TrainConfig, Trainer
 
 def test_eval_run_writes_rows_plot_and_loss_by_position(tmp_path, corpus_dir, capsys):
     run = tmp_path / "run"
-    config = TrainConfig(preset="debug", out=str(run), max_steps=2, seq_len=32, batch_size=2, warmup_steps=1,
-                         eval_every=2, eval_batches=1, save_every=2, data=[str(corpus_dir)], val_fraction=0.2,
-                         model_overrides={"vocab_size": 320}, recall_fraction=0.5, recall_pairs=4,
-                         recall_queries=6)
+    config = TrainConfig.flat(preset="debug", out=str(run), max_steps=2, seq_len=32, batch_size=2, warmup_steps=1,
+                              eval_every=2, eval_batches=1, save_every=2, data=[str(corpus_dir)], val_fraction=0.2,
+                              model_overrides={"vocab_size": 320}, recall_fraction=0.5, recall_pairs=4,
+                              recall_queries=6)
     Trainer(config, show_progress=False, log=lambda *_: None).train()
     out = tmp_path / "eval"
     assert main(["eval", "--run", str(run), "--task", "mqar", "needle_single", "common_words", "--lengths", "400,800",

@@ -12,8 +12,8 @@ def run(tmp_path_factory):
     for i in range(6):
         (corpus / f"{i}.txt").write_text("\n".join(f"print('line {i} {j}')" for j in range(60)))
     out = root / "run"
-    config = TrainConfig(preset="debug", out=str(out), max_steps=2, seq_len=32, batch_size=2, eval_batches=1,
-                         data=[str(corpus)], val_fraction=0.3, model_overrides={"vocab_size": 300})
+    config = TrainConfig.flat(preset="debug", out=str(out), max_steps=2, seq_len=32, batch_size=2, eval_batches=1,
+                              data=[str(corpus)], val_fraction=0.3, model_overrides={"vocab_size": 300})
     Trainer(config, show_progress=False).train()
     return out
 

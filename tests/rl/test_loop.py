@@ -46,9 +46,9 @@ def user_suite(tmp_path_factory):
 
 
 def rl_config(start_run, suite, out, **fields):
-    return RLConfig(run=str(start_run), suite=str(suite), out=str(out), algo="grpo", group=4, tasks_per_step=2,
-                    steps=2, lr=1e-2, heldout_every=2, heldout_tasks=1, save_every=1, device="cpu", max_context=512,
-                    temperature=1.0, **fields)
+    return RLConfig.flat(run=str(start_run), suite=str(suite), out=str(out), algo="grpo", group=4, tasks_per_step=2,
+                         steps=2, lr=1e-2, heldout_every=2, heldout_tasks=1, save_every=1, device="cpu",
+                         max_context=512, temperature=1.0, **fields)
 
 
 def comparable(path):
@@ -202,8 +202,8 @@ class ScriptedRunner:
 def test_dynamic_sampling_refills_the_batch_with_fresh_tasks(start_run, tmp_path):
     """DAPO's dynamic sampling drops all-equal groups and draws fresh tasks until the batch holds tasks_per_step
     groups with a signal (at most refill_rounds extra rounds); the surplus of the last round is dropped."""
-    config = RLConfig(run=str(start_run), suite="arith", out=str(tmp_path / "refill"), algo="dapo", group=2,
-                      tasks_per_step=3, steps=2, lr=1e-3, heldout_tasks=0, device="cpu", max_context=512)
+    config = RLConfig.flat(run=str(start_run), suite="arith", out=str(tmp_path / "refill"), algo="dapo", group=2,
+                           tasks_per_step=3, steps=2, lr=1e-3, heldout_tasks=0, device="cpu", max_context=512)
     trainer = RLTrainer(config, show_progress=False, log=lambda *_: None)
     mixed, equal = [0.0, 1.0], [1.0, 1.0]
     # round 0: 3 tasks, 1 kept; refill 1: (3 - 1) * 3 / 1 -> 3 tasks (capped), 1 kept; refill 2: 1 * 6 / 2 = 3
@@ -224,3 +224,21 @@ def test_dynamic_sampling_refills_the_batch_with_fresh_tasks(start_run, tmp_path
     drgrpo = RLTrainer(dataclasses.replace(config, algo="drgrpo", out=str(tmp_path / "drgrpo")), show_progress=False,
                        log=lambda *_: None)
     assert drgrpo.updater.loss_config.norm_length == 512
+
+
+def test_a_run_saved_in_the_flat_layout_resumes(start_run, user_suite, tmp_path):
+    """RLConfig was flat before it nested the policy, loss and rollout configs: such a run still resumes."""
+    from k3.checkpoint.native import load_checkpoint, save_checkpoint
+    from k3.cli_config import to_flat
+
+    config = rl_config(start_run, user_suite, tmp_path / "run")
+    RLTrainer(config, show_progress=False, log=lambda *_: None).train(stop_at=1)
+    flat = {k: v for k, v in to_flat(config).items() if k not in ("weight_decay", "grad_clip", "pack_multiple",
+                                                                 "top_p", "tool_timeout", "keep_transcripts")}
+    flat.update(clip_low=None, clip_high=None, tau=None)  # the flat layout kept "the algorithm's" as None
+    state = load_checkpoint(tmp_path / "run")
+    state["rl"] = flat
+    save_checkpoint(tmp_path / "run" / "checkpoint.pt", state)
+    resumed = RLTrainer(RLConfig(out=str(tmp_path / "run")), resume=True, show_progress=False, log=lambda *_: None)
+    assert resumed.config == config and resumed.step == 1
+    assert resumed.train()["steps"] == 2

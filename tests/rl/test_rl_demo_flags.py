@@ -25,7 +25,7 @@ def test_a_flag_set_to_zero_is_passed_not_dropped():
 
 @pytest.mark.parametrize("argv, flag", [(["--temperature", "0.7"], "--temperature"),
                                         (["--suite", "fix"], "--suite"), (["--no-tis"], "--no-tis"),
-                                        (["--resume"], "--resume")])
+                                        (["--resume"], "--resume"), (["--no-routing-replay"], "--no-routing-replay")])
 def test_a_flag_the_demo_cannot_honour_is_refused_by_name(argv, flag):
     with pytest.raises(ValueError, match=f"does not take {flag}"):
         demo_options(parse(*argv))

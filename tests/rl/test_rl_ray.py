@@ -17,9 +17,9 @@ REPO = str(Path(__file__).resolve().parents[2])
 
 
 def config(run, suite, out, **fields):
-    return RLConfig(run=str(run), suite=str(suite), out=str(out), algo="grpo", group=4, tasks_per_step=2, steps=3,
-                    lr=1e-2, heldout_tasks=0, save_every=1, device="cpu", max_context=1024,
-                    iteration_token_budget=30, threads=2, tis_cap=None, **fields)
+    return RLConfig.flat(run=str(run), suite=str(suite), out=str(out), algo="grpo", group=4, tasks_per_step=2, steps=3,
+                         lr=1e-2, heldout_tasks=0, save_every=1, device="cpu", max_context=1024,
+                         iteration_token_budget=30, threads=2, tis_cap=None, **fields)
 
 
 def digest(model) -> float:

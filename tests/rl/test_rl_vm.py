@@ -53,9 +53,9 @@ def fix_start(sandbox_home, tokenizer, tmp_path_factory):
 
 
 def _config(start, out, backend):
-    return RLConfig(run=str(start), suite="fix", out=str(out), algo="grpo", group=2, tasks_per_step=1, steps=1,
-                    lr=1e-2, heldout_every=100, heldout_tasks=0, save_every=100, device="cpu", max_context=1024,
-                    temperature=1.0, threads=1, sandbox_backend=backend)
+    return RLConfig.flat(run=str(start), suite="fix", out=str(out), algo="grpo", group=2, tasks_per_step=1, steps=1,
+                         lr=1e-2, heldout_every=100, heldout_tasks=0, save_every=100, device="cpu", max_context=1024,
+                         temperature=1.0, threads=1, sandbox_backend=backend)
 
 
 def _rollouts(out):

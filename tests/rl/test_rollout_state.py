@@ -80,9 +80,9 @@ def test_the_training_forward_under_replay_routes_as_the_rollout_did(caller_run,
 
 def rl_config(run, suite, out):
     # 250 tokens a step: two turns, then the groups still running park; they finish (and train) in step 2.
-    return RLConfig(run=str(run), suite=str(suite), out=str(out), algo="grpo", group=3, tasks_per_step=2, steps=2,
-                    lr=1e-2, heldout_tasks=0, save_every=1, device="cpu", max_context=1024, temperature=1.0,
-                    iteration_token_budget=250)
+    return RLConfig.flat(run=str(run), suite=str(suite), out=str(out), algo="grpo", group=3, tasks_per_step=2, steps=2,
+                         lr=1e-2, heldout_tasks=0, save_every=1, device="cpu", max_context=1024, temperature=1.0,
+                         iteration_token_budget=250)
 
 
 def comparable(path):

@@ -22,7 +22,7 @@ def _small_config(out: Path, corpus: Path, **changes) -> TrainConfig:
                   eval_every=3, eval_batches=1, save_every=2, data=[str(corpus)], val_fraction=0.2,
                   model_overrides={"vocab_size": 320}, recall_fraction=0.25, recall_pairs=4)
     values.update(changes)
-    return TrainConfig(**values)
+    return TrainConfig.flat(**values)
 
 
 @pytest.fixture

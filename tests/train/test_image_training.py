@@ -133,7 +133,7 @@ def test_cli_flags_reach_the_run(tmp_path, corpus_dir, image_data, capsys):
                  "--image-fraction", "0.25", "--max-image-patches", "64", "--skip-bad-images"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-2])
     assert summary["skipped_image_records"] == 0 and summary["steps"] == 1
-    saved = json.loads((run / "train_config.json").read_text())
+    saved = json.loads((run / "train_config.json").read_text())["images"]
     assert (saved["vision_train"], saved["vision_lr"], saved["image_fraction"], saved["max_image_patches"],
             saved["skip_bad_images"]) == ("projector", 1e-3, 0.25, 64, True)
     for command in ("train", "sft"):

@@ -55,6 +55,6 @@ def test_cli_schedule(tmp_path, corpus_dir, capsys):
                  "--seq-len-schedule", "16:0,32:2", "--batch-size", "2", "--eval-batches", "1",
                  "--val-fraction", "0.2"]) == 0
     assert [r["seq_len"] for r in records(run) if "loss" in r] == [16, 16, 32]
-    assert json.loads((run / "train_config.json").read_text())["seq_len_schedule"] == [[16, 0], [32, 2]]
+    assert json.loads((run / "train_config.json").read_text())["data"]["seq_len_schedule"] == [[16, 0], [32, 2]]
     assert main(["train", "--preset", "debug", "--out", str(tmp_path / "bad"), "--seq-len-schedule", "16:1"]) == 1
     assert "must start at step 0" in capsys.readouterr().err

@@ -33,8 +33,8 @@ def test_run_writes_metrics_plot_checkpoint_and_learns(tmp_path, corpus_dir, sma
     assert set(steps[0]["maxvio_per_layer"]) == {"1", "2", "3"}  # debug: layers 1..3 are MoE
     # Published QB (debug routes with quantile balancing): one update per MoE layer and step; a packed batch holds
     # at least one document per row.
-    assert config.qb_iters == 0 and all(r["qb_updates_mean"] == r["qb_updates_max"] == 1 for r in steps)
-    assert all(r["documents"] >= config.batch_size for r in steps)
+    assert config.optim.qb_iters == 0 and all(r["qb_updates_mean"] == r["qb_updates_max"] == 1 for r in steps)
+    assert all(r["documents"] >= config.data.batch_size for r in steps)
     assert records[0] == {"step": 0, "val_loss": summary["first_val_loss"]}
     assert summary["last_val_loss"] < summary["first_val_loss"] - 0.5
     assert (run / "metrics.png").stat().st_size > 1000
