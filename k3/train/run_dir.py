@@ -134,8 +134,12 @@ class RunDirectory:
         resume cannot find it."""
         save_checkpoint(self.checkpoint, {
             "model": model_state, "optimizer": optimizer_state, "config": model_config, self.kind.key: settings,
-            "step": step, **(extra or {}), "rng": rng_state(), "tokenizer": directory_files(self.out / "tokenizer")})
+            "step": step, **(extra or {}), "rng": rng_state(), "tokenizer": self._tokenizer_files()})
         self.remove_other_format("full")
+
+    def _tokenizer_files(self) -> dict[str, bytes]:
+        tokenizer = self.out / "tokenizer"
+        return directory_files(tokenizer) if tokenizer.is_dir() else {}
 
     def remove_other_format(self, kept: str) -> None:
         """One kind of checkpoint per run: after a save of `kept`, the other kind goes."""
