@@ -624,17 +624,21 @@ class Trainer:
         else:
             self._save_full()
 
+    def _data_state(self) -> dict[str, Any]:
+        """Where the data stream stands: what a resumed run continues from."""
+        return {**self.train_stream.state_dict(), "stage": self.stage}
+
     def _run_state(self) -> dict[str, Any]:
         """Everything of a checkpoint but the model, optimizer and tokenizer."""
         return {"config": self.model_config.to_dict(), "train": self.config.to_dict(), "step": self.step,
-                "data": {**self.train_stream.state_dict(), "stage": self.stage}}
+                "data": self._data_state()}
 
     def _data_per_rank(self) -> list[dict] | None:
         """Each rank reads its own data stream (its recall rows differ), so every rank's position is kept."""
         if self.dist is None:
             return None
         data_per_rank = [None] * self.dist.world_size
-        torch.distributed.all_gather_object(data_per_rank, {**self.train_stream.state_dict(), "stage": self.stage})
+        torch.distributed.all_gather_object(data_per_rank, self._data_state())
         return data_per_rank
 
     def _save_sharded(self) -> None:
@@ -664,7 +668,7 @@ class Trainer:
                 barrier()
                 return
         extra = {**(self.images.checkpoint_state() if self.images is not None else {}),
-                 "data": self._run_state()["data"],
+                 "data": self._data_state(),
                  **({"data_per_rank": data_per_rank} if self.dist is not None else {})}
         self.run_dir.save(model_state, optimizer_state, self.model_config.to_dict(), self.config.to_dict(), self.step,
                           extra)
