@@ -496,7 +496,7 @@ class RLTrainer:
             Cadence(config.steps, config.save_every, eval_every=config.heldout_every),
             LoopHooks(step=self.train_step, position=lambda: self.step, save=self.save,
                       evaluate=self.evaluate_headroom if config.heldout_tasks else None, plot=self.plot,
-                      describe=headroom_lines,
+                      describe_first_eval=headroom_lines,
                       progress=lambda r: {"reward": f"{r['reward_mean']:.3f}", "pass_rate": f"{r['pass_rate']:.2f}"}),
             metrics=self.metrics, desc="rl", show_progress=self.show_progress, log=self.log)
         result = loop.run(stop_at)

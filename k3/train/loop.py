@@ -66,7 +66,7 @@ class LoopHooks:
     evaluate: Callable[[], dict[str, Any]] | None = None  # values that join the step's record
     plot: Callable[[], None] | None = None
     progress: Callable[[dict[str, Any]], dict[str, str]] | None = None  # the bar's postfix from a record
-    describe: Callable[[dict[str, Any]], list[str]] = field(default=lambda values: [])  # lines for step 0's eval
+    describe_first_eval: Callable[[dict[str, Any]], list[str]] = field(default=lambda values: [])  # its log lines
 
 
 @dataclass
@@ -106,7 +106,7 @@ class TrainingLoop:
         if result.start_step == 0 and hooks.evaluate is not None:
             result.first_eval = hooks.evaluate()
             self._write({"step": 0, **result.first_eval})
-            for line in hooks.describe(result.first_eval):
+            for line in hooks.describe_first_eval(result.first_eval):
                 self.log(f"step 0: {line}")
         started = time.perf_counter()
 

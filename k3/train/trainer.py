@@ -697,7 +697,7 @@ class Trainer:
                     1 if self._profiler is not None else self.log_every),
             LoopHooks(step=self._loop_step, position=lambda: self.step, save=self.save, read=self._loop_read,
                       evaluate=self._evaluations, plot=self.plot,
-                      describe=lambda values: [f"val_loss {values['val_loss']:.4f}"],
+                      describe_first_eval=lambda values: [f"val_loss {values['val_loss']:.4f}"],
                       progress=lambda r: {"loss": f"{r['loss']:.3f}", "tok_s": f"{r['tokens_per_s']:.0f}"}),
             metrics=self.metrics, desc="train", show_progress=self.show_progress, log=self.log,
             time_budget_s=config.time_budget_s,
