@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import io
 import math
 import time
 from dataclasses import dataclass, field
@@ -39,9 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
-from k3.atomic import atomic_write_bytes
 from k3.infer.sampling import SamplingParams
 from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
     load_model_and_tokenizer, packed_log_softmax, route
@@ -50,11 +47,13 @@ from k3.rl.losses import ALGORITHMS, loss_config_for, tis_weights
 from k3.rl.policy import micro_batches, packed_logprobs, token_logprobs
 from k3.rl.rollout_engine import weights_changed
 from k3.rl.routing import RoutingReplay
-from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.runtime import autocast_dtype, resolve_device, seed_everything
-from k3.train.metrics import MetricsLog, read_metrics
+from k3.train.loop import Cadence, LoopHooks, TrainingLoop
+from k3.train.metrics import figure_grid, metric_series, read_metrics, save_figure
 from k3.train.optim import lr_at
+from k3.train.run_dir import RunDirectory, RunKind, policy_from
 
+RUN = RunKind(key="distill", settings_file="distill_config.json", command="k3 distill", what="a distillation run")
 MODES = ("on-policy", "offline", "forward-kl", "mixed")
 ESTIMATORS = ("sampled", "topk")  # on-policy reverse KL: per sampled token (the RL step), or over the teacher's top-k
 TOKEN_LEVEL_ALGORITHMS = ("dapo", "cispo", "grpo", "drgrpo")  # objectives with a per-token term
@@ -318,7 +317,8 @@ class DistillTrainer:
 
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
-        state = open_run(self.out, resume, "distill", "k3 distill", "a distillation run")
+        self.run_dir = RunDirectory(self.out, RUN)
+        state = self.run_dir.open(resume)
         if state is not None:
             config = dataclasses.replace(DistillConfig(**state["distill"]), out=config.out)
         self.config = config
@@ -362,9 +362,9 @@ class DistillTrainer:
         self.engine = Engine(self.model, self.tokenizer, max_context=config.max_context,
                              max_batch=max(batch, len(teachers) * config.heldout_prompts * config.heldout_samples),
                              prefix_cache=False)
-        self.step = start_or_restore(self.out, state, self.updater.optimizer, self.tokenizer,
-                                     "distill_config.json", config.to_dict(), self.model.config.to_dict())
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
+        self.step = self.run_dir.start_or_restore(state, self.updater.optimizer, self.tokenizer, config.to_dict(),
+                                                  self.model.config.to_dict())
+        self.metrics = self.run_dir.metrics(self.step, resumed=state is not None)
         self._teacher_heldout: dict[str, float] | None = None
 
     # -- sampling and scoring -------------------------------------------------------------------------------
@@ -538,7 +538,8 @@ class DistillTrainer:
 
     # -- run ------------------------------------------------------------------------------------------------
     def save(self) -> None:
-        save_run(self.out, self.model, self.updater.optimizer, "distill", self.config.to_dict(), self.step)
+        self.run_dir.save(self.model.state_dict(), self.updater.optimizer.state_dict(), self.model.config.to_dict(),
+                          self.config.to_dict(), self.step)
 
     def plot(self) -> None:
         plot_distill_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
@@ -546,45 +547,26 @@ class DistillTrainer:
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
         """Run to ``steps`` (or stop after step ``stop_at``, as an interrupted run would)."""
         config = self.config
-        summary: dict[str, Any] = {"start_step": self.step}
-        if self.step == 0:
-            first = self.evaluate()
-            self.metrics.write({"step": 0, **first})
-            summary["first"] = first
-        bar = tqdm(total=config.steps, initial=self.step, desc=f"distill {config.mode}", unit="step",
-                   disable=not self.show_progress, dynamic_ncols=True)
-        try:
-            while self.step < config.steps and (stop_at is None or self.step < stop_at):
-                record = self.train_step()
-                if self.step % config.heldout_every == 0 or self.step == config.steps:
-                    record.update(self.evaluate())
-                    summary["last"] = {k: v for k, v in record.items() if k.startswith(("heldout", "teacher"))}
-                self.metrics.write(record)
-                bar.update(1)
-                if self.step % config.save_every == 0 or self.step == config.steps:
-                    self.save()
-        finally:
-            bar.close()
-        self.plot()
-        summary["steps"] = self.step
+        loop = TrainingLoop(Cadence(config.steps, config.save_every, eval_every=config.heldout_every),
+                            LoopHooks(step=self.train_step, position=lambda: self.step, save=self.save,
+                                      evaluate=self.evaluate, plot=self.plot),
+                            metrics=self.metrics, desc=f"distill {config.mode}", show_progress=self.show_progress,
+                            log=self.log)
+        result = loop.run(stop_at)
+        summary: dict[str, Any] = {"start_step": result.start_step}
+        if result.first_eval is not None:
+            summary["first"] = result.first_eval
+        if result.last_eval is not None:
+            summary["last"] = result.last_eval  # every key of evaluate's is heldout_* or teacher_*
+        summary["steps"] = result.steps
         return summary
 
 
 def plot_distill_metrics(metrics_path, png_path) -> None:
     """Per-domain held-out reverse KL and NLL (teacher's as dashed lines), training reverse KL, losses."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     records = read_metrics(metrics_path)
     keys = sorted({k for r in records for k in r if isinstance(r.get(k), (int, float))})
-
-    def series(key):
-        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-        return [p[0] for p in points], [p[1] for p in points]
-
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig, axes = figure_grid()
     panels = [(axes[0][0], "heldout_rkl/", "held-out reverse KL to the domain's teacher"),
               (axes[0][1], "heldout_nll/", "held-out NLL (dashed: teacher)"),
               (axes[1][0], "train_rkl/", "training reverse KL (sampled tokens)"),
@@ -592,18 +574,14 @@ def plot_distill_metrics(metrics_path, png_path) -> None:
     for ax, prefix, title in panels:
         chosen = [k for k in keys if (k.startswith(prefix) if isinstance(prefix, str) else k in prefix)]
         for key in chosen:
-            xs, ys = series(key)
+            xs, ys = metric_series(records, key)
             ax.plot(xs, ys, "o-" if key.startswith("heldout") else "-", label=key, linewidth=1)
             if key.startswith("heldout_nll/"):
-                txs, tys = series("teacher_" + key)
+                txs, tys = metric_series(records, "teacher_" + key)
                 if txs:
                     ax.plot(txs, tys, "--", label="teacher_" + key, linewidth=1)
         ax.set_title(title)
         ax.set_xlabel("step")
         if chosen:
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90)
-    plt.close(fig)
-    atomic_write_bytes(png_path, buffer.getvalue())
+    save_figure(fig, png_path)

@@ -20,7 +20,6 @@ store), so a resumed run continues them as the unbroken run does.
 
 from __future__ import annotations
 
-import io
 import math
 import random
 import time
@@ -28,18 +27,19 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
-from k3.atomic import atomic_write_bytes
 from k3.rl.config import MAX_REFILL_ROUNDS, REFILL_START, RLConfig  # noqa: F401 (RLConfig: k3.rl.loop's API)
 from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages
 from k3.rl.policy import PolicyUpdater, Sequence
 from k3.rl.rollout import Episode, RolloutRunner
 from k3.rl.rollout_engine import build_engine, rollout_copy, sync_rollout_copy, weights_changed
-from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.rl.tasks import Task, load_tasks
 from k3.runtime import autocast_dtype, resolve_device, seed_everything
-from k3.train.metrics import MetricsLog, read_metrics
+from k3.train.loop import Cadence, LoopHooks, TrainingLoop
+from k3.train.metrics import figure_grid, metric_series, read_metrics, save_figure
+from k3.train.run_dir import RunDirectory, RunKind, policy_from
+
+RUN = RunKind(key="rl", settings_file="rl_config.json", command="k3 rl", what="an RL run")
 
 
 class TaskSource:
@@ -129,7 +129,8 @@ class RLTrainer:
         (Python use) instead of loading ``config.run``."""
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
-        state = open_run(self.out, resume, "rl", "k3 rl", "an RL run")
+        self.run_dir = RunDirectory(self.out, RUN)
+        state = self.run_dir.open(resume)
         if state is not None:
             saved = RLConfig.from_dict(state["rl"])  # nested, or the flat layout of earlier runs
             if steps_override is not None and steps_override < state["step"]:
@@ -194,12 +195,11 @@ class RLTrainer:
             self.runner.restore_parked(parked_share(state.get("parked"), self.ranks.rank, self.ranks.world))
         self.tasks = TaskSource(config.suite, config.seed)
         if self.ranks.main or state is not None:  # a new run's files are rank 0's to write
-            self.step = start_or_restore(self.out, state, self.updater.optimizer, self.tokenizer, "rl_config.json",
-                                         config.to_dict(), self.model_config.to_dict())
+            self.step = self.run_dir.start_or_restore(state, self.updater.optimizer, self.tokenizer,
+                                                      config.to_dict(), self.model_config.to_dict())
         else:
             self.step = 0
-        self.metrics = (MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
-                        if self.ranks.main else None)
+        self.metrics = self.run_dir.metrics(self.step, resumed=state is not None) if self.ranks.main else None
         self.ranks.barrier()
 
     def _join_ray(self, address: str) -> None:
@@ -353,16 +353,12 @@ class RLTrainer:
 
         parked = merge_parked(self.ranks.gather(self.runner.parked_state()))
         if self.ranks.main:
-            save_run(self.out, self.model, self.updater.optimizer, "rl", self.config.to_dict(), self.step,
-                     extra={"parked": parked})
+            self.run_dir.save(self.model.state_dict(), self.updater.optimizer.state_dict(),
+                              self.model_config.to_dict(), self.config.to_dict(), self.step, extra={"parked": parked})
 
     def plot(self) -> None:
         if self.ranks.main:
             plot_rl_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
-
-    def _write(self, record: dict) -> None:
-        if self.metrics is not None:
-            self.metrics.write(record)
 
     def train_step(self) -> dict[str, Any]:
         self.step += 1
@@ -402,32 +398,20 @@ class RLTrainer:
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
         """Run to ``steps`` (or stop after step ``stop_at``, as an interrupted run would)."""
         config = self.config
-        summary: dict[str, Any] = {"start_step": self.step}
-        if self.step == 0 and config.heldout_tasks:
-            first = self.evaluate_headroom()
-            self._write({"step": 0, **first})
-            summary["first_heldout_pass_rate"] = first.get("heldout_pass_rate")
-            for line in headroom_lines(first):
-                self.log(f"step 0: {line}")
-        bar = tqdm(total=config.steps, initial=self.step, desc="rl", unit="step", disable=not self.show_progress,
-                   dynamic_ncols=True)
-        try:
-            while self.step < config.steps:
-                if stop_at is not None and self.step >= stop_at:
-                    break
-                record = self.train_step()
-                if config.heldout_tasks and (self.step % config.heldout_every == 0 or self.step == config.steps):
-                    record.update(self.evaluate_headroom())
-                    summary["last_heldout_pass_rate"] = record["heldout_pass_rate"]
-                self._write(record)
-                bar.update(1)
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", pass_rate=f"{record['pass_rate']:.2f}")
-                if self.step % config.save_every == 0 or self.step == config.steps:
-                    self.save()
-        finally:
-            bar.close()
-        self.plot()
-        summary["steps"] = self.step
+        loop = TrainingLoop(
+            Cadence(config.steps, config.save_every, eval_every=config.heldout_every),
+            LoopHooks(step=self.train_step, position=lambda: self.step, save=self.save,
+                      evaluate=self.evaluate_headroom if config.heldout_tasks else None, plot=self.plot,
+                      describe_first_eval=headroom_lines,
+                      progress=lambda r: {"reward": f"{r['reward_mean']:.3f}", "pass_rate": f"{r['pass_rate']:.2f}"}),
+            metrics=self.metrics, desc="rl", show_progress=self.show_progress, log=self.log)
+        result = loop.run(stop_at)
+        summary: dict[str, Any] = {"start_step": result.start_step}
+        if result.first_eval is not None:
+            summary["first_heldout_pass_rate"] = result.first_eval.get("heldout_pass_rate")
+        if result.last_eval is not None:
+            summary["last_heldout_pass_rate"] = result.last_eval["heldout_pass_rate"]
+        summary["steps"] = result.steps
         return summary
 
 
@@ -454,18 +438,8 @@ def headroom_lines(scores: dict[str, Any]) -> list[str]:
 
 def plot_rl_metrics(metrics_path, png_path) -> None:
     """Reward and pass rates, lengths, tool calls and errors, entropy / clip fraction / logprob gap."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     records = read_metrics(metrics_path)
-
-    def series(key):
-        points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
-        return [p[0] for p in points], [p[1] for p in points]
-
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig, axes = figure_grid()
     panels = [(axes[0][0], ("reward_mean", "pass_rate", "heldout_pass_rate", "heldout_sampled_pass_rate",
                             "heldout_pass_at_k"), "reward / pass rate"),
               (axes[0][1], ("response_tokens", "episode_tokens"), "tokens per episode"),
@@ -473,14 +447,10 @@ def plot_rl_metrics(metrics_path, png_path) -> None:
               (axes[1][1], ("entropy", "clip_fraction", "logprob_gap", "kl_ref"), "policy")]
     for ax, keys, title in panels:
         for key in keys:
-            xs, ys = series(key)
+            xs, ys = metric_series(records, key)
             if xs:
                 ax.plot(xs, ys, "o-" if key.startswith("heldout") else "-", label=key, linewidth=1)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90)
-    plt.close(fig)
-    atomic_write_bytes(png_path, buffer.getvalue())
+    save_figure(fig, png_path)

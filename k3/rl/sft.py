@@ -23,15 +23,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
 from k3.data.packing import filler_length
 from k3.rl.chat_format import render_ids
 from k3.rl.demos import read_demonstrations
-from k3.rl.run_dir import open_run, policy_from, save_run, start_or_restore
 from k3.runtime import autocast_dtype, resolve_device
-from k3.train.metrics import MetricsLog
+from k3.train.loop import Cadence, LoopHooks, TrainingLoop
 from k3.train.optim import build_optimizer, lr_at
+from k3.train.run_dir import RunDirectory, RunKind, policy_from
+
+RUN = RunKind(key="sft", settings_file="sft_config.json", command="k3 sft", what="an SFT run")
 
 
 @dataclass
@@ -84,7 +85,8 @@ class SFTTrainer:
         """resume: continue DIR/checkpoint.pt with its saved settings (``steps_override`` may extend it)."""
         self.log, self.show_progress = log, show_progress
         self.out = Path(config.out)
-        state = open_run(self.out, resume, "sft", "k3 sft", "an SFT run")
+        self.run_dir = RunDirectory(self.out, RUN)
+        state = self.run_dir.open(resume)
         if state is not None:
             saved = SFTConfig(**state["sft"])
             config = dataclasses.replace(saved, out=config.out, steps=steps_override or saved.steps)
@@ -115,9 +117,9 @@ class SFTTrainer:
             from k3.train.images import add_vision_param_groups
             add_vision_param_groups(self.optimizer, self.multimodal.vision, config.lr, config.vision_lr,
                                     config.weight_decay)
-        self.step = start_or_restore(self.out, state, self.optimizer, tokenizer, "sft_config.json",
-                                     config.to_dict(), model.config.to_dict())
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", keep_through_step=self.step if resume else None)
+        self.step = self.run_dir.start_or_restore(state, self.optimizer, tokenizer, config.to_dict(),
+                                                  model.config.to_dict())
+        self.metrics = self.run_dir.metrics(self.step, resumed=state is not None)
 
     def _vision(self, state: dict | None):
         """K3ForConditionalGeneration around self.model when the run has or needs a vision tower, else None."""
@@ -213,49 +215,55 @@ class SFTTrainer:
             vision = self.multimodal.vision
             extra = {"vision": vision.state_dict(), "vision_config": vision.config.to_dict(),
                      "media_token_id": self.multimodal.media_token_id}
-        save_run(self.out, self.model, self.optimizer, "sft", self.config.to_dict(), self.step, extra)
+        self.run_dir.save(self.model.state_dict(), self.optimizer.state_dict(), self.model.config.to_dict(),
+                          self.config.to_dict(), self.step, extra)
+
+    def train_step(self) -> dict[str, Any]:
+        """One optimizer step on the examples of step ``self.step + 1``; returns its metrics record."""
+        config = self.config
+        t0 = time.perf_counter()
+        lr = lr_at(self.step, config.steps, config.lr, config.warmup_steps, config.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # vision groups: vision_lr / lr
+        ids, labels, cu = self.batch(self.step + 1)
+        images = self.batch_images(self.step + 1) if self.multimodal is not None else None
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
+                            enabled=self.autocast is not None):
+            embeds = None
+            if images is not None:
+                from k3.train.images import embed_images
+                ids, embeds = None, embed_images(self.multimodal, ids, images.pixel_values, images.grid_thw)
+            loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False, inputs_embeds=embeds).loss
+        if not torch.isfinite(loss):
+            raise RuntimeError(f"SFT loss became {float(loss)} at step {self.step + 1}; lower --lr")
+        loss.backward()
+        trained = [*self.model.parameters(), *([p for p in self.multimodal.vision.parameters() if p.requires_grad]
+                                               if self.multimodal is not None else [])]
+        grad_norm = torch.nn.utils.clip_grad_norm_(trained, config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"step": self.step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm),
+                "tokens": int(labels.shape[1]), "step_s": time.perf_counter() - t0}
 
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
-        config = self.config
+        """Run to ``steps`` (or stop after step ``stop_at``, as an interrupted run would)."""
         self.model.train()
-        first = None
-        bar = tqdm(total=config.steps, initial=self.step, desc="sft", unit="step", disable=not self.show_progress,
-                   dynamic_ncols=True)
-        loss_value = float("nan")
-        while self.step < config.steps and (stop_at is None or self.step < stop_at):
-            t0 = time.perf_counter()
-            lr = lr_at(self.step, config.steps, config.lr, config.warmup_steps, config.min_lr_ratio)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr * group.get("lr_scale", 1.0)  # vision groups: vision_lr / lr
-            ids, labels, cu = self.batch(self.step + 1)
-            images = self.batch_images(self.step + 1) if self.multimodal is not None else None
-            with torch.autocast(self.device.type, dtype=self.autocast or torch.float32,
-                                enabled=self.autocast is not None):
-                embeds = None
-                if images is not None:
-                    from k3.train.images import embed_images
-                    ids, embeds = None, embed_images(self.multimodal, ids, images.pixel_values, images.grid_thw)
-                loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False, inputs_embeds=embeds).loss
-            if not torch.isfinite(loss):
-                raise RuntimeError(f"SFT loss became {float(loss)} at step {self.step + 1}; lower --lr")
-            loss.backward()
-            trained = [*self.model.parameters(), *([p for p in self.multimodal.vision.parameters() if p.requires_grad]
-                                                   if self.multimodal is not None else [])]
-            grad_norm = torch.nn.utils.clip_grad_norm_(trained, config.grad_clip)
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            loss_value = float(loss.detach())
-            first = loss_value if first is None else first
-            self.metrics.write({"step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                                "tokens": int(labels.shape[1]), "step_s": time.perf_counter() - t0})
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss_value:.3f}")
-            if self.step % config.save_every == 0 or self.step == config.steps:
-                self.save()
-        bar.close()
+        losses: list[float] = []
+
+        def step() -> dict[str, Any]:
+            record = self.train_step()
+            losses.append(record["loss"])
+            return record
+
+        loop = TrainingLoop(Cadence(self.config.steps, self.config.save_every),
+                            LoopHooks(step=step, position=lambda: self.step, save=self.save,
+                                      progress=lambda record: {"loss": f"{record['loss']:.3f}"}),
+                            metrics=self.metrics, desc="sft", show_progress=self.show_progress, log=self.log)
+        result = loop.run(stop_at)
         self.model.eval()
-        summary = {"steps": self.step, "first_loss": first, "last_loss": loss_value}
+        summary = {"steps": result.steps, "first_loss": losses[0] if losses else None,
+                   "last_loss": losses[-1] if losses else float("nan")}
         if self.multimodal is not None:
             summary["skipped_image_records"] = len(self.skipped)
         return summary

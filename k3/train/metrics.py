@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from k3.checkpoint.native import atomic_write_bytes
+from k3.atomic import atomic_write_bytes
 
 
 class MetricsLog:
@@ -40,33 +40,46 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     return records
 
 
-def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> None:
-    """Loss (train and validation), learning rate, tokens/s and maxvio against step, in one PNG."""
+def metric_series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the records that hold a number under `key`."""
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def figure_grid():
+    """(figure, 2x2 axes) of a metrics plot, drawn without a display."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(metrics_path)
+    return plt.subplots(2, 2, figsize=(10, 7))
 
-    def series(key: str) -> tuple[list[int], list[float]]:
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        return [p[0] for p in points], [p[1] for p in points]
 
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    ax = axes[0][0]
-    ax.plot(*series("loss"), label="train", linewidth=1)
-    ax.plot(*series("val_loss"), "o-", label="validation")
-    ax.set_title("loss (nats/token)")
-    ax.legend()
-    for ax, key, title in ((axes[0][1], "lr", "learning rate"), (axes[1][0], "tokens_per_s", "tokens/s"),
-                           (axes[1][1], "maxvio", "MoE maxvio (max over layers)")):
-        ax.plot(*series(key), linewidth=1)
-        ax.set_title(title)
-    for ax in axes.flat:
-        ax.set_xlabel("step")
+def save_figure(fig, png_path: str | os.PathLike) -> None:
+    """The figure as a PNG, written atomically (a reader never sees half a plot), then closed."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
     plt.close(fig)
     atomic_write_bytes(png_path, buffer.getvalue())
+
+
+def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike) -> None:
+    """Loss (train and validation), learning rate, tokens/s and maxvio against step, in one PNG."""
+    records = read_metrics(metrics_path)
+    fig, axes = figure_grid()
+    ax = axes[0][0]
+    ax.plot(*metric_series(records, "loss"), label="train", linewidth=1)
+    ax.plot(*metric_series(records, "val_loss"), "o-", label="validation")
+    ax.set_title("loss (nats/token)")
+    ax.legend()
+    for ax, key, title in ((axes[0][1], "lr", "learning rate"), (axes[1][0], "tokens_per_s", "tokens/s"),
+                           (axes[1][1], "maxvio", "MoE maxvio (max over layers)")):
+        ax.plot(*metric_series(records, key), linewidth=1)
+        ax.set_title(title)
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+    save_figure(fig, png_path)

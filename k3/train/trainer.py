@@ -10,15 +10,14 @@ Run directory layout:
     checkpoint.pt       the last good checkpoint (see k3.checkpoint.native), or with checkpoint_format
     checkpoint/         "sharded" a torch.distributed.checkpoint directory of every rank's shards
     metrics.jsonl       one JSON per step; metrics.png the curves
+(k3.train.run_dir keeps the directory, k3.train.loop runs the loop; this module supplies the step.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -26,14 +25,12 @@ from typing import Any, Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from k3.checkpoint.native import (CHECKPOINT_NAME, atomic_write_bytes, directory_files, load_checkpoint,
-                                  load_model_state, save_checkpoint)
-from k3.checkpoint.run import checkpoint_path, saved_format
+from k3.checkpoint.native import CHECKPOINT_NAME, load_model_state
+from k3.checkpoint.run import checkpoint_path
 from k3.config import ModelConfig
 from k3.runtime import autocast_dtype, resolve_device
-from k3.runtime import rng_state as _rng_state, set_rng_state as _set_rng_state
+from k3.runtime import rng_state, set_rng_state
 from k3.data.corpus import load_corpus, split_validation
 from k3.data.packing import BatchStream, PackedBatch, load_stream, save_stream, text_row, pack_rows, \
     tokenize_documents
@@ -45,10 +42,13 @@ from k3.model import K3ForCausalLM, pad_cu_seqlens
 from k3.train.graphed_step import QB_GRAPH_UPDATES, GraphedTrainStep
 from k3.train.config import TrainConfig
 from k3.train.master_weights import MasterWeightAdamW
-from k3.train.metrics import MetricsLog, plot_metrics
+from k3.train.loop import Cadence, LoopHooks, TrainingLoop
+from k3.train.metrics import plot_metrics
 from k3.train.optim import build_optimizer, lr_at
 from k3.train.profile import PROFILE_AFTER, StepProfiler
+from k3.train.run_dir import RunDirectory, RunKind
 from k3.train.schedule import rows_for, stage_at
+
 
 
 def device_maxvio(load_E: torch.Tensor) -> torch.Tensor:
@@ -70,24 +70,7 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-RUN_MARKER = ".k3-run"  # written first into a new run directory: what a later attempt may clear is k3's own
-
-
-def _check_fresh_out(out: Path) -> None:
-    """A new run starts in a new or empty directory, or one an earlier attempt of k3 train left: it clears
-    that attempt's files, so a directory of anything else is refused."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file; give a directory for the run")
-    if not out.is_dir() or (out / RUN_MARKER).is_file() or (out / "train_config.json").is_file():
-        return
-    entries = sorted(p.name for p in out.iterdir())
-    if entries:
-        raise ValueError(f"--out {out} already holds files that k3 train did not write ({len(entries)} entries, "
-                         f"e.g. {entries[:3]}); a new run starts in a new or empty directory: choose another --out")
-
-
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    atomic_write_bytes(path, (json.dumps(value, indent=2) + "\n").encode("utf-8"))
+RUN = RunKind(key="train", settings_file="train_config.json", command="k3 train", what="a run", sharded=True)
 
 
 class Trainer:
@@ -113,47 +96,27 @@ class Trainer:
         self.profile_at = profile_at
         self.show_progress = show_progress
         self.out = Path(config.out)
-        found = saved_format(self.out)
-        self.resume_state = None
+        self.run_dir = RunDirectory(self.out, RUN)
+        # A sharded checkpoint's model and optimizer shards load later, into the parallel layout.
+        self.resume_state = self.run_dir.open(resume)
         if resume:
-            if found is None:
-                raise FileNotFoundError(f"--resume given but {self.out} holds no finished checkpoint "
-                                        f"({CHECKPOINT_NAME} or a sharded checkpoint/ directory); start the run "
-                                        f"without --resume first")
-            if found == "full":
-                self.resume_state = load_checkpoint(self.out / CHECKPOINT_NAME)
-            else:
-                from k3.distributed.sharded_checkpoint import read_sharded_extra
-                # Model and optimizer shards load later, into the parallel layout; here only the run's state.
-                self.resume_state = read_sharded_extra(checkpoint_path(self.out, "sharded"))
-                if isinstance(self.resume_state.get("rng"), str):
-                    raise ValueError(f"{checkpoint_path(self.out, 'sharded')} keeps its RNG states as a pickle "
-                                     "(written by an older k3); k3 no longer unpickles checkpoint metadata")
-            self.resume_state["saved_format"] = found
             saved = TrainConfig.from_dict(self.resume_state["train"])  # a sectioned or an older flat layout
             # Data, model and optimizer settings must stay as they were, or the resumed run would diverge from
             # the unbroken one; out may move with the run directory.
             # The parallel layout is not part of the run: a resume is single-process unless --ep (and
             # --ep-balanced) are given again.
             config = saved.replace(out=config.out, **{"ep": 0, "ep_balanced": False, **(resume_overrides or {})})
-        elif found is not None:
-            raise ValueError(f"{self.out} already holds a run ({checkpoint_path(self.out, found)}); pass --resume "
-                             f"to continue it or choose another --out")
         else:
-            _check_fresh_out(self.out)
             # Left by an attempt that stopped before its first checkpoint: made from possibly other settings.
-            for stale in ("tokenizer", "data"):
-                if (Path(config.out) / stale).is_dir():
-                    shutil.rmtree(Path(config.out) / stale)
+            self.run_dir.check_new(leftovers=("tokenizer", "data"))
         self.config = config
         from k3.train.images import split_data_files
         # A resumed run reads its data from DIR/data (kept at the first run), not from the --data files.
         self.text_data, self.image_files = split_data_files(config.data.data) if not resume else (config.data.data, [])
         self.has_images = bool(self.image_files) if not resume else "vision" in self.resume_state
         self.images = None  # k3.train.images.ImageTraining when --data holds image-text files
-        self.out.mkdir(parents=True, exist_ok=True)
         if not resume:
-            atomic_write_bytes(self.out / RUN_MARKER, b"")
+            self.run_dir.create()
         torch.manual_seed(config.seed)
         np.random.seed(config.seed)
         random.seed(config.seed)
@@ -233,15 +196,13 @@ class Trainer:
         if self.resume_state is not None:
             self._restore(self.resume_state)
         elif rank == 0:
-            _write_json(self.out / "train_config.json", config.to_dict())
-            _write_json(self.out / "config.json", model_config.to_dict())
+            self.run_dir.write_settings(config.to_dict(), model_config.to_dict())
         if self.dist is not None and config.checkpoint.format == "full":
             # Model + AdamW moments, fp32, gathered whole in rank 0's memory at every save.
             gathered_mb = 3 * 4 * sum(p.numel() for p in self.model.parameters()) / 1e6
             self.log(f"checkpoints: full ({CHECKPOINT_NAME}, about {gathered_mb:,.0f} MB gathered on rank 0 per save); "
                      "--checkpoint-format sharded has every rank write its own shards instead")
-        self.metrics = MetricsLog(self.out / ("metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"),
-                                  keep_through_step=self.step if self.resume_state is not None else None)
+        self.metrics = self.run_dir.metrics(self.step, resumed=self.resume_state is not None, rank=rank)
 
     # --- setup -----------------------------------------------------------------------------------
     @property
@@ -429,7 +390,7 @@ class Trainer:
                          f"{len(per_rank) if per_rank else 1}: model and optimizer continue exactly, the data "
                          "rows differ from an unbroken run's")
             self.train_stream.load_state_dict(state["data"])
-        _set_rng_state(state["rng"])
+        set_rng_state(state["rng"])
 
     # --- pieces of the loop ----------------------------------------------------------------------
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -539,39 +500,39 @@ class Trainer:
         return total / max(count, 1)
 
     def save(self) -> None:
+        """The run's checkpoint (collective under torchrun); the older one of the other format goes."""
         if self.config.checkpoint.format == "sharded":
             self._save_sharded()
         else:
             self._save_full()
-        # One kind of checkpoint per run: a resume must not find an older one of the other kind.
-        if self.dist is None or self.dist.rank == 0:
-            other = checkpoint_path(self.out, "full" if self.config.checkpoint.format == "sharded" else "sharded")
-            if other.is_dir():
-                shutil.rmtree(other)
-            elif other.exists():
-                other.unlink()
+
+    def _data_state(self) -> dict[str, Any]:
+        """Where the data stream stands: what a resumed run continues from."""
+        return {**self.train_stream.state_dict(), "stage": self.stage}
 
     def _run_state(self) -> dict[str, Any]:
         """Everything of a checkpoint but the model, optimizer and tokenizer."""
         return {"config": self.model_config.to_dict(), "train": self.config.to_dict(), "step": self.step,
-                "data": {**self.train_stream.state_dict(), "stage": self.stage}}
+                "data": self._data_state()}
 
     def _data_per_rank(self) -> list[dict] | None:
         """Each rank reads its own data stream (its recall rows differ), so every rank's position is kept."""
         if self.dist is None:
             return None
         data_per_rank = [None] * self.dist.world_size
-        torch.distributed.all_gather_object(data_per_rank, {**self.train_stream.state_dict(), "stage": self.stage})
+        torch.distributed.all_gather_object(data_per_rank, self._data_state())
         return data_per_rank
 
     def _save_sharded(self) -> None:
         from k3.distributed.sharded_checkpoint import save_sharded
 
-        extra = {**self._run_state(), "rng": _rng_state()}
+        extra = {**self._run_state(), "rng": rng_state()}
         data_per_rank = self._data_per_rank()
         if data_per_rank is not None:
             extra["data_per_rank"] = data_per_rank
         save_sharded(checkpoint_path(self.out, "sharded"), self.model, self.optimizer, extra=extra)
+        if self.dist is None or self.dist.rank == 0:
+            self.run_dir.remove_other_format("sharded")
 
     def _save_full(self) -> None:
         if self.dist is None:
@@ -588,16 +549,11 @@ class Trainer:
             if self.dist.rank != 0:
                 barrier()
                 return
-        state = {
-            "model": model_state,
-            "optimizer": optimizer_state,
-            **(self.images.checkpoint_state() if self.images is not None else {}),
-            **self._run_state(),
-            **({"data_per_rank": data_per_rank} if self.dist is not None else {}),
-            "rng": _rng_state(),
-            "tokenizer": directory_files(self.out / "tokenizer"),
-        }
-        save_checkpoint(self.out / CHECKPOINT_NAME, state)
+        extra = {**(self.images.checkpoint_state() if self.images is not None else {}),
+                 "data": self._data_state(),
+                 **({"data_per_rank": data_per_rank} if self.dist is not None else {})}
+        self.run_dir.save(model_state, optimizer_state, self.model_config.to_dict(), self.config.to_dict(), self.step,
+                          extra)
         if self.dist is not None:
             from k3.distributed import barrier
             barrier()
@@ -607,109 +563,95 @@ class Trainer:
             return
         plot_metrics(self.out / "metrics.jsonl", self.out / "metrics.png")
 
-    # --- the loop --------------------------------------------------------------------------------
+    # --- the loop (k3.train.loop runs it) ----------------------------------------------------------
     @kernels_applied
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
         """Train up to max_steps (or stop after step `stop_at`, as an interrupted run would; the schedule still
         spans max_steps). Returns a summary: steps, first/last val loss, tokens/s, why it stopped."""
         config = self.config
         self.model.train()
-        summary: dict[str, Any] = {"start_step": self.step, "stopped": "max_steps"}
-        if self.step == 0:
-            first_val = self.evaluate()
-            self.metrics.write({"step": 0, "val_loss": first_val})
-            summary["first_val_loss"] = first_val
-            self.log(f"step 0: val_loss {first_val:.4f}")
-        started = time.perf_counter()
-        tokens_seen = 0
-        bar = tqdm(total=config.max_steps, initial=self.step, desc="train", unit="step",
-                   disable=not self.show_progress, dynamic_ncols=True)
-        profiler = None
-        if self.profile_dir is not None:
-            first = self.step + PROFILE_AFTER + 1 if self.profile_at is None else self.profile_at
-            if first <= self.step:
-                raise ValueError(f"--profile-at {first}: this run resumes after step {self.step}; profile a later step")
-            profiler = StepProfiler(self.profile_dir, first, self.device)
-            if profiler.first > config.max_steps:
-                why = (f"it skips the first {PROFILE_AFTER} steps, which compile kernels" if self.profile_at is None
-                       else "--profile-at")
-                self.log(f"--profile: the run ends before step {profiler.first}, where the profile would start "
-                         f"({why}); nothing profiled")
-        pending: list[tuple[dict[str, Any], torch.Tensor]] = []  # steps whose device values are not read yet
-        window_started = time.perf_counter()
+        self._profiler = self._step_profiler()
+        self._tokens_seen, self._first_step_s = 0, None
+        compiles = "first step: compiling GPU kernels (minutes on a cold kernel cache)"
+        loop = TrainingLoop(
+            # A profiled run reads every step: the profiler takes each step's time.
+            Cadence(config.max_steps, config.checkpoint.every, config.eval.every,
+                    1 if self._profiler is not None else self.log_every),
+            LoopHooks(step=self._loop_step, position=lambda: self.step, save=self.save, read=self._loop_read,
+                      evaluate=self._evaluations, plot=self.plot,
+                      describe_first_eval=lambda values: [f"val_loss {values['val_loss']:.4f}"],
+                      progress=lambda r: {"loss": f"{r['loss']:.3f}", "tok_s": f"{r['tokens_per_s']:.0f}"}),
+            metrics=self.metrics, desc="train", show_progress=self.show_progress, log=self.log,
+            time_budget_s=config.time_budget_s,
+            # On a GPU the first step compiles its kernels (Triton, fla, Inductor): minutes on a cold kernel
+            # cache, with nothing else to show that the run is alive.
+            first_step_note=compiles if self.device.type == "cuda" else None)
         try:
-            while self.step < config.max_steps:
-                if stop_at is not None and self.step >= stop_at:
-                    summary["stopped"] = "stop_at"
-                    break
-                if config.time_budget_s is not None and time.perf_counter() - started > config.time_budget_s:
-                    summary["stopped"] = "time_budget"
-                    break
-                if "first_step_s" not in summary and self.device.type == "cuda":
-                    # On a GPU the first step compiles its kernels (Triton, fla, Inductor): minutes on a cold
-                    # kernel cache, with nothing else to show that the run is alive.
-                    bar.set_postfix_str("first step: compiling GPU kernels (minutes on a cold kernel cache)")
-                    bar.refresh()
-                if profiler is not None:
-                    profiler.before(self.step + 1)
-                pending.append(self._train_step())
-                tokens_seen += pending[-1][0]["tokens"]
-                bar.update(1)
-                eval_due = self.step % config.eval.every == 0 or self.step == config.max_steps
-                save_due = self.step % config.checkpoint.every == 0 or self.step == config.max_steps
-                # Read the window: at its end, at the session's first step (its time is the compile's), before an
-                # eval or a save (a non-finite loss must stop the run before it reaches a checkpoint), in a
-                # profiled run, and where the loop will stop.
-                if not (self.step % self.log_every == 0 or "first_step_s" not in summary or eval_due or save_due
-                        or profiler is not None or (stop_at is not None and self.step >= stop_at)
-                        or (config.time_budget_s is not None
-                            and time.perf_counter() - started > config.time_budget_s)):
-                    continue
-                records = self._read_window(pending, time.perf_counter() - window_started)
-                pending = []
-                if profiler is not None:
-                    profiler.after(self.step, records[-1]["step_seconds"])
-                    if self.step == profiler.last:
-                        self.log(f"profile of steps {profiler.first}-{self.step} written to {profiler.written}")
-                if "first_step_s" not in summary:
-                    summary["first_step_s"] = records[0]["step_seconds"]
-                    if self.device.type == "cuda":
-                        self.log(f"first step took {records[0]['step_seconds']:.1f} s (kernel compiles included)")
-                if eval_due:
-                    records[-1]["val_loss"] = self.evaluate()
-                    summary["last_val_loss"] = records[-1]["val_loss"]
-                    if self.images is not None and self.images.val_examples:
-                        records[-1]["val_image_loss"] = summary["last_val_image_loss"] = self.evaluate_images()
-                for record in records:
-                    self.metrics.write(record)
-                bar.set_postfix(loss=f"{records[-1]['loss']:.3f}", tok_s=f"{records[-1]['tokens_per_s']:.0f}")
-                if save_due:
-                    self.save()
-                window_started = time.perf_counter()
-            if pending:  # stopped between reads
-                for record in self._read_window(pending, time.perf_counter() - window_started):
-                    self.metrics.write(record)
+            result = loop.run(stop_at)
         finally:
-            bar.close()
-            if profiler is not None:
-                profiler.close()  # stopped inside the window: what was profiled is still written
-        if profiler is not None and profiler.written is not None:
-            summary["profile"] = str(profiler.written)
-        elapsed = time.perf_counter() - started
-        if summary["stopped"] == "time_budget":
-            summary["last_val_loss"] = self.evaluate()
-            self.metrics.write({"step": self.step, "val_loss": summary["last_val_loss"]})
-            self.save()
-        summary.update(steps=self.step, train_seconds=elapsed,
-                       tokens_per_s=tokens_seen / elapsed if elapsed > 0 else 0.0)
+            if self._profiler is not None:
+                self._profiler.close()  # stopped inside the window: what was profiled is still written
+        summary: dict[str, Any] = {"start_step": result.start_step, "stopped": result.stopped}
+        if result.first_eval is not None:
+            summary["first_val_loss"] = result.first_eval["val_loss"]
+        if self._first_step_s is not None:
+            summary["first_step_s"] = self._first_step_s
+        if result.last_eval is not None:
+            summary["last_val_loss"] = result.last_eval["val_loss"]
+            if "val_image_loss" in result.last_eval:
+                summary["last_val_image_loss"] = result.last_eval["val_image_loss"]
+        if self._profiler is not None and self._profiler.written is not None:
+            summary["profile"] = str(self._profiler.written)
+        summary.update(steps=result.steps, train_seconds=result.seconds,
+                       tokens_per_s=self._tokens_seen / result.seconds if result.seconds > 0 else 0.0)
         if self.images is not None:
             summary["image_examples"] = len(self.images.train_examples)
             summary["skipped_image_records"] = len(self.images.skipped)
             if self.images.skipped:
                 self.log(f"{len(self.images.skipped)} bad image-text record(s) were skipped (--skip-bad-images), "
                          f"e.g. {self.images.skipped[0]}")
-        self.plot()
         return summary
+
+    def _step_profiler(self) -> StepProfiler | None:
+        """--profile: torch.profiler over a window of steps (k3.train.profile)."""
+        if self.profile_dir is None:
+            return None
+        first = self.step + PROFILE_AFTER + 1 if self.profile_at is None else self.profile_at
+        if first <= self.step:
+            raise ValueError(f"--profile-at {first}: this run resumes after step {self.step}; profile a later step")
+        profiler = StepProfiler(self.profile_dir, first, self.device)
+        if profiler.first > self.config.max_steps:
+            why = (f"it skips the first {PROFILE_AFTER} steps, which compile kernels" if self.profile_at is None
+                   else "--profile-at")
+            self.log(f"--profile: the run ends before step {profiler.first}, where the profile would start "
+                     f"({why}); nothing profiled")
+        return profiler
+
+    def _loop_step(self) -> tuple[dict[str, Any], torch.Tensor]:
+        if self._profiler is not None:
+            self._profiler.before(self.step + 1)
+        pending = self._train_step()
+        self._tokens_seen += pending[0]["tokens"]
+        return pending
+
+    def _loop_read(self, pending: list[tuple[dict[str, Any], torch.Tensor]], seconds: float) -> list[dict[str, Any]]:
+        records = self._read_window(pending, seconds)
+        if self._profiler is not None:
+            self._profiler.after(self.step, records[-1]["step_seconds"])
+            if self.step == self._profiler.last:
+                self.log(f"profile of steps {self._profiler.first}-{self.step} written to {self._profiler.written}")
+        if self._first_step_s is None:  # the session's first step is read on its own
+            self._first_step_s = records[0]["step_seconds"]
+            if self.device.type == "cuda":
+                self.log(f"first step took {self._first_step_s:.1f} s (kernel compiles included)")
+        return records
+
+    def _evaluations(self) -> dict[str, float]:
+        """The validation losses the loop writes at its evaluations: text, and images when the run has them."""
+        values = {"val_loss": self.evaluate()}
+        if self.images is not None and self.images.val_examples:
+            values["val_image_loss"] = self.evaluate_images()
+        return values
 
     def _train_step(self) -> tuple[dict[str, Any], torch.Tensor]:
         """One optimizer step, with no host sync of its own: (the step's host-side metrics, its device-side values
@@ -790,7 +732,7 @@ class Trainer:
                 self.plot()
                 raise NonFiniteLossError(
                     f"loss became {loss} at step {host['step']}; training stopped and the last good checkpoint "
-                    f"({self.out / CHECKPOINT_NAME}, step {self._saved_step()}) was kept. Lower --lr, raise "
+                    f"({self.out / CHECKPOINT_NAME}, step {self.run_dir.saved_step()}) was kept. Lower --lr, raise "
                     f"--warmup-steps or check the data, then continue with --resume")
             records.append({
                 "step": host["step"],
@@ -813,18 +755,6 @@ class Trainer:
                 **({"window_steps": len(pending)} if len(pending) > 1 else {}),
             })
         return records
-
-    def _saved_step(self) -> int | str:
-        found = saved_format(self.out)
-        if found is None:
-            return "none yet"
-        try:
-            if found == "sharded":
-                from k3.distributed.sharded_checkpoint import read_sharded_extra
-                return int(read_sharded_extra(checkpoint_path(self.out, "sharded"))["step"])
-            return int(load_checkpoint(self.out / CHECKPOINT_NAME)["step"])
-        except (RuntimeError, ValueError, OSError):
-            return "unreadable"
 
 
 def train(config: TrainConfig, resume: bool = False, **kwargs: Any) -> dict[str, Any]:

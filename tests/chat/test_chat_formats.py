@@ -171,11 +171,12 @@ def test_a_new_training_run_saves_its_chat_format_with_the_tokenizer(tmp_path):
     tokenizer, and what `k3 serve --run` loads from it is that format."""
     from k3.data.tokenizer import load_tokenizer, train_bpe
     from k3.infer.chat_template import load_chat_template
-    from k3.rl.run_dir import start_or_restore
+    from k3.rl.sft import RUN
+    from k3.train.run_dir import RunDirectory
 
     tokenizer = train_bpe(["hello world"] * 4, vocab_size=270, show_progress=False)
     assert tokenizer.chat_template is None
-    assert start_or_restore(tmp_path, None, None, tokenizer, "sft_config.json", {}, {}) == 0
+    assert RunDirectory(tmp_path, RUN).start_or_restore(None, None, tokenizer, {}, {}) == 0
     assert (tmp_path / "tokenizer" / "chat_template.jinja").read_text() == builtin_template("k3")
     served = load_chat_template(load_tokenizer(tmp_path / "tokenizer"), tmp_path / "tokenizer")
     assert served.name == "k3" and served.tool_syntax == "k3"
