@@ -1,5 +1,5 @@
-"""Every flag `k3 train`, `k3 rl`, `k3 sft` and `k3 serve` took before their flags were generated from the config
-dataclasses still exists, so no user's command or documented example breaks."""
+"""Every flag `k3 train`, `k3 rl`, `k3 sft`, `k3 distill` and `k3 serve` took before their flags were generated from
+the config dataclasses still exists, so no user's command or documented example breaks."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ FLAGS_BEFORE = {
           "--no-routing-replay --no-tis --out --ray --refill-rounds --resume --rollout-dtype --rollout-worker-cpus "
           "--rollout-worker-gpus --rollout-workers --routing-source --run --sandbox-backend --save-every --seed "
           "--steps --suite --tasks-per-step --tau --temperature --threads --tis-cap --tool-budget -h",
+    "distill": "--algo --baseline --data --device --estimator --heldout-every --heldout-prompts --heldout-samples "
+               "--help --json --lr --lr-schedule --max-context --max-new-tokens --mixed-weight --mode --out "
+               "--prompt-tokens --prompts-per-domain --reference-tokens --resume --rl-suite --samples --save-every "
+               "--seed --steps --student --suite-tasks --teacher --temperature --threads --tis-cap --top-k -h",
     "sft": "--allow-image-paths-outside --batch-size --data --device --help --lr --max-image-bytes "
            "--max-image-patches --max-image-pixels --out --resume --run --save-every --seed --skip-bad-images "
            "--steps --threads --vision --vision-lr --vision-train -h",
@@ -51,3 +55,4 @@ def test_help_lists_every_flag(command: str) -> None:
     text = parser.format_help()  # raises on a help string argparse cannot format (a bare %)
     missing = [flag for action in parser._actions for flag in action.option_strings if flag not in text]
     assert not missing
+

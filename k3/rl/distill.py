@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from k3.cli_config import from_dict, option
 from k3.infer.sampling import SamplingParams
 from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
     load_model_and_tokenizer, packed_log_softmax, route
@@ -61,41 +62,82 @@ TOKEN_LEVEL_ALGORITHMS = ("dapo", "cispo", "grpo", "drgrpo")  # objectives with 
 
 @dataclass
 class DistillConfig:
-    student: str = ""  # a k3 run or Hugging Face-format directory
-    teachers: dict[str, str] = field(default_factory=dict)  # domain -> run / HF directory
-    data: dict[str, str] = field(default_factory=dict)  # domain -> prompts (see k3.rl.distill_sources)
-    out: str = "runs/distill"
-    mode: str = "on-policy"
-    estimator: str = "sampled"  # on-policy / mixed: "sampled" (advantage per token) or "topk" (see the module doc)
-    algo: str = "dapo"
+    """A `k3 distill` run. Each field's docstring is its --help text (k3.cli_config builds the flags); the
+    domain maps (teachers, data, rl_suites) take repeatable NAME=... flags of their own (k3.rl.distill_cli)."""
+
+    student: str = ""
+    """the student: a k3 run or a Hugging Face-format directory"""
+    teachers: dict[str, str] = field(default_factory=dict, metadata=option(cli=False))
+    """domain -> its teacher, a k3 run or Hugging Face-format directory (--teacher NAME=DIR)"""
+    data: dict[str, str] = field(default_factory=dict, metadata=option(cli=False))
+    """domain -> its prompts, see k3.rl.distill_sources (--data NAME=PATH)"""
+    out: str = field(default="runs/distill", metadata=option(show_default=False))
+    """the run directory"""
+    mode: str = field(default="on-policy", metadata=option(choices=MODES))
+    """on-policy (default), offline (SFT on teacher samples), forward-kl (teacher top-k), mixed (on-policy + top-k
+    forward KL)"""
+    estimator: str = field(default="sampled", metadata=option(choices=ESTIMATORS))
+    """on-policy reverse KL: sampled (default: per-token advantage log p_teacher - log p_student through the
+    policy-gradient step) or topk (the reverse KL over the teacher's top-k ids plus one bucket for the rest, at the
+    student's own sampled positions)"""
+    algo: str = field(default="dapo", metadata=option(choices=TOKEN_LEVEL_ALGORITHMS))
+    """policy-gradient objective (default dapo)"""
     steps: int = 50
+    """optimizer steps in all"""
     prompts_per_domain: int = 4
-    samples: int = 4  # completions per prompt (G)
-    prompt_tokens: int = 32  # text data: prompt window
-    reference_tokens: int = 32  # text data: reference continuation for the held-out loss
+    """prompts of each domain per step"""
+    samples: int = 4
+    """completions per prompt (G)"""
+    prompt_tokens: int = 32
+    """text data: the prompt window, in tokens"""
+    reference_tokens: int = 32
+    """text data: the reference continuation whose loss is the held-out NLL, in tokens"""
     max_new_tokens: int = 32
-    temperature: float = 1.0  # the reverse-KL advantage is exact at 1 (the engine's logprobs are at 1)
+    """longest completion, in tokens"""
+    temperature: float = 1.0
+    """sampling temperature (the reverse-KL advantage is exact at 1: the engine's logprobs are at 1)"""
     lr: float = 1e-4
-    lr_schedule: str = "constant"  # or "cosine": from lr down to lr / 10 at the last step (k3.train.optim.lr_at)
+    """learning rate"""
+    lr_schedule: str = field(default="constant", metadata=option(choices=("constant", "cosine")))
+    """constant (default) or cosine down to lr/10 at the last step"""
     weight_decay: float = 0.0
+    """AdamW weight decay"""
     grad_clip: float = 1.0
-    top_k: int = 16  # forward-kl / mixed: teacher top-k
+    """clip the global gradient norm to this"""
+    top_k: int = 16
+    """forward-kl, mixed and the topk estimator: the teacher's top-k ids kept per position"""
     mixed_weight: float = 1.0
-    rl_suites: dict[str, float] = field(default_factory=dict)  # suite name or task file -> reward weight
-    suite_tasks: int = 512  # training tasks drawn from each built-in suite
+    """mixed: weight of the top-k forward KL beside the on-policy term"""
+    rl_suites: dict[str, float] = field(default_factory=dict, metadata=option(cli=False))
+    """suite name or task file -> its reward weight (--rl-suite NAME[:WEIGHT])"""
+    suite_tasks: int = 512
+    """training tasks drawn from each built-in suite"""
     tis_cap: float | None = 2.0
-    baseline: bool = False  # sampled: subtract the batch's mean reverse-KL advantage (a constant: unbiased)
+    """cap of the truncated importance weights between the update's and the sampler's logprobs"""
+    baseline: bool = False
+    """sampled estimator: subtract the batch's mean advantage (a constant baseline, so unbiased)"""
     clip_low: float | None = None
+    """the objective's lower clip (default: the algorithm's published value)"""
     clip_high: float | None = None
+    """the objective's upper clip (default: the algorithm's published value)"""
     heldout_prompts: int = 16
+    """held-out prompts per domain"""
     heldout_samples: int = 2
+    """the student's completions per held-out prompt"""
     heldout_every: int = 10
+    """steps between held-out evaluations (one is also run at the end)"""
     save_every: int = 10
+    """steps between checkpoints (one is also written at the end)"""
     seed: int = 0
+    """seed of the prompt draws, sampling and the update"""
     max_context: int = 1024
+    """the engines' longest prompt + completion, in tokens"""
     micro_tokens: int = 8192
+    """tokens per forward of the update (longer batches are split into micro-batches)"""
     routing_replay: bool = True
+    """the update's forward routes each token to the experts that sampled it"""
     device: str = "auto"
+    """auto, cpu, cuda, cuda:N (default auto: cuda if available)"""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -127,6 +169,11 @@ class DistillConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DistillConfig:
+        """A saved distill_config.json or checkpoint["distill"] (a name it does not know is refused by name)."""
+        return from_dict(cls, data)
 
 
 def _seed(*parts) -> int:
@@ -320,7 +367,7 @@ class DistillTrainer:
         self.run_dir = RunDirectory(self.out, RUN)
         state = self.run_dir.open(resume)
         if state is not None:
-            config = dataclasses.replace(DistillConfig(**state["distill"]), out=config.out)
+            config = dataclasses.replace(DistillConfig.from_dict(state["distill"]), out=config.out)
         self.config = config
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)

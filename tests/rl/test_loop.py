@@ -242,3 +242,23 @@ def test_a_run_saved_in_the_flat_layout_resumes(start_run, user_suite, tmp_path)
     resumed = RLTrainer(RLConfig(out=str(tmp_path / "run")), resume=True, show_progress=False, log=lambda *_: None)
     assert resumed.config == config and resumed.step == 1
     assert resumed.train()["steps"] == 2
+
+
+def test_an_sft_run_saved_in_the_flat_layout_resumes(start_run, tokenizer, tmp_path):
+    """SFTConfig was flat before its image fields became a section: such a run still resumes, settings intact."""
+    from k3.checkpoint.native import load_checkpoint, save_checkpoint
+    from k3.cli_config import to_flat
+
+    config = SFTConfig.flat(run=str(start_run), data=str(start_run.parent / "demos.jsonl"), out=str(tmp_path / "sft"),
+                            steps=2, batch_size=2, save_every=1, device="cpu", vision_train="projector",
+                            max_image_bytes=1 << 20)
+    SFTTrainer(config, show_progress=False, log=lambda *_: None).train(stop_at=1)
+    flat = {k: v for k, v in to_flat(config).items() if k != "image_fraction"}  # the flat SFTConfig had none
+    state = load_checkpoint(tmp_path / "sft")
+    assert state["sft"]["images"]["max_image_bytes"] == 1 << 20  # saved in sections now
+    state["sft"] = flat
+    save_checkpoint(tmp_path / "sft" / "checkpoint.pt", state)
+    resumed = SFTTrainer(SFTConfig(out=str(tmp_path / "sft")), resume=True, show_progress=False, log=lambda *_: None)
+    assert resumed.config == config and resumed.step == 1
+    assert resumed.config.images.vision_train == "projector"
+    assert resumed.train()["steps"] == 2
