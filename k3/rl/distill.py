@@ -34,7 +34,6 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -52,7 +51,7 @@ from k3.runtime import autocast_dtype, resolve_device, seed_everything
 from k3.train.loop import Cadence, LoopHooks, TrainingLoop
 from k3.train.metrics import figure_grid, metric_series, read_metrics, save_figure
 from k3.train.optim import lr_at
-from k3.train.run_dir import RunDirectory, RunKind, policy_from
+from k3.train.run_dir import RunKind, open_run
 
 RUN = RunKind(key="distill", settings_file="distill_config.json", command="k3 distill", what="a distillation run")
 MODES = ("on-policy", "offline", "forward-kl", "mixed")
@@ -363,22 +362,15 @@ class DistillTrainer:
         from k3.infer import Engine
 
         self.log, self.show_progress = log, show_progress
-        self.out = Path(config.out)
-        self.run_dir = RunDirectory(self.out, RUN)
-        state = self.run_dir.open(resume)
-        if state is not None:
-            config = dataclasses.replace(DistillConfig.from_dict(state["distill"]), out=config.out)
-        self.config = config
+        opened = open_run(RUN, config, resume, DistillConfig.from_dict)
+        self.run_dir, state, self.config = opened.directory, opened.state, opened.config
+        config, self.out = self.config, self.run_dir.out
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)
         seed_everything(config.seed)
-        policy = policy_from(state, self.out, self.device, student, tokenizer)
-        if policy is not None:
-            self.model, self.tokenizer = policy
-        else:
-            if not config.student:
-                raise ValueError("give the student: --student DIR (a k3 run or a Hugging Face-format directory)")
-            self.model, self.tokenizer = load_model_and_tokenizer(config.student, str(self.device))
+        self.model, self.tokenizer = opened.policy(
+            self.device, student, tokenizer, source=config.student, load=load_model_and_tokenizer,
+            needs="give the student: --student DIR (a k3 run or a Hugging Face-format directory)")
         if teachers is None:
             if not config.teachers:
                 raise ValueError("give at least one teacher: --teacher NAME=DIR (NAME is the domain it teaches)")

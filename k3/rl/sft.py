@@ -32,7 +32,7 @@ from k3.runtime import autocast_dtype, resolve_device
 from k3.train.config import ImageConfig
 from k3.train.loop import Cadence, LoopHooks, TrainingLoop
 from k3.train.optim import build_optimizer, lr_at
-from k3.train.run_dir import RunDirectory, RunKind, policy_from
+from k3.train.run_dir import RunKind, open_run
 
 RUN = RunKind(key="sft", settings_file="sft_config.json", command="k3 sft", what="an SFT run")
 
@@ -108,25 +108,14 @@ class SFTTrainer:
                  steps_override: int | None = None) -> None:
         """resume: continue DIR/checkpoint.pt with its saved settings (``steps_override`` may extend it)."""
         self.log, self.show_progress = log, show_progress
-        self.out = Path(config.out)
-        self.run_dir = RunDirectory(self.out, RUN)
-        state = self.run_dir.open(resume)
-        if state is not None:
-            saved = SFTConfig.from_dict(state["sft"])  # sectioned, or the flat layout of earlier runs
-            config = dataclasses.replace(saved, out=config.out, steps=steps_override or saved.steps)
-        self.config = config
+        opened = open_run(RUN, config, resume, SFTConfig.from_dict, steps=steps_override)
+        self.run_dir, state, self.config = opened.directory, opened.state, opened.config
+        config, self.out = self.config, self.run_dir.out
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)
         torch.manual_seed(config.seed)
-        policy = policy_from(state, self.out, self.device, model, tokenizer)
-        if policy is not None:
-            model, tokenizer = policy
-        else:
-            if not config.run:
-                raise ValueError("give the starting checkpoint: --run DIR (a `k3 train` run)")
-            from k3.checkpoint.inference import load_for_inference
-
-            model, tokenizer = load_for_inference(config.run, None, str(self.device))
+        model, tokenizer = opened.policy(self.device, model, tokenizer, source=config.run,
+                                         needs="give the starting checkpoint: --run DIR (a `k3 train` run)")
         if tokenizer is None:
             raise ValueError("SFT needs the model's tokenizer")
         self.model, self.tokenizer = model.to(self.device), tokenizer
