@@ -67,7 +67,8 @@ def rl_command(args: argparse.Namespace) -> int:
         if args.no_tis:
             fields["tis_cap"] = None
         config = RLConfig.flat(**fields)
-    trainer = RLTrainer(config, resume=args.resume, steps_override=args.steps if args.resume else None)
+    overrides = {"steps": args.steps, "time_budget_s": args.time_budget_s} if args.resume else None
+    trainer = RLTrainer(config, resume=args.resume, resume_overrides=overrides)
     main = trainer.ranks.main  # under torchrun, rank 0 speaks for the job
     try:
         summary = trainer.train()
@@ -86,8 +87,9 @@ def sft_command(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if not args.resume and not (args.run and args.data):
         raise ValueError("k3 sft needs --run DIR (the starting checkpoint) and --data FILE.jsonl (demonstrations)")
-    config = SFTConfig.flat(**given(SFTConfig, args))  # resumed: only --out and --steps are read (SFTTrainer)
-    trainer = SFTTrainer(config, resume=args.resume, steps_override=args.steps)
+    config = SFTConfig.flat(**given(SFTConfig, args))  # resumed: only --out and the overrides are read
+    overrides = {"steps": args.steps, "time_budget_s": args.time_budget_s} if args.resume else None
+    trainer = SFTTrainer(config, resume=args.resume, resume_overrides=overrides)
     summary = trainer.train()
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
     print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl)")

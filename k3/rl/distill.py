@@ -82,7 +82,10 @@ class DistillConfig:
     algo: str = field(default="dapo", metadata=option(choices=TOKEN_LEVEL_ALGORITHMS))
     """policy-gradient objective (default dapo)"""
     steps: int = 50
-    """optimizer steps in all"""
+    """optimizer steps in all (with --resume: extend the run to this many)"""
+    time_budget_s: float | None = None
+    """stop cleanly once training has run this long: a held-out evaluation, a save, the steps run reported
+    (with --resume: this session's budget)"""
     prompts_per_domain: int = 4
     """prompts of each domain per step"""
     samples: int = 4
@@ -355,14 +358,15 @@ class DistillUpdater:
 class DistillTrainer:
     """Build with ``DistillTrainer(config)`` (or pass ``student``/``tokenizer``/``teachers`` from Python), then
     ``train()``. ``resume=True`` continues DIR/checkpoint.pt exactly (only ``config.out`` is read from
-    ``config``; teachers passed in must be the run's)."""
+    ``config``, and ``resume_overrides``, e.g. {"steps": 80}; teachers passed in must be the run's)."""
 
     def __init__(self, config: DistillConfig, resume: bool = False, log: Callable[[str], None] = print,
-                 show_progress: bool = True, student=None, tokenizer=None, teachers: dict | None = None) -> None:
+                 show_progress: bool = True, student=None, tokenizer=None, teachers: dict | None = None,
+                 resume_overrides: dict[str, Any] | None = None) -> None:
         from k3.infer import Engine
 
         self.log, self.show_progress = log, show_progress
-        opened = open_run(RUN, config, resume, DistillConfig.from_dict)
+        opened = open_run(RUN, config, resume, DistillConfig.from_dict, **(resume_overrides or {}))
         self.run_dir, state, self.config = opened.directory, opened.state, opened.config
         config, self.out = self.config, self.run_dir.out
         self.device = resolve_device(config.device)
@@ -590,9 +594,9 @@ class DistillTrainer:
                             LoopHooks(step=self.train_step, position=lambda: self.step, save=self.save,
                                       evaluate=self.evaluate, plot=self.plot),
                             metrics=self.metrics, desc=f"distill {config.mode}", show_progress=self.show_progress,
-                            log=self.log)
+                            log=self.log, time_budget_s=config.time_budget_s)
         result = loop.run(stop_at)
-        summary: dict[str, Any] = {"start_step": result.start_step}
+        summary: dict[str, Any] = {"start_step": result.start_step, "stopped": result.stopped}
         if result.first_eval is not None:
             summary["first"] = result.first_eval
         if result.last_eval is not None:

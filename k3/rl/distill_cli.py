@@ -45,7 +45,8 @@ def distill_command(args: argparse.Namespace) -> int:
             raise ValueError("k3 distill needs --student DIR, at least one --teacher NAME=DIR and, per teacher, "
                              "--data NAME=PATH or --rl-suite NAME[:WEIGHT]")
         config = DistillConfig(teachers=teachers, data=data, rl_suites=suites, **given(DistillConfig, args))
-    trainer = DistillTrainer(config, resume=args.resume)
+    overrides = {"steps": args.steps, "time_budget_s": args.time_budget_s} if args.resume else None
+    trainer = DistillTrainer(config, resume=args.resume, resume_overrides=overrides)
     summary = trainer.train()
     if args.json:
         from k3.atomic import atomic_write_bytes

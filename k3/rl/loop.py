@@ -122,13 +122,14 @@ def _episode_metrics(episodes: list[dict[str, Any]]) -> dict[str, float]:
 
 class RLTrainer:
     def __init__(self, config: RLConfig, resume: bool = False, log: Callable[[str], None] = print,
-                 show_progress: bool = True, model=None, tokenizer=None, steps_override: int | None = None) -> None:
-        """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``;
-        ``steps_override`` may extend the run past its saved ``steps``). model and tokenizer: start from these
-        (Python use) instead of loading ``config.run``."""
+                 show_progress: bool = True, model=None, tokenizer=None,
+                 resume_overrides: dict[str, Any] | None = None) -> None:
+        """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``, and
+        ``resume_overrides``, the fields the command line replaces: {"steps": 40} extends the run). model and
+        tokenizer: start from these (Python use) instead of loading ``config.run``."""
         self.log, self.show_progress = log, show_progress
         # The saved settings: nested, or the flat layout of earlier runs.
-        opened = open_run(RUN, config, resume, RLConfig.from_dict, steps=steps_override)
+        opened = open_run(RUN, config, resume, RLConfig.from_dict, **(resume_overrides or {}))
         self.run_dir, state, self.config = opened.directory, opened.state, opened.config
         config, self.out = self.config, self.run_dir.out
         from k3.rl.data_parallel import Ranks
@@ -392,9 +393,10 @@ class RLTrainer:
                       evaluate=self.evaluate_headroom if config.heldout_tasks else None, plot=self.plot,
                       describe_first_eval=headroom_lines,
                       progress=lambda r: {"reward": f"{r['reward_mean']:.3f}", "pass_rate": f"{r['pass_rate']:.2f}"}),
-            metrics=self.metrics, desc="rl", show_progress=self.show_progress, log=self.log)
+            metrics=self.metrics, desc="rl", show_progress=self.show_progress, log=self.log,
+            time_budget_s=config.time_budget_s)
         result = loop.run(stop_at)
-        summary: dict[str, Any] = {"start_step": result.start_step}
+        summary: dict[str, Any] = {"start_step": result.start_step, "stopped": result.stopped}
         if result.first_eval is not None:
             summary["first_heldout_pass_rate"] = result.first_eval.get("heldout_pass_rate")
         if result.last_eval is not None:

@@ -53,6 +53,9 @@ class SFTConfig:
     """the SFT run directory"""
     steps: int = 200
     """optimizer steps in all; the cosine schedule's length (with --resume: extend the run to this many)"""
+    time_budget_s: float | None = None
+    """stop cleanly once training has run this long: then a save, the steps run reported
+    (with --resume: this session's budget)"""
     batch_size: int = 16
     """examples per step, packed into one row"""
     lr: float = 1e-3
@@ -105,10 +108,11 @@ def sft_rows(messages: list[dict], tokenizer, max_tokens: int) -> tuple[list[int
 class SFTTrainer:
     def __init__(self, config: SFTConfig, resume: bool = False, model=None, tokenizer=None,
                  log: Callable[[str], None] = print, show_progress: bool = True,
-                 steps_override: int | None = None) -> None:
-        """resume: continue DIR/checkpoint.pt with its saved settings (``steps_override`` may extend it)."""
+                 resume_overrides: dict[str, Any] | None = None) -> None:
+        """resume: continue DIR/checkpoint.pt with its saved settings; resume_overrides: the fields (flat names) the
+        command line replaces, e.g. {"steps": 400, "time_budget_s": 3600} (None: keep the saved one)."""
         self.log, self.show_progress = log, show_progress
-        opened = open_run(RUN, config, resume, SFTConfig.from_dict, steps=steps_override)
+        opened = open_run(RUN, config, resume, SFTConfig.from_dict, **(resume_overrides or {}))
         self.run_dir, state, self.config = opened.directory, opened.state, opened.config
         config, self.out = self.config, self.run_dir.out
         self.device = resolve_device(config.device)
@@ -273,10 +277,11 @@ class SFTTrainer:
         loop = TrainingLoop(Cadence(self.config.steps, self.config.save_every),
                             LoopHooks(step=step, position=lambda: self.step, save=self.save,
                                       progress=lambda record: {"loss": f"{record['loss']:.3f}"}),
-                            metrics=self.metrics, desc="sft", show_progress=self.show_progress, log=self.log)
+                            metrics=self.metrics, desc="sft", show_progress=self.show_progress, log=self.log,
+                            time_budget_s=self.config.time_budget_s)
         result = loop.run(stop_at)
         self.model.eval()
-        summary = {"steps": result.steps, "first_loss": losses[0] if losses else None,
+        summary = {"steps": result.steps, "stopped": result.stopped, "first_loss": losses[0] if losses else None,
                    "last_loss": losses[-1] if losses else float("nan")}
         if self.multimodal is not None:
             summary["skipped_image_records"] = len(self.skipped)

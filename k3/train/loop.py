@@ -87,6 +87,8 @@ class TrainingLoop:
                  time_budget_s: float | None = None, first_step_note: str | None = None) -> None:
         """metrics: where records go (None: this rank writes none); desc: the progress bar's label;
         first_step_note: shown on the bar while the session's first step runs (a GPU's kernel compiles)."""
+        if time_budget_s is not None and time_budget_s <= 0:
+            raise ValueError(f"time_budget_s must be a positive number of seconds, got {time_budget_s}")
         self.cadence, self.hooks, self.metrics = cadence, hooks, metrics
         self.desc, self.show_progress, self.log = desc, show_progress, log
         self.time_budget_s, self.first_step_note = time_budget_s, first_step_note
@@ -161,6 +163,9 @@ class TrainingLoop:
                 result.last_eval = hooks.evaluate()
                 self._write({"step": result.steps, **result.last_eval})
             hooks.save()
+            self.log(f"time budget of {self.time_budget_s:g} s spent: stopped after step {result.steps} "
+                     f"({result.steps - result.start_step} steps this session), "
+                     f"{'evaluated and ' if hooks.evaluate is not None else ''}saved")
         if hooks.plot is not None:
             hooks.plot()
         return result

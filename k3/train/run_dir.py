@@ -14,7 +14,6 @@ tokenizer ({file name: bytes}), plus entries of the trainer's own (k3 train: its
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 from dataclasses import dataclass
@@ -219,12 +218,14 @@ def open_run(kind: RunKind, config: Any, resume: bool, read_saved: Callable[[dic
              **given: Any) -> OpenedRun:
     """Open ``config.out`` for a chat trainer (sft, rl, distill). New: ``config`` as it is (a finished run there is
     refused). Resumed: the saved settings (``read_saved``, which reads either layout) with ``config.out`` and the
-    ``given`` fields that are not None (a longer ``steps``, a ``time_budget_s``) in their place."""
+    ``given`` fields (by flat name) that are not None in their place: a longer ``steps``, this session's
+    ``time_budget_s``."""
     directory = RunDirectory(config.out, kind)
     state = directory.open(resume)
     if state is not None:
         changes = {name: value for name, value in given.items() if value is not None}
         if changes.get("steps", state["step"]) < state["step"]:
             raise ValueError(f"--steps {changes['steps']} is below the {state['step']} steps this run has done")
-        config = dataclasses.replace(read_saved(state[kind.key]), out=config.out, **changes)
+        from k3.cli_config import replace_flat
+        config = replace_flat(read_saved(state[kind.key]), out=config.out, **changes)
     return OpenedRun(directory, state, config)
