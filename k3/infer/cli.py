@@ -5,13 +5,30 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from k3.checkpoint.inference import load_for_inference
+from k3.cli_config import add_arguments, from_flat, given, section
 from k3.infer.engine import Engine
 from k3.infer.engine_config import EngineConfig
 from k3.infer.sampling import SamplingParams
-from k3.runtime import DTYPE_CHOICES, DTYPE_HELP, resolve_device
+from k3.infer.serve_config import ModelSource
+from k3.runtime import resolve_device
+
+
+
+@dataclass
+class InferenceSettings:
+    """`k3 serve`'s model and engine flags that generate and chat take too (from the fields, as serve's)."""
+
+    source: ModelSource = section(ModelSource)
+    engine: EngineConfig = section(EngineConfig, title="engine")
+
+
+# Flags a command leaves out: generate runs without a prefix cache, chat keeps one conversation.
+SKIP = {"generate": ("chat_template", "served_model_name", "prefix_cache"),
+        "chat": ("chat_template", "served_model_name", "max_batch")}
 
 
 def has_vision(directory: Path) -> bool:
@@ -48,6 +65,13 @@ def build_engine(model, tokenizer, config: EngineConfig | None = None, **options
         raise RuntimeError(f"the engine's caches for --max-context {config.max_context} and --max-batch "
                            f"{config.max_batch} could not be allocated ({type(error).__name__}: "
                            f"{str(error).splitlines()[0][:200]}); lower --max-context or --max-batch") from error
+
+
+def _settings(args: argparse.Namespace, **engine_defaults) -> tuple[ModelSource, EngineConfig]:
+    """The model source and engine settings of the flags given; engine_defaults: the command's own values for the
+    engine fields its flags leave out."""
+    settings = from_flat(InferenceSettings, {**engine_defaults, **given(InferenceSettings, args)})
+    return settings.source, settings.engine
 
 
 def _sampling(args: argparse.Namespace, tokenizer) -> SamplingParams:
@@ -96,12 +120,13 @@ class _Streamer:
 
 def _generate_with_images(args: argparse.Namespace) -> int:
     """One prompt after the given images, on a multimodal K3 directory (--model)."""
-    if args.model is None or not has_vision(Path(args.model)):
+    source, options = _settings(args, max_batch=1, prefix_cache=False)
+    if source.model is None or not has_vision(Path(source.model)):
         raise ValueError("--image needs --model with a multimodal K3 directory (a config.json with vision_config)")
     for image in args.image:
         if not Path(image).is_file():
             raise FileNotFoundError(f"--image {image} does not exist")
-    model, tokenizer, images = load_multimodal(args.model, args.device)
+    model, tokenizer, images = load_multimodal(source.model, source.device)
     params = _sampling(args, tokenizer)
     prompts = _prompts(args)
     if len(prompts) != 1:
@@ -109,7 +134,7 @@ def _generate_with_images(args: argparse.Namespace) -> int:
     marker = "\x00k3-image\x00"
     ids, embeds = images.prompt(marker * len(args.image) + prompts[0], marker, list(args.image), tokenizer,
                                 local_files=True)
-    engine = build_engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_cache=False)
+    engine = build_engine(model, tokenizer, options)
     engine.check_prompt(ids, params, name="the prompt (with the images' tokens)")
     out = engine.complete([ids], params, prompt_embeds=[embeds])[0].outputs[0]
     print(f"{prompts[0]}{out.text}")
@@ -119,11 +144,12 @@ def _generate_with_images(args: argparse.Namespace) -> int:
 def generate_command(args: argparse.Namespace) -> int:
     if args.image:
         return _generate_with_images(args)
-    model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
-    params = _sampling(args, tokenizer)
     prompts = _prompts(args)
-    engine = build_engine(model, tokenizer, max_context=args.max_context, max_batch=min(len(prompts), 32),
-                    prefix_cache=False)
+    source, options = _settings(args, prefix_cache=False)
+    options = dataclasses.replace(options, max_batch=min(len(prompts), options.max_batch))  # no idle slots
+    model, tokenizer = load_for_inference(source.run, source.model, source.device, source.dtype)
+    params = _sampling(args, tokenizer)
+    engine = build_engine(model, tokenizer, options)
     if args.chat:  # each prompt is one user message, in the model's chat format
         fmt = chat_format_for(args, tokenizer)
         params = _chat_params(args, tokenizer, fmt)
@@ -177,8 +203,11 @@ def chat_command(args: argparse.Namespace) -> int:
     in "User: ..." / "Assistant:" lines and its reply stops at a newline). Each turn sends the whole
     conversation, built message by message as in training; the engine's prefix cache starts it from the
     previous turn's saved state, so little is recomputed."""
-    model, tokenizer = load_for_inference(args.run, args.model, args.device, args.dtype)
-    engine = build_engine(model, tokenizer, max_context=args.max_context, max_batch=1, prefix_slots=4)
+    source, options = _settings(args, max_batch=1)
+    if options.prefix_cache:  # a few states of earlier turns, so each turn starts from the last one
+        options = dataclasses.replace(options, prefix_slots=4)
+    model, tokenizer = load_for_inference(source.run, source.model, source.device, source.dtype)
+    engine = build_engine(model, tokenizer, options)
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 (a binary file piped in) become U+FFFD
     fmt = chat_format_for(args, tokenizer)
@@ -212,12 +241,8 @@ def chat_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_argument_group("model")
-    source.add_argument("--run", help="a `k3 train` run directory (or its checkpoint.pt or sharded checkpoint/)")
-    source.add_argument("--model", help="a Hugging Face-format model directory")
-    source.add_argument("--device", default="auto", help="cpu, cuda, cuda:N (default: cuda if available)")
-    source.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=DTYPE_HELP)
+def _add_common(parser: argparse.ArgumentParser, command: str) -> None:
+    add_arguments(parser, InferenceSettings, skip=SKIP[command])
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--max-new-tokens", type=int, default=64)
     sampling.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -225,14 +250,12 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     sampling.add_argument("--stop-token", action="append", help="extra stop token (text of one token); repeatable")
     sampling.add_argument("--seed", type=int, default=None)
-    sampling.add_argument("--max-context", type=int, default=4096,
-                          help="longest prompt + generation per sequence, in tokens (default 4096)")
 
 
 def register(subparsers) -> None:
     gen = subparsers.add_parser("generate", help="generate text from a trained run or an HF model",
                                 description="Prefill each prompt into the hybrid cache, then decode with it.")
-    _add_common(gen)
+    _add_common(gen, "generate")
     gen.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
     gen.add_argument("--prompts-file", help="a file with one prompt per line")
     gen.add_argument("--escapes", action="store_true", help="interpret backslash escapes (\\n, \\t) in prompts")
@@ -246,5 +269,5 @@ def register(subparsers) -> None:
     chat = subparsers.add_parser("chat", help="talk to a trained run or an HF model on the terminal",
                                  description="A chat loop in the model's chat format; the cache keeps the "
                                              "conversation.")
-    _add_common(chat)
+    _add_common(chat, "chat")
     chat.set_defaults(func=chat_command)

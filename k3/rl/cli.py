@@ -67,7 +67,8 @@ def rl_command(args: argparse.Namespace) -> int:
         if args.no_tis:
             fields["tis_cap"] = None
         config = RLConfig.flat(**fields)
-    trainer = RLTrainer(config, resume=args.resume, steps_override=args.steps if args.resume else None)
+    overrides = {"steps": args.steps, "time_budget_s": args.time_budget_s} if args.resume else None
+    trainer = RLTrainer(config, resume=args.resume, resume_overrides=overrides)
     main = trainer.ranks.main  # under torchrun, rank 0 speaks for the job
     try:
         summary = trainer.train()
@@ -84,14 +85,11 @@ def sft_command(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from k3.train.cli import IMAGE_FLAGS
-
-    fields = {name: getattr(args, name) for name in ("run", "data", "out", "steps", "batch_size", "lr", "seed",
-                                                     "device", "save_every", *IMAGE_FLAGS)
-              if getattr(args, name, None) is not None}
     if not args.resume and not (args.run and args.data):
         raise ValueError("k3 sft needs --run DIR (the starting checkpoint) and --data FILE.jsonl (demonstrations)")
-    trainer = SFTTrainer(SFTConfig(**fields), resume=args.resume, steps_override=args.steps)
+    config = SFTConfig.flat(**given(SFTConfig, args))  # resumed: only --out and the overrides are read
+    overrides = {"steps": args.steps, "time_budget_s": args.time_budget_s} if args.resume else None
+    trainer = SFTTrainer(config, resume=args.resume, resume_overrides=overrides)
     summary = trainer.train()
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}))
     print(f"run written to {trainer.out} (checkpoint.pt, metrics.jsonl)")
@@ -115,19 +113,9 @@ def register(subparsers) -> None:
 
     sft = subparsers.add_parser("sft", help="supervised fine-tuning on chat-formatted trajectories (assistant "
                                             "tokens only)")
-    sft.add_argument("--run", help="starting checkpoint (a k3 train run directory)")
-    sft.add_argument("--data", help="demonstrations JSONL ({\"messages\": [...]} per line; k3 rl demos writes one); "
-                                    "content may hold image_url parts (docs/vision.md): the vision tower is then "
-                                    "trained too")
-    sft.add_argument("--out", required=True)
-    sft.add_argument("--steps", type=int)
-    sft.add_argument("--batch-size", type=int, dest="batch_size")
-    sft.add_argument("--lr", type=float)
-    sft.add_argument("--seed", type=int)
-    sft.add_argument("--save-every", type=int, dest="save_every")
-    sft.add_argument("--device")
-    sft.add_argument("--threads", type=int, default=0)
-    sft.add_argument("--resume", action="store_true")
-    from k3.train.cli import add_image_flags
-    add_image_flags(sft, mixed=False)
+    from k3.rl.sft import SFTConfig
+
+    add_arguments(sft, SFTConfig)  # every setting of the run, from its field's docstring (k3.rl.sft)
+    sft.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default 0: torch's choice)")
+    sft.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     sft.set_defaults(func=sft_command)

@@ -45,6 +45,9 @@ class RLConfig:
     """tasks drawn per step"""
     steps: int = 20
     """steps in all (with --resume: extend the run to this many)"""
+    time_budget_s: float | None = None
+    """stop cleanly once training has run this long: a held-out evaluation, a save, the steps run reported
+    (with --resume: this session's budget)"""
     eval_temperature: float = field(default=0.0, metadata=option(cli=False))
     """held-out evaluation's sampling temperature (0: greedy)"""
     heldout_samples: int | None = None

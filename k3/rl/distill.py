@@ -34,11 +34,11 @@ import hashlib
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from k3.cli_config import from_dict, option
 from k3.infer.sampling import SamplingParams
 from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
     load_model_and_tokenizer, packed_log_softmax, route
@@ -51,7 +51,7 @@ from k3.runtime import autocast_dtype, resolve_device, seed_everything
 from k3.train.loop import Cadence, LoopHooks, TrainingLoop
 from k3.train.metrics import figure_grid, metric_series, read_metrics, save_figure
 from k3.train.optim import lr_at
-from k3.train.run_dir import RunDirectory, RunKind, policy_from
+from k3.train.run_dir import RunKind, open_run
 
 RUN = RunKind(key="distill", settings_file="distill_config.json", command="k3 distill", what="a distillation run")
 MODES = ("on-policy", "offline", "forward-kl", "mixed")
@@ -61,41 +61,85 @@ TOKEN_LEVEL_ALGORITHMS = ("dapo", "cispo", "grpo", "drgrpo")  # objectives with 
 
 @dataclass
 class DistillConfig:
-    student: str = ""  # a k3 run or Hugging Face-format directory
-    teachers: dict[str, str] = field(default_factory=dict)  # domain -> run / HF directory
-    data: dict[str, str] = field(default_factory=dict)  # domain -> prompts (see k3.rl.distill_sources)
-    out: str = "runs/distill"
-    mode: str = "on-policy"
-    estimator: str = "sampled"  # on-policy / mixed: "sampled" (advantage per token) or "topk" (see the module doc)
-    algo: str = "dapo"
+    """A `k3 distill` run. Each field's docstring is its --help text (k3.cli_config builds the flags); the
+    domain maps (teachers, data, rl_suites) take repeatable NAME=... flags of their own (k3.rl.distill_cli)."""
+
+    student: str = ""
+    """the student: a k3 run or a Hugging Face-format directory"""
+    teachers: dict[str, str] = field(default_factory=dict, metadata=option(cli=False))
+    """domain -> its teacher, a k3 run or Hugging Face-format directory (--teacher NAME=DIR)"""
+    data: dict[str, str] = field(default_factory=dict, metadata=option(cli=False))
+    """domain -> its prompts, see k3.rl.distill_sources (--data NAME=PATH)"""
+    out: str = field(default="runs/distill", metadata=option(show_default=False))
+    """the run directory"""
+    mode: str = field(default="on-policy", metadata=option(choices=MODES))
+    """on-policy (default), offline (SFT on teacher samples), forward-kl (teacher top-k), mixed (on-policy + top-k
+    forward KL)"""
+    estimator: str = field(default="sampled", metadata=option(choices=ESTIMATORS))
+    """on-policy reverse KL: sampled (default: per-token advantage log p_teacher - log p_student through the
+    policy-gradient step) or topk (the reverse KL over the teacher's top-k ids plus one bucket for the rest, at the
+    student's own sampled positions)"""
+    algo: str = field(default="dapo", metadata=option(choices=TOKEN_LEVEL_ALGORITHMS))
+    """policy-gradient objective (default dapo)"""
     steps: int = 50
+    """optimizer steps in all (with --resume: extend the run to this many)"""
+    time_budget_s: float | None = None
+    """stop cleanly once training has run this long: a held-out evaluation, a save, the steps run reported
+    (with --resume: this session's budget)"""
     prompts_per_domain: int = 4
-    samples: int = 4  # completions per prompt (G)
-    prompt_tokens: int = 32  # text data: prompt window
-    reference_tokens: int = 32  # text data: reference continuation for the held-out loss
+    """prompts of each domain per step"""
+    samples: int = 4
+    """completions per prompt (G)"""
+    prompt_tokens: int = 32
+    """text data: the prompt window, in tokens"""
+    reference_tokens: int = 32
+    """text data: the reference continuation whose loss is the held-out NLL, in tokens"""
     max_new_tokens: int = 32
-    temperature: float = 1.0  # the reverse-KL advantage is exact at 1 (the engine's logprobs are at 1)
+    """longest completion, in tokens"""
+    temperature: float = 1.0
+    """sampling temperature (the reverse-KL advantage is exact at 1: the engine's logprobs are at 1)"""
     lr: float = 1e-4
-    lr_schedule: str = "constant"  # or "cosine": from lr down to lr / 10 at the last step (k3.train.optim.lr_at)
+    """learning rate"""
+    lr_schedule: str = field(default="constant", metadata=option(choices=("constant", "cosine")))
+    """constant (default) or cosine down to lr/10 at the last step"""
     weight_decay: float = 0.0
+    """AdamW weight decay"""
     grad_clip: float = 1.0
-    top_k: int = 16  # forward-kl / mixed: teacher top-k
+    """clip the global gradient norm to this"""
+    top_k: int = 16
+    """forward-kl, mixed and the topk estimator: the teacher's top-k ids kept per position"""
     mixed_weight: float = 1.0
-    rl_suites: dict[str, float] = field(default_factory=dict)  # suite name or task file -> reward weight
-    suite_tasks: int = 512  # training tasks drawn from each built-in suite
+    """mixed: weight of the top-k forward KL beside the on-policy term"""
+    rl_suites: dict[str, float] = field(default_factory=dict, metadata=option(cli=False))
+    """suite name or task file -> its reward weight (--rl-suite NAME[:WEIGHT])"""
+    suite_tasks: int = 512
+    """training tasks drawn from each built-in suite"""
     tis_cap: float | None = 2.0
-    baseline: bool = False  # sampled: subtract the batch's mean reverse-KL advantage (a constant: unbiased)
+    """cap of the truncated importance weights between the update's and the sampler's logprobs"""
+    baseline: bool = False
+    """sampled estimator: subtract the batch's mean advantage (a constant baseline, so unbiased)"""
     clip_low: float | None = None
+    """the objective's lower clip (default: the algorithm's published value)"""
     clip_high: float | None = None
+    """the objective's upper clip (default: the algorithm's published value)"""
     heldout_prompts: int = 16
+    """held-out prompts per domain"""
     heldout_samples: int = 2
+    """the student's completions per held-out prompt"""
     heldout_every: int = 10
+    """steps between held-out evaluations (one is also run at the end)"""
     save_every: int = 10
+    """steps between checkpoints (one is also written at the end)"""
     seed: int = 0
+    """seed of the prompt draws, sampling and the update"""
     max_context: int = 1024
+    """the engines' longest prompt + completion, in tokens"""
     micro_tokens: int = 8192
+    """tokens per forward of the update (longer batches are split into micro-batches)"""
     routing_replay: bool = True
+    """the update's forward routes each token to the experts that sampled it"""
     device: str = "auto"
+    """auto, cpu, cuda, cuda:N (default auto: cuda if available)"""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -127,6 +171,11 @@ class DistillConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DistillConfig:
+        """A saved distill_config.json or checkpoint["distill"] (a name it does not know is refused by name)."""
+        return from_dict(cls, data)
 
 
 def _seed(*parts) -> int:
@@ -309,29 +358,23 @@ class DistillUpdater:
 class DistillTrainer:
     """Build with ``DistillTrainer(config)`` (or pass ``student``/``tokenizer``/``teachers`` from Python), then
     ``train()``. ``resume=True`` continues DIR/checkpoint.pt exactly (only ``config.out`` is read from
-    ``config``; teachers passed in must be the run's)."""
+    ``config``, and ``resume_overrides``, e.g. {"steps": 80}; teachers passed in must be the run's)."""
 
     def __init__(self, config: DistillConfig, resume: bool = False, log: Callable[[str], None] = print,
-                 show_progress: bool = True, student=None, tokenizer=None, teachers: dict | None = None) -> None:
+                 show_progress: bool = True, student=None, tokenizer=None, teachers: dict | None = None,
+                 resume_overrides: dict[str, Any] | None = None) -> None:
         from k3.infer import Engine
 
         self.log, self.show_progress = log, show_progress
-        self.out = Path(config.out)
-        self.run_dir = RunDirectory(self.out, RUN)
-        state = self.run_dir.open(resume)
-        if state is not None:
-            config = dataclasses.replace(DistillConfig(**state["distill"]), out=config.out)
-        self.config = config
+        opened = open_run(RUN, config, resume, DistillConfig.from_dict, **(resume_overrides or {}))
+        self.run_dir, state, self.config = opened.directory, opened.state, opened.config
+        config, self.out = self.config, self.run_dir.out
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)
         seed_everything(config.seed)
-        policy = policy_from(state, self.out, self.device, student, tokenizer)
-        if policy is not None:
-            self.model, self.tokenizer = policy
-        else:
-            if not config.student:
-                raise ValueError("give the student: --student DIR (a k3 run or a Hugging Face-format directory)")
-            self.model, self.tokenizer = load_model_and_tokenizer(config.student, str(self.device))
+        self.model, self.tokenizer = opened.policy(
+            self.device, student, tokenizer, source=config.student, load=load_model_and_tokenizer,
+            needs="give the student: --student DIR (a k3 run or a Hugging Face-format directory)")
         if teachers is None:
             if not config.teachers:
                 raise ValueError("give at least one teacher: --teacher NAME=DIR (NAME is the domain it teaches)")
@@ -551,9 +594,9 @@ class DistillTrainer:
                             LoopHooks(step=self.train_step, position=lambda: self.step, save=self.save,
                                       evaluate=self.evaluate, plot=self.plot),
                             metrics=self.metrics, desc=f"distill {config.mode}", show_progress=self.show_progress,
-                            log=self.log)
+                            log=self.log, time_budget_s=config.time_budget_s)
         result = loop.run(stop_at)
-        summary: dict[str, Any] = {"start_step": result.start_step}
+        summary: dict[str, Any] = {"start_step": result.start_step, "stopped": result.stopped}
         if result.first_eval is not None:
             summary["first"] = result.first_eval
         if result.last_eval is not None:

@@ -7,12 +7,7 @@ import json
 
 import torch
 
-from k3.rl.distill import ESTIMATORS, MODES, TOKEN_LEVEL_ALGORITHMS
-
-FIELDS = ("student", "out", "mode", "estimator", "algo", "steps", "prompts_per_domain", "samples", "prompt_tokens",
-          "reference_tokens", "max_new_tokens", "temperature", "lr", "lr_schedule", "top_k", "mixed_weight", "tis_cap", "baseline", "suite_tasks",
-          "heldout_prompts", "heldout_samples", "heldout_every", "save_every", "seed", "max_context", "device")
-
+from k3.cli_config import add_arguments, given
 
 def _pairs(values: list[str] | None, flag: str) -> dict[str, str]:
     out: dict[str, str] = {}
@@ -49,9 +44,9 @@ def distill_command(args: argparse.Namespace) -> int:
         if not args.student or not teachers or not (data or suites):
             raise ValueError("k3 distill needs --student DIR, at least one --teacher NAME=DIR and, per teacher, "
                              "--data NAME=PATH or --rl-suite NAME[:WEIGHT]")
-        fields = {name: getattr(args, name) for name in FIELDS if getattr(args, name, None) is not None}
-        config = DistillConfig(teachers=teachers, data=data, rl_suites=suites, **fields)
-    trainer = DistillTrainer(config, resume=args.resume)
+        config = DistillConfig(teachers=teachers, data=data, rl_suites=suites, **given(DistillConfig, args))
+    overrides = {"steps": args.steps, "time_budget_s": args.time_budget_s} if args.resume else None
+    trainer = DistillTrainer(config, resume=args.resume, resume_overrides=overrides)
     summary = trainer.train()
     if args.json:
         from k3.atomic import atomic_write_bytes
@@ -67,46 +62,17 @@ def register(subparsers) -> None:
                                               "DIR --teacher NAME=DIR --data NAME=PATH --out DIR), or the CPU demo "
                                               "(k3 distill demo)")
     p.add_argument("action", nargs="?", default="train", choices=("train", "demo"))
-    p.add_argument("--student", help="the student: a k3 run or a Hugging Face-format directory")
+    from k3.rl.distill import DistillConfig
+
+    add_arguments(p, DistillConfig)  # every setting of the run, from its field's docstring (k3.rl.distill)
     p.add_argument("--teacher", action="append", help="NAME=DIR: the teacher of domain NAME (repeat per domain)")
     p.add_argument("--data", action="append", help="NAME=PATH: prompts of domain NAME (.jsonl with prompt/"
                                                    "completion or text, or text files); repeat per domain")
-    p.add_argument("--out", help="the run directory")
-    p.add_argument("--mode", choices=MODES, help="on-policy (default), offline (SFT on teacher samples), "
-                                                 "forward-kl (teacher top-k), mixed (on-policy + top-k forward KL)")
-    p.add_argument("--estimator", choices=ESTIMATORS,
-                   help="on-policy reverse KL: sampled (default: per-token advantage log p_teacher - log p_student "
-                        "through the policy-gradient step) or topk (the reverse KL over the teacher's top-k ids "
-                        "plus one bucket for the rest, at the student's own sampled positions)")
-    p.add_argument("--baseline", action="store_true", default=None,
-                   help="sampled estimator: subtract the batch's mean advantage (a constant baseline)")
     p.add_argument("--rl-suite", action="append", dest="rl_suite",
                    help="NAME[:WEIGHT]: add WEIGHT (default 1) x the centred task reward of an RL suite (calc, "
                         "files, or a task file; single-turn, answer-checked) to the advantage; its prompts are "
                         "domain NAME, scored by --teacher NAME=DIR. Repeatable")
-    p.add_argument("--suite-tasks", type=int, dest="suite_tasks", help="training tasks per built-in suite")
-    p.add_argument("--algo", choices=TOKEN_LEVEL_ALGORITHMS, help="policy-gradient objective (default dapo)")
-    p.add_argument("--steps", type=int)
-    p.add_argument("--prompts-per-domain", type=int, dest="prompts_per_domain")
-    p.add_argument("--samples", type=int, help="completions per prompt")
-    p.add_argument("--prompt-tokens", type=int, dest="prompt_tokens")
-    p.add_argument("--reference-tokens", type=int, dest="reference_tokens")
-    p.add_argument("--max-new-tokens", type=int, dest="max_new_tokens")
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--lr", type=float)
-    p.add_argument("--lr-schedule", choices=("constant", "cosine"), dest="lr_schedule",
-                   help="constant (default) or cosine down to lr/10 at the last step")
-    p.add_argument("--top-k", type=int, dest="top_k")
-    p.add_argument("--mixed-weight", type=float, dest="mixed_weight")
-    p.add_argument("--tis-cap", type=float, dest="tis_cap")
-    p.add_argument("--heldout-prompts", type=int, dest="heldout_prompts")
-    p.add_argument("--heldout-samples", type=int, dest="heldout_samples")
-    p.add_argument("--heldout-every", type=int, dest="heldout_every")
-    p.add_argument("--save-every", type=int, dest="save_every")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--max-context", type=int, dest="max_context")
-    p.add_argument("--device")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default 0: torch's choice)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
     p.add_argument("--json", help="write the summary (demo: the per-domain table) to this file")
     p.set_defaults(func=distill_command)

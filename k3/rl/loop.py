@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -37,7 +36,7 @@ from k3.rl.tasks import Task, load_tasks
 from k3.runtime import autocast_dtype, resolve_device, seed_everything
 from k3.train.loop import Cadence, LoopHooks, TrainingLoop
 from k3.train.metrics import figure_grid, metric_series, read_metrics, save_figure
-from k3.train.run_dir import RunDirectory, RunKind, policy_from
+from k3.train.run_dir import RunKind, open_run
 
 RUN = RunKind(key="rl", settings_file="rl_config.json", command="k3 rl", what="an RL run")
 
@@ -123,20 +122,16 @@ def _episode_metrics(episodes: list[dict[str, Any]]) -> dict[str, float]:
 
 class RLTrainer:
     def __init__(self, config: RLConfig, resume: bool = False, log: Callable[[str], None] = print,
-                 show_progress: bool = True, model=None, tokenizer=None, steps_override: int | None = None) -> None:
-        """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``;
-        ``steps_override`` may extend the run past its saved ``steps``). model and tokenizer: start from these
-        (Python use) instead of loading ``config.run``."""
+                 show_progress: bool = True, model=None, tokenizer=None,
+                 resume_overrides: dict[str, Any] | None = None) -> None:
+        """resume: continue DIR/checkpoint.pt exactly (only ``config.out`` is read from ``config``, and
+        ``resume_overrides``, the fields the command line replaces: {"steps": 40} extends the run). model and
+        tokenizer: start from these (Python use) instead of loading ``config.run``."""
         self.log, self.show_progress = log, show_progress
-        self.out = Path(config.out)
-        self.run_dir = RunDirectory(self.out, RUN)
-        state = self.run_dir.open(resume)
-        if state is not None:
-            saved = RLConfig.from_dict(state["rl"])  # nested, or the flat layout of earlier runs
-            if steps_override is not None and steps_override < state["step"]:
-                raise ValueError(f"--steps {steps_override} is below the {state['step']} steps this run has done")
-            config = saved.replace(out=config.out, steps=steps_override or saved.steps)
-        self.config = config
+        # The saved settings: nested, or the flat layout of earlier runs.
+        opened = open_run(RUN, config, resume, RLConfig.from_dict, **(resume_overrides or {}))
+        self.run_dir, state, self.config = opened.directory, opened.state, opened.config
+        config, self.out = self.config, self.run_dir.out
         from k3.rl.data_parallel import Ranks
 
         self.ranks = Ranks(config.device)  # torchrun: join the job (data-parallel RL, k3.rl.data_parallel)
@@ -148,15 +143,9 @@ class RLTrainer:
             self.log, self.show_progress = (lambda *_: None), False
         self.autocast = autocast_dtype("auto", self.device)
         seed_everything(config.seed)
-        policy = policy_from(state, self.out, self.device, model, tokenizer)
-        if policy is not None:
-            self.model, self.tokenizer = policy
-        else:
-            if not config.run:
-                raise ValueError("give the starting checkpoint: --run DIR (a `k3 train`, `k3 sft` or `k3 rl` run)")
-            from k3.checkpoint.inference import load_for_inference
-
-            self.model, self.tokenizer = load_for_inference(config.run, None, str(self.device))
+        self.model, self.tokenizer = opened.policy(
+            self.device, model, tokenizer, source=config.run,
+            needs="give the starting checkpoint: --run DIR (a `k3 train`, `k3 sft` or `k3 rl` run)")
         self.model_config = self.model.config
         self.reference = None
         if config.loss.kl_coef > 0:
@@ -404,9 +393,10 @@ class RLTrainer:
                       evaluate=self.evaluate_headroom if config.heldout_tasks else None, plot=self.plot,
                       describe_first_eval=headroom_lines,
                       progress=lambda r: {"reward": f"{r['reward_mean']:.3f}", "pass_rate": f"{r['pass_rate']:.2f}"}),
-            metrics=self.metrics, desc="rl", show_progress=self.show_progress, log=self.log)
+            metrics=self.metrics, desc="rl", show_progress=self.show_progress, log=self.log,
+            time_budget_s=config.time_budget_s)
         result = loop.run(stop_at)
-        summary: dict[str, Any] = {"start_step": result.start_step}
+        summary: dict[str, Any] = {"start_step": result.start_step, "stopped": result.stopped}
         if result.first_eval is not None:
             summary["first_heldout_pass_rate"] = result.first_eval.get("heldout_pass_rate")
         if result.last_eval is not None:

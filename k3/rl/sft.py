@@ -18,55 +18,82 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from k3.cli_config import from_dict, from_flat, option, section
 from k3.data.packing import filler_length
 from k3.rl.chat_format import render_ids
 from k3.rl.demos import read_demonstrations
 from k3.runtime import autocast_dtype, resolve_device
+from k3.train.config import ImageConfig
 from k3.train.loop import Cadence, LoopHooks, TrainingLoop
 from k3.train.optim import build_optimizer, lr_at
-from k3.train.run_dir import RunDirectory, RunKind, policy_from
+from k3.train.run_dir import RunKind, open_run
 
 RUN = RunKind(key="sft", settings_file="sft_config.json", command="k3 sft", what="an SFT run")
 
 
 @dataclass
 class SFTConfig:
-    run: str = ""  # the starting checkpoint (a run directory); empty when a model is passed in from Python
-    data: str = ""  # demonstrations JSONL
-    out: str = "runs/sft"
+    """A `k3 sft` run. Each field's docstring is its --help text (k3.cli_config builds the flags); the image
+    fields sit in an ImageConfig section as in k3 train, keeping their flat names (--vision, --max-image-bytes), so a
+    saved sft_config.json of either layout reads back (SFTConfig.from_dict). Build it by flat names with
+    SFTConfig.flat(vision="tiny", lr=1e-3)."""
+
+    run: str = ""
+    """starting checkpoint (a k3 train run directory; empty when a model is passed in from Python)"""
+    data: str = ""
+    """demonstrations JSONL ({"messages": [...]} per line; k3 rl demos writes one); content may hold image_url parts
+    (docs/vision.md): the vision tower is then trained too"""
+    out: str = field(default="runs/sft", metadata=option(required=True))
+    """the SFT run directory"""
     steps: int = 200
-    batch_size: int = 16  # examples per step
+    """optimizer steps in all; the cosine schedule's length (with --resume: extend the run to this many)"""
+    time_budget_s: float | None = None
+    """stop cleanly once training has run this long: then a save, the steps run reported
+    (with --resume: this session's budget)"""
+    batch_size: int = 16
+    """examples per step, packed into one row"""
     lr: float = 1e-3
+    """peak learning rate, after a linear warmup, then cosine to min_lr_ratio of it"""
     warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
+    """steps of linear warmup"""
+    min_lr_ratio: float = field(default=0.1, metadata=option(cli=False))
+    """the cosine schedule's floor, as a share of lr"""
     weight_decay: float = 0.0
+    """AdamW weight decay"""
     grad_clip: float = 1.0
-    max_tokens: int = 2048  # longer examples are cut
+    """clip the global gradient norm to this"""
+    max_tokens: int = 2048
+    """longer examples are cut to this many tokens"""
     seed: int = 0
+    """seed of the example draws (and of a new vision tower's weights)"""
     save_every: int = 100
+    """steps between checkpoints (one is also written at the end)"""
     device: str = "auto"
-    # Packed batches padded to a multiple of this many tokens (a filler document with ignored labels), so the
-    # GPU kernels meet a few lengths instead of a new one every step. None: PACK_MULTIPLE_CUDA on CUDA, 0 else.
-    # The filler's tokens do pass the routers, so they count in the loads the MoE balancer sees.
+    """auto, cpu, cuda, cuda:N (default auto: cuda if available)"""
     pack_multiple: int | None = None
-    # Image parts in the data (docs/vision.md): see k3.train.trainer.TrainConfig for each field.
-    vision: str | None = None  # a new tower's preset when the starting run has none
-    vision_train: str = "all"
-    vision_lr: float | None = None
-    max_image_patches: int | None = None
-    max_image_pixels: int | None = None
-    max_image_bytes: int = 32 << 20
-    skip_bad_images: bool = False
-    allow_image_paths_outside: bool = False
+    """pad each packed batch to a multiple of this many tokens (a filler document with ignored labels), so GPU kernels
+    meet a few lengths instead of a new one every step; the filler passes the routers, so it counts in the MoE
+    balancer's loads (default: 2048 on CUDA, k3.data.packing.PACK_MULTIPLE_CUDA; 0 elsewhere)"""
+    images: ImageConfig = section(ImageConfig, no_flag=("image_fraction",))  # SFT rows are all chat examples
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def flat(cls, **fields: Any) -> SFTConfig:
+        """Built from flat names, as the flags call the fields: SFTConfig.flat(vision="tiny", steps=40)."""
+        return from_flat(cls, fields)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SFTConfig:
+        """A saved sft_config.json or checkpoint["sft"]: the sectioned layout, or the flat one of earlier runs."""
+        return from_dict(cls, data)
 
 
 def sft_rows(messages: list[dict], tokenizer, max_tokens: int) -> tuple[list[int], list[int]]:
@@ -81,28 +108,18 @@ def sft_rows(messages: list[dict], tokenizer, max_tokens: int) -> tuple[list[int
 class SFTTrainer:
     def __init__(self, config: SFTConfig, resume: bool = False, model=None, tokenizer=None,
                  log: Callable[[str], None] = print, show_progress: bool = True,
-                 steps_override: int | None = None) -> None:
-        """resume: continue DIR/checkpoint.pt with its saved settings (``steps_override`` may extend it)."""
+                 resume_overrides: dict[str, Any] | None = None) -> None:
+        """resume: continue DIR/checkpoint.pt with its saved settings; resume_overrides: the fields (flat names) the
+        command line replaces, e.g. {"steps": 400, "time_budget_s": 3600} (None: keep the saved one)."""
         self.log, self.show_progress = log, show_progress
-        self.out = Path(config.out)
-        self.run_dir = RunDirectory(self.out, RUN)
-        state = self.run_dir.open(resume)
-        if state is not None:
-            saved = SFTConfig(**state["sft"])
-            config = dataclasses.replace(saved, out=config.out, steps=steps_override or saved.steps)
-        self.config = config
+        opened = open_run(RUN, config, resume, SFTConfig.from_dict, **(resume_overrides or {}))
+        self.run_dir, state, self.config = opened.directory, opened.state, opened.config
+        config, self.out = self.config, self.run_dir.out
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)
         torch.manual_seed(config.seed)
-        policy = policy_from(state, self.out, self.device, model, tokenizer)
-        if policy is not None:
-            model, tokenizer = policy
-        else:
-            if not config.run:
-                raise ValueError("give the starting checkpoint: --run DIR (a `k3 train` run)")
-            from k3.checkpoint.inference import load_for_inference
-
-            model, tokenizer = load_for_inference(config.run, None, str(self.device))
+        model, tokenizer = opened.policy(self.device, model, tokenizer, source=config.run,
+                                         needs="give the starting checkpoint: --run DIR (a `k3 train` run)")
         if tokenizer is None:
             raise ValueError("SFT needs the model's tokenizer")
         self.model, self.tokenizer = model.to(self.device), tokenizer
@@ -115,7 +132,7 @@ class SFTTrainer:
         self.optimizer = build_optimizer(self.model, config.lr, config.weight_decay)
         if self.multimodal is not None:
             from k3.train.images import add_vision_param_groups
-            add_vision_param_groups(self.optimizer, self.multimodal.vision, config.lr, config.vision_lr,
+            add_vision_param_groups(self.optimizer, self.multimodal.vision, config.lr, config.images.vision_lr,
                                     config.weight_decay)
         self.step = self.run_dir.start_or_restore(state, self.optimizer, tokenizer, config.to_dict(),
                                                   model.config.to_dict())
@@ -146,13 +163,14 @@ class SFTTrainer:
         if "vision" in source:
             vision_config, media = VisionConfig.from_dict(source["vision_config"]), int(source["media_token_id"])
         else:
-            vision_config = vision_config_for(config.vision, "", self.model.config.hidden_size)
+            vision_config = vision_config_for(config.images.vision, "", self.model.config.hidden_size)
             media = media_token_id_for(self.tokenizer)
             if media >= self.model.config.vocab_size:
                 raise ValueError(f"{config.data} has images, but the model's vocabulary "
                                  f"({self.model.config.vocab_size} ids) has no room for a media token (id {media}); "
                                  f"start from a run trained on image-text data (k3 train --data images.jsonl)")
-            self.log(f"the starting run has no vision tower: a new one ({config.vision or 'tiny'} preset) is trained")
+            self.log(f"the starting run has no vision tower: a new one ({config.images.vision or 'tiny'} preset) is "
+                     f"trained")
         with torch.device("meta"):
             multimodal = K3ForConditionalGeneration(self.model.config, vision_config, media)
         multimodal.language_model = self.model
@@ -162,7 +180,7 @@ class SFTTrainer:
             load_model_state(multimodal.vision, source["vision"], "the starting run" if state is None else
                              str(self.out))
             multimodal.vision.to(self.device)
-        set_vision_trainable(multimodal.vision, config.vision_train)
+        set_vision_trainable(multimodal.vision, config.images.vision_train)
         return multimodal
 
     def _read_image_examples(self) -> None:
@@ -170,11 +188,11 @@ class SFTTrainer:
         from k3.vision.image_text import ImageDataOptions, read_image_text
 
         config = self.config
-        self.processor = image_processor(self.multimodal.vision.config, config.max_image_patches,
-                                         config.max_image_pixels)
-        options = ImageDataOptions(max_tokens=config.max_tokens, skip_bad=config.skip_bad_images,
-                                   allow_outside=config.allow_image_paths_outside,
-                                   max_image_bytes=config.max_image_bytes)
+        self.processor = image_processor(self.multimodal.vision.config, config.images.max_image_patches,
+                                         config.images.max_image_pixels)
+        options = ImageDataOptions(max_tokens=config.max_tokens, skip_bad=config.images.skip_bad_images,
+                                   allow_outside=config.images.allow_image_paths_outside,
+                                   max_image_bytes=config.images.max_image_bytes)
         data = read_image_text([config.data], self.tokenizer, self.processor, self.multimodal.media_token_id, options)
         if not data.examples:
             raise ValueError(f"{config.data} holds no usable example ({len(data.skipped)} skipped as bad)")
@@ -259,10 +277,11 @@ class SFTTrainer:
         loop = TrainingLoop(Cadence(self.config.steps, self.config.save_every),
                             LoopHooks(step=step, position=lambda: self.step, save=self.save,
                                       progress=lambda record: {"loss": f"{record['loss']:.3f}"}),
-                            metrics=self.metrics, desc="sft", show_progress=self.show_progress, log=self.log)
+                            metrics=self.metrics, desc="sft", show_progress=self.show_progress, log=self.log,
+                            time_budget_s=self.config.time_budget_s)
         result = loop.run(stop_at)
         self.model.eval()
-        summary = {"steps": result.steps, "first_loss": losses[0] if losses else None,
+        summary = {"steps": result.steps, "stopped": result.stopped, "first_loss": losses[0] if losses else None,
                    "last_loss": losses[-1] if losses else float("nan")}
         if self.multimodal is not None:
             summary["skipped_image_records"] = len(self.skipped)

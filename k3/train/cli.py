@@ -7,8 +7,8 @@ import json
 
 import torch
 
-from k3.cli_config import add_arguments, flat_fields, given
-from k3.train.config import ImageConfig, TrainConfig
+from k3.cli_config import add_arguments, given
+from k3.train.config import TrainConfig
 from k3.train.profile import PROFILE_AFTER, PROFILE_STEPS
 from k3.train.trainer import Trainer
 
@@ -16,12 +16,6 @@ from k3.train.trainer import Trainer
 # Settings a resumed run takes from the command line; the rest come from the run (its data, model and optimizer).
 RESUME_OVERRIDES = ("max_steps", "time_budget_s", "ep", "checkpoint_format", "ep_balanced", "qb_aggregate",
                     "log_every")
-IMAGE_FLAGS = tuple(leaf.name for leaf in flat_fields(ImageConfig))
-
-
-def add_image_flags(parser: argparse.ArgumentParser, mixed: bool = True) -> None:
-    """The flags of image-text data and the vision tower (k3 train; k3 sft without mixed, it has no text rows)."""
-    add_arguments(parser, ImageConfig, skip=() if mixed else ("image_fraction",))
 
 
 def train_command(args: argparse.Namespace) -> int:

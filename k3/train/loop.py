@@ -7,11 +7,12 @@ its evaluation, its checkpoint, its plot); the loop owns when each happens and w
     every step      the trainer's step; the progress bar
     log points      the pending steps' records are read together (every log_every steps, the session's first
                     step, before an evaluation or a save, and where the loop stops): one host sync per window
-    eval points     every eval_every steps and at the last: the evaluation joins the step's record
+    eval points     every eval_every steps and at the last: the evaluation joins the step's record, and (after a
+                    save) the plot is redrawn, so a long run's curves can be read while it runs
     save points     every save_every steps and at the last: the trainer's atomic checkpoint
     stop            at max_steps; at stop_at (as an interrupted run would: no extra save); past the time budget
                     (evaluate, write that row, save, then report the steps run)
-    end             the plot
+    end             the plot (unless the last evaluation's is current)
 
 A resumed run is the same loop started at the checkpoint's step: the trainer restores its state (model, optimizer,
 data position, RNG) from the run directory (k3.train.run_dir) before `run`.
@@ -87,11 +88,15 @@ class TrainingLoop:
                  time_budget_s: float | None = None, first_step_note: str | None = None) -> None:
         """metrics: where records go (None: this rank writes none); desc: the progress bar's label;
         first_step_note: shown on the bar while the session's first step runs (a GPU's kernel compiles)."""
+        if time_budget_s is not None and time_budget_s <= 0:
+            raise ValueError(f"time_budget_s must be a positive number of seconds, got {time_budget_s}")
         self.cadence, self.hooks, self.metrics = cadence, hooks, metrics
         self.desc, self.show_progress, self.log = desc, show_progress, log
         self.time_budget_s, self.first_step_note = time_budget_s, first_step_note
+        self._plot_current = False  # the plot shows every record written
 
     def _write(self, record: dict[str, Any]) -> None:
+        self._plot_current = False
         if self.metrics is not None:
             self.metrics.write(record)
 
@@ -148,6 +153,9 @@ class TrainingLoop:
                     bar.set_postfix(**hooks.progress(records[-1]))
                 if saves:
                     hooks.save()
+                if evaluates and hooks.plot is not None:  # a long run's curves, readable while it runs
+                    hooks.plot()
+                    self._plot_current = True
                 window_started = time.perf_counter()
             if pending:  # stopped between reads
                 for record in self._read(pending, time.perf_counter() - window_started):
@@ -161,6 +169,9 @@ class TrainingLoop:
                 result.last_eval = hooks.evaluate()
                 self._write({"step": result.steps, **result.last_eval})
             hooks.save()
-        if hooks.plot is not None:
+            self.log(f"time budget of {self.time_budget_s:g} s spent: stopped after step {result.steps} "
+                     f"({result.steps - result.start_step} steps this session), "
+                     f"{'evaluated and ' if hooks.evaluate is not None else ''}saved")
+        if hooks.plot is not None and not self._plot_current:
             hooks.plot()
         return result

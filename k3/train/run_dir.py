@@ -18,7 +18,7 @@ import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from k3.atomic import atomic_write_bytes
 from k3.checkpoint.native import (CHECKPOINT_NAME, directory_files, load_checkpoint, load_model_state,
@@ -188,3 +188,44 @@ def policy_from(state: dict[str, Any] | None, out: str | Path, device, model=Non
             raise ValueError("a model passed in needs its tokenizer too")
         return model.to(device), tokenizer
     return None
+
+
+@dataclass
+class OpenedRun:
+    """A chat trainer's run directory, opened (open_run): the state to continue (None: a new run) and the settings
+    the run goes on with."""
+    directory: RunDirectory
+    state: dict[str, Any] | None
+    config: Any
+
+    def policy(self, device, model=None, tokenizer=None, *, source: str, needs: str,
+               load: Callable[[str, str], tuple] | None = None) -> tuple[Any, Any]:
+        """(model, tokenizer) on ``device``: the resumed run's, else those passed in from Python, else
+        load(source, device) (default: the k3 run at ``source``, trainable); ValueError ``needs`` (the flag to give)
+        when there is no source."""
+        policy = policy_from(self.state, self.directory.out, device, model, tokenizer)
+        if policy is not None:
+            return policy
+        if not source:
+            raise ValueError(needs)
+        if load is None:
+            from k3.checkpoint.inference import load_for_inference
+            return load_for_inference(source, None, str(device))
+        return load(source, str(device))
+
+
+def open_run(kind: RunKind, config: Any, resume: bool, read_saved: Callable[[dict[str, Any]], Any],
+             **given: Any) -> OpenedRun:
+    """Open ``config.out`` for a chat trainer (sft, rl, distill). New: ``config`` as it is (a finished run there is
+    refused). Resumed: the saved settings (``read_saved``, which reads either layout) with ``config.out`` and the
+    ``given`` fields (by flat name) that are not None in their place: a longer ``steps``, this session's
+    ``time_budget_s``."""
+    directory = RunDirectory(config.out, kind)
+    state = directory.open(resume)
+    if state is not None:
+        changes = {name: value for name, value in given.items() if value is not None}
+        if changes.get("steps", state["step"]) < state["step"]:
+            raise ValueError(f"--steps {changes['steps']} is below the {state['step']} steps this run has done")
+        from k3.cli_config import replace_flat
+        config = replace_flat(read_saved(state[kind.key]), out=config.out, **changes)
+    return OpenedRun(directory, state, config)

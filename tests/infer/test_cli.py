@@ -51,6 +51,27 @@ def test_chat_keeps_the_conversation(run, capsys, monkeypatch):
     assert len(capsys.readouterr().out.splitlines()) == 2
 
 
+def test_engine_flags_shared_with_serve_reach_the_engine(run, capsys, monkeypatch):
+    """--max-batch (generate) and --no-prefix-cache (chat) are EngineConfig's flags, as in k3 serve."""
+    import io
+
+    from k3.infer import cli
+
+    built = []
+    real = cli.build_engine
+    monkeypatch.setattr(cli, "build_engine", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    assert main(["generate", "--run", str(run), "--prompt", "a", "--prompt", "b", "--prompt", "c", "--max-batch",
+                 "2", "--temperature", "0", "--max-new-tokens", "3", "--max-context", "64"]) == 0
+    assert capsys.readouterr().out.count("=== [") == 3  # three prompts through two slots
+    assert (built[-1].max_batch, built[-1].max_context, built[-1].prefix_cache) == (2, 64, None)
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\n"))
+    assert main(["chat", "--run", str(run), "--max-new-tokens", "4", "--no-prefix-cache"]) == 0
+    assert built[-1].max_batch == 1 and built[-1].prefix_cache is None
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\n"))
+    assert main(["chat", "--run", str(run), "--max-new-tokens", "4"]) == 0
+    assert built[-1].prefix_cache is not None  # chat keeps earlier turns' states by default
+
+
 def test_generate_chat_renders_the_prompt_in_the_runs_chat_format(run, capsys):
     """A `k3 train` run has no chat template: the plain format; the prompt printed is the rendered one."""
     assert main(["generate", "--run", str(run), "--chat", "--prompt", "hi", "--max-new-tokens", "3",

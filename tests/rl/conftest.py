@@ -53,3 +53,26 @@ def tiny_model(tokenizer):
     torch.manual_seed(0)
     return K3ForCausalLM(ModelConfig.from_preset("debug", vocab_size=tokenizer.vocab_size,
                                                  eos_token_id=tokenizer.eos_token_id)).eval()
+
+
+@pytest.fixture
+def step_clock(monkeypatch):
+    """clocked(trainer, seconds): the training loop's clock then moves ``seconds`` with each of the trainer's steps
+    and stands still otherwise, so a time budget stops after a known step count with no real timing."""
+    from types import SimpleNamespace
+
+    import k3.train.loop as loop_module
+
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(loop_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+
+    def clocked(trainer, seconds: float) -> None:
+        step = trainer.train_step
+
+        def timed_step():
+            clock.now += seconds
+            return step()
+
+        monkeypatch.setattr(trainer, "train_step", timed_step)
+
+    return clocked

@@ -210,3 +210,39 @@ def test_cli_pairs_need_name_and_path():
     assert _pairs(["code=/a", "docs=/b"], "--teacher") == {"code": "/a", "docs": "/b"}
     with pytest.raises(ValueError, match="NAME=PATH"):
         _pairs(["/just/a/path"], "--teacher")
+
+
+def test_a_time_budget_stops_evaluates_saves_and_reports_the_steps(shared_tokenizer, tmp_path, step_clock):
+    """10 s a step against 15 s: two steps, then a held-out evaluation (step 2 is no evaluation step) and a save."""
+    from k3.checkpoint.native import load_checkpoint
+
+    data = {"code": _write_prompts(tmp_path / "code.jsonl", CODE[:20])}
+    teacher = LocalTeacher("code", _model(shared_tokenizer, 1), shared_tokenizer, 128)
+    trainer = DistillTrainer(_config(tmp_path, data, steps=6, heldout_every=5, save_every=5, time_budget_s=15.0),
+                             student=_model(shared_tokenizer, 0), tokenizer=shared_tokenizer,
+                             teachers={"code": teacher}, show_progress=False, log=lambda *_: None)
+    step_clock(trainer, 10.0)
+    summary = trainer.train()
+    assert (summary["steps"], summary["stopped"]) == (2, "time_budget")
+    assert "heldout_rkl/code" in summary["last"]
+    assert load_checkpoint(tmp_path / "run")["step"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 2] and "heldout_rkl/code" in rows[-1]
+
+
+def test_a_run_saved_before_the_time_budget_resumes(shared_tokenizer, tmp_path):
+    """distill_config.json of an earlier run has no time_budget_s (nor any field added since): it still resumes."""
+    from k3.checkpoint.native import load_checkpoint, save_checkpoint
+
+    data = {"code": _write_prompts(tmp_path / "code.jsonl", CODE[:20])}
+    teacher = LocalTeacher("code", _model(shared_tokenizer, 1), shared_tokenizer, 128)
+    config = _config(tmp_path, data, steps=2, heldout_every=5, save_every=1)
+    DistillTrainer(config, student=_model(shared_tokenizer, 0), tokenizer=shared_tokenizer, teachers={"code": teacher},
+                   show_progress=False, log=lambda *_: None).train(stop_at=1)
+    state = load_checkpoint(tmp_path / "run")
+    del state["distill"]["time_budget_s"]
+    save_checkpoint(tmp_path / "run" / "checkpoint.pt", state)
+    resumed = DistillTrainer(DistillConfig(out=str(tmp_path / "run")), resume=True, teachers={"code": teacher},
+                             show_progress=False, log=lambda *_: None)
+    assert resumed.config == config and resumed.step == 1
+    assert resumed.train()["steps"] == 2

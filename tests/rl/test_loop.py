@@ -242,3 +242,65 @@ def test_a_run_saved_in_the_flat_layout_resumes(start_run, user_suite, tmp_path)
     resumed = RLTrainer(RLConfig(out=str(tmp_path / "run")), resume=True, show_progress=False, log=lambda *_: None)
     assert resumed.config == config and resumed.step == 1
     assert resumed.train()["steps"] == 2
+
+
+def test_an_sft_run_saved_in_the_flat_layout_resumes(start_run, tokenizer, tmp_path):
+    """SFTConfig was flat before its image fields became a section: such a run still resumes, settings intact."""
+    from k3.checkpoint.native import load_checkpoint, save_checkpoint
+    from k3.cli_config import to_flat
+
+    config = SFTConfig.flat(run=str(start_run), data=str(start_run.parent / "demos.jsonl"), out=str(tmp_path / "sft"),
+                            steps=2, batch_size=2, save_every=1, device="cpu", vision_train="projector",
+                            max_image_bytes=1 << 20)
+    SFTTrainer(config, show_progress=False, log=lambda *_: None).train(stop_at=1)
+    flat = {k: v for k, v in to_flat(config).items() if k != "image_fraction"}  # the flat SFTConfig had none
+    state = load_checkpoint(tmp_path / "sft")
+    assert state["sft"]["images"]["max_image_bytes"] == 1 << 20  # saved in sections now
+    state["sft"] = flat
+    save_checkpoint(tmp_path / "sft" / "checkpoint.pt", state)
+    resumed = SFTTrainer(SFTConfig(out=str(tmp_path / "sft")), resume=True, show_progress=False, log=lambda *_: None)
+    assert resumed.config == config and resumed.step == 1
+    assert resumed.config.images.vision_train == "projector"
+    assert resumed.train()["steps"] == 2
+
+
+def test_an_sft_time_budget_stops_saves_and_reports_the_steps(start_run, tmp_path, step_clock, capsys):
+    """10 s a step against a 25 s budget: steps 1-3 run (the budget is spent after the third), then a save; the
+    resumed run takes this session's budget from the command line (15 s: two more steps)."""
+    from k3.checkpoint.native import load_checkpoint
+
+    config = SFTConfig(run=str(start_run), data=str(start_run.parent / "demos.jsonl"), out=str(tmp_path / "sft"),
+                       steps=10, batch_size=2, save_every=100, device="cpu", time_budget_s=25.0)
+    trainer = SFTTrainer(config, show_progress=False)
+    step_clock(trainer, 10.0)
+    summary = trainer.train()
+    assert (summary["steps"], summary["stopped"]) == (3, "time_budget")
+    assert load_checkpoint(tmp_path / "sft")["step"] == 3
+    assert "time budget of 25 s spent: stopped after step 3 (3 steps this session), saved" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="below the 3 steps"):
+        SFTTrainer(SFTConfig(out=str(tmp_path / "sft")), resume=True, resume_overrides={"steps": 2})
+    resumed = SFTTrainer(SFTConfig(out=str(tmp_path / "sft")), resume=True, show_progress=False,
+                         resume_overrides={"time_budget_s": 15.0, "steps": None})
+    assert (resumed.config.time_budget_s, resumed.config.steps) == (15.0, 10)
+    step_clock(resumed, 10.0)
+    summary = resumed.train()
+    assert (summary["steps"], summary["stopped"]) == (5, "time_budget")
+    assert "stopped after step 5 (2 steps this session)" in capsys.readouterr().out
+    assert [json.loads(line)["step"] for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()] \
+        == [1, 2, 3, 4, 5]
+
+
+def test_an_rl_time_budget_stops_evaluates_saves_and_reports_the_steps(start_run, user_suite, tmp_path, step_clock):
+    """10 s a step against 15 s: two steps, then a held-out evaluation (step 2 is no evaluation step) and a save."""
+    from k3.checkpoint.native import load_checkpoint
+
+    config = rl_config(start_run, user_suite, tmp_path / "rl").replace(steps=6, heldout_every=5, save_every=5,
+                                                                       time_budget_s=15.0)
+    trainer = RLTrainer(config, show_progress=False, log=lambda *_: None)
+    step_clock(trainer, 10.0)
+    summary = trainer.train()
+    assert (summary["steps"], summary["stopped"]) == (2, "time_budget")
+    assert "last_heldout_pass_rate" in summary
+    assert load_checkpoint(tmp_path / "rl")["step"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2, 2] and "heldout_pass_rate" in rows[-1]

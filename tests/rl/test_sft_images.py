@@ -47,7 +47,7 @@ def start_model(tokenizer):
 def sft(out, demos, tokenizer, resume=False, **changes):
     values = dict(data=str(demos), out=str(out), steps=4, batch_size=3, save_every=2, device="cpu", vision="tiny",
                   vision_lr=5e-4)
-    config = SFTConfig(**{**values, **changes})
+    config = SFTConfig.flat(**{**values, **changes})
     return SFTTrainer(config, resume=resume, model=None if resume else start_model(tokenizer),
                       tokenizer=None if resume else tokenizer, show_progress=False, log=lambda *_: None)
 
@@ -111,8 +111,8 @@ def test_image_sft_learns_an_answer_only_the_image_holds(tmp_path):
     for i, name in held:
         record(i, name)
     tokenizer = train_bpe(["<|user|>colour?\n<|assistant|>red blue green\n"] * 50, 300, show_progress=False)
-    config = SFTConfig(data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "out"), steps=60, batch_size=8,
-                       lr=2e-3, device="cpu", vision="tiny", save_every=1000)
+    config = SFTConfig.flat(data=str(tmp_path / "train.jsonl"), out=str(tmp_path / "out"), steps=60, batch_size=8,
+                            lr=2e-3, device="cpu", vision="tiny", save_every=1000)
     trainer = SFTTrainer(config, model=start_model(tokenizer), tokenizer=tokenizer, show_progress=False,
                          log=lambda *_: None)
 

@@ -97,7 +97,9 @@ def test_the_loop_evaluates_saves_reads_and_writes_on_its_cadence(tmp_path):
     assert calls(trainer, "evaluate") == [0, 5, 7] and calls(trainer, "save") == [3, 6, 7]
     # Windows end at the session's first step, at log points (4) and before every evaluation or save.
     assert calls(trainer, "read") == [[1], [2, 3], [4], [5], [6], [7]]
-    assert calls(trainer, "plot") == [7]
+    # The plot is redrawn at every evaluation (after its save), and not again at the end when that one is current.
+    assert calls(trainer, "plot") == [5, 7]
+    assert trainer.calls[-3:] == [("evaluate", 7), ("save", 7), ("plot", 7)]
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(8))
     assert records[0] == {"step": 0, **result.first_eval}
@@ -131,6 +133,7 @@ def test_a_spent_time_budget_stops_evaluates_saves_and_reports_the_steps(tmp_pat
     assert (result.steps, result.stopped, result.seconds) == (3, "time_budget", 30.0)
     assert calls(trainer, "read") == [[1], [2, 3]]
     assert calls(trainer, "evaluate") == [0, 3] and calls(trainer, "save") == [3]
+    assert calls(trainer, "plot") == [3]  # at the end, showing the budget stop's evaluation
     assert load_checkpoint(tmp_path / "run")["step"] == 3
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 3] and records[-1] == {"step": 3, **result.last_eval}
