@@ -8,7 +8,7 @@ its evaluation, its checkpoint, its plot); the loop owns when each happens and w
     log points      the pending steps' records are read together (every log_every steps, the session's first
                     step, before an evaluation or a save, and where the loop stops): one host sync per window
     eval points     every eval_every steps and at the last: the evaluation joins the step's record, and (after a
-                    save) the plot is redrawn, so a long run's curves can be read while it runs
+                    save) the plot is redrawn, at most once a minute, so a long run's curves can be read as it runs
     save points     every save_every steps and at the last: the trainer's atomic checkpoint
     stop            at max_steps; at stop_at (as an interrupted run would: no extra save); past the time budget
                     (evaluate, write that row, save, then report the steps run)
@@ -20,6 +20,7 @@ data position, RNG) from the run directory (k3.train.run_dir) before `run`.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +30,7 @@ from tqdm import tqdm
 from k3.train.metrics import MetricsLog
 
 STOPS = ("max_steps", "stop_at", "time_budget")
+PLOT_EVERY_S = 60.0  # the least time between two redraws of the plot at evaluations
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ class TrainingLoop:
         self.desc, self.show_progress, self.log = desc, show_progress, log
         self.time_budget_s, self.first_step_note = time_budget_s, first_step_note
         self._plot_current = False  # the plot shows every record written
+        self._plotted_at = -math.inf  # when an evaluation last redrew it (the loop's clock)
 
     def _write(self, record: dict[str, Any]) -> None:
         self._plot_current = False
@@ -153,9 +156,12 @@ class TrainingLoop:
                     bar.set_postfix(**hooks.progress(records[-1]))
                 if saves:
                     hooks.save()
-                if evaluates and hooks.plot is not None:  # a long run's curves, readable while it runs
+                # A long run's curves, readable while it runs; at most once a PLOT_EVERY_S (a redraw costs
+                # about a second of host time, which a GPU step at a 50-step eval cadence would feel).
+                if (evaluates and hooks.plot is not None
+                        and time.perf_counter() - self._plotted_at >= PLOT_EVERY_S):
                     hooks.plot()
-                    self._plot_current = True
+                    self._plot_current, self._plotted_at = True, time.perf_counter()
                 window_started = time.perf_counter()
             if pending:  # stopped between reads
                 for record in self._read(pending, time.perf_counter() - window_started):
