@@ -330,9 +330,9 @@ def write_outputs(model: K3ForConditionalGeneration, qa: SyntheticVQA, report: d
 
 def plot_curve(report: dict, path: Path) -> None:
     """Held-out accuracy per kind against training steps, chance dotted in the same colour."""
-    from k3.eval.report import _pyplot, _save
+    from k3.plotting import pyplot, save_png
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [point["step"] for point in report["curve"]]
     for i, kind in enumerate(report["kinds"]):
@@ -345,7 +345,7 @@ def plot_curve(report: dict, path: Path) -> None:
     ax.set_title("synthetic visual QA: accuracy per question kind (dotted: chance)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def summary_table(report: dict) -> str:
