@@ -31,6 +31,7 @@ from k3.data.packing import PackedBatch
 from k3.vision.config import VisionConfig
 from k3.vision.image_batches import mixed_batch, pack_image_rows
 from k3.vision.image_text import ImageDataOptions, ImageTextExample, is_image_text_file, read_image_text
+from k3.vision.pixel_cache import PixelCache
 from k3.vision.processing import ImageProcessor
 
 VISION_TRAIN = ("all", "projector", "none")
@@ -110,6 +111,7 @@ class ImageTraining:
         self.config, self.files = config, files
         self.media_token_id, self.vision_config = media_token_id, vision_config
         self.processor = image_processor(vision_config, config.max_image_patches, config.max_image_pixels)
+        self.pixels = PixelCache(self.processor, config.image_cache_mb << 20)  # decoded once, not every step
         self.train_examples: list[ImageTextExample] = []
         self.val_examples: list[ImageTextExample] = []
         self.skipped: list[str] = []
@@ -152,7 +154,7 @@ class ImageTraining:
         """Step `step`'s batch: the text rows, then `rows` image rows drawn by (seed, step)."""
         rng = random.Random(f"{self.config.seed}/image-rows/{step}")
         image_rows = pack_image_rows(self.train_examples, rows, row_length, filler_id, rng)
-        return mixed_batch(text, image_rows, self.processor)
+        return mixed_batch(text, image_rows, self.pixels)
 
     def validation_batches(self, count: int, rows: int, row_length: int, filler_id: int) -> list[PackedBatch]:
         """Fixed batches of the held-out examples (the same at every evaluation)."""
@@ -160,7 +162,7 @@ class ImageTraining:
             return []
         rng = random.Random(f"{self.config.seed}/image-validation")
         return [mixed_batch(None, pack_image_rows(self.val_examples, rows, row_length, filler_id, rng),
-                            self.processor) for _ in range(count)]
+                            self.pixels) for _ in range(count)]
 
     # --- model ---------------------------------------------------------------------------------------------
     def build(self, model_config):
