@@ -116,6 +116,7 @@ class ImageTraining:
         self.val_examples: list[ImageTextExample] = []
         self.skipped: list[str] = []
         self.multimodal = None
+        self.split = None  # k3.train.profile.VisionSplit while --profile times the tower's share of a step
 
     def rows_per_step(self, rows: int) -> int:
         return max(1, min(rows, round(rows * self.config.image_fraction)))
@@ -182,7 +183,13 @@ class ImageTraining:
 
     def embed(self, ids: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """inputs_embeds [1, T, d]: the ids' embeddings with the batch's images at the media tokens."""
-        return embed_images(self.multimodal, ids, batch.pixel_values, batch.grid_thw)
+        if self.split is None:
+            return embed_images(self.multimodal, ids, batch.pixel_values, batch.grid_thw)
+        dtype = next(self.vision.parameters()).dtype
+        with self.split.vision_forward():
+            image_embeds = self.vision(batch.pixel_values.to(ids.device, dtype), batch.grid_thw.to(ids.device))
+        self.split.watch(image_embeds)
+        return self.multimodal.embed_multimodal(ids, image_embeds=image_embeds)
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.vision.parameters() if p.requires_grad]

@@ -556,6 +556,8 @@ class Trainer:
         ids = batch.input_ids.to(self.device)
         labels = batch.labels.to(self.device)
         cu = batch.cu_seqlens.to(self.device)
+        if self.images is not None and self.images.split is not None:
+            self.images.split.start()
         with self._autocast():
             embeds = None
             if batch.pixel_values is not None:  # image-text rows: the images' embeddings at the media tokens
@@ -749,7 +751,9 @@ class Trainer:
             first = self.step + PROFILE_AFTER + 1 if self.profile_at is None else self.profile_at
             if first <= self.step:
                 raise ValueError(f"--profile-at {first}: this run resumes after step {self.step}; profile a later step")
-            profiler = StepProfiler(self.profile_dir, first, self.device)
+            profiler = StepProfiler(self.profile_dir, first, self.device, vision=self.images is not None)
+            if self.images is not None:
+                self.images.split = profiler.vision_split  # the tower's share of the profiled steps
             if profiler.first > config.max_steps:
                 why = (f"it skips the first {PROFILE_AFTER} steps, which compile kernels" if self.profile_at is None
                        else "--profile-at")
@@ -854,6 +858,8 @@ class Trainer:
             loss, logged_loss = self._global_mean(loss, batch)
         if not graphed:
             loss.backward()
+            if self.images is not None and self.images.split is not None:
+                self.images.split.backward_done()
         # bf16 parameters: their gradients are clipped in fp32, as the masters' gradients (no images then).
         trained = (self.optimizer.take_grads() if self.bf16_params else
                    [*self.model.parameters(), *(self.images.trained_parameters() if self.images is not None else [])])
