@@ -888,6 +888,9 @@ class Trainer:
             "epoch": round(self.train_stream.epoch, 4),
             "seq_len": self.seq_len,
         }
+        if batch.grid_thw is not None:  # image-text rows: the images and their 14-px patches in this step
+            host["images"] = int(batch.grid_thw.shape[0])
+            host["image_patches"] = int(batch.grid_thw.prod(-1).sum())
         return host, device_values
 
     def _read_window(self, pending: list[tuple[dict[str, Any], torch.Tensor]], seconds: float) -> list[dict[str, Any]]:
@@ -936,6 +939,7 @@ class Trainer:
                 "epoch": host["epoch"],
                 "seq_len": host["seq_len"],
                 **({"window_steps": len(pending)} if len(pending) > 1 else {}),
+                **{key: host[key] for key in ("images", "image_patches") if key in host},
             })
         return records
 
