@@ -98,7 +98,9 @@ def build_model(settings: DemoSettings, qa: SyntheticVQA) -> K3ForConditionalGen
 
 
 def processor_for(settings: DemoSettings) -> ImageProcessor:
-    return ImageProcessor(patch_size=settings.patch_size, max_patches=(settings.image_size // settings.patch_size) ** 2)
+    """Keeps every picture at its size: the square ones and the wider text ones."""
+    qa = SyntheticVQA(size=settings.image_size)
+    return ImageProcessor(patch_size=settings.patch_size, max_patches=qa.max_patches(settings.patch_size))
 
 
 def make_batch(qa: SyntheticVQA, processor: ImageProcessor, samples: list[VQASample]):
@@ -243,8 +245,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
     train = qa.stream(settings.seed, settings.kinds)
     curve = [{"step": 0, **evaluate(model, qa, processor, curve_set, bf16=bf16)}]
     losses: list[float] = []
-    train_seconds, images_seen, patches_per_image = 0.0, 0, (settings.image_size // settings.patch_size) ** 2
-    tokens_seen = 0
+    train_seconds, images_seen, patches_seen, tokens_seen = 0.0, 0, 0, 0
     model.train()
     loop_started = time.perf_counter()
     for step in tqdm(range(settings.steps), desc="vqa demo", disable=not progress):
@@ -268,6 +269,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
         if step >= min(5, settings.steps // 10):  # leave out the first steps (allocator, kernel selection)
             train_seconds += time.perf_counter() - started
             images_seen += len(batch)
+            patches_seen += pixels.shape[0]
             tokens_seen += ids.numel()
         losses.append(loss.item())
         if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
@@ -297,7 +299,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
     }
     report["images_per_second_end_to_end"] = settings.steps * settings.batch_size / loop_seconds
     if device.type == "cuda" and train_seconds:
-        flops = step_flops(model, tokens_seen, images_seen * patches_per_image)
+        flops = step_flops(model, tokens_seen, patches_seen)
         report["train_tflops"] = flops / train_seconds / 1e12
         report["mfu"] = flops / train_seconds / GPU_BF16_PEAK_FLOPS
         report["device_name"] = torch.cuda.get_device_name(device)
