@@ -118,7 +118,7 @@ class SyntheticVQA:
             letters = [answer or rng.choice(LETTERS)] + [rng.choice(LETTERS) for _ in range(TEXT_LENGTH - 1)]
             font = self._font()
             ink = tuple(rng.randrange(0, 90) for _ in range(3))
-            (width, height), cell = self.text_size, self.text_size[0] // TEXT_LENGTH
+            height, cell = self.text_size[1], self.text_size[0] // TEXT_LENGTH
             for i, letter in enumerate(letters):  # centred in its cell, then moved a little
                 x0, y0, x1, y1 = draw.textbbox((0, 0), letter, font=font)
                 x = i * cell + (cell - (x1 - x0)) // 2 - x0 + rng.randint(-(self.size // 28), self.size // 28)
