@@ -63,7 +63,6 @@ class SFTConfig:
     max_image_bytes: int = 32 << 20
     skip_bad_images: bool = False
     allow_image_paths_outside: bool = False
-    image_cache_mb: int = 1024
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -172,7 +171,7 @@ class SFTTrainer:
         config = self.config
         self.processor = image_processor(self.multimodal.vision.config, config.max_image_patches,
                                          config.max_image_pixels)
-        self.pixels = PixelCache(self.processor, config.image_cache_mb << 20)  # decoded once, not every step
+        self.pixels = PixelCache(self.processor)  # each image decoded once, not at every step
         options = ImageDataOptions(max_tokens=config.max_tokens, skip_bad=config.skip_bad_images,
                                    allow_outside=config.allow_image_paths_outside,
                                    max_image_bytes=config.max_image_bytes)

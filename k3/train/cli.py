@@ -16,7 +16,7 @@ from k3.vision.config import VISION_PRESETS
 
 
 IMAGE_FLAGS = ("vision", "vision_train", "vision_lr", "image_fraction", "max_image_patches", "max_image_pixels",
-               "max_image_bytes", "skip_bad_images", "allow_image_paths_outside", "image_cache_mb")
+               "max_image_bytes", "skip_bad_images", "allow_image_paths_outside")
 
 
 def add_image_flags(parser: argparse.ArgumentParser, mixed: bool = True) -> None:
@@ -52,9 +52,6 @@ def add_image_flags(parser: argparse.ArgumentParser, mixed: bool = True) -> None
     group.add_argument("--allow-image-paths-outside", action="store_const", const=True,
                        dest="allow_image_paths_outside",
                        help="follow absolute image paths and paths outside the JSONL's folder (refused by default)")
-    group.add_argument("--image-cache-mb", type=int, dest="image_cache_mb",
-                       help="decoded images kept in memory so each is decoded once, not at every step (default "
-                            "1024 MiB of uint8 patches; the least recently used leave first; 0: decode every time)")
 
 
 def train_command(args: argparse.Namespace) -> int:

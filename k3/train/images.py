@@ -111,7 +111,7 @@ class ImageTraining:
         self.config, self.files = config, files
         self.media_token_id, self.vision_config = media_token_id, vision_config
         self.processor = image_processor(vision_config, config.max_image_patches, config.max_image_pixels)
-        self.pixels = PixelCache(self.processor, config.image_cache_mb << 20)  # decoded once, not every step
+        self.pixels = PixelCache(self.processor)  # each image decoded once, not at every step
         self.train_examples: list[ImageTextExample] = []
         self.val_examples: list[ImageTextExample] = []
         self.skipped: list[str] = []

@@ -127,7 +127,6 @@ class TrainConfig:
     max_image_bytes: int = 32 << 20  # bytes of an image file or data: URL
     skip_bad_images: bool = False  # leave bad image-text records out (counted) instead of stopping at the first
     allow_image_paths_outside: bool = False  # follow absolute paths and paths outside the JSONL's folder
-    image_cache_mb: int = 1024  # decoded images kept in memory (uint8 patches, least recently used leave); 0: none
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "seq_len", "batch_size", "eval_batches", "eval_every", "save_every"):

@@ -47,7 +47,7 @@ def register(subparsers) -> None:
     commands = vision.add_subparsers(dest="vision_command", metavar="COMMAND", required=True)
     p = commands.add_parser("demo", help="train on synthetic visual QA; held-out accuracy per question kind")
     p.add_argument("--out", help="directory for the model (published K3 layout), report.json and curve.png")
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=32, dest="batch_size")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warm-up 10%%, cosine to 1%%)")
     p.add_argument("--vision-lr", type=float, dest="vision_lr", help="tower + projector (default --lr)")

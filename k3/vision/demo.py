@@ -40,7 +40,7 @@ GPU_BF16_PEAK_FLOPS = 989e12
 @dataclass
 class DemoSettings:
     image_size: int = 84  # px; patch 14 -> a 6x6 patch grid, 9 image tokens after the 2x2 merge
-    steps: int = 1500
+    steps: int = 2000
     batch_size: int = 32
     lr: float = 3e-3  # peak (one-cycle: warm-up over the first 10%, cosine down to lr/100)
     vision_lr: float | None = None  # tower + projector; None: lr

@@ -1,6 +1,6 @@
 """Processed images kept in memory, so a training run decodes each image once instead of at every step.
 
-    pixels = PixelCache(processor, max_bytes=1 << 30)
+    pixels = PixelCache(processor)                                  # at most DEFAULT_MAX_BYTES (1 GiB)
     batch = pixels(["/data/a.png", "data:image/png;base64,..."])   # ProcessedImages, as processor(...) gives
 
 An entry is an image's uint8 patches and grid (a quarter of the fp32 pixel_values' bytes); `normalise` turns
@@ -20,9 +20,11 @@ import torch
 
 from k3.vision.processing import ImageProcessor, ProcessedImages
 
+DEFAULT_MAX_BYTES = 1 << 30  # 1.8M patches: ~7,100 images of 224 x 224, ~790 of 672 x 672
+
 
 class PixelCache:
-    def __init__(self, processor: ImageProcessor, max_bytes: int) -> None:
+    def __init__(self, processor: ImageProcessor, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError(f"the image cache's size must be >= 0 bytes (0: no cache), got {max_bytes}")
         self.processor, self.max_bytes = processor, max_bytes

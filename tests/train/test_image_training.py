@@ -130,13 +130,12 @@ def test_cli_flags_reach_the_run(tmp_path, corpus_dir, image_data, capsys):
     assert main(["train", "--preset", "debug", "--out", str(run), "--data", str(corpus_dir), "--data",
                  str(image_data), "--max-steps", "1", "--seq-len", "64", "--batch-size", "4", "--eval-batches", "1",
                  "--val-fraction", "0.25", "--vision-train", "projector", "--vision-lr", "1e-3",
-                 "--image-fraction", "0.25", "--max-image-patches", "64", "--skip-bad-images",
-                 "--image-cache-mb", "16"]) == 0
+                 "--image-fraction", "0.25", "--max-image-patches", "64", "--skip-bad-images"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-2])
     assert summary["skipped_image_records"] == 0 and summary["steps"] == 1
     saved = json.loads((run / "train_config.json").read_text())
     assert (saved["vision_train"], saved["vision_lr"], saved["image_fraction"], saved["max_image_patches"],
-            saved["skip_bad_images"], saved["image_cache_mb"]) == ("projector", 1e-3, 0.25, 64, True, 16)
+            saved["skip_bad_images"]) == ("projector", 1e-3, 0.25, 64, True)
     for command in ("train", "sft"):
         with pytest.raises(SystemExit):
             main([command, "--help"])
