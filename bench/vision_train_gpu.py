@@ -87,10 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         skip, device = args.skip, "cuda"
     started = time.perf_counter()
     data = write_data(out / "data", sizes, per_size)
-    config = TrainConfig(preset=preset, out=str(out / "run"), data=[str(data)], tokenizer=str(out / "data" / "tokenizer"),
-                         image_fraction=1.0, vision=vision, seq_len=seq_len, batch_size=rows, max_steps=steps,
-                         lr=3e-4, warmup_steps=5, eval_every=10**6, save_every=10**6, val_fraction=0.02,
-                         max_corpus_mb=1.0, recall_fraction=0.0, device=device, time_budget_s=args.time_budget)
+    build = getattr(TrainConfig, "flat", TrainConfig)  # by the flags' flat field names, sectioned config or not
+    config = build(preset=preset, out=str(out / "run"), data=[str(data)], tokenizer=str(out / "data" / "tokenizer"),
+                   image_fraction=1.0, vision=vision, seq_len=seq_len, batch_size=rows, max_steps=steps, lr=3e-4,
+                   warmup_steps=5, eval_every=10**6, save_every=10**6, val_fraction=0.02, max_corpus_mb=1.0,
+                   recall_fraction=0.0, device=device, time_budget_s=args.time_budget)
     trainer = Trainer(config, show_progress=False, profile=out / "profile", profile_at=skip + 1)
     if device == "cuda":
         trainer.images.vision.attention_backend = "varlen"  # one flash call over the pack (an error if it cannot)

@@ -177,7 +177,8 @@ class StepProfiler:
             lines[3:3] = [f"vision tower + projector per step: forward {split['vision_forward_ms']:.1f} ms, backward "
                           f"{split['vision_backward_ms']:.1f} ms ({split['vision_share']:.0%} of the step); language "
                           f"model forward + backward {split['language_model_ms']:.1f} ms "
-                          f"({split['language_model_share']:.0%}); the rest (data, optimizer) {split['other_ms']:.1f} ms"]
+                          f"({split['language_model_share']:.0%}); the rest (data, optimizer) "
+                          f"{split['other_ms']:.1f} ms"]
         path = self.dir / f"profile_steps_{self.first}-{last}.txt"
         self.dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
