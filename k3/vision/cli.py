@@ -1,7 +1,7 @@
 """`k3 vision demo`: train a tiny vision-language model on generated pictures and report held-out accuracy per
 question kind (colour, shape, count, position, text), before and after, against chance.
 
-    k3 vision demo --out runs/vqa                      # CPU, about 10 CPU-minutes
+    k3 vision demo --out runs/vqa                      # CPU, about 9 CPU-minutes
     k3 vision demo --out runs/vqa --json               # the report as JSON on stdout
     k3 eval --run runs/vqa --task vqa ocr --n 200      # the saved model through the engine
 """
