@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from k3.atomic import atomic_write_bytes
+from k3.plotting import pyplot, save_png
 
 
 def format_length(length: int) -> str:
@@ -85,18 +86,9 @@ def write_json(path: str | Path, rows: list[dict]) -> None:
     atomic_write_bytes(Path(path), (json.dumps(rows, indent=1) + "\n").encode("utf-8"))
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def plot_accuracy(rows: list[dict], path: str | Path, title: str = "accuracy by length") -> None:
     """One line per task, accuracy against length (log axis); written atomically as PNG."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for task in dict.fromkeys(r["task"] for r in rows):
         mine = sorted((r for r in rows if r["task"] == task), key=lambda r: r["length"])
@@ -110,12 +102,12 @@ def plot_accuracy(rows: list[dict], path: str | Path, title: str = "accuracy by 
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def plot_perplexity(rows: list[dict], path: str | Path) -> None:
     """Loss against position (bucket midpoints, log axis), one line per window length."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for length in sorted({r["length"] for r in rows}):
         mine = [r for r in rows if r["length"] == length]
@@ -127,16 +119,4 @@ def plot_perplexity(rows: list[dict], path: str | Path) -> None:
     ax.set_title("held-out loss by position")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
-
-
-def _save(fig, path: str | Path) -> None:
-    import io
-
-    import matplotlib.pyplot as plt
-
-    buffer = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buffer, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(Path(path), buffer.getvalue())
+    save_png(fig, path)

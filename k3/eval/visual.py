@@ -43,7 +43,8 @@ def native_image_size(vision_config) -> int:
 
 def visual_items(task: str, tokenizer, media_token_id: int, tokens_per_image: int, count: int, seed: int,
                  image_size: int) -> list[VisualItem]:
-    """`count` items of `task`, balanced over its kinds, reproducible from (seed, task)."""
+    """`count` items of `task`, balanced over its kinds, reproducible from (seed, task). tokens_per_image is a
+    square image_size picture's; a text picture (wider) gets proportionally more."""
     from k3.vision.synthetic_qa import SyntheticVQA
 
     if task not in VISUAL_TASKS:
@@ -56,8 +57,9 @@ def visual_items(task: str, tokenizer, media_token_id: int, tokens_per_image: in
         question, answer = tokenizer.encode(sample.question), tokenizer.encode(sample.answer)
         if not question or not answer:
             raise ValueError(f"the tokenizer encodes {sample.question!r} / {sample.answer!r} to no tokens")
-        items.append(VisualItem(sample.kind, bos + [media_token_id] * tokens_per_image + question, answer + eos,
-                                sample.image))
+        width, height = sample.image.size  # text pictures are wider than the square ones
+        tokens = tokens_per_image * width * height // (image_size * image_size)
+        items.append(VisualItem(sample.kind, bos + [media_token_id] * tokens + question, answer + eos, sample.image))
     return items
 
 
@@ -67,8 +69,9 @@ def visual_generate(model, engine: Engine, items: list[VisualItem]) -> list[list
     from k3.vision.processing import ImageProcessor
 
     vision_config = model.vision.config
-    size = items[0].image.size[0] if items else 0
-    processor = ImageProcessor.for_vision(vision_config, max_patches=(size // vision_config.patch_size) ** 2)
+    patch = vision_config.patch_size
+    largest = max([(i.image.size[0] // patch) * (i.image.size[1] // patch) for i in items], default=4)
+    processor = ImageProcessor.for_vision(vision_config, max_patches=largest)  # every picture at its own size
     device = next(model.language_model.parameters()).device
     dtype = next(model.vision.parameters()).dtype
     embeds = []

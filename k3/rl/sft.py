@@ -186,10 +186,12 @@ class SFTTrainer:
     def _read_image_examples(self) -> None:
         from k3.train.images import image_processor
         from k3.vision.image_text import ImageDataOptions, read_image_text
+        from k3.vision.pixel_cache import PixelCache
 
         config = self.config
         self.processor = image_processor(self.multimodal.vision.config, config.images.max_image_patches,
                                          config.images.max_image_pixels)
+        self.pixels = PixelCache(self.processor)  # each image decoded once, not at every step
         options = ImageDataOptions(max_tokens=config.max_tokens, skip_bad=config.images.skip_bad_images,
                                    allow_outside=config.images.allow_image_paths_outside,
                                    max_image_bytes=config.images.max_image_bytes)
@@ -209,7 +211,7 @@ class SFTTrainer:
     def batch_images(self, step: int):
         """The processed images of step ``step``'s examples, in reading order (None when they have none)."""
         images = [source for i in self._chosen(step) for source in self.example_images[i]]
-        return self.processor(images) if images else None
+        return self.pixels(images) if images else None
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(ids [1, total], labels [1, total], cu_seqlens [n+1]) of step ``step``'s examples."""

@@ -31,6 +31,7 @@ from k3.data.packing import PackedBatch
 from k3.vision.config import VisionConfig
 from k3.vision.image_batches import mixed_batch, pack_image_rows
 from k3.vision.image_text import ImageDataOptions, ImageTextExample, is_image_text_file, read_image_text
+from k3.vision.pixel_cache import PixelCache
 from k3.vision.processing import ImageProcessor
 
 VISION_TRAIN = ("all", "projector", "none")
@@ -111,10 +112,12 @@ class ImageTraining:
         self.config, self.files = config, files
         self.media_token_id, self.vision_config = media_token_id, vision_config
         self.processor = image_processor(vision_config, config.images.max_image_patches, config.images.max_image_pixels)
+        self.pixels = PixelCache(self.processor)  # each image decoded once, not at every step
         self.train_examples: list[ImageTextExample] = []
         self.val_examples: list[ImageTextExample] = []
         self.skipped: list[str] = []
         self.multimodal = None
+        self.split = None  # k3.train.profile.VisionSplit while --profile times the tower's share of a step
 
     def rows_per_step(self, rows: int) -> int:
         return max(1, min(rows, round(rows * self.config.images.image_fraction)))
@@ -153,7 +156,7 @@ class ImageTraining:
         """Step `step`'s batch: the text rows, then `rows` image rows drawn by (seed, step)."""
         rng = random.Random(f"{self.config.seed}/image-rows/{step}")
         image_rows = pack_image_rows(self.train_examples, rows, row_length, filler_id, rng)
-        return mixed_batch(text, image_rows, self.processor)
+        return mixed_batch(text, image_rows, self.pixels)
 
     def validation_batches(self, count: int, rows: int, row_length: int, filler_id: int) -> list[PackedBatch]:
         """Fixed batches of the held-out examples (the same at every evaluation)."""
@@ -161,7 +164,7 @@ class ImageTraining:
             return []
         rng = random.Random(f"{self.config.seed}/image-validation")
         return [mixed_batch(None, pack_image_rows(self.val_examples, rows, row_length, filler_id, rng),
-                            self.processor) for _ in range(count)]
+                            self.pixels) for _ in range(count)]
 
     # --- model ---------------------------------------------------------------------------------------------
     def build(self, model_config):
@@ -181,7 +184,13 @@ class ImageTraining:
 
     def embed(self, ids: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """inputs_embeds [1, T, d]: the ids' embeddings with the batch's images at the media tokens."""
-        return embed_images(self.multimodal, ids, batch.pixel_values, batch.grid_thw)
+        if self.split is None:
+            return embed_images(self.multimodal, ids, batch.pixel_values, batch.grid_thw)
+        dtype = next(self.vision.parameters()).dtype
+        with self.split.vision_forward():
+            image_embeds = self.vision(batch.pixel_values.to(ids.device, dtype), batch.grid_thw.to(ids.device))
+        self.split.watch(image_embeds)
+        return self.multimodal.embed_multimodal(ids, image_embeds=image_embeds)
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.vision.parameters() if p.requires_grad]

@@ -397,6 +397,8 @@ class Trainer:
         ids = batch.input_ids.to(self.device)
         labels = batch.labels.to(self.device)
         cu = batch.cu_seqlens.to(self.device)
+        if self.images is not None and self.images.split is not None:
+            self.images.split.start()
         with self._autocast():
             embeds = None
             if batch.pixel_values is not None:  # image-text rows: the images' embeddings at the media tokens
@@ -619,7 +621,9 @@ class Trainer:
         first = self.step + PROFILE_AFTER + 1 if self.profile_at is None else self.profile_at
         if first <= self.step:
             raise ValueError(f"--profile-at {first}: this run resumes after step {self.step}; profile a later step")
-        profiler = StepProfiler(self.profile_dir, first, self.device)
+        profiler = StepProfiler(self.profile_dir, first, self.device, vision=self.images is not None)
+        if self.images is not None:
+            self.images.split = profiler.vision_split  # the tower's share of the profiled steps
         if profiler.first > self.config.max_steps:
             why = (f"it skips the first {PROFILE_AFTER} steps, which compile kernels" if self.profile_at is None
                    else "--profile-at")
@@ -676,6 +680,8 @@ class Trainer:
             loss, logged_loss = self._global_mean(loss, batch)
         if not graphed:
             loss.backward()
+            if self.images is not None and self.images.split is not None:
+                self.images.split.backward_done()
         if self.bf16_params:  # the gradients' fp32 norm; the master step applies the clip (no images then)
             grad_norm = self.optimizer.clip_grad_norm_(config.optim.grad_clip)
         else:
@@ -705,6 +711,9 @@ class Trainer:
             "epoch": round(self.train_stream.epoch, 4),
             "seq_len": self.seq_len,
         }
+        if batch.grid_thw is not None:  # image-text rows: the images and their 14-px patches in this step
+            host["images"] = int(batch.grid_thw.shape[0])
+            host["image_patches"] = int(batch.grid_thw.prod(-1).sum())
         return host, device_values
 
     def _read_window(self, pending: list[tuple[dict[str, Any], torch.Tensor]], seconds: float) -> list[dict[str, Any]]:
@@ -753,6 +762,7 @@ class Trainer:
                 "epoch": host["epoch"],
                 "seq_len": host["seq_len"],
                 **({"window_steps": len(pending)} if len(pending) > 1 else {}),
+                **{key: host[key] for key in ("images", "image_patches") if key in host},
             })
         return records
 

@@ -1,7 +1,7 @@
 """`k3 vision demo`: train a tiny vision-language model on generated pictures and report held-out accuracy per
 question kind (colour, shape, count, position, text), before and after, against chance.
 
-    k3 vision demo --out runs/vqa                      # CPU, about 10 CPU-minutes
+    k3 vision demo --out runs/vqa                      # CPU, about 9 CPU-minutes
     k3 vision demo --out runs/vqa --json               # the report as JSON on stdout
     k3 eval --run runs/vqa --task vqa ocr --n 200      # the saved model through the engine
 """
@@ -47,7 +47,7 @@ def register(subparsers) -> None:
     commands = vision.add_subparsers(dest="vision_command", metavar="COMMAND", required=True)
     p = commands.add_parser("demo", help="train on synthetic visual QA; held-out accuracy per question kind")
     p.add_argument("--out", help="directory for the model (published K3 layout), report.json and curve.png")
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=32, dest="batch_size")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (warm-up 10%%, cosine to 1%%)")
     p.add_argument("--vision-lr", type=float, dest="vision_lr", help="tower + projector (default --lr)")

@@ -40,7 +40,7 @@ GPU_BF16_PEAK_FLOPS = 989e12
 @dataclass
 class DemoSettings:
     image_size: int = 84  # px; patch 14 -> a 6x6 patch grid, 9 image tokens after the 2x2 merge
-    steps: int = 1500
+    steps: int = 2000
     batch_size: int = 32
     lr: float = 3e-3  # peak (one-cycle: warm-up over the first 10%, cosine down to lr/100)
     vision_lr: float | None = None  # tower + projector; None: lr
@@ -98,7 +98,9 @@ def build_model(settings: DemoSettings, qa: SyntheticVQA) -> K3ForConditionalGen
 
 
 def processor_for(settings: DemoSettings) -> ImageProcessor:
-    return ImageProcessor(patch_size=settings.patch_size, max_patches=(settings.image_size // settings.patch_size) ** 2)
+    """Keeps every picture at its size: the square ones and the wider text ones."""
+    qa = SyntheticVQA(size=settings.image_size)
+    return ImageProcessor(patch_size=settings.patch_size, max_patches=qa.max_patches(settings.patch_size))
 
 
 def make_batch(qa: SyntheticVQA, processor: ImageProcessor, samples: list[VQASample]):
@@ -243,8 +245,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
     train = qa.stream(settings.seed, settings.kinds)
     curve = [{"step": 0, **evaluate(model, qa, processor, curve_set, bf16=bf16)}]
     losses: list[float] = []
-    train_seconds, images_seen, patches_per_image = 0.0, 0, (settings.image_size // settings.patch_size) ** 2
-    tokens_seen = 0
+    train_seconds, images_seen, patches_seen, tokens_seen = 0.0, 0, 0, 0
     model.train()
     loop_started = time.perf_counter()
     for step in tqdm(range(settings.steps), desc="vqa demo", disable=not progress):
@@ -268,6 +269,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
         if step >= min(5, settings.steps // 10):  # leave out the first steps (allocator, kernel selection)
             train_seconds += time.perf_counter() - started
             images_seen += len(batch)
+            patches_seen += pixels.shape[0]
             tokens_seen += ids.numel()
         losses.append(loss.item())
         if (step + 1) % settings.eval_every == 0 or step + 1 == settings.steps:
@@ -297,7 +299,7 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
     }
     report["images_per_second_end_to_end"] = settings.steps * settings.batch_size / loop_seconds
     if device.type == "cuda" and train_seconds:
-        flops = step_flops(model, tokens_seen, images_seen * patches_per_image)
+        flops = step_flops(model, tokens_seen, patches_seen)
         report["train_tflops"] = flops / train_seconds / 1e12
         report["mfu"] = flops / train_seconds / GPU_BF16_PEAK_FLOPS
         report["device_name"] = torch.cuda.get_device_name(device)
@@ -330,9 +332,9 @@ def write_outputs(model: K3ForConditionalGeneration, qa: SyntheticVQA, report: d
 
 def plot_curve(report: dict, path: Path) -> None:
     """Held-out accuracy per kind against training steps, chance dotted in the same colour."""
-    from k3.eval.report import _pyplot, _save
+    from k3.plotting import pyplot, save_png
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [point["step"] for point in report["curve"]]
     for i, kind in enumerate(report["kinds"]):
@@ -345,7 +347,7 @@ def plot_curve(report: dict, path: Path) -> None:
     ax.set_title("synthetic visual QA: accuracy per question kind (dotted: chance)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
+    save_png(fig, path)
 
 
 def summary_table(report: dict) -> str:

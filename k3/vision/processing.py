@@ -173,18 +173,22 @@ class ImageProcessor:
         values.update(overrides)
         return cls(**values)
 
-    def _tensor(self, image, size: tuple[tuple[int, int], tuple[int, int]]) -> torch.Tensor:
-        """[3, H, W] normalised, resized and padded."""
+    def _pixels(self, image, size: tuple[tuple[int, int], tuple[int, int]]) -> torch.Tensor:
+        """[3, H, W] uint8, resized and padded with 0 (black)."""
         import numpy as np
 
         (new_h, new_w), (pad_h, pad_w) = size
         rgb = to_rgb(image)
         if rgb.size != (new_w, new_h):
             rgb = rgb.resize((new_w, new_h), resample=_pil().Resampling.BICUBIC)
-        pixels = torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy()).permute(2, 0, 1).float() / 255.0
-        padded = torch.zeros(3, pad_h, pad_w)
-        padded[:, :new_h, :new_w] = pixels
-        return (padded - self.mean) / self.std
+        padded = torch.zeros(3, pad_h, pad_w, dtype=torch.uint8)
+        padded[:, :new_h, :new_w] = torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy()).permute(2, 0, 1)
+        return padded
+
+    def normalise(self, pixels: torch.Tensor) -> torch.Tensor:
+        """uint8 pixels [..., 3, h, w] -> fp32 rescaled to [0, 1] and normalised per channel (padding reads
+        (0 - mean) / std = -1). Elementwise, so patches cut before or after it are the same bits."""
+        return (pixels.float() / 255.0 - self.mean) / self.std
 
     def _patches(self, frames: torch.Tensor) -> torch.Tensor:
         """[t, 3, H, W] -> [t * H/p * W/p, 3, p, p] in (frame, row, column) order."""
@@ -211,25 +215,31 @@ class ImageProcessor:
         clips = [list(frames[i: i + self.frames_per_clip]) for i in range(0, len(frames), self.frames_per_clip)]
         return self._batch(clips)
 
-    def _batch(self, entries: list[list[ImageSource]]) -> ProcessedImages:
-        pixel_values, grids = [], []
-        for index, entry in enumerate(entries):
-            opened = [open_image(source, self.max_input_pixels) for source in entry]
-            sizes = {image.size for image in opened}
-            if len(sizes) > 1:
-                raise ValueError(f"clip {index}: frames have different sizes {sorted(sizes)}; resize them to one "
-                                 f"size first")
-            size = self._size_of(opened[0])
-            frames = torch.stack([self._tensor(image, size) for image in opened])
-            pixel_values.append(self._patches(frames))
-            (_, _), (pad_h, pad_w) = size
-            grids.append([len(opened), pad_h // self.patch_size, pad_w // self.patch_size])
-        if not grids:
+    def clip_patches(self, frames: Sequence[ImageSource], index: int = 0) -> tuple[torch.Tensor, list[int]]:
+        """One image or clip (frames of one size) -> (uint8 patches [t*h*w, 3, p, p], its grid [t, h, w]);
+        `normalise` makes them pixel_values. A compact form to keep in memory (k3.vision.pixel_cache)."""
+        opened = [open_image(source, self.max_input_pixels) for source in frames]
+        sizes = {image.size for image in opened}
+        if len(sizes) > 1:
+            raise ValueError(f"clip {index}: frames have different sizes {sorted(sizes)}; resize them to one "
+                             f"size first")
+        size = self._size_of(opened[0])
+        (_, _), (pad_h, pad_w) = size
+        patches = self._patches(torch.stack([self._pixels(image, size) for image in opened]))
+        return patches, [len(opened), pad_h // self.patch_size, pad_w // self.patch_size]
+
+    def pack(self, entries: list[tuple[torch.Tensor, list[int]]]) -> ProcessedImages:
+        """clip_patches' outputs, in order -> one ProcessedImages (pixel_values normalised, concatenated)."""
+        if not entries:
             p = self.patch_size
             return ProcessedImages(torch.zeros(0, 3, p, p), torch.zeros(0, 3, dtype=torch.long), [])
-        grid_thw = torch.tensor(grids, dtype=torch.long)
+        grids = [grid for _, grid in entries]
         tokens = [(h // self.merge) * (w // self.merge) for _, h, w in grids]
-        return ProcessedImages(torch.cat(pixel_values), grid_thw, tokens)
+        pixel_values = self.normalise(torch.cat([patches for patches, _ in entries]))
+        return ProcessedImages(pixel_values, torch.tensor(grids, dtype=torch.long), tokens)
+
+    def _batch(self, entries: list[list[ImageSource]]) -> ProcessedImages:
+        return self.pack([self.clip_patches(entry, index) for index, entry in enumerate(entries)])
 
 
 def expand_placeholders(token_ids: Sequence[int], tokens_per_image: Sequence[int],

@@ -11,8 +11,11 @@ Question kinds, each answerable from the picture alone:
     shape     one shape; circle, square or triangle (3)
     count     1-4 small shapes of one colour; how many (4)
     position  one shape in the left or right half, upper or lower half (4)
-    text      three letters rendered in the picture (an OCR-like task); the answer is the letters in reading
-              order, one word each ("K A T"): 10^3 possible answers
+    text      three letters, one in each third of a strip picture (2 x size wide, size - 28 tall: 168 x 56 px
+              at 84), each at a small random offset in its cell, large beside the 14-px patches (font = the
+              strip's height: cap height ~39 px at 84, about 3 x 3 patches); the answer is the letters in
+              reading order, one word each ("K A T"): 10^3 possible answers (an OCR-like task). Small text at a
+              free place was not learned by the demo's model at all: docs/vision.md has the runs
 `chance` gives the accuracy of uniform guessing among each kind's answers and of always answering the most
 frequent one. Words map to token ids through `vocab` (one id per word; `<image>` is the media placeholder);
 `tokenizer()` is the same map as a `tokenizers` word-level tokenizer that k3's loaders read.
@@ -57,6 +60,7 @@ class SyntheticVQA:
         if size < 56:
             raise ValueError(f"image size {size} is too small to draw the scenes; use at least 56 px")
         self.size, self.seed = size, seed
+        self.text_size = (2 * size, size - 28)  # (width, height) of a text picture: two rows of merged tokens at 84
         words = list(SPECIAL)
         for kind, question in QUESTIONS.items():
             words += [w for w in question.split() if w not in words]
@@ -88,7 +92,7 @@ class SyntheticVQA:
         from PIL import ImageFont
 
         if not hasattr(self, "_font_cache"):
-            self._font_cache = ImageFont.load_default(size=max(10, self.size // 5))
+            self._font_cache = ImageFont.load_default(size=self.text_size[1])
         return self._font_cache
 
     def sample(self, rng: random.Random, kind: str | None = None, answer: str | None = None) -> VQASample:
@@ -100,7 +104,7 @@ class SyntheticVQA:
         if kind not in KINDS:
             raise ValueError(f"unknown question kind {kind!r}; choose from {list(KINDS)}")
         background = tuple(rng.randrange(225, 256) for _ in range(3))
-        image = Image.new("RGB", (self.size, self.size), background)
+        image = Image.new("RGB", self.text_size if kind == "text" else (self.size, self.size), background)
         draw = ImageDraw.Draw(image)
         colour = answer if kind == "colour" and answer else rng.choice(list(COLOURS))
         shape = answer if kind == "shape" and answer else rng.choice(SHAPES)
@@ -113,11 +117,13 @@ class SyntheticVQA:
         elif kind == "text":
             letters = [answer or rng.choice(LETTERS)] + [rng.choice(LETTERS) for _ in range(TEXT_LENGTH - 1)]
             font = self._font()
-            x0, y0, x1, y1 = draw.textbbox((0, 0), "".join(letters), font=font)
-            x = rng.randrange(2 - x0, max(3 - x0, self.size - x1 - 2))
-            y = rng.randrange(2 - y0, max(3 - y0, self.size - y1 - 2))
             ink = tuple(rng.randrange(0, 90) for _ in range(3))
-            draw.text((x, y), "".join(letters), fill=ink, font=font)
+            height, cell = self.text_size[1], self.text_size[0] // TEXT_LENGTH
+            for i, letter in enumerate(letters):  # centred in its cell, then moved a little
+                x0, y0, x1, y1 = draw.textbbox((0, 0), letter, font=font)
+                x = i * cell + (cell - (x1 - x0)) // 2 - x0 + rng.randint(-(self.size // 28), self.size // 28)
+                y = (height - (y1 - y0)) // 2 - y0 + rng.randint(-(self.size // 14), self.size // 14)
+                draw.text((x, y), letter, fill=ink, font=font)
             answer = " ".join(letters)
         else:
             extent = rng.randrange(self.size // 4, half - 3)  # fits a quadrant, so one size serves every kind
@@ -147,6 +153,10 @@ class SyntheticVQA:
     def samples(self, count: int, seed: int, kinds: tuple[str, ...] = tuple(KINDS)) -> list[VQASample]:
         stream = self.stream(seed, kinds)
         return [next(stream) for _ in range(count)]
+
+    def max_patches(self, patch_size: int) -> int:
+        """Patches of the largest picture (a text one): an ImageProcessor's budget that keeps every size."""
+        return (self.text_size[0] // patch_size) * (self.text_size[1] // patch_size)
 
     # --- tokens -------------------------------------------------------------------------------
     def prompt_ids(self, sample: VQASample, image_tokens: int) -> list[int]:

@@ -166,7 +166,8 @@ def test_profile_reports_a_window_of_steps_after_the_first_ones(tmp_path, corpus
     wall = float(text.splitlines()[1].split()[3])
     assert wall == pytest.approx(1e3 * sum(seconds) / len(seconds), abs=0.15)
     assert "host synchronisations per step:" in text and "aten::mm" in text  # the op table of the steps
-    assert list(tmp_path.glob("prof/*")) == [report]
+    assert sorted(tmp_path.glob("prof/*")) == [report.with_suffix(".json"), report]
+    assert json.loads(report.with_suffix(".json").read_text())["wall_ms"] == pytest.approx(wall, abs=0.15)
 
 
 def test_profile_of_a_run_that_stops_inside_the_window_is_still_written(tmp_path, corpus_dir, small_config):

@@ -75,6 +75,22 @@ def test_text_is_rendered_and_the_tokenizer_matches_the_vocabulary(tmp_path):
     assert loaded.decode(ids) == f"{sample.question} {sample.answer}"
 
 
+def test_text_pictures_hold_one_large_letter_in_each_third():
+    """The OCR-like kind's letters are large beside the 14-px patches and one to a cell (smaller text at a free
+    place was not learned)."""
+    qa, rng = SyntheticVQA(size=84), random.Random(2)
+    assert qa.max_patches(14) == 12 * 4
+    for _ in range(10):
+        sample = qa.sample(rng, "text")
+        assert sample.image.size == (168, 56)
+        ink = np.asarray(sample.image).astype(int).max(-1) < 120
+        for cell in range(TEXT_LENGTH):
+            rows, columns = np.nonzero(ink[:, 56 * cell: 56 * (cell + 1)])
+            assert rows.max() - rows.min() + 1 >= 28  # cap height: at least 2 patches
+            assert columns.min() > 0 and columns.max() < 55  # within its cell
+    assert qa.sample(rng, "colour").image.size == (84, 84)
+
+
 def test_jsonl_has_the_image_text_format(tmp_path):
     path = SyntheticVQA().write_jsonl(tmp_path, 5)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
