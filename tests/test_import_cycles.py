@@ -27,7 +27,7 @@ ALLOWED: dict[frozenset[str], str] = {
 # The layering, lowest first: a module may import its own layer and those below. The first matching prefix
 # names a module's layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("k3.kernels", "k3.runtime", "k3.atomic", "k3.cli_config", "k3.config", "k3.hf_config", "k3.vision.config"),
+    ("k3.kernels", "k3.runtime", "k3.atomic", "k3.cli_config", "k3.plotting", "k3.config", "k3.hf_config", "k3.vision.config"),
     ("k3.ops", "k3.data", "k3.chat"),
     ("k3.layers", "k3.cache"),
     ("k3.model", "k3.vision", "k3.multimodal"),
@@ -35,8 +35,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("k3.train", "k3.infer", "k3.eval", "k3.sandbox"),
     ("k3.rl",),
 ]
-# Command-line modules sit above everything; nothing in the library imports them.
-CLI_NAMES = ("cli", "serve_cli", "info_cli", "distill_cli", "__main__")
+# Command-line modules and the demos (commands too) sit above everything; nothing in the library imports them.
+CLI_NAMES = ("cli", "serve_cli", "info_cli", "distill_cli", "demo", "__main__")
 
 
 def module_name(path: Path) -> str:
