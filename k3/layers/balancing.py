@@ -63,7 +63,11 @@ def required_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, of_
     if of_others:
         chosen_TE = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, top.indices[:, :top_k], True)
         cutoff_TE = torch.where(chosen_TE, cutoff_TE, top.values[:, top_k - 1:top_k])
-    return cutoff_TE - scores
+        return cutoff_TE - scores
+    # The (k+1)-th expert's own r is its bias exactly; (s + b) - s would round it by the last bits of s, which
+    # differ between batch layouts, and decide whether the k/E quantile sees a tie there (a jump of half a gap).
+    runner_up_T1 = top.indices[:, top_k:top_k + 1]
+    return (cutoff_TE - scores).scatter_(1, runner_up_T1, bias_E.float()[runner_up_T1])
 
 
 def quantile_bias(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int,

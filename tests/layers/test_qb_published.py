@@ -110,3 +110,29 @@ def test_pooling_over_ranks_equals_one_process_exactly():
     gathered = torch.cat([required_bias(h, bias, 2) for h in halves])
     pooled = published_bias(halves[0], bias, 2, gather=lambda required: gathered)
     assert torch.equal(pooled, published_bias(scores, bias, 2))
+
+
+def test_the_update_moves_with_the_bias_by_float_noise_only():
+    """Expert 0 wins two tokens and is the runner-up (the (k+1)-th) of five: its 4th smallest r is among the
+    runner-ups', which is its bias b exactly. Computed as (s + b) - s it was b rounded to the grid of each s (two
+    grids here: s below and above 0.5), so the last bits of b (or of s, another batch layout's rounding) decided
+    whether the runner-ups tied, and a tie moved the update past them by half a gap (3e-2 here; 6e-4 in a 2-rank
+    training run against one process)."""
+    scores = torch.tensor([[0.9, 0.2, 0.1]] * 2 + [[0.3, 0.6, 0.1], [0.35, 0.65, 0.1], [0.4, 0.7, 0.1],
+                                                   [0.55, 0.9, 0.1], [0.6, 0.95, 0.1]] + [[0.1, 0.2, 0.8]] * 5)
+    base = torch.tensor([0.0123457, 0.0, -0.0123457])
+    updates = []
+    for i in range(32):  # the bias moved by 0 to 3.1e-7, ~10 ulps of b at a time
+        bias = base + torch.tensor([i * 1e-8, 0.0, 0.0])
+        updates.append(published_bias(scores, bias, top_k=1))
+    for update in updates[1:]:
+        torch.testing.assert_close(update, updates[0], rtol=0, atol=1e-6)
+
+
+def test_the_runner_ups_required_bias_is_its_bias_exactly():
+    from k3.layers.balancing import required_bias
+
+    generator = torch.Generator().manual_seed(0)
+    scores, bias = torch.rand(256, 8, generator=generator), torch.randn(8, generator=generator) * 1e-2
+    runner_up = (scores + bias).topk(3, dim=-1).indices[:, 2:]
+    assert torch.equal(required_bias(scores, bias, top_k=2).gather(1, runner_up), bias[runner_up])

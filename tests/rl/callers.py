@@ -10,7 +10,7 @@ from k3.rl.tasks import task_from_dict
 
 def say_tasks() -> list[dict]:
     return [{"id": f"say-{i}", "prompt": f"Say something about {word}.", "tools": ["python", "submit"],
-             "verifier": {"type": "python", "function": "tests.rl.verifiers:even_length"},
+             "verifier": {"type": "python", "function": "tests.rl.verifiers:answered_even_length"},
              "limits": {"turns": 3, "tokens_per_turn": 40, "total_tokens": 100}}
             for i, word in enumerate(["cats", "dogs"])]
 
