@@ -120,7 +120,7 @@ class AsyncEngine:
                 per_loop.setdefault(listener[0], []).append((listener[1], request_id, items))
         for loop, batch in per_loop.items():
             try:
-                loop.call_soon_threadsafe(_run_sinks, batch)
+                loop.call_soon_threadsafe(run_sinks, batch)
             except RuntimeError:  # the listening loop has closed: nobody is waiting any more
                 for _, request_id, _ in batch:
                     self._listeners.pop(request_id, None)
@@ -224,7 +224,7 @@ class AsyncEngine:
                 self._queued -= 1
             raise ValueError(f"request id {request_id!r} is already in use")
         if events is not None:
-            sink = functools.partial(_put_all, events)
+            sink = functools.partial(put_all, events)
         if sink is not None:
             self._listeners[request_id] = (asyncio.get_running_loop(), sink)
         self._inbox.put(("add", request_id, prompt, params, prompt_embeds))
@@ -285,11 +285,13 @@ class AsyncEngine:
         self._thread.join(timeout_s)
 
 
-def _put_all(events: asyncio.Queue, request_id: str, items: list) -> None:
+def put_all(events: asyncio.Queue, request_id: str, items: list) -> None:
+    """A request's events into its queue (on the event loop's thread)."""
     for item in items:
         events.put_nowait(item)
 
 
-def _run_sinks(batch: list) -> None:
+def run_sinks(batch: list) -> None:
+    """One engine step's events, delivered in one call on the event loop (not one call per token)."""
     for sink, request_id, items in batch:
         sink(request_id, items)

@@ -72,6 +72,21 @@ class ScoreOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+
+def check_prompt_fields(ids: list[int], params: SamplingParams, name: str, max_context: int, vocab_size: int,
+                        max_batch: int) -> None:
+    """The checks of a prompt that need only the engine's sizes (the engine and its process front both run them)."""
+    if not ids:
+        raise ValueError(f"{name} is empty after tokenization; give at least one token")
+    if len(ids) >= max_context:
+        raise ValueError(f"{name} has {len(ids)} tokens but the context allows {max_context} (prompt "
+                         f"plus at least one new token); shorten it or raise max_context")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"{name} holds token ids outside [0, {vocab_size}); the tokenizer does not match the model")
+    if params.n > max_batch:
+        raise ValueError(f"n={params.n} samples cannot run at once with max_batch={max_batch}")
+
+
 class Engine:
     """model: K3ForCausalLM (put in eval mode here); tokenizer: the project's tokenizer interface or None.
 
@@ -129,16 +144,7 @@ class Engine:
 
     def check_prompt(self, ids: list[int], params: SamplingParams, name: str = "the prompt") -> None:
         """Raise ValueError, saying what is wrong, for a prompt the engine cannot run."""
-        if not ids:
-            raise ValueError(f"{name} is empty after tokenization; give at least one token")
-        if len(ids) >= self.max_context:
-            raise ValueError(f"{name} has {len(ids)} tokens but the context allows {self.max_context} (prompt "
-                             f"plus at least one new token); shorten it or raise max_context")
-        vocab = self.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"{name} holds token ids outside [0, {vocab}); the tokenizer does not match the model")
-        if params.n > self.max_batch:
-            raise ValueError(f"n={params.n} samples cannot run at once with max_batch={self.max_batch}")
+        check_prompt_fields(ids, params, name, self.max_context, self.config.vocab_size, self.max_batch)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine to have a tokenizer")
         size = self.pool.page_size

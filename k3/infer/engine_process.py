@@ -33,8 +33,8 @@ import time
 from types import SimpleNamespace
 from typing import Any, AsyncIterator, Callable
 
-from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed
-from k3.infer.engine import ScoreOutput, TokenEvent
+from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed, put_all, run_sinks
+from k3.infer.engine import ScoreOutput, TokenEvent, check_prompt_fields
 from k3.infer.sampling import SamplingParams
 
 log = logging.getLogger("k3.engine")
@@ -121,16 +121,7 @@ class EngineInfo:
         return set(params.stop_token_ids) | ({self.eos_token_id} if self.eos_token_id is not None else set())
 
     def check_prompt(self, ids: list[int], params: SamplingParams, name: str = "the prompt") -> None:
-        if not ids:
-            raise ValueError(f"{name} is empty after tokenization; give at least one token")
-        if len(ids) >= self.max_context:
-            raise ValueError(f"{name} has {len(ids)} tokens but the context allows {self.max_context} (prompt "
-                             f"plus at least one new token); shorten it or raise max_context")
-        vocab = self.config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise ValueError(f"{name} holds token ids outside [0, {vocab}); the tokenizer does not match the model")
-        if params.n > self.max_batch:
-            raise ValueError(f"n={params.n} samples cannot run at once with max_batch={self.max_batch}")
+        check_prompt_fields(ids, params, name, self.max_context, self.config.vocab_size, self.max_batch)
 
 
 class EngineProcess:
@@ -271,7 +262,7 @@ class EngineProcess:
     def _call_soon(self, per_loop: dict) -> None:
         for loop, batch in per_loop.items():
             try:
-                loop.call_soon_threadsafe(_run_sinks, batch)
+                loop.call_soon_threadsafe(run_sinks, batch)
             except RuntimeError:  # that loop has closed: nobody is waiting any more
                 for _, request_id, _ in batch:
                     self.cancel(request_id)
@@ -300,7 +291,7 @@ class EngineProcess:
         if request_id in self._listeners:
             raise ValueError(f"request id {request_id!r} is already in use")
         if events is not None:
-            sink = functools.partial(_put_all, events)
+            sink = functools.partial(put_all, events)
         if sink is not None:
             self._listeners[request_id] = (asyncio.get_running_loop(), sink)
         self._outbox.put(["add", request_id, prompt, wire])
@@ -384,15 +375,6 @@ class EngineProcess:
         self._requests.close()
         self._events.close()
 
-
-def _put_all(events: asyncio.Queue, request_id: str, items: list) -> None:
-    for item in items:
-        events.put_nowait(item)
-
-
-def _run_sinks(batch: list) -> None:
-    for sink, request_id, items in batch:
-        sink(request_id, items)
 
 
 # --- the child's side --------------------------------------------------------------------------------------

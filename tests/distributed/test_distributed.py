@@ -95,6 +95,7 @@ def test_ep2_matches_one_process(single_process, ep2_two_ranks):
     assert torch.tensor(ep2["logits"]).ne(torch.tensor(reference["logits"])).any()
 
 
+@pytest.mark.slow  # four ranks (~30 s); test_ep2_matches_one_process covers EP in the default run
 def test_ep2_on_four_ranks_matches_one_process(single_process, ep2_two_ranks, ep2_four_ranks):
     reference, ep2, ep2x4 = single_process[0], ep2_two_ranks[0], ep2_four_ranks[0]
     assert_trains_like_one_process(reference, ep2x4)

@@ -46,6 +46,7 @@ def test_ep2_run_resumed_under_ep2_matches_the_unbroken_run(tmp_path, corpus_dir
         assert all(torch.equal(value, b["optimizer"]["state"][number][key]) for key, value in entry.items())
 
 
+@pytest.mark.slow  # ~30 s of torchrun runs
 def test_ep2_run_with_sharded_checkpoints_resumed_under_ep2_matches_the_unbroken_run(tmp_path, corpus_dir):
     unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
     train(unbroken, corpus_dir)
