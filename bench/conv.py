@@ -25,7 +25,7 @@ import torch
 
 from common import kernel_bench_bandwidth, print_table, time_ms, write_json
 
-from k3.ops.short_conv import _fla_conv_available, short_conv_fla, short_conv_torch
+from k3.ops.short_conv import fla_conv_available, short_conv_fla, short_conv_torch
 from k3.ops.short_conv_triton import (BACKWARD_BLOCKS, FORWARD_BLOCKS, ConvBlocks, short_conv_triton,
                                       short_conv_triton_parts)
 
@@ -116,7 +116,7 @@ def main() -> None:
     paths = {"torch twin": (lambda: short_conv_torch(x, weight)[0], upstream),
              "triton joined": (lambda: short_conv_triton(x, weight), upstream),
              "triton planar": (lambda: short_conv_triton_parts(x, weight, args.parts), upstream_parts)}
-    if _fla_conv_available():
+    if fla_conv_available():
         paths = {"fla causal_conv1d": (lambda: short_conv_fla(x, weight)[0], upstream), **paths}
     else:
         print("fla's causal_conv1d is not importable here: its row is skipped", flush=True)

@@ -53,7 +53,7 @@ from k3.atomic import atomic_write_bytes
 from k3.config import ModelConfig
 from k3.distributed import balanced_plan, home_plan, imbalance, init_distributed, is_main, shutdown
 from k3.distributed.dispatcher import combine, compute_slots, dispatch, route, slot_weights
-from k3.distributed.parallelize import EXPERT_WEIGHTS, _apply_expert_parallel
+from k3.distributed.parallelize import EXPERT_WEIGHTS, apply_expert_parallel
 from k3.layers.balancing import maxvio
 from k3.layers.moe import LatentMoE, Router, Routing
 from k3.layers.norm import RMSNorm
@@ -159,7 +159,7 @@ def build_layer(config: ModelConfig, device: torch.device, dtype: torch.dtype, s
         moe = LatentMoE(config).to(dtype)
     world = dist.get_world_size()
     expert_mesh = init_device_mesh(device.type, (1, world), mesh_dim_names=("edp", "ep"))  # one EP group
-    _apply_expert_parallel(nn.ModuleList([moe]), expert_mesh, balanced=False)
+    apply_expert_parallel(nn.ModuleList([moe]), expert_mesh, balanced=False)
     moe.to_empty(device=device)
     std = config.initializer_range
     with torch.no_grad():

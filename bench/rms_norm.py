@@ -7,7 +7,7 @@ Usage: python bench/rms_norm.py [--rows 16384] [--dims 512 1024 2304 7168] [--pa
 Why: in `small`'s training step on one H200 (16,384 tokens, hidden 1024, bf16) fla's RMSNorm backward took about
 170 us of GPU time a call against ~25 us for its bytes, and ~430 us of host time a call under the profiler.
 For each D, x [rows, D] bf16 and a weight [D] (bf16 by default, as bench/train.py trains). Paths:
-  fla     k3.ops.norm._rms_norm_fla (fla's rms_norm; today's CUDA path), skipped with a note where fla is absent
+  fla     k3.ops.norm.rms_norm_fla (fla's rms_norm; today's CUDA path), skipped with a note where fla is absent
   triton  k3.ops.rms_norm_triton.rms_norm_triton with its default blocks; with --sweep also a grid of
           BLOCK_N x BLOCK_D x num_warps (the same for both kernels; best forward, backward and both printed) and
           the backward's programs per multiprocessor at the default blocks
@@ -34,7 +34,7 @@ import torch
 from attn_res import gpu_ms
 from common import kernel_bench_bandwidth, print_table, relative_error, synchronize, time_ms, write_json
 
-from k3.ops.norm import _fla_norms_available, _rms_norm_fla, rms_norm_torch
+from k3.ops.norm import fla_norms_available, rms_norm_fla, rms_norm_torch
 from k3.ops.rms_norm_triton import Blocks, default_blocks, programs_per_sm, rms_norm_triton
 
 EPS = 1e-5
@@ -50,7 +50,7 @@ def triton_with(blocks: Blocks | None, backward_blocks: Blocks | None = None):
     return lambda x, weight, eps: rms_norm_triton(x, weight, eps, blocks, backward_blocks or blocks)
 
 
-PATHS = {"fla": _rms_norm_fla, "triton": triton_with(None), "torch": rms_norm_torch}
+PATHS = {"fla": rms_norm_fla, "triton": triton_with(None), "torch": rms_norm_torch}
 
 
 def host_ms(fn, repeats: int = 20) -> float:
@@ -143,7 +143,7 @@ def bench_dim(rows: int, dim: int, device: str, weight_dtype: torch.dtype, bandw
     blocks = default_blocks(dim)
     result = dict(rows=rows, dim=dim, default_blocks=[blocks.block_n, blocks.block_d, blocks.num_warps],
                   floor_fwd_ms=floor_fwd, floor_fwd_bwd_ms=floor_both, rel_errs={}, paths={})
-    runnable = [p for p in paths if p != "fla" or (device == "cuda" and _fla_norms_available())]
+    runnable = [p for p in paths if p != "fla" or (device == "cuda" and fla_norms_available())]
     if "fla" in paths and "fla" not in runnable:
         print(f"  note: fla's rms_norm skipped ({'not importable' if device == 'cuda' else 'CUDA only'})", flush=True)
     for name in [p for p in runnable if p != "torch"]:

@@ -136,7 +136,7 @@ def _divisors_of_both(a: int, b: int) -> list[int]:
     return [d for d in range(1, min(a, b) + 1) if a % d == 0 and b % d == 0]
 
 
-def _apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, balanced: bool) -> set[nn.Parameter]:
+def apply_expert_parallel(model: nn.Module, expert_mesh: DeviceMesh, balanced: bool) -> set[nn.Parameter]:
     ep_mesh = expert_mesh["ep"]
     replicas = expert_mesh.size(0)
     replica_group = expert_mesh.get_group("edp") if replicas > 1 else None
@@ -216,7 +216,7 @@ def parallelize(model: nn.Module, ep_size: int = 1, fsdp: bool = True, balanced:
         if ep_size > 1:
             layout.expert_mesh = init_device_mesh(device_type, (world // ep_size, ep_size),
                                                   mesh_dim_names=("edp", "ep"))
-            ignored = _apply_expert_parallel(model, layout.expert_mesh, balanced)
+            ignored = apply_expert_parallel(model, layout.expert_mesh, balanced)
         for unit in _fsdp_units(model):
             fully_shard(unit, mesh=layout.mesh, ignored_params=ignored)
         fully_shard(model, mesh=layout.mesh, ignored_params=ignored)

@@ -54,7 +54,7 @@ def _load_fla_norms():
 
 
 @torch.compiler.assume_constant_result
-def _fla_norms_available() -> bool:
+def fla_norms_available() -> bool:
     """A constant to torch.compile: traced, the import would break the graph wherever fla is missing."""
     return not isinstance(_load_fla_norms(), str)
 
@@ -71,7 +71,7 @@ GATED_NORM_BUCKET_ROWS = 65536
 def _use_fla(x: torch.Tensor, bucket_rows: int, *tensors: torch.Tensor) -> bool:
     if rms_norm_choice() == "torch":
         return False
-    if fused_backend(x, available=_fla_norms_available()) != "fla":
+    if fused_backend(x, available=fla_norms_available()) != "fla":
         return False
     if opaque_under_compile(x, *tensors) and fused_backend() != "fla":
         return False  # auto under compile without autograd: Inductor fuses the twin (module docstring)
@@ -139,7 +139,7 @@ def _rms_norm_untriton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     if _use_fla(x, RMS_NORM_BUCKET_ROWS, weight):
         if opaque_under_compile(x, weight):
             return fla_rms_norm_op(x, weight, eps)
-        return _rms_norm_fla(x, weight, eps)
+        return rms_norm_fla(x, weight, eps)
     return rms_norm_torch(x, weight, eps)
 
 
@@ -167,7 +167,7 @@ def _rms_norm_gated_untriton(x: torch.Tensor, gate: torch.Tensor, weight: torch.
     return rms_norm_gated_torch(x, gate, weight, eps)
 
 
-def _rms_norm_fla(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_fla(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return with_torch_fallback(("rms_norm", x.shape[-1], x.dtype),
                                lambda: _load_fla_norms()[0](x, weight, None, eps=eps),
                                lambda: rms_norm_torch(x, weight, eps))
@@ -184,7 +184,7 @@ def _rms_norm_gated_fla(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tenso
 # the result is x-shaped, contiguous, in x's dtype, from fla or from the twin after a Triton compile failure.
 @torch.library.custom_op("k3::fla_rms_norm", mutates_args=())
 def fla_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return _rms_norm_fla(x, weight, eps).contiguous()
+    return rms_norm_fla(x, weight, eps).contiguous()
 
 
 @fla_rms_norm_op.register_fake

@@ -51,7 +51,7 @@ def _load_fla_conv():
 
 
 @torch.compiler.assume_constant_result
-def _fla_conv_available() -> bool:
+def fla_conv_available() -> bool:
     """A constant to torch.compile: traced, the import would break the graph wherever fla is missing."""
     return not isinstance(_load_fla_conv(), str)
 
@@ -181,7 +181,7 @@ def short_conv(x: torch.Tensor, weight_CW: torch.Tensor, tail: torch.Tensor | No
         return y, _tail_of(x, weight_CW.shape[-1])
     if conv_backend() == "torch":
         return _short_conv_torch_packed(x, weight_CW, tail, cu_seqlens, position_in_doc)
-    fla_ok = (fused_backend(x, available=_fla_conv_available()) == "fla"
+    fla_ok = (fused_backend(x, available=fla_conv_available()) == "fla"
               and not (packed and (cu_seqlens is None or tail is not None)))
 
     def torch_call():

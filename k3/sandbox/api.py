@@ -86,7 +86,7 @@ def command_argv(cmd: str | list[str], timeout: float | None) -> list[str]:
     return list(cmd)
 
 
-def _check_path(path: str) -> str:
+def check_path(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise ValueError(f"sandbox paths must be absolute, like /work/main.py; got {path!r}")
     return os.path.normpath(path)
@@ -277,7 +277,7 @@ class Sandbox:
         full_env.update(env or {})
         if isinstance(stdin, str):
             stdin = stdin.encode()
-        request = {"op": "exec", "argv": argv, "env": full_env, "cwd": _check_path(cwd or self.image.workdir),
+        request = {"op": "exec", "argv": argv, "env": full_env, "cwd": check_path(cwd or self.image.workdir),
                    "timeout": timeout, "stdin": stdin, "max_output": max_output}
         with self._lock:
             supervisor = self._alive()
@@ -296,7 +296,7 @@ class Sandbox:
         """The content of the regular file ``path`` inside the sandbox; FileNotFoundError when it
         does not exist, OSError for a FIFO or device (never waited on) or a file over ``max_bytes``."""
         with self._lock:
-            answer = self._alive().call({"op": "read", "path": _check_path(path), "max_bytes": max_bytes},
+            answer = self._alive().call({"op": "read", "path": check_path(path), "max_bytes": max_bytes},
                                         FILE_TIMEOUT_S)
         return self._data(answer, path)
 
@@ -304,12 +304,12 @@ class Sandbox:
         """Write ``data`` to ``path`` inside the sandbox, creating parent directories."""
         if isinstance(data, str):
             data = data.encode()
-        self._write([{"path": _check_path(path), "data": bytes(data), "mode": mode}], path)
+        self._write([{"path": check_path(path), "data": bytes(data), "mode": mode}], path)
 
     def upload(self, local_path: str, sandbox_path: str) -> None:
         """Copy a host file or directory tree to ``sandbox_path`` (modes kept, symlinks skipped)."""
         local_path = os.path.abspath(local_path)
-        target = _check_path(sandbox_path)
+        target = check_path(sandbox_path)
         if os.path.isfile(local_path):
             with open(local_path, "rb") as f:
                 data = f.read()

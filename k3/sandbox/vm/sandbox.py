@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 
-from k3.sandbox.api import DEFAULT_MAX_OUTPUT, ExecResult, _check_path, command_argv
+from k3.sandbox.api import DEFAULT_MAX_OUTPUT, ExecResult, check_path, command_argv
 from k3.sandbox.cgroups import Limits
 from k3.sandbox.image import Image, default_image
 from k3.sandbox.local import SandboxError
@@ -211,7 +211,7 @@ class VmSandbox:
         full_env.update(env or {})
         if isinstance(stdin, str):
             stdin = stdin.encode()
-        request = {"op": "exec", "argv": argv, "env": full_env, "cwd": _check_path(cwd or self.image.workdir),
+        request = {"op": "exec", "argv": argv, "env": full_env, "cwd": check_path(cwd or self.image.workdir),
                    "timeout": timeout, "stdin": base64.b64encode(stdin or b"").decode(), "max_output": max_output,
                    "pids": self.limits.pids}
         wait = (timeout if timeout is not None else 24 * 3600.0) + self.config.call_margin_s
@@ -227,20 +227,20 @@ class VmSandbox:
 
     def read_file(self, path: str) -> bytes:
         """The content of ``path`` in the guest; FileNotFoundError when it does not exist."""
-        answer = self._call({"op": "read", "path": _check_path(path)}, self.config.call_margin_s)
+        answer = self._call({"op": "read", "path": check_path(path)}, self.config.call_margin_s)
         return _b64(self._data(answer, path).get("data"))
 
     def write_file(self, path: str, data: bytes | str, mode: int | None = None) -> None:
         """Write ``data`` to ``path`` in the guest, creating parent directories."""
         if isinstance(data, str):
             data = data.encode()
-        entry = {"path": _check_path(path), "data": base64.b64encode(bytes(data)).decode(), "mode": mode}
+        entry = {"path": check_path(path), "data": base64.b64encode(bytes(data)).decode(), "mode": mode}
         self._data(self._call({"op": "write", "entries": [entry]}, self.config.call_margin_s), path)
 
     def upload(self, local_path: str, sandbox_path: str) -> None:
         """Copy a host file or directory tree into the guest (modes kept, symlinks skipped)."""
         local_path = os.path.abspath(local_path)
-        target = _check_path(sandbox_path)
+        target = check_path(sandbox_path)
         entries = []
         if os.path.isfile(local_path):
             walk = [(os.path.dirname(local_path), [], [os.path.basename(local_path)])]
@@ -364,7 +364,7 @@ class VmSandbox:
             from k3.sandbox.web.tools import default_tools
 
             tools = default_tools()
-        _check_path(socket_path)
+        check_path(socket_path)
         with self._lock:
             qemu = self._qemu
             thread = getattr(qemu, "web_thread", None)
