@@ -94,6 +94,7 @@ class Trainer:
         # The window's first step (counted from the run's start); None: PROFILE_AFTER steps after this session's
         # first. A later window shows a step after the router has sharpened (QB's updates grow with it).
         self.profile_at = profile_at
+        self._compile_logged = False  # the first step's compile time logged (CUDA)
         self.show_progress = show_progress
         self.out = Path(config.out)
         self.run_dir = RunDirectory(self.out, RUN)
@@ -646,7 +647,8 @@ class Trainer:
                 self.log(f"profile of steps {self._profiler.first}-{self.step} written to {self._profiler.written}")
         if self._first_step_s is None:  # the session's first step is read on its own
             self._first_step_s = records[0]["step_seconds"]
-            if self.device.type == "cuda":
+            if self.device.type == "cuda" and not self._compile_logged:  # once a process: a later train() call
+                self._compile_logged = True                               # on this Trainer compiles nothing
                 self.log(f"first step took {self._first_step_s:.1f} s (kernel compiles included)")
         return records
 
