@@ -278,6 +278,21 @@ def _nest(cls: type, flat: Mapping[str, Any]) -> dict:
     return tree
 
 
+def _check_scalar(cls: type, name: str, hint: Any, value: Any) -> None:
+    """A scalar field's value of the annotated type (a saved config may come from anyone's checkpoint): a clear
+    ValueError here, not a TypeError deep in a __post_init__ or a kernel."""
+    optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint)
+    kind = _strip_optional(hint)
+    if value is None:  # "not given": some fields derive it later (RLConfig's clip bounds from the algorithm)
+        return
+    allowed = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}.get(kind)
+    if allowed is None:  # lists, dicts, Literals, unions: checked by the dataclass itself
+        return
+    if not isinstance(value, allowed) or (kind is not bool and isinstance(value, bool)):
+        raise ValueError(f"{cls.__name__}.{name} must be {kind.__name__}{' or None' if optional else ''}, got "
+                         f"{type(value).__name__} {value!r:.60}")
+
+
 def _build(cls: type, tree: Mapping[str, Any], base: Any = None) -> Any:
     """``cls`` from a tree of values: a section's values replace its value in ``base``, else its default."""
     hints = typing.get_type_hints(cls)
@@ -288,6 +303,8 @@ def _build(cls: type, tree: Mapping[str, Any], base: Any = None) -> Any:
         value = tree[f.name]
         if _is_section(f, hints[f.name]) and isinstance(value, Mapping):
             value = _build(hints[f.name], value, _default(f) if base is None else getattr(base, f.name))
+        else:
+            _check_scalar(cls, f.name, hints[f.name], value)
         values[f.name] = value
     return cls(**values) if base is None else dataclasses.replace(base, **values)
 

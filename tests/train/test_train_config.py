@@ -69,3 +69,16 @@ def test_a_run_saved_in_the_flat_layout_resumes(tmp_path, corpus_dir, small_conf
                       log=lambda *_: None, resume_overrides={"max_steps": 4})
     assert resumed.config == config and resumed.step == 2
     assert resumed.train()["steps"] == 4
+
+
+@pytest.mark.parametrize("saved, message", [
+    ({"data": {"seq_len": "4096"}}, "DataConfig.seq_len must be int, got str"),
+    ({"optim": {"lr": True}}, "OptimConfig.lr must be float, got bool"),
+    ({"data": {"tokenizer": 3}}, "DataConfig.tokenizer must be str or None, got int"),
+    ({"optim": {"lr": 1e-3, "evil": 1}}, "TrainConfig.optim has no field 'evil'"),
+])
+def test_a_hostile_saved_config_is_refused_with_the_field_named(saved, message):
+    """A checkpoint's saved settings may come from anyone: a wrong type or an unknown field is a ValueError that
+    names it, before any of it reaches the trainer."""
+    with pytest.raises(ValueError, match=message):
+        TrainConfig.from_dict(saved)
