@@ -83,6 +83,14 @@ class Server:
             self.stop()
             raise
         self.http = httpx.Client(base_url=self.url, timeout=60.0)
+        # The server listens before its warm-up ends (/health: 503 "warming up"); tests start once it is over.
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                if self.health().get("status") != "warming up":
+                    break
+            except (httpx.HTTPError, ValueError):  # a server that died or answers no JSON: its test will say
+                break
+            time.sleep(0.05)
 
     def _drain(self) -> None:
         for line in self.process.stdout:
