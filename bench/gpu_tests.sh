@@ -10,6 +10,9 @@
 # writes its junit file and summary; no test may take over K3_GPU_TEST_TIMEOUT seconds (default 300). The log
 # streams one line per test (-v), so a chunk cut short still shows what ran. Exit status: pytest's (5: the
 # chunk had no tests), 124 when the budget ran out.
+# K3_GPU_TEST_WORKERS=N (default 1) spreads the chunk's files over N pytest-xdist workers sharing the GPU (most of a
+# chunk's time is kernel compilation on the host, which parallelises); it needs pytest-xdist importable, e.g. its
+# wheel and execnet's beside fla's in .whl/.
 set -u
 
 # Heaviest first (fla compiles, whole models, training steps), then the rest: dealt round-robin to the chunks.
@@ -93,8 +96,17 @@ mapfile -t files < <(chunk_files "$index" "$count")
 } > "$out/$name.summary" 2>&1
 
 start=$(date +%s)
+workers=${K3_GPU_TEST_WORKERS:-1}
+parallel=()
+if (( workers > 1 )); then
+  if python -c "import xdist" 2>/dev/null; then
+    parallel=(-n "$workers" --dist loadfile)
+  else
+    echo "K3_GPU_TEST_WORKERS=$workers but pytest-xdist is not importable: one process" >> "$out/$name.summary"
+  fi
+fi
 timeout -s INT -k 30 "$budget" python -m pytest -v -ra -p no:cacheprovider --timeout "$per_test" \
-  --junitxml "$out/$name.xml" "${files[@]}" > "$out/$name.log" 2>&1
+  ${parallel[@]+"${parallel[@]}"} --junitxml "$out/$name.xml" "${files[@]}" > "$out/$name.log" 2>&1
 status=$?
 {
   echo "exit $status, $(( $(date +%s) - start )) s (budget $budget s)"

@@ -126,6 +126,11 @@ def part_b(args) -> None:
         say(f"part b: step {trainer.step}, p50 {overall.get('p50_ms', 0):.1f} ms, {tps:,.0f} tok/s, "
             f"MFU {100 * flops * tps / PEAK_FLOPS:.1f}%")
     atomic_write_bytes(out / "b_metrics.jsonl", (work / "b" / "metrics.jsonl").read_bytes())
+    if args.profile and not args.dry_run:  # one more step under the profiler: the kernel families of the CLI step
+        from train import profile_step
+
+        profile_step(lambda: trainer.train(stop_at=trainer.step + 1), str(out / "b_profile.txt"),
+                     f"the default `k3 train` step (Trainer), {result['shape']}, step {trainer.step + 1}")
 
 
 def shared_tokenizer(args) -> str:
@@ -270,6 +275,8 @@ def main() -> None:
     parser.add_argument("--corpus-mb", type=float, default=6.0)
     parser.add_argument("--master-weights", default="auto", choices=["auto", "fp32-autocast", "bf16-params"],
                         help="part c: the arms' weights (auto: the default path's)")
+    parser.add_argument("--profile", action="store_true", help="part b: one more step under torch.profiler, "
+                        "its kernel families in OUT/b_profile.txt")
     parser.add_argument("--dry-run", action="store_true", help="the logic on the CPU, the debug preset, tiny")
     args = parser.parse_args()
     out = Path(args.out)

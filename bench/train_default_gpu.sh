@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The default `k3 train --device cuda` measured in one call on one H100 (about 9 minutes), every part under its
-# own timeout, everything logged into files under OUT (8 files: results.json, a_bench_train.json, a.log, b.log,
-# b_metrics.jsonl, c.log, c_arms.json, de.log), results in OUT/results.json after each
+# own timeout, everything logged into files under OUT (10 files: results.json, a_bench_train.json, a.log, b.log,
+# b_metrics.jsonl, c.log, c_arms.json, de.log, and the profiles of the bench's best step and of the CLI's,
+# train_profile_k3-small-graphed-step.txt and b_profile.txt), results in OUT/results.json after each
 # part (bench/train_default_gpu.py says what each part measures).
 #
 #   source .devcache/env.sh; bash bench/train_default_gpu.sh "$OUT"
 #   bash bench/train_default_gpu.sh OUT --dry-run      # the script's logic on the CPU, debug preset, tiny shapes
 #
 # Budget (seconds; estimates from BENCHMARKS.md, H100, kernel cache on; ~8 s of imports in each process):
-#   a   55  bench/train.py k3-small-graphed-step (the bench's best, bf16 weights) and the transformers + fla peer at
-#           4 x 4096, 6 timed steps each (first steps ~3 / 7.0 s, steps 147 / 261 ms, builds ~5 s): ~35 s
+#   a   65  bench/train.py k3-small-graphed-step (the bench's best, bf16 weights; one more step profiled) and the
+#           transformers + fla peer at 4 x 4096, 6 timed steps each (first steps ~3 / 7.0 s, steps 147 / 261 ms, builds ~5 s): ~35 s
 #   b  215  the default Trainer, `small` 4 x 4096, 1,000 steps: tokenizer + data ~10 s, first step ~25 s (24.9 s
 #           measured, capture included), 1,000 steps at an expected ~155-165 ms (192.5 ms before bf16 parameters):
 #           ~200 s; it stops at its budget with the steps it ran (TORCH_LOGS=recompiles into b.log)
@@ -35,7 +36,7 @@ if [ "$DRY" = "--dry-run" ]; then
   E_STEPS=(--steps 12); TA=1; TB=240; TC=240; TD=120; TE=120
 else
   ARGS=(); B_STEPS=(--steps 1000); C_STEPS=(--steps 2000 --layers 4); E_STEPS=(--steps 60)
-  TA=55; TB=215; TC=210; TD=55; TE=0  # e: set below from what is left
+  TA=65; TB=215; TC=210; TD=55; TE=0  # e: set below from what is left
 fi
 merge() {  # merge KEY JSON: OUT/results.json[KEY] = JSON (plain python: no torch import, no seconds lost)
   python - "$OUT/results.json" "$1" "$2" <<'PY'
@@ -63,11 +64,11 @@ if [ "$DRY" = "--dry-run" ]; then
   echo "dry run: part a (bench/train.py) needs CUDA; skipped" >> "$OUT/a.log"
 else
   part a $TA a.log python bench/train.py --variants k3-small-graphed-step peer --steps 6 \
-    --out "$OUT/a_bench_train.json"
+    --out "$OUT/a_bench_train.json" --profile "$OUT" --profile-variants k3-small-graphed-step
 fi
 
 # b: the default CLI step, 1,000 steps; recompiles after step 3 counted from TORCH_LOGS
-TORCH_LOGS=recompiles part b $TB b.log python $PY b "$OUT" "$WORK" "${B_STEPS[@]}" --budget-s $((TB - 15)) ${ARGS[@]+"${ARGS[@]}"}
+TORCH_LOGS=recompiles part b $TB b.log python $PY b "$OUT" "$WORK" "${B_STEPS[@]}" --budget-s $((TB - 25)) --profile ${ARGS[@]+"${ARGS[@]}"}
 RECOMPILES=$(awk '/K3-MARK: step 3 done/{after=1; next} after && /Recompiling function/{n++} END{print n+0}' "$OUT/b.log")
 merge b_recompile_lines_after_step_3 "$RECOMPILES" >> "$OUT/b.log" 2>&1
 echo "recompiles logged after step 3: $RECOMPILES" >> "$OUT/b.log"
