@@ -11,7 +11,7 @@ OUT=${1:?give the output folder}
 shift
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-timeout 235 python bench/vision_train_gpu.py --out "$OUT/vision_train" "$@" > "$OUT/vision_train.log" 2>&1
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 235 python bench/vision_train_gpu.py --out "$OUT/vision_train" "$@" > "$OUT/vision_train.log" 2>&1
 status=$?
 tail -n 40 "$OUT/vision_train.log"
 exit $status

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=10, help="first steps left out of the rates")
     parser.add_argument("--time-budget", type=float, default=150.0, help="seconds of training at most")
-    parser.add_argument("--rows", type=int, default=2, help="rows of 4,096 tokens a step (GPU; ~30 images a row)")
+    parser.add_argument("--rows", type=int, default=1, help="rows of 4,096 tokens a step (GPU; ~30 images a row)")
     args = parser.parse_args(argv)
 
     from k3.train.profile import PROFILE_STEPS
@@ -81,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes, per_size, preset, vision, seq_len, rows, steps = [56, 84, 112], 8, "debug", "tiny", 256, 2, 10
         skip, device = 2, "cpu"
     else:
-        # 112-448 px: 8x8 to 32x32 patches, 16 to 256 image tokens; ~60 images and ~28k patches a step (the K3
-        # tower's activations for them, ~25 GB in bf16, beside ~36 GB of fp32 weights and AdamW states)
+        # 112-448 px: 8x8 to 32x32 patches, 16 to 256 image tokens; ~30 images and ~14k patches a row. Beside
+        # ~36 GB of fp32 weights, gradients and AdamW states, 2 rows ran out of an H100's 80 GB at the second step
         sizes, per_size, preset, vision, seq_len, rows, steps = [112, 224, 336, 448], 64, "small", "k3", 4096, \
             args.rows, args.steps
         skip, device = args.skip, "cuda"
