@@ -143,7 +143,8 @@ def save_pretrained(model: K3ForCausalLM, tokenizer, path: str | os.PathLike, fo
     format: 'kimi_linear' or 'kimi_k3'; None picks kimi_linear when the config has no K3-only switch.
     mxfp4_experts: store routed experts in MXFP4 (kimi_k3 only). dtype: cast floating tensors first.
     vision: a k3.vision.VisionModel written beside the text as `vision_tower.*` / `mm_projector.*`, with its
-    `vision_config` (kimi_k3 only; k3.multimodal.save_pretrained passes it). extra_config: added to config.json."""
+    `vision_config` (kimi_k3 only; k3.checkpoint.hf_multimodal.save_pretrained passes it). extra_config: added to
+    config.json."""
     config = model.config
     # raises when the config cannot be written in that format
     hf_config = to_hf_config(config, format or ("kimi_k3" if vision is not None else None))
