@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from k3.atomic import atomic_write_bytes
+from k3.runtime import idle_cores
 
 DEMO_MARKER = "distill_demo.json"
 VOCAB = 512
@@ -98,8 +99,6 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, s
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     atomic_write_bytes(out_dir / DEMO_MARKER, b"{}\n")
-    from k3.train.demo import idle_cores
-
     # Oversubscribed OpenMP threads spin-wait: on a busy 2-core machine one thread ran this demo ~10x faster.
     torch.set_num_threads(threads or idle_cores())
     torch.manual_seed(seed)
