@@ -19,6 +19,8 @@ from tqdm import tqdm
 
 from k3.checkpoint.hf_names import (
     FORMATS,
+    INDEX_FILE,
+    SINGLE_FILE,
     Piece,
     checkpoint_to_native,
     expert_names,
@@ -32,8 +34,6 @@ from k3.config import ModelConfig
 from k3.hf_config import K3_WRAPPER_TYPES, from_hf_config
 from k3.model import K3ForCausalLM
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Kept in fp32 whatever dtype is asked for: tiny tensors whose precision decides routing ties and decay rates.
 FP32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

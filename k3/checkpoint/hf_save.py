@@ -27,8 +27,7 @@ import torch
 from tqdm import tqdm
 
 from k3.atomic import atomic_write_bytes
-from k3.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE
-from k3.checkpoint.hf_names import FORMATS, K3_PREFIX, is_stacked_expert, native_to_checkpoint
+from k3.checkpoint.hf_names import FORMATS, INDEX_FILE, K3_PREFIX, SINGLE_FILE, is_stacked_expert, native_to_checkpoint
 from k3.checkpoint.mxfp4 import GROUP_SIZE, quantize_mxfp4
 from k3.hf_config import to_hf_config
 from k3.model import K3ForCausalLM

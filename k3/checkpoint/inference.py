@@ -22,9 +22,10 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
     target = resolve_device(device)  # before loading: a device that does not exist fails at once
     if model_path is not None:
         try:
-            from k3.checkpoint.hf import from_pretrained, load_hf_tokenizer
+            from k3.checkpoint.hf_load import from_pretrained
+            from k3.data.hf_tokenizer import load_hf_tokenizer
         except ImportError as error:
-            raise RuntimeError(f"--model needs the Hugging Face loader k3.checkpoint.hf, which is not available "
+            raise RuntimeError(f"--model needs the Hugging Face loader k3.checkpoint.hf_load, which is not available "
                                f"({error}); use --run with a k3 training run instead") from error
         model = from_pretrained(model_path)
         tokenizer = load_hf_tokenizer(model_path, required=False)
@@ -49,6 +50,11 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
         # An inference copy: frozen, so the engine may fuse its projection weights (k3.layers.fused_weights).
         model.requires_grad_(False)
     return model.eval(), tokenizer
+
+
+def load_trainable(run: str, device: str) -> tuple[torch.nn.Module, object]:
+    """(model, tokenizer) of a k3 run with its fp32 weights left trainable: where the RL and SFT trainers start."""
+    return load_for_inference(run, None, device)
 
 
 def load_tokenizer_for_inference(run: str | None, model_path: str | None):

@@ -363,7 +363,7 @@ class DistillTrainer:
     def __init__(self, config: DistillConfig, resume: bool = False, log: Callable[[str], None] = print,
                  show_progress: bool = True, student=None, tokenizer=None, teachers: dict | None = None,
                  resume_overrides: dict[str, Any] | None = None) -> None:
-        from k3.infer import Engine
+        from k3.infer.engine import Engine
 
         self.log, self.show_progress = log, show_progress
         opened = open_run(RUN, config, resume, DistillConfig.from_dict, **(resume_overrides or {}))
