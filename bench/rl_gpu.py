@@ -521,7 +521,7 @@ def main(argv=None) -> None:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     if device.type == "cpu":  # oversubscribed OpenMP threads spin-wait: only the idle cores
-        from k3.train.demo import idle_cores
+        from k3.runtime import idle_cores
 
         torch.set_num_threads(idle_cores())
     run.summary.update(command=" ".join(sys.argv), device=torch.cuda.get_device_name() if device.type == "cuda"

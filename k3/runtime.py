@@ -1,8 +1,10 @@
 """Where and in what precision k3 runs, and its random state: the device and dtype choices every command shares
-(`--device`, `--dtype`), seeding, and every RNG's state in a plain form that checkpoints carry."""
+(`--device`, `--dtype`), the CPU threads a demo takes, seeding, and every RNG's state in a plain form that
+checkpoints carry."""
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
@@ -94,3 +96,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed)
     random.seed(seed)
+
+
+def idle_cores() -> int:
+    """Cores not already busy, from the 1-minute load average. Oversubscribed OpenMP threads spin-wait on
+    each other and run many times slower than one thread, so a busy machine gets fewer threads."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return cores
+    return max(1, min(cores, int(cores - load + 0.5)))

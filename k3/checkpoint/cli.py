@@ -71,7 +71,7 @@ def _load(source: Path, dtype: str | None):
 def _hf_vision(source: Path, dtype: str | None):
     """The vision part of an HF directory whose config.json has a vision_config, else None."""
     from k3.multimodal import DEFAULT_MEDIA_TOKEN_ID
-    from k3.vision.checkpoint import load_vision
+    from k3.checkpoint.hf_vision import load_vision
 
     raw = json.loads((source / "config.json").read_text())
     if "vision_config" not in raw:

@@ -19,6 +19,8 @@ from tqdm import tqdm
 
 from k3.checkpoint.hf_names import (
     FORMATS,
+    INDEX_FILE,
+    SINGLE_FILE,
     Piece,
     checkpoint_to_native,
     expert_names,
@@ -32,8 +34,6 @@ from k3.config import ModelConfig
 from k3.hf_config import K3_WRAPPER_TYPES, from_hf_config
 from k3.model import K3ForCausalLM
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Kept in fp32 whatever dtype is asked for: tiny tensors whose precision decides routing ties and decay rates.
 FP32_SUFFIXES = ("e_score_correction_bias", "A_log", "dt_bias")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -125,13 +125,13 @@ def weight_map(path: str | os.PathLike) -> dict[str, str]:
     single = directory / SINGLE_FILE
     if single.is_file():
         inside_directory(directory, SINGLE_FILE, str(directory))
-        with _open_safetensors(single) as handle:
+        with open_safetensors(single) as handle:
             return {name: SINGLE_FILE for name in handle.keys()}
     raise FileNotFoundError(f"{directory} has neither {SINGLE_FILE} nor {INDEX_FILE}; an HF-format checkpoint "
                             f"stores its weights in one of them")
 
 
-def _open_safetensors(file: Path):
+def open_safetensors(file: Path):
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -162,7 +162,7 @@ class _Shards:
 
     def _handle(self, file: str):
         if file not in self.handles:
-            self.handles[file] = _open_safetensors(self.directory / file).__enter__()
+            self.handles[file] = open_safetensors(self.directory / file).__enter__()
         return self.handles[file]
 
     def shape(self, name: str) -> tuple[int, ...]:

@@ -27,6 +27,9 @@ from dataclasses import dataclass
 from k3.config import ModelConfig
 
 FORMATS = ("kimi_linear", "kimi_k3")
+# The weight files of an HF directory: one file, or shards listed in an index.
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 K3_PREFIX = "language_model."
 # Parts of the K3 release a text-only model does not have.
 K3_SKIPPED_PREFIXES = ("vision_tower.", "mm_projector.", "model.mtp.", "multi_modal_projector.")

@@ -27,8 +27,7 @@ import torch
 from tqdm import tqdm
 
 from k3.atomic import atomic_write_bytes
-from k3.checkpoint.hf_load import INDEX_FILE, SINGLE_FILE
-from k3.checkpoint.hf_names import FORMATS, K3_PREFIX, is_stacked_expert, native_to_checkpoint
+from k3.checkpoint.hf_names import FORMATS, INDEX_FILE, K3_PREFIX, SINGLE_FILE, is_stacked_expert, native_to_checkpoint
 from k3.checkpoint.mxfp4 import GROUP_SIZE, quantize_mxfp4
 from k3.hf_config import to_hf_config
 from k3.model import K3ForCausalLM
@@ -143,7 +142,8 @@ def save_pretrained(model: K3ForCausalLM, tokenizer, path: str | os.PathLike, fo
     format: 'kimi_linear' or 'kimi_k3'; None picks kimi_linear when the config has no K3-only switch.
     mxfp4_experts: store routed experts in MXFP4 (kimi_k3 only). dtype: cast floating tensors first.
     vision: a k3.vision.VisionModel written beside the text as `vision_tower.*` / `mm_projector.*`, with its
-    `vision_config` (kimi_k3 only; k3.multimodal.save_pretrained passes it). extra_config: added to config.json."""
+    `vision_config` (kimi_k3 only; k3.checkpoint.hf_multimodal.save_pretrained passes it). extra_config: added to
+    config.json."""
     config = model.config
     # raises when the config cannot be written in that format
     hf_config = to_hf_config(config, format or ("kimi_k3" if vision is not None else None))

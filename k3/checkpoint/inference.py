@@ -22,9 +22,10 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
     target = resolve_device(device)  # before loading: a device that does not exist fails at once
     if model_path is not None:
         try:
-            from k3.checkpoint.hf import from_pretrained, load_hf_tokenizer
+            from k3.checkpoint.hf_load import from_pretrained
+            from k3.data.hf_tokenizer import load_hf_tokenizer
         except ImportError as error:
-            raise RuntimeError(f"--model needs the Hugging Face loader k3.checkpoint.hf, which is not available "
+            raise RuntimeError(f"--model needs the Hugging Face loader k3.checkpoint.hf_load, which is not available "
                                f"({error}); use --run with a k3 training run instead") from error
         model = from_pretrained(model_path)
         tokenizer = load_hf_tokenizer(model_path, required=False)
@@ -51,10 +52,15 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
     return model.eval(), tokenizer
 
 
+def load_trainable(run: str, device: str) -> tuple[torch.nn.Module, object]:
+    """(model, tokenizer) of a k3 run with its fp32 weights left trainable: where the RL and SFT trainers start."""
+    return load_for_inference(run, None, device)
+
+
 def load_tokenizer_for_inference(run: str | None, model_path: str | None):
-    """The tokenizer load_for_inference would give, without the model where the files allow it (a server whose
-    engine runs in another process tokenizes here): the HF directory's files or the run's tokenizer/; a run
-    whose tokenizer sits only inside its checkpoint is read from there (on the CPU)."""
+    """The tokenizer load_for_inference would give, reading no weights (a server whose engine runs in another
+    process tokenizes here): the HF directory's files or the run's tokenizer/; a run whose tokenizer sits only
+    inside its checkpoint gets it from the checkpoint's small entries, its tensors left unread."""
     if (run is None) == (model_path is None):
         raise ValueError("give exactly one of --run DIR (a k3 training run) or --model PATH (a Hugging Face-format "
                          "directory)")
@@ -66,11 +72,12 @@ def load_tokenizer_for_inference(run: str | None, model_path: str | None):
             raise FileNotFoundError(f"{model_path} holds no tokenizer files (tokenizer.json or tiktoken.model); "
                                     f"generation needs one")
         return tokenizer
-    from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME
+    from k3.checkpoint.native import tokenizer_from_checkpoint
+    from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME, read_run_metadata
     from k3.data.tokenizer import load_tokenizer
 
     inside = Path(run).is_file() or Path(run).name == SHARDED_CHECKPOINT_NAME
     run_dir = Path(run).parent if inside else Path(run)
     if (run_dir / "tokenizer").is_dir():
         return load_tokenizer(run_dir / "tokenizer")
-    return load_for_inference(run, None, "cpu")[1]
+    return tokenizer_from_checkpoint(read_run_metadata(run), tempfile.mkdtemp(prefix="k3-tokenizer-"))

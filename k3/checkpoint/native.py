@@ -57,9 +57,10 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> None:
                            f"choose another directory; the previous checkpoint is unchanged") from error
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, mmap: bool = False) -> dict[str, Any]:
     """Read a checkpoint dict; a directory means its checkpoint.pt. Raises a clear error when the file is
-    missing, truncated, corrupt or not a k3 checkpoint."""
+    missing, truncated, corrupt or not a k3 checkpoint. mmap: map the tensors from the file instead of reading
+    them, so taking the small entries (config, tokenizer) reads none of the weights."""
     path = Path(path)
     if path.is_dir():
         path = path / CHECKPOINT_NAME
@@ -67,7 +68,7 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         raise FileNotFoundError(f"no checkpoint at {path}; give a run directory written by `k3 train` "
                                 f"(it holds {CHECKPOINT_NAME}) or the checkpoint file itself")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         if "Unsupported global" not in str(error):
             raise RuntimeError(f"checkpoint {path} is corrupt or truncated ({type(error).__name__}: {error}); "

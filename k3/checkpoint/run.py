@@ -44,6 +44,41 @@ def saved_format(run_dir: str | os.PathLike) -> str | None:
     return None
 
 
+def _sharded_to_load(run: Path) -> Path | None:
+    """The sharded checkpoint directory to load for `run` (a run directory or the sharded directory itself), or
+    None when the run's checkpoint is the full one (a checkpoint.pt)."""
+    sharded = run if run.name == SHARDED_CHECKPOINT_NAME and run.is_dir() else run / SHARDED_CHECKPOINT_NAME
+    if run.is_dir() and saved_format(run) != "full" and sharded.is_dir():
+        return sharded
+    return None
+
+
+def _sharded_metadata(sharded: Path) -> dict[str, Any]:
+    from k3.distributed.sharded_checkpoint import read_sharded_extra
+
+    meta = read_sharded_extra(sharded)
+    if "config" not in meta:
+        raise ValueError(f"{sharded} holds no model config: it was not written by `k3 train`")
+    # The shards hold no tokenizer; the run directory beside them does.
+    tokenizer_dir = sharded.parent / "tokenizer"
+    if "tokenizer" not in meta and tokenizer_dir.is_dir():
+        meta["tokenizer"] = directory_files(tokenizer_dir)
+    return meta
+
+
+def read_run_metadata(run: str | os.PathLike) -> dict[str, Any]:
+    """The checkpoint dict of a run directory, its checkpoint.pt or its sharded checkpoint directory without
+    model/optimizer, reading none of the weights: the config, step and, when saved, `tokenizer`."""
+    from k3.checkpoint.native import load_checkpoint
+
+    run = Path(run)
+    sharded = _sharded_to_load(run)
+    if sharded is not None:
+        return _sharded_metadata(sharded)
+    state = load_checkpoint(run, mmap=True)  # the weights stay mapped, unread
+    return {k: v for k, v in state.items() if k not in ("model", "optimizer")}
+
+
 def load_run_model(run: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     """(model in eval mode, checkpoint dict without model/optimizer) from a run directory, its checkpoint.pt,
     or its sharded checkpoint directory. The dict holds at least `config`, `step` and, when saved, `tokenizer`
@@ -51,21 +86,15 @@ def load_run_model(run: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     from k3.checkpoint.native import load_checkpoint, model_from_checkpoint
 
     run = Path(run)
-    sharded = run if run.name == SHARDED_CHECKPOINT_NAME and run.is_dir() else run / SHARDED_CHECKPOINT_NAME
-    if run.is_dir() and saved_format(run) != "full" and sharded.is_dir():
+    sharded = _sharded_to_load(run)
+    if sharded is not None:
         from k3.config import ModelConfig
-        from k3.distributed.sharded_checkpoint import load_sharded, read_sharded_extra
+        from k3.distributed.sharded_checkpoint import load_sharded
         from k3.model import K3ForCausalLM
 
-        meta = read_sharded_extra(sharded)
-        if "config" not in meta:
-            raise ValueError(f"{sharded} holds no model config: it was not written by `k3 train`")
+        meta = _sharded_metadata(sharded)
         model = K3ForCausalLM(ModelConfig.from_dict(meta["config"]))
         load_sharded(sharded, model)
-        # The shards hold no tokenizer; the run directory beside them does.
-        tokenizer_dir = sharded.parent / "tokenizer"
-        if "tokenizer" not in meta and tokenizer_dir.is_dir():
-            meta["tokenizer"] = directory_files(tokenizer_dir)
         return model.eval(), meta
     state = load_checkpoint(run)
     model = model_from_checkpoint(state, str(run))

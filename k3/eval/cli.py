@@ -68,7 +68,7 @@ def _load_visual(args: argparse.Namespace):
         raise ValueError("give exactly one of --run DIR or --model PATH")
     if directory.is_dir() and has_vision(directory):
         from k3.checkpoint.hf import load_hf_tokenizer
-        from k3.multimodal import from_pretrained
+        from k3.checkpoint.hf_multimodal import from_pretrained
         from k3.train.trainer import resolve_device
 
         target = resolve_device(args.device)

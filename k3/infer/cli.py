@@ -45,7 +45,7 @@ def load_multimodal(path: str, device: str):
     """(the language model for the engine, tokenizer, ImageInputs) from a multimodal K3 directory."""
     from k3.checkpoint.hf import load_hf_tokenizer
     from k3.infer.image_inputs import ImageInputs
-    from k3.multimodal import from_pretrained
+    from k3.checkpoint.hf_multimodal import from_pretrained
     target = resolve_device(device)
     model = from_pretrained(path, progress=False).to(target).eval()
     tokenizer = load_hf_tokenizer(path, required=False)

@@ -39,7 +39,7 @@ from k3.rl.chat_format import format_tool_call, parse_tool_calls, render_message
 from k3.rl.demos import read_demonstrations, write_demonstrations
 from k3.rl.loop import RLConfig, RLTrainer, headroom_lines
 from k3.rl.sft import SFTConfig, SFTTrainer
-from k3.train.demo import idle_cores
+from k3.runtime import idle_cores
 
 DEMO_MARKER = "rl_demo.json"
 SUITE = "arith"

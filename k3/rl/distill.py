@@ -29,17 +29,16 @@ exact: prompts and sampling seeds follow from (seed, step).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from k3.cli_config import from_dict, option
 from k3.infer.sampling import SamplingParams
+from k3.rl.distill_config import DistillConfig  # noqa: F401 (k3.rl.distill's API)
 from k3.rl.distill_sources import Item, LocalTeacher, PromptSets, check_shared_tokenizer, load_items, \
     load_model_and_tokenizer, packed_log_softmax, route
 from k3.rl.distill_tasks import centred_rewards, load_reward_suite, suite_items, task_reward
@@ -54,128 +53,6 @@ from k3.train.optim import lr_at
 from k3.train.run_dir import RunKind, open_run
 
 RUN = RunKind(key="distill", settings_file="distill_config.json", command="k3 distill", what="a distillation run")
-MODES = ("on-policy", "offline", "forward-kl", "mixed")
-ESTIMATORS = ("sampled", "topk")  # on-policy reverse KL: per sampled token (the RL step), or over the teacher's top-k
-TOKEN_LEVEL_ALGORITHMS = ("dapo", "cispo", "grpo", "drgrpo")  # objectives with a per-token term
-
-
-@dataclass
-class DistillConfig:
-    """A `k3 distill` run. Each field's docstring is its --help text (k3.cli_config builds the flags); the
-    domain maps (teachers, data, rl_suites) take repeatable NAME=... flags of their own (k3.rl.distill_cli)."""
-
-    student: str = ""
-    """the student: a k3 run or a Hugging Face-format directory"""
-    teachers: dict[str, str] = field(default_factory=dict, metadata=option(cli=False))
-    """domain -> its teacher, a k3 run or Hugging Face-format directory (--teacher NAME=DIR)"""
-    data: dict[str, str] = field(default_factory=dict, metadata=option(cli=False))
-    """domain -> its prompts, see k3.rl.distill_sources (--data NAME=PATH)"""
-    out: str = field(default="runs/distill", metadata=option(show_default=False))
-    """the run directory"""
-    mode: str = field(default="on-policy", metadata=option(choices=MODES))
-    """on-policy (default), offline (SFT on teacher samples), forward-kl (teacher top-k), mixed (on-policy + top-k
-    forward KL)"""
-    estimator: str = field(default="sampled", metadata=option(choices=ESTIMATORS))
-    """on-policy reverse KL: sampled (default: per-token advantage log p_teacher - log p_student through the
-    policy-gradient step) or topk (the reverse KL over the teacher's top-k ids plus one bucket for the rest, at the
-    student's own sampled positions)"""
-    algo: str = field(default="dapo", metadata=option(choices=TOKEN_LEVEL_ALGORITHMS))
-    """policy-gradient objective (default dapo)"""
-    steps: int = 50
-    """optimizer steps in all (with --resume: extend the run to this many)"""
-    time_budget_s: float | None = None
-    """stop cleanly once training has run this long: a held-out evaluation, a save, the steps run reported
-    (with --resume: this session's budget)"""
-    prompts_per_domain: int = 4
-    """prompts of each domain per step"""
-    samples: int = 4
-    """completions per prompt (G)"""
-    prompt_tokens: int = 32
-    """text data: the prompt window, in tokens"""
-    reference_tokens: int = 32
-    """text data: the reference continuation whose loss is the held-out NLL, in tokens"""
-    max_new_tokens: int = 32
-    """longest completion, in tokens"""
-    temperature: float = 1.0
-    """sampling temperature (the reverse-KL advantage is exact at 1: the engine's logprobs are at 1)"""
-    lr: float = 1e-4
-    """learning rate"""
-    lr_schedule: str = field(default="constant", metadata=option(choices=("constant", "cosine")))
-    """constant (default) or cosine down to lr/10 at the last step"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    grad_clip: float = 1.0
-    """clip the global gradient norm to this"""
-    top_k: int = 16
-    """forward-kl, mixed and the topk estimator: the teacher's top-k ids kept per position"""
-    mixed_weight: float = 1.0
-    """mixed: weight of the top-k forward KL beside the on-policy term"""
-    rl_suites: dict[str, float] = field(default_factory=dict, metadata=option(cli=False))
-    """suite name or task file -> its reward weight (--rl-suite NAME[:WEIGHT])"""
-    suite_tasks: int = 512
-    """training tasks drawn from each built-in suite"""
-    tis_cap: float | None = 2.0
-    """cap of the truncated importance weights between the update's and the sampler's logprobs"""
-    baseline: bool = False
-    """sampled estimator: subtract the batch's mean advantage (a constant baseline, so unbiased)"""
-    clip_low: float | None = None
-    """the objective's lower clip (default: the algorithm's published value)"""
-    clip_high: float | None = None
-    """the objective's upper clip (default: the algorithm's published value)"""
-    heldout_prompts: int = 16
-    """held-out prompts per domain"""
-    heldout_samples: int = 2
-    """the student's completions per held-out prompt"""
-    heldout_every: int = 10
-    """steps between held-out evaluations (one is also run at the end)"""
-    save_every: int = 10
-    """steps between checkpoints (one is also written at the end)"""
-    seed: int = 0
-    """seed of the prompt draws, sampling and the update"""
-    max_context: int = 1024
-    """the engines' longest prompt + completion, in tokens"""
-    micro_tokens: int = 8192
-    """tokens per forward of the update (longer batches are split into micro-batches)"""
-    routing_replay: bool = True
-    """the update's forward routes each token to the experts that sampled it"""
-    device: str = "auto"
-    """auto, cpu, cuda, cuda:N (default auto: cuda if available)"""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.lr_schedule not in ("constant", "cosine"):
-            raise ValueError(f"lr_schedule must be constant or cosine, got {self.lr_schedule!r}")
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator must be one of {ESTIMATORS}, got {self.estimator!r}")
-        if self.algo not in TOKEN_LEVEL_ALGORITHMS:
-            raise ValueError(f"algo must be a token-level objective {TOKEN_LEVEL_ALGORITHMS} (the reverse-KL "
-                             f"advantage is per token), got {self.algo!r}")
-        for name in ("steps", "prompts_per_domain", "samples", "max_new_tokens", "heldout_every", "save_every",
-                     "heldout_samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.rl_suites and not self.on_policy:
-            raise ValueError(f"--rl-suite adds a task reward to the on-policy advantage; mode {self.mode} has none "
-                             f"(use on-policy or mixed)")
-        if self.uses_top_k and self.top_k < 1:
-            raise ValueError(f"mode {self.mode} (estimator {self.estimator}) needs top_k >= 1, got {self.top_k}")
-
-    @property
-    def on_policy(self) -> bool:
-        return self.mode in ("on-policy", "mixed")
-
-    @property
-    def uses_top_k(self) -> bool:
-        return self.mode in ("forward-kl", "mixed") or (self.on_policy and self.estimator == "topk")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DistillConfig:
-        """A saved distill_config.json or checkpoint["distill"] (a name it does not know is refused by name)."""
-        return from_dict(cls, data)
 
 
 def _seed(*parts) -> int:
@@ -252,10 +129,11 @@ class DistillUpdater:
         from k3.train.optim import build_optimizer
 
         self.model, self.config, self.autocast = model, config, autocast
-        self.algorithm = ALGORITHMS[config.algo]
-        self.loss_config = loss_config_for(config.algo, clip_low=config.clip_low, clip_high=config.clip_high,
-                                           tis_cap=config.tis_cap, norm_length=1)  # rows are single tokens
-        self.optimizer = build_optimizer(model, config.lr, config.weight_decay)
+        loss = config.loss
+        self.algorithm = ALGORITHMS[loss.algo]
+        self.loss_config = loss_config_for(loss.algo, clip_low=loss.clip_low, clip_high=loss.clip_high,
+                                           tis_cap=loss.tis_cap, norm_length=1)  # rows are single tokens
+        self.optimizer = build_optimizer(model, config.optim.lr, config.optim.weight_decay)
         self.device = next(model.parameters()).device
         self.replay = RoutingReplay(model)
 
@@ -284,7 +162,7 @@ class DistillUpdater:
         config = self.config
         self._train_mode()
         lengths = [len(s.ids) for s in sequences]
-        batches = micro_batches(lengths, config.micro_tokens)
+        batches = micro_batches(lengths, config.optim.micro_tokens)
         old_logp, routes = {}, {}
         with torch.no_grad():  # the old-policy pass: logprobs of the weights that sampled, experts recorded
             for micro in batches:
@@ -295,12 +173,13 @@ class DistillUpdater:
                 old_logp.update({i: lp[sequences[i].start:] for i, lp in zip(micro, logps)})
         counts = {kind: sum(len(s.ids) - s.start for s in sequences if s.kind == kind) for kind in ("pg", "sft", "fkl")}
         sums = {"pg_loss": 0.0, "sft_loss": 0.0, "fkl": 0.0, "rkl": 0.0, "clip": 0.0, "gap": 0.0, "gap_known": 0}
-        fkl_weight = config.mixed_weight if config.mode == "mixed" else 1.0
-        topk_rkl = config.estimator == "topk"
+        fkl_weight = config.loss.mixed_weight if config.mode == "mixed" else 1.0
+        topk_rkl = config.loss.estimator == "topk"
         for micro in batches:
             members = [sequences[i] for i in micro]
             need_dist = any(s.top_ids is not None for s in members)
-            replay = self.replay.replay(routes[tuple(micro)]) if config.routing_replay else contextlib.nullcontext()
+            replay = (self.replay.replay(routes[tuple(micro)]) if config.optim.routing_replay
+                      else contextlib.nullcontext())
             with replay:
                 token_lp, dists = self._forward(members, need_dist)
             loss = torch.zeros((), device=self.device)
@@ -338,7 +217,7 @@ class DistillUpdater:
                     loss = loss + fkl_weight * ce.sum() / denominator
                     sums["fkl"] += float(kl.sum()) / denominator
             loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.grad_clip))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.optim.grad_clip))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.model.eval()
@@ -363,7 +242,7 @@ class DistillTrainer:
     def __init__(self, config: DistillConfig, resume: bool = False, log: Callable[[str], None] = print,
                  show_progress: bool = True, student=None, tokenizer=None, teachers: dict | None = None,
                  resume_overrides: dict[str, Any] | None = None) -> None:
-        from k3.infer import Engine
+        from k3.infer.engine import Engine
 
         self.log, self.show_progress = log, show_progress
         opened = open_run(RUN, config, resume, DistillConfig.from_dict, **(resume_overrides or {}))
@@ -378,7 +257,7 @@ class DistillTrainer:
         if teachers is None:
             if not config.teachers:
                 raise ValueError("give at least one teacher: --teacher NAME=DIR (NAME is the domain it teaches)")
-            teachers = {name: LocalTeacher.load(name, path, str(self.device), config.max_context)
+            teachers = {name: LocalTeacher.load(name, path, str(self.device), config.sampling.max_context)
                         for name, path in config.teachers.items()}
         self.teachers = teachers
         check_shared_tokenizer(self.tokenizer, {name: t.tokenizer for name, t in teachers.items()})
@@ -386,24 +265,25 @@ class DistillTrainer:
         if missing:
             raise ValueError(f"--data for domain(s) {missing} but no --teacher of that name (teachers: "
                              f"{sorted(teachers)})")
-        items = load_items(config.data, self.tokenizer, config.prompt_tokens, config.reference_tokens) \
+        sampling = config.sampling
+        items = load_items(config.data, self.tokenizer, sampling.prompt_tokens, sampling.reference_tokens) \
             if config.data else []
         self.reward_weights: dict[str, float] = {}
         fixed_heldout: dict[str, list[Item]] = {}
         for name, weight in config.rl_suites.items():
-            suite = load_reward_suite(name, weight, config.suite_tasks, config.heldout_prompts)
+            suite = load_reward_suite(name, weight, config.suite_tasks, config.heldout.prompts)
             if suite.name not in teachers:
                 raise ValueError(f"--rl-suite {name}: its prompts are domain {suite.name!r}, which has no teacher; "
                                  f"give --teacher {suite.name}=DIR (teachers: {sorted(teachers)})")
             train_items, fixed_heldout[suite.name] = suite_items(suite, self.tokenizer)
             items.extend(train_items)
             self.reward_weights[suite.name] = weight
-        self.prompts = PromptSets(items, sorted(teachers), config.heldout_prompts, config.seed, fixed_heldout)
+        self.prompts = PromptSets(items, sorted(teachers), config.heldout.prompts, config.seed, fixed_heldout)
         self.model.eval()
         self.updater = DistillUpdater(self.model, config, autocast=self.autocast)
-        batch = len(teachers) * config.prompts_per_domain * config.samples
-        self.engine = Engine(self.model, self.tokenizer, max_context=config.max_context,
-                             max_batch=max(batch, len(teachers) * config.heldout_prompts * config.heldout_samples),
+        batch = len(teachers) * config.sampling.prompts_per_domain * config.sampling.samples
+        self.engine = Engine(self.model, self.tokenizer, max_context=config.sampling.max_context,
+                             max_batch=max(batch, len(teachers) * config.heldout.prompts * config.heldout.samples),
                              prefix_cache=False)
         self.step = self.run_dir.start_or_restore(state, self.updater.optimizer, self.tokenizer, config.to_dict(),
                                                   self.model.config.to_dict())
@@ -412,8 +292,9 @@ class DistillTrainer:
 
     # -- sampling and scoring -------------------------------------------------------------------------------
     def _params(self, seed: int, n: int) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.config.max_new_tokens, temperature=self.config.temperature,
-                              seed=seed, logprobs=0, n=n)
+        sampling = self.config.sampling
+        return SamplingParams(max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature, seed=seed,
+                              logprobs=0, n=n)
 
     def _student_samples(self, items: list[Item], seeds: list[int], n: int) -> list[TokenSequence]:
         outs = self.engine.complete([it.prompt for it in items], [self._params(s, n) for s in seeds])
@@ -425,7 +306,8 @@ class DistillTrainer:
         out: list[TokenSequence] = []
         for domain, members in route(items).items():
             results = self.teachers[domain].sample([items[i].prompt for i in members],
-                                                   [self._params(seeds[i], self.config.samples) for i in members])
+                                                   [self._params(seeds[i], self.config.sampling.samples)
+                                                    for i in members])
             out.extend(TokenSequence(domain, items[i].prompt + list(c.token_ids), len(items[i].prompt), kind)
                        for i, r in zip(members, results) for c in r.outputs if c.token_ids)
         return out
@@ -449,7 +331,8 @@ class DistillTrainer:
                 if s.kind == "pg":
                     dense = reverse_kl_advantages(torch.tensor(s.rollout_logprobs), torch.tensor(logprobs))
                     # topk: the reverse KL is a loss of its own; the policy-gradient advantage is the task reward only
-                    s.advantages = (dense if self.config.estimator == "sampled" else torch.zeros_like(dense)).tolist()
+                    sampled = self.config.loss.estimator == "sampled"
+                    s.advantages = (dense if sampled else torch.zeros_like(dense)).tolist()
                 if full:
                     s.top_ids = torch.arange(top.shape[1]).expand(top.shape[0], -1)
                     s.top_logprobs = top
@@ -485,19 +368,19 @@ class DistillTrainer:
         config = self.config
         self.step += 1
         started = time.perf_counter()
-        items = self.prompts.for_step(self.step, config.prompts_per_domain)
+        items = self.prompts.for_step(self.step, config.sampling.prompts_per_domain)
         seeds = [_seed(config.seed, self.step, i) for i in range(len(items))]
         t0 = time.perf_counter()
         if config.on_policy:
-            sequences = self._student_samples(items, seeds, config.samples)
+            sequences = self._student_samples(items, seeds, config.sampling.samples)
         else:
             sequences = self._teacher_samples(items, seeds, "sft" if config.mode == "offline" else "fkl")
         sample_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         if config.mode != "offline":
-            self._score(sequences, config.top_k if config.uses_top_k else 0)
+            self._score(sequences, config.loss.top_k if config.uses_top_k else 0)
         score_s = time.perf_counter() - t0
-        if config.on_policy and config.baseline and config.estimator == "sampled":
+        if config.on_policy and config.loss.baseline and config.loss.estimator == "sampled":
             self._subtract_baseline(sequences)
         if config.on_policy:
             self._rewards(sequences)
@@ -513,7 +396,8 @@ class DistillTrainer:
                 if rewards:
                     record[f"train_reward/{domain}"] = sum(rewards) / len(rewards)
         t0 = time.perf_counter()
-        lr = config.lr if config.lr_schedule == "constant" else lr_at(self.step - 1, config.steps, config.lr, 0)
+        optim = config.optim
+        lr = optim.lr if optim.lr_schedule == "constant" else lr_at(self.step - 1, config.steps, optim.lr, 0)
         for group in self.updater.optimizer.param_groups:
             group["lr"] = lr
         record.update(self.updater.update(sequences), lr=lr)
@@ -537,7 +421,7 @@ class DistillTrainer:
         for domain in self.prompts.domains:
             items = self.prompts.heldout[domain]
             seeds = [_seed(config.seed, "heldout", domain, i) for i in range(len(items))]
-            samples = self._student_samples(items, seeds, config.heldout_samples)
+            samples = self._student_samples(items, seeds, config.heldout.samples)
             if samples:
                 ids, starts = [s.ids for s in samples], [s.start for s in samples]
                 student = packed_log_softmax(self.model, ids, starts, self.device)
@@ -561,7 +445,7 @@ class DistillTrainer:
         """The domain's teacher's mean reward on the held-out tasks, sampled as the student's are."""
         items = self.prompts.heldout[domain]
         seeds = [_seed(self.config.seed, "heldout", domain, i) for i in range(len(items))]
-        params = [self._params(seed, self.config.heldout_samples) for seed in seeds]
+        params = [self._params(seed, self.config.heldout.samples) for seed in seeds]
         results = self.teachers[domain].sample([it.prompt for it in items], params)
         rewards = [task_reward(it.task, list(c.token_ids), self.tokenizer)
                    for it, r in zip(items, results) for c in r.outputs]
@@ -590,7 +474,7 @@ class DistillTrainer:
     def train(self, stop_at: int | None = None) -> dict[str, Any]:
         """Run to ``steps`` (or stop after step ``stop_at``, as an interrupted run would)."""
         config = self.config
-        loop = TrainingLoop(Cadence(config.steps, config.save_every, eval_every=config.heldout_every),
+        loop = TrainingLoop(Cadence(config.steps, config.save_every, eval_every=config.heldout.every),
                             LoopHooks(step=self.train_step, position=lambda: self.step, save=self.save,
                                       evaluate=self.evaluate, plot=self.plot),
                             metrics=self.metrics, desc=f"distill {config.mode}", show_progress=self.show_progress,

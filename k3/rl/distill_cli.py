@@ -44,7 +44,7 @@ def distill_command(args: argparse.Namespace) -> int:
         if not args.student or not teachers or not (data or suites):
             raise ValueError("k3 distill needs --student DIR, at least one --teacher NAME=DIR and, per teacher, "
                              "--data NAME=PATH or --rl-suite NAME[:WEIGHT]")
-        config = DistillConfig(teachers=teachers, data=data, rl_suites=suites, **given(DistillConfig, args))
+        config = DistillConfig.flat(teachers=teachers, data=data, rl_suites=suites, **given(DistillConfig, args))
     overrides = {"steps": args.steps, "time_budget_s": args.time_budget_s} if args.resume else None
     trainer = DistillTrainer(config, resume=args.resume, resume_overrides=overrides)
     summary = trainer.train()
@@ -62,9 +62,9 @@ def register(subparsers) -> None:
                                               "DIR --teacher NAME=DIR --data NAME=PATH --out DIR), or the CPU demo "
                                               "(k3 distill demo)")
     p.add_argument("action", nargs="?", default="train", choices=("train", "demo"))
-    from k3.rl.distill import DistillConfig
+    from k3.rl.distill_config import DistillConfig
 
-    add_arguments(p, DistillConfig)  # every setting of the run, from its field's docstring (k3.rl.distill)
+    add_arguments(p, DistillConfig)  # every setting of the run, from its field's docstring (k3.rl.distill_config)
     p.add_argument("--teacher", action="append", help="NAME=DIR: the teacher of domain NAME (repeat per domain)")
     p.add_argument("--data", action="append", help="NAME=PATH: prompts of domain NAME (.jsonl with prompt/"
                                                    "completion or text, or text files); repeat per domain")

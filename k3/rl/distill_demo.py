@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from k3.atomic import atomic_write_bytes
+from k3.runtime import idle_cores
 
 DEMO_MARKER = "distill_demo.json"
 VOCAB = 512
@@ -98,8 +99,6 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, s
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True)
     atomic_write_bytes(out_dir / DEMO_MARKER, b"{}\n")
-    from k3.train.demo import idle_cores
-
     # Oversubscribed OpenMP threads spin-wait: on a busy 2-core machine one thread ran this demo ~10x faster.
     torch.set_num_threads(threads or idle_cores())
     torch.manual_seed(seed)
@@ -117,13 +116,13 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, s
     teachers = {name: LocalTeacher.load(name, str(out_dir / f"teacher-{name}"), "cpu", 512) for name in paths}
     results = {}
     for label, fields in ARMS:
-        config = DistillConfig(student=str(out_dir / "student"), teachers={n: str(out_dir / f"teacher-{n}")
-                                                                          for n in paths},
-                               data={n: str(p) for n, p in paths.items()}, out=str(out_dir / label.replace(" ", "-")),
-                               steps=distill_steps, prompts_per_domain=prompts_per_domain, samples=samples,
-                               prompt_tokens=16, reference_tokens=16, max_new_tokens=16, lr=lr,
-                               heldout_prompts=16, heldout_samples=1, heldout_every=max(1, distill_steps // 5),
-                               save_every=distill_steps, seed=seed, max_context=512, device="cpu", **fields)
+        config = DistillConfig.flat(
+            student=str(out_dir / "student"), teachers={n: str(out_dir / f"teacher-{n}") for n in paths},
+            data={n: str(p) for n, p in paths.items()}, out=str(out_dir / label.replace(" ", "-")),
+            steps=distill_steps, prompts_per_domain=prompts_per_domain, samples=samples, prompt_tokens=16,
+            reference_tokens=16, max_new_tokens=16, lr=lr, heldout_prompts=16, heldout_samples=1,
+            heldout_every=max(1, distill_steps // 5), save_every=distill_steps, seed=seed, max_context=512,
+            device="cpu", **fields)
         # A progress bar per arm (each runs minutes) where someone watches; logs stay free of bar redraws.
         trainer = DistillTrainer(config, log=lambda *_: None, show_progress=sys.stderr.isatty(), teachers=teachers)
         summary = trainer.train()

@@ -204,7 +204,7 @@ class LocalTeacher:
     """A teacher in this process: its own engine over its model."""
 
     def __init__(self, name: str, model, tokenizer, max_context: int = 1024, max_batch: int = 64) -> None:
-        from k3.infer import Engine
+        from k3.infer.engine import Engine
 
         self.name, self.model, self.tokenizer = name, model.eval(), tokenizer
         self.engine = Engine(self.model, tokenizer, max_context=max_context, max_batch=max_batch)

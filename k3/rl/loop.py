@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import torch
 
+from k3.checkpoint.inference import load_trainable
 from k3.rl.config import MAX_REFILL_ROUNDS, REFILL_START, RLConfig  # noqa: F401 (RLConfig: k3.rl.loop's API)
 from k3.rl.losses import ALGORITHMS, dynamic_sampling_keep, group_advantages
 from k3.rl.policy import PolicyUpdater, Sequence
@@ -144,7 +145,7 @@ class RLTrainer:
         self.autocast = autocast_dtype("auto", self.device)
         seed_everything(config.seed)
         self.model, self.tokenizer = opened.policy(
-            self.device, model, tokenizer, source=config.run,
+            self.device, model, tokenizer, source=config.run, load=load_trainable,
             needs="give the starting checkpoint: --run DIR (a `k3 train`, `k3 sft` or `k3 rl` run)")
         self.model_config = self.model.config
         self.reference = None

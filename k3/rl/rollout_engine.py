@@ -14,7 +14,7 @@ def build_engine(model, tokenizer, max_context: int, max_batch: int = 32, cuda_g
     weights_changed after each update: its prefix cache holds states computed by the old weights).
     record_routing (MoE models only): the engine records every fed token's experts for routing replay; it
     then runs without CUDA graphs and without its prefix cache."""
-    from k3.infer import Engine
+    from k3.infer.engine import Engine
 
     return Engine(model, tokenizer, max_context=max_context, max_batch=max_batch, use_cuda_graphs=cuda_graphs,
                   record_routing=record_routing and bool(model.routers()))

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from k3.checkpoint.inference import load_trainable
 from k3.cli_config import from_dict, from_flat, option, section
 from k3.data.packing import filler_length
 from k3.rl.chat_format import render_ids
@@ -118,7 +119,7 @@ class SFTTrainer:
         self.device = resolve_device(config.device)
         self.autocast = autocast_dtype("auto", self.device)
         torch.manual_seed(config.seed)
-        model, tokenizer = opened.policy(self.device, model, tokenizer, source=config.run,
+        model, tokenizer = opened.policy(self.device, model, tokenizer, source=config.run, load=load_trainable,
                                          needs="give the starting checkpoint: --run DIR (a `k3 train` run)")
         if tokenizer is None:
             raise ValueError("SFT needs the model's tokenizer")

@@ -153,7 +153,7 @@ def run_tool(call: ToolCall, sandbox, allowed: tuple[str, ...] | None = None, bu
     tools."""
     import time
 
-    from k3.sandbox import SandboxError
+    from k3.sandbox.local import SandboxError
 
     problem = check_arguments(call, allowed)
     if problem is not None:

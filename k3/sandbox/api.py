@@ -16,17 +16,17 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from dataclasses import dataclass
 
 from k3.sandbox import leftovers, local, seccomp, untrusted
 from k3.sandbox import memory as memory_snapshots
+# The result type and request checks live below both backends (the VM backend imports them too); re-exported.
+from k3.sandbox.backend import DEFAULT_MAX_OUTPUT, ExecResult, check_path, command_argv  # noqa: F401
 from k3.sandbox.cgroups import Cgroup, Limits
 from k3.sandbox.image import Image, default_image
 from k3.sandbox.layers import LayerStore
 from k3.sandbox.local import SandboxError
 from k3.sandbox.paths import sandbox_home, scratch_dir
 
-DEFAULT_MAX_OUTPUT = 16 << 20
 # Deadlines of host calls into a sandbox. Past one, the whole sandbox is killed (see
 # Supervisor.expire): nothing done inside can hold the host longer.
 FILE_TIMEOUT_S = 60.0  # read_file, write_file, upload and k3's own small requests
@@ -42,54 +42,6 @@ MAX_CHAIN = 48
 # From this many files to copy, an idle sandbox's snapshot adopts its upper directory as the layer
 # (a rename; a tmpfs upper is copied) and restarts on a fresh upper above it.
 ADOPT_MIN_FILES = 16
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """What one command did. ``exit_code`` is 128 + N when killed by signal N (as in a shell).
-
-    timed_out: the timeout passed and the command's whole process tree was killed.
-    oom_killed: the memory limit was hit during the command and the kernel killed a process.
-    truncated: stdout or stderr went over ``max_output`` bytes and was cut.
-    """
-
-    stdout_bytes: bytes
-    stderr_bytes: bytes
-    exit_code: int
-    duration_s: float
-    timed_out: bool = False
-    oom_killed: bool = False
-    truncated: bool = False
-
-    @property
-    def stdout(self) -> str:
-        return self.stdout_bytes.decode(errors="replace")
-
-    @property
-    def stderr(self) -> str:
-        return self.stderr_bytes.decode(errors="replace")
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
-
-
-def command_argv(cmd: str | list[str], timeout: float | None) -> list[str]:
-    """The argv an exec runs (a shell string goes through /bin/sh -c), after checking cmd and timeout; both
-    backends call it, so they refuse the same inputs with the same words."""
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
-    if isinstance(cmd, str):
-        return ["/bin/sh", "-c", cmd]
-    if not (isinstance(cmd, (list, tuple)) and cmd and all(isinstance(a, str) for a in cmd)):
-        raise ValueError(f"cmd must be a shell string or a non-empty list of strings, got {cmd!r}")
-    return list(cmd)
-
-
-def check_path(path: str) -> str:
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise ValueError(f"sandbox paths must be absolute, like /work/main.py; got {path!r}")
-    return os.path.normpath(path)
 
 
 class Sandbox:

@@ -20,7 +20,6 @@ not depend on it, so those first steps are unchanged).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from k3.layers.balancing import QB_MAX_ITERS
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
 from k3.model import count_parameters
+from k3.runtime import idle_cores
 from k3.train.config import CheckpointConfig, DataConfig, EvalConfig, OptimConfig, RecallConfig, TrainConfig
 from k3.train.trainer import Trainer
 
@@ -41,17 +41,6 @@ RECALL_LENGTH = 63  # four sequences and their EOS fill a 256-token row
 RECALL_EVAL_LENGTHS = (RECALL_LENGTH, 256, 1024)
 RECALL_SEQUENCES = 16  # per length: 16 sequences x 16 queries = 256 answers
 SAMPLE_TOKENS = 60
-
-
-def idle_cores() -> int:
-    """Cores not already busy, from the 1-minute load average. Oversubscribed OpenMP threads spin-wait on
-    each other and run many times slower than one thread, so a busy machine gets fewer threads."""
-    cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return cores
-    return max(1, min(cores, int(cores - load + 0.5)))
 
 
 def demo_config(out: str) -> TrainConfig:

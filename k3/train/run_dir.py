@@ -199,18 +199,15 @@ class OpenedRun:
     config: Any
 
     def policy(self, device, model=None, tokenizer=None, *, source: str, needs: str,
-               load: Callable[[str, str], tuple] | None = None) -> tuple[Any, Any]:
+               load: Callable[[str, str], tuple]) -> tuple[Any, Any]:
         """(model, tokenizer) on ``device``: the resumed run's, else those passed in from Python, else
-        load(source, device) (default: the k3 run at ``source``, trainable); ValueError ``needs`` (the flag to give)
-        when there is no source."""
+        load(source, device) (k3.checkpoint.inference.load_trainable for a k3 run); ValueError ``needs`` (the flag
+        to give) when there is no source."""
         policy = policy_from(self.state, self.directory.out, device, model, tokenizer)
         if policy is not None:
             return policy
         if not source:
             raise ValueError(needs)
-        if load is None:
-            from k3.checkpoint.inference import load_for_inference
-            return load_for_inference(source, None, str(device))
         return load(source, str(device))
 
 

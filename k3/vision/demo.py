@@ -321,8 +321,8 @@ def check_out(out: Path) -> None:
 def write_outputs(model: K3ForConditionalGeneration, qa: SyntheticVQA, report: dict, out: Path) -> None:
     """The model and tokenizer in the published K3 layout (k3 eval --run / --model reads it), report.json,
     curve.png."""
+    from k3.checkpoint.hf_multimodal import save_pretrained
     from k3.checkpoint.native import atomic_write_bytes
-    from k3.multimodal import save_pretrained
 
     out.mkdir(parents=True, exist_ok=True)
     save_pretrained(model.to("cpu").float(), qa.tokenizer(), out, progress=False)

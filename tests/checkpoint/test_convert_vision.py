@@ -12,7 +12,7 @@ from k3.checkpoint import native
 from k3.cli import main
 from k3.config import ModelConfig
 from k3.model import K3ForCausalLM
-from k3.vision.checkpoint import load_vision
+from k3.checkpoint.hf_vision import load_vision
 from k3.vision.config import VisionConfig
 from k3.vision.model import VisionModel
 

@@ -22,7 +22,7 @@ TINY_TOWER = dict(vision_width=32, vision_layers=1, vision_heads=2, vision_head_
 @pytest.fixture(scope="module")
 def tiny_vlm_dir(tmp_path_factory):
     """A random tiny K3ForConditionalGeneration in the published layout, with the demo's word tokenizer."""
-    from k3.multimodal import save_pretrained
+    from k3.checkpoint.hf_multimodal import save_pretrained
 
     qa = SyntheticVQA(size=112)
     torch.manual_seed(0)
@@ -81,7 +81,7 @@ def test_engine_answers_equal_the_full_forward(tiny_vlm_dir):
     """The engine's first greedy token after an image prompt is the argmax of the uncached multimodal forward."""
     from k3.eval.visual import visual_generate
     from k3.infer.engine import Engine
-    from k3.multimodal import from_pretrained
+    from k3.checkpoint.hf_multimodal import from_pretrained
     from k3.vision.processing import ImageProcessor
 
     model = from_pretrained(tiny_vlm_dir, progress=False)

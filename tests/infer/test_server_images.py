@@ -24,8 +24,9 @@ def png_data_url(seed: int, size=(56, 42)) -> str:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
+    from k3.checkpoint.hf_multimodal import save_pretrained
     from k3.infer.cli import load_for_inference
-    from k3.multimodal import K3ForConditionalGeneration, save_pretrained
+    from k3.multimodal import K3ForConditionalGeneration
     from k3.vision import VisionConfig
 
     root = tmp_path_factory.mktemp("images")
@@ -52,7 +53,7 @@ def server(model_dir):
 
 
 def test_image_chat_equals_the_multimodal_forward(server, model_dir):
-    from k3.multimodal import from_pretrained
+    from k3.checkpoint.hf_multimodal import from_pretrained
     from k3.vision.processing import ImageProcessor
 
     assert "images: yes" in server.log()

@@ -54,7 +54,7 @@ def _config(tmp_path, data, **overrides):
                   max_new_tokens=10, heldout_prompts=4, heldout_samples=2, heldout_every=2, save_every=2,
                   device="cpu", max_context=128)
     fields.update(overrides)
-    return DistillConfig(**fields)
+    return DistillConfig.flat(**fields)
 
 
 def test_advantage_is_the_hand_computed_reverse_kl():
@@ -231,8 +231,10 @@ def test_a_time_budget_stops_evaluates_saves_and_reports_the_steps(shared_tokeni
 
 
 def test_a_run_saved_before_the_time_budget_resumes(shared_tokenizer, tmp_path):
-    """distill_config.json of an earlier run has no time_budget_s (nor any field added since): it still resumes."""
+    """distill_config.json of an earlier run is flat (DistillConfig had no sections) and has no time_budget_s (nor
+    any field added since): it still resumes, settings intact."""
     from k3.checkpoint.native import load_checkpoint, save_checkpoint
+    from k3.cli_config import to_flat
 
     data = {"code": _write_prompts(tmp_path / "code.jsonl", CODE[:20])}
     teacher = LocalTeacher("code", _model(shared_tokenizer, 1), shared_tokenizer, 128)
@@ -240,7 +242,8 @@ def test_a_run_saved_before_the_time_budget_resumes(shared_tokenizer, tmp_path):
     DistillTrainer(config, student=_model(shared_tokenizer, 0), tokenizer=shared_tokenizer, teachers={"code": teacher},
                    show_progress=False, log=lambda *_: None).train(stop_at=1)
     state = load_checkpoint(tmp_path / "run")
-    del state["distill"]["time_budget_s"]
+    assert state["distill"]["heldout"]["every"] == 5  # saved in sections now
+    state["distill"] = {k: v for k, v in to_flat(config).items() if k != "time_budget_s"}
     save_checkpoint(tmp_path / "run" / "checkpoint.pt", state)
     resumed = DistillTrainer(DistillConfig(out=str(tmp_path / "run")), resume=True, teachers={"code": teacher},
                              show_progress=False, log=lambda *_: None)

@@ -80,9 +80,9 @@ def test_a_suite_with_command_verifiers_is_refused(tmp_path):
 def test_the_task_reward_enters_the_advantage_with_its_weight(tokenizer, tmp_path, monkeypatch):
     weight = 0.5
     student, teacher_model = _model(tokenizer, 0), _model(tokenizer, 1)
-    config = DistillConfig(out=str(tmp_path / "run"), steps=1, lr=1e-3, prompts_per_domain=3, samples=4,
-                           max_new_tokens=6, heldout_prompts=2, heldout_samples=1, rl_suites={"calc": weight},
-                           suite_tasks=8, device="cpu", max_context=1024)
+    config = DistillConfig.flat(out=str(tmp_path / "run"), steps=1, lr=1e-3, prompts_per_domain=3, samples=4,
+                                max_new_tokens=6, heldout_prompts=2, heldout_samples=1, rl_suites={"calc": weight},
+                                suite_tasks=8, device="cpu", max_context=1024)
     trainer = DistillTrainer(config, student=student, tokenizer=tokenizer, show_progress=False,
                              teachers={"calc": LocalTeacher("calc", teacher_model, tokenizer, 1024)})
     assert all(item.task is not None for item in trainer.prompts.train["calc"])
@@ -112,9 +112,9 @@ def test_the_task_reward_enters_the_advantage_with_its_weight(tokenizer, tmp_pat
 
 def test_topk_estimator_trains_with_the_reward_only_in_the_policy_gradient(tokenizer, tmp_path, monkeypatch):
     student, teacher_model = _model(tokenizer, 0), _model(tokenizer, 1)
-    config = DistillConfig(out=str(tmp_path / "run"), steps=1, lr=1e-3, prompts_per_domain=2, samples=2,
-                           max_new_tokens=6, heldout_prompts=2, heldout_samples=1, rl_suites={"calc": 2.0},
-                           suite_tasks=8, estimator="topk", top_k=8, device="cpu", max_context=1024)
+    config = DistillConfig.flat(out=str(tmp_path / "run"), steps=1, lr=1e-3, prompts_per_domain=2, samples=2,
+                                max_new_tokens=6, heldout_prompts=2, heldout_samples=1, rl_suites={"calc": 2.0},
+                                suite_tasks=8, estimator="topk", top_k=8, device="cpu", max_context=1024)
     trainer = DistillTrainer(config, student=student, tokenizer=tokenizer, show_progress=False,
                              teachers={"calc": LocalTeacher("calc", teacher_model, tokenizer, 1024)})
     monkeypatch.setattr(distill_module, "task_reward", lambda task, ids, tok: float(sum(ids) % 2))
@@ -147,7 +147,7 @@ def test_a_top_k_of_the_whole_vocabulary_takes_the_teachers_full_distributions(t
 
     teacher = LocalTeacher("a", _model(tokenizer, 1), tokenizer, 256)
     trainer = DistillTrainer.__new__(DistillTrainer)  # only _score's state: the teachers and the config
-    trainer.teachers, trainer.config = {"a": teacher}, DistillConfig(estimator="topk")
+    trainer.teachers, trainer.config = {"a": teacher}, DistillConfig.flat(estimator="topk")
     sequences = [TokenSequence("a", ids, 3, "pg", rollout_logprobs=[0.0] * (len(ids) - 3))
                  for ids in (tokenizer.encode(text) for text in TEXTS[:3])]
     full, listed = copy.deepcopy(sequences), copy.deepcopy(sequences)

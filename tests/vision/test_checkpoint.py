@@ -12,8 +12,10 @@ from safetensors.torch import load_file, save_file
 from k3.checkpoint.hf import from_pretrained as text_from_pretrained
 from k3.checkpoint.hf import save_pretrained as text_save
 from k3.config import ModelConfig
-from k3.multimodal import K3ForConditionalGeneration, from_pretrained, save_pretrained
-from k3.vision import VisionConfig, load_vision, vision_config_from_hf, vision_config_to_hf
+from k3.checkpoint.hf_multimodal import from_pretrained, save_pretrained
+from k3.checkpoint.hf_vision import load_vision
+from k3.multimodal import K3ForConditionalGeneration
+from k3.vision import VisionConfig, vision_config_from_hf, vision_config_to_hf
 from vision_helpers import K3_TINY, K25_TINY, randomize, random_pixels
 
 MEDIA = 255

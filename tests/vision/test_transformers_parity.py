@@ -1,7 +1,7 @@
 """Same weights -> same image embeddings as transformers' kimi_k25 (Kimi_K25VisionModel + its projector).
 
-A small random transformers model is saved with its own save_pretrained, read back with k3.vision.load_vision,
-and both sides embed the same patches: square, non-square, smaller and larger than the learned grid (bicubic
+A small random transformers model is saved with its own save_pretrained, read back with
+k3.checkpoint.hf_vision.load_vision, and both sides embed the same patches: square, non-square, smaller and larger than the learned grid (bicubic
 resize both ways), several images in one pack, and video clips (t > 1: sincos time rows, temporal pooling).
 """
 
@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 kimi_k25 = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
 
-from k3.vision import load_vision  # noqa: E402
+from k3.checkpoint.hf_vision import load_vision  # noqa: E402
 from k3.vision import rope as k3_rope  # noqa: E402
 from vision_helpers import randomize, random_pixels, rel_err  # noqa: E402
 

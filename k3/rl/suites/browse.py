@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from k3.rl.suites import Suite
+from k3.rl.suites.base import Suite
 from k3.rl.tasks import EpisodeLimits, Task, Verifier
 
 LIMITS = EpisodeLimits(turns=8, tokens_per_turn=96, total_tokens=1024, seconds=120.0)

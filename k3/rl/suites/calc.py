@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import string
 
-from k3.rl.suites import Suite
+from k3.rl.suites.base import Suite
 from k3.rl.tasks import EpisodeLimits, Task, Verifier
 
 LIMITS = EpisodeLimits(turns=4, tokens_per_turn=48, total_tokens=256, seconds=60.0)

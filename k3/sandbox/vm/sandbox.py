@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 
-from k3.sandbox.api import DEFAULT_MAX_OUTPUT, ExecResult, check_path, command_argv
+from k3.sandbox.backend import DEFAULT_MAX_OUTPUT, ExecResult, check_path, command_argv
 from k3.sandbox.cgroups import Limits
 from k3.sandbox.image import Image, default_image
 from k3.sandbox.local import SandboxError
