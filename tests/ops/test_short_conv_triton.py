@@ -270,8 +270,8 @@ def test_kda_layer_training_step_under_triton_equals_torch(backend):
                                         [xg, *layer.parameters()], allow_unused=True)
         results[name] = [y, *(g for g in grads if g is not None)]
     assert len(results["torch"]) == len(results["triton"])
-    # On CUDA the layer's other fast paths (fla's gated norm, k3's kernels) run in both, and fp32 dots there may
-    # round in TF32, which turns the conv's last-bit differences into TF32-sized ones (test_kda_layer_ops's bound).
+    # On CUDA the GPU's exp and the kernels' summation order differ from the twin's in the last bits, which the
+    # scan's chunked solve amplifies; 5e-3 (test_kda_layer_ops's layer bound) still fails a wrong tap or gradient.
     tol = 1e-5 if DEVICE == "cpu" else 5e-3
     for a, b in zip(results["triton"], results["torch"]):
         error = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
