@@ -251,8 +251,10 @@ def test_short_conv_parts_under_each_backend(backend, planar):
 
 def test_kda_layer_training_step_under_triton_equals_torch(backend):
     """KDA's joined q/k/v conv in training (no cache): planar parts from the kernels, gradients back without a
-    cat, the same layer output and parameter gradients as the twin's path."""
-    from k3 import ModelConfig
+    cat, the same layer output and parameter gradients as the twin's path. The scan is KDA's PyTorch twin in both
+    runs: the conv is what differs, and on a GPU fla's fp32 chunk_kda took minutes to compile (tests/ops/
+    test_kda_layer_ops.py runs it)."""
+    from k3 import ModelConfig, kernels
     from k3.layers.kda import KimiDeltaAttention
 
     config = ModelConfig.from_preset("debug", hidden_size=64, kda_num_heads=2, kda_head_dim=16)
@@ -262,12 +264,14 @@ def test_kda_layer_training_step_under_triton_equals_torch(backend):
     for name in ("torch", "triton"):
         backend(name)
         xg = x.clone().requires_grad_(True)
-        y = layer(xg)
-        grads = torch.autograd.grad((y * torch.linspace(-1, 1, 64, device=DEVICE)).sum(), [xg, *layer.parameters()],
-                                    allow_unused=True)
+        with kernels.use(kda="torch"):
+            y = layer(xg)
+            grads = torch.autograd.grad((y * torch.linspace(-1, 1, 64, device=DEVICE)).sum(),
+                                        [xg, *layer.parameters()], allow_unused=True)
         results[name] = [y, *(g for g in grads if g is not None)]
     assert len(results["torch"]) == len(results["triton"])
-    # On CUDA fla's chunk_kda runs in both, its fp32 dots in TF32 (tests/ops/test_kda_layer_ops.py's bound).
+    # On CUDA the GPU's exp and the kernels' summation order differ from the twin's in the last bits, which the
+    # scan's chunked solve amplifies; 5e-3 (test_kda_layer_ops's layer bound) still fails a wrong tap or gradient.
     tol = 1e-5 if DEVICE == "cpu" else 5e-3
     for a, b in zip(results["triton"], results["torch"]):
         error = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))

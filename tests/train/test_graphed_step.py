@@ -146,14 +146,18 @@ def test_the_captured_rows_loss_equals_the_packed_loss_for_rows_of_one_document(
 def test_the_captured_loss_keeps_documents_apart_as_the_packed_step_does(tmp_path, corpus_dir, small_config,
                                                                          weighted):
     """What the default CUDA step captures (rows with cu_seqlens padded to a static count, no host sync) is the
-    eager packed step's loss and gradients when rows hold several documents, with and without loss weights;
-    runs on CPU (the graph itself: bench/gpu_check.py)."""
+    eager packed step's loss and gradients when rows hold several documents, with and without loss weights
+    (the graph itself: bench/gpu_check.py). Same math, so fp32 on any device: on CUDA the two forms run different
+    kernels (one masked attention over rows against one call per document), whose bf16 gradients differ by a
+    bf16 rounding; and KDA's scan is its twin there, as fla's fp32 dots round in TF32 (and compile for minutes)."""
     import numpy as np
 
+    from k3 import kernels
     from k3.data.packing import pack_rows
     from k3.train.trainer import Trainer
 
-    trainer = Trainer(small_config(tmp_path / "run", corpus_dir), show_progress=False)
+    trainer = Trainer(small_config(tmp_path / "run", corpus_dir, dtype="fp32"), show_progress=False)
+    assert not trainer.bf16_params and trainer.autocast is None
     eos = trainer.tokenizer.eos_token_id
     generator = np.random.default_rng(0)
     length, vocab = trainer.seq_len, trainer.model_config.vocab_size
@@ -171,8 +175,9 @@ def test_the_captured_loss_keeps_documents_apart_as_the_packed_step_does(tmp_pat
 
     def loss_and_grads(fn):
         model.zero_grad(set_to_none=True)
-        loss = fn()
-        loss.backward()
+        with kernels.use(kda="torch"):
+            loss = fn()
+            loss.backward()
         return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
     want, want_grads = loss_and_grads(lambda: trainer._forward(batch))
