@@ -50,7 +50,49 @@ log = logging.getLogger("k3.engine")
 MAX_FAILED_STEPS = 3  # failed steps in a row that mean the engine itself is broken, not one request
 
 
-class AsyncEngine:
+class EngineFrontEnd:
+    """What AsyncEngine and EngineProcess (k3/infer/engine_process.py) share above their own `add` and `abort_now`:
+    a request's events as an async iterator, and cancel. Both keep a request's listener in `_listeners`
+    (request id -> (event loop, sink))."""
+
+    _listeners: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[str, list], None]]]
+
+    def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+            events: asyncio.Queue | None = None, prompt_embeds=None,
+            sink: Callable[[str, list], None] | None = None) -> str:
+        raise NotImplementedError
+
+    def abort_now(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    async def stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
+                     prompt_embeds=None) -> AsyncIterator[TokenEvent]:
+        """Yield the request's TokenEvents until all n samples have finished (prompt_embeds: see
+        Engine.add_request); a stream closed before then aborts its request."""
+        events: asyncio.Queue = asyncio.Queue()
+        request_id = self.add(prompt, params, request_id, events, prompt_embeds)
+        remaining = params.n
+        try:
+            while remaining:
+                item = await events.get()
+                if isinstance(item, (ValueError, RequestFailed, QueueFull, EngineDead)):
+                    raise item
+                if isinstance(item, BaseException):
+                    raise EngineDead(f"the engine loop stopped: {item!r}") from item
+                remaining -= bool(item.finished)
+                yield item
+        finally:
+            self._listeners.pop(request_id, None)
+            if remaining:
+                self.abort_now(request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop delivering this request's events and abort it at the next step boundary (if still running)."""
+        self._listeners.pop(request_id, None)
+        self.abort_now(request_id)
+
+
+class AsyncEngine(EngineFrontEnd):
     def __init__(self, engine: Engine, max_queue: int = 256, idle_wait_s: float = 0.05,
                  warmup: Callable[[], object] | None = None) -> None:
         """warmup: run on the engine thread before the first step (Engine.warmup: graphs, compiles, kernel
@@ -230,33 +272,6 @@ class AsyncEngine:
         self._inbox.put(("add", request_id, prompt, params, prompt_embeds))
         self._wakeup.set()
         return request_id
-
-    async def stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                     prompt_embeds=None) -> AsyncIterator[TokenEvent]:
-        """Yield the request's TokenEvents until all n samples have finished (prompt_embeds: see
-        Engine.add_request)."""
-        events: asyncio.Queue = asyncio.Queue()
-        request_id = self.add(prompt, params, request_id, events, prompt_embeds)
-        remaining = params.n
-        try:
-            while remaining:
-                item = await events.get()
-                if isinstance(item, (ValueError, RequestFailed)):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineDead(f"the engine loop stopped: {item!r}") from item
-                if item.finished:
-                    remaining -= 1
-                yield item
-        finally:
-            self._listeners.pop(request_id, None)
-            if remaining:
-                self.abort_now(request_id)
-
-    def cancel(self, request_id: str) -> None:
-        """Stop delivering this request's events and abort it at the next step boundary (if still running)."""
-        self._listeners.pop(request_id, None)
-        self.abort_now(request_id)
 
     def abort_now(self, request_id: str) -> None:
         """Abort at the next step boundary (frees the request's slot and pages there)."""

@@ -31,9 +31,9 @@ import queue
 import threading
 import time
 from types import SimpleNamespace
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
-from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed, put_all, run_sinks
+from k3.infer.async_engine import EngineDead, EngineFrontEnd, QueueFull, RequestFailed, put_all, run_sinks
 from k3.infer.engine import ScoreOutput, TokenEvent, check_prompt_fields
 from k3.infer.sampling import SamplingParams
 
@@ -124,7 +124,7 @@ class EngineInfo:
         check_prompt_fields(ids, params, name, self.max_context, self.config.vocab_size, self.max_batch)
 
 
-class EngineProcess:
+class EngineProcess(EngineFrontEnd):
     """An AsyncEngine's interface (add / cancel / stream / stats / score / ready / error / shutdown) over an
     engine in a child process. build: a picklable callable (a module-level function, or functools.partial of
     one) that returns the Engine in the child. warmup: run Engine.warmup there before `ready`."""
@@ -296,29 +296,6 @@ class EngineProcess:
             self._listeners[request_id] = (asyncio.get_running_loop(), sink)
         self._outbox.put(["add", request_id, prompt, wire])
         return request_id
-
-    async def stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                     prompt_embeds=None) -> AsyncIterator[TokenEvent]:
-        events: asyncio.Queue = asyncio.Queue()
-        request_id = self.add(prompt, params, request_id, events, prompt_embeds)
-        remaining = params.n
-        try:
-            while remaining:
-                item = await events.get()
-                if isinstance(item, (ValueError, RequestFailed, QueueFull)):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise item if isinstance(item, EngineDead) else EngineDead(repr(item))
-                remaining -= bool(item.finished)
-                yield item
-        finally:
-            self._listeners.pop(request_id, None)
-            if remaining:
-                self._outbox.put(["abort", request_id])
-
-    def cancel(self, request_id: str) -> None:
-        self._listeners.pop(request_id, None)
-        self._outbox.put(["abort", request_id])
 
     def abort_now(self, request_id: str) -> None:
         self._outbox.put(["abort", request_id])

@@ -79,20 +79,34 @@ def _block_tokens(width: int) -> int:
     return max(1, min(16, 4096 // min(512, max(16, width))))
 
 
+def _forward_tiles(num_tokens: int, width: int) -> tuple[tuple[int, int], dict[str, int]]:
+    """Grid and tile sizes of a forward combine kernel (pair or expert order): BLOCK_T tokens by BLOCK_L columns a
+    program."""
+    import triton
+
+    block_t, block_l = _block_tokens(width), min(512, triton.next_power_of_2(width))
+    return (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_l)), {"BLOCK_T": block_t, "BLOCK_L": block_l}
+
+
+def _backward_tiles(num_tokens: int, width: int, top_k: int) -> tuple[tuple[int], dict[str, int]]:
+    """Grid and tile sizes of a backward combine kernel: BLOCK_T tokens over the whole width a program, BLOCK_L
+    columns at a time (dw needs no reduction across programs)."""
+    import triton
+
+    block_t = _block_tokens(width)
+    return (triton.cdiv(num_tokens, block_t),), {"K_POW2": triton.next_power_of_2(top_k), "BLOCK_T": block_t,
+                                                 "BLOCK_L": min(256, triton.next_power_of_2(width))}
+
+
 class _CombinePairs(torch.autograd.Function):
     @staticmethod
     def forward(y_TKL: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
-        import triton
-
         num_tokens, top_k, width = y_TKL.shape
         out_TL = y_TKL.new_empty(num_tokens, width)
         if num_tokens == 0 or width == 0:
             return out_TL
-        block_l = min(512, triton.next_power_of_2(width))
-        block_t = _block_tokens(width)
-        grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_l))
-        _kernels().combine_pairs_fwd[grid](y_TKL, weights_TK, out_TL, num_tokens, width, TOP_K=top_k,
-                                           BLOCK_T=block_t, BLOCK_L=block_l)
+        grid, tiles = _forward_tiles(num_tokens, width)
+        _kernels().combine_pairs_fwd[grid](y_TKL, weights_TK, out_TL, num_tokens, width, TOP_K=top_k, **tiles)
         return out_TL
 
     @staticmethod
@@ -101,18 +115,15 @@ class _CombinePairs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TL: torch.Tensor):
-        import triton
-
         y_TKL, weights_TK = ctx.saved_tensors
         num_tokens, top_k, width = y_TKL.shape
         grad_TL = grad_TL.contiguous()
         grad_y = torch.empty_like(y_TKL)
         grad_w = torch.empty_like(weights_TK)
         if num_tokens and width:
-            block_t = _block_tokens(width)
-            _kernels().combine_pairs_bwd[(triton.cdiv(num_tokens, block_t),)](
-                y_TKL, weights_TK, grad_TL, grad_y, grad_w, num_tokens, width, TOP_K=top_k,
-                K_POW2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_L=min(256, triton.next_power_of_2(width)))
+            grid, tiles = _backward_tiles(num_tokens, width, top_k)
+            _kernels().combine_pairs_bwd[grid](y_TKL, weights_TK, grad_TL, grad_y, grad_w, num_tokens, width,
+                                               TOP_K=top_k, **tiles)
         elif num_tokens:
             grad_w.zero_()
         return grad_y, grad_w
@@ -151,19 +162,15 @@ def _check_pairs(rows_NL: torch.Tensor, inverse_N: torch.Tensor, num_tokens: int
 
 def _launch_expert_order_fwd(rows_NL: torch.Tensor, inverse_N: torch.Tensor, weights_TK: torch.Tensor | None,
                              num_tokens: int, top_k: int) -> torch.Tensor:
-    import triton
-
     width = rows_NL.shape[1]
     out_TL = rows_NL.new_empty(num_tokens, width)
     if num_tokens == 0 or width == 0:
         return out_TL
-    block_l = min(512, triton.next_power_of_2(width))
-    block_t = _block_tokens(width)
-    grid = (triton.cdiv(num_tokens, block_t), triton.cdiv(width, block_l))
+    grid, tiles = _forward_tiles(num_tokens, width)
     weighted = weights_TK is not None
     _permute_kernels().combine_expert_order_fwd[grid](
         rows_NL, inverse_N, weights_TK if weighted else rows_NL, out_TL, num_tokens, width, TOP_K=top_k,
-        WEIGHTED=weighted, BLOCK_T=block_t, BLOCK_L=block_l)
+        WEIGHTED=weighted, **tiles)
     return out_TL
 
 
@@ -178,8 +185,6 @@ class _CombineFromExpertOrder(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_TL: torch.Tensor):
-        import triton
-
         y_NL, inverse_N, weights_TK = ctx.saved_tensors
         num_tokens, top_k = weights_TK.shape
         width = y_NL.shape[1]
@@ -187,10 +192,9 @@ class _CombineFromExpertOrder(torch.autograd.Function):
         grad_y = torch.empty_like(y_NL)  # every row written once: inverse_N is a permutation
         grad_w = torch.empty_like(weights_TK)
         if num_tokens and width:
-            block_t = _block_tokens(width)
-            _permute_kernels().combine_expert_order_bwd[(triton.cdiv(num_tokens, block_t),)](
-                y_NL, inverse_N, weights_TK, grad_TL, grad_y, grad_w, num_tokens, width, TOP_K=top_k,
-                K_POW2=triton.next_power_of_2(top_k), BLOCK_T=block_t, BLOCK_L=min(256, triton.next_power_of_2(width)))
+            grid, tiles = _backward_tiles(num_tokens, width, top_k)
+            _permute_kernels().combine_expert_order_bwd[grid](
+                y_NL, inverse_N, weights_TK, grad_TL, grad_y, grad_w, num_tokens, width, TOP_K=top_k, **tiles)
         elif num_tokens:
             grad_w.zero_()
         return grad_y, None, grad_w

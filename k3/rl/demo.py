@@ -25,7 +25,6 @@ import hashlib
 import json
 import math
 import resource
-import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,6 +39,7 @@ from k3.rl.demos import read_demonstrations, write_demonstrations
 from k3.rl.loop import RLConfig, RLTrainer, headroom_lines
 from k3.rl.sft import SFTConfig, SFTTrainer
 from k3.runtime import idle_cores
+from k3.train.run_dir import fresh_demo_dir
 
 DEMO_MARKER = "rl_demo.json"
 SUITE = "arith"
@@ -162,13 +162,7 @@ def run_rl_demo(out: str = "runs/rl-demo", demos: int = 1000, sft_steps: int = 3
     def say(message: str) -> None:
         log(f"[{time.perf_counter() - started:5.0f} s] {message}")
 
-    out_dir = Path(out)
-    if out_dir.exists():
-        if not (out_dir / DEMO_MARKER).is_file():
-            raise ValueError(f"{out_dir} exists and was not written by `k3 rl demo`; choose another --out")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    atomic_write_bytes(out_dir / DEMO_MARKER, b"{}\n")
+    out_dir = fresh_demo_dir(out, DEMO_MARKER, "k3 rl demo")
     # Oversubscribed OpenMP threads spin-wait: on a busy 2-core machine one thread runs far faster than two.
     torch.set_num_threads(threads or idle_cores())
     torch.manual_seed(seed)

@@ -19,7 +19,6 @@ to the teacher's own, and the share of the reverse-KL gap closed, 1 - after / be
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 
 from k3.atomic import atomic_write_bytes
 from k3.runtime import idle_cores
+from k3.train.run_dir import fresh_demo_dir
 
 DEMO_MARKER = "distill_demo.json"
 VOCAB = 512
@@ -92,13 +92,7 @@ def run_distill_demo(out: str = "runs/distill-demo", teacher_steps: int = 300, s
     def say(text: str) -> None:
         log(f"[{time.perf_counter() - started:5.0f} s] {text}")
 
-    out_dir = Path(out)
-    if out_dir.exists():
-        if not (out_dir / DEMO_MARKER).is_file():
-            raise ValueError(f"{out_dir} exists and was not written by `k3 distill demo`; choose another --out")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True)
-    atomic_write_bytes(out_dir / DEMO_MARKER, b"{}\n")
+    out_dir = fresh_demo_dir(out, DEMO_MARKER, "k3 distill demo")
     # Oversubscribed OpenMP threads spin-wait: on a busy 2-core machine one thread ran this demo ~10x faster.
     torch.set_num_threads(threads or idle_cores())
     torch.manual_seed(seed)

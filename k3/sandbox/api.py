@@ -20,7 +20,8 @@ import threading
 from k3.sandbox import leftovers, local, seccomp, untrusted
 from k3.sandbox import memory as memory_snapshots
 # The result type and request checks live below both backends (the VM backend imports them too); re-exported.
-from k3.sandbox.backend import DEFAULT_MAX_OUTPUT, ExecResult, check_path, command_argv  # noqa: F401
+from k3.sandbox.backend import (DEFAULT_MAX_OUTPUT, ExecResult, check_path, command_argv,  # noqa: F401
+                                upload_entries)
 from k3.sandbox.cgroups import Cgroup, Limits
 from k3.sandbox.image import Image, default_image
 from k3.sandbox.layers import LayerStore
@@ -260,28 +261,7 @@ class Sandbox:
 
     def upload(self, local_path: str, sandbox_path: str) -> None:
         """Copy a host file or directory tree to ``sandbox_path`` (modes kept, symlinks skipped)."""
-        local_path = os.path.abspath(local_path)
-        target = check_path(sandbox_path)
-        if os.path.isfile(local_path):
-            with open(local_path, "rb") as f:
-                data = f.read()
-            self._write([{"path": target, "data": data, "mode": os.stat(local_path).st_mode & 0o7777}], sandbox_path)
-            return
-        if not os.path.isdir(local_path):
-            raise ValueError(f"upload needs an existing file or directory on the host, got {local_path!r}")
-        entries = []
-        for directory, dirnames, filenames in os.walk(local_path):
-            rel = os.path.relpath(directory, local_path)
-            base = target if rel == "." else os.path.join(target, rel)
-            entries.append({"path": base, "dir": True, "mode": os.stat(directory).st_mode & 0o7777})
-            for name in filenames:
-                source = os.path.join(directory, name)
-                if os.path.islink(source) or not os.path.isfile(source):
-                    continue
-                with open(source, "rb") as f:
-                    entries.append({"path": os.path.join(base, name), "data": f.read(),
-                                    "mode": os.stat(source).st_mode & 0o7777})
-        self._write(entries, sandbox_path)
+        self._write(upload_entries(local_path, check_path(sandbox_path)), sandbox_path)
 
     def _write(self, entries: list[dict], shown_path: str) -> None:
         with self._lock:

@@ -1,5 +1,5 @@
-"""What both sandbox backends (local namespaces in api.py, the microVM in vm/) share: a command's result and
-the checks of a request's arguments, so they refuse the same inputs with the same words."""
+"""What both sandbox backends (local namespaces in api.py, the microVM in vm/) share: a command's result, the
+checks of a request's arguments, so they refuse the same inputs with the same words, and what an upload sends."""
 
 from __future__ import annotations
 
@@ -55,3 +55,28 @@ def check_path(path: str) -> str:
     if not isinstance(path, str) or not path.startswith("/"):
         raise ValueError(f"sandbox paths must be absolute, like /work/main.py; got {path!r}")
     return os.path.normpath(path)
+
+
+def upload_entries(local_path: str, target: str) -> list[dict]:
+    """The ``write`` entries that copy the host file or directory tree ``local_path`` to the sandbox path
+    ``target``: a file gives one entry; a tree one per directory ({"path", "dir": True, "mode"}) and one per
+    regular file ({"path", "data": bytes, "mode"}), its links skipped. Modes keep their permission bits."""
+    local_path = os.path.abspath(local_path)
+    if os.path.isfile(local_path):
+        with open(local_path, "rb") as f:
+            return [{"path": target, "data": f.read(), "mode": os.stat(local_path).st_mode & 0o7777}]
+    if not os.path.isdir(local_path):
+        raise ValueError(f"upload needs an existing file or directory on the host, got {local_path!r}")
+    entries = []
+    for directory, _, filenames in os.walk(local_path):
+        rel = os.path.relpath(directory, local_path)
+        base = target if rel == "." else os.path.join(target, rel)
+        entries.append({"path": base, "dir": True, "mode": os.stat(directory).st_mode & 0o7777})
+        for name in filenames:
+            source = os.path.join(directory, name)
+            if os.path.islink(source) or not os.path.isfile(source):
+                continue
+            with open(source, "rb") as f:
+                entries.append({"path": os.path.join(base, name), "data": f.read(),
+                                "mode": os.stat(source).st_mode & 0o7777})
+    return entries

@@ -28,7 +28,7 @@ import uuid
 from k3.sandbox import local
 from k3.sandbox.api import Sandbox
 from k3.sandbox.cgroups import Limits
-from k3.sandbox.image import Image, build_once, default_image
+from k3.sandbox.image import Image, build_once, default_image, tree_bytes
 from k3.sandbox.paths import sandbox_home
 
 TARGET_MS = {"snapshot_p50_ms": 20.0, "restore_p50_ms": 20.0, "fork_p50_ms": 20.0}
@@ -55,7 +55,7 @@ def _build_bench_image(base: Image, staging: str, size_mb: int) -> None:
         line = f"def function_{index}(x):\n    return x * {index} + 1\n\n"
         with open(os.path.join(repo, "src", f"module_{index:04d}.py"), "w") as f:
             f.write(line * (SOURCE_BYTES // len(line)))
-    used = _tree_bytes(staging)
+    used = tree_bytes(staging)
     blob = 0
     while used < size_mb << 20:
         chunk = min(4 << 20, (size_mb << 20) - used)
@@ -65,14 +65,17 @@ def _build_bench_image(base: Image, staging: str, size_mb: int) -> None:
         blob += 1
 
 
-def _tree_bytes(root: str) -> int:
-    total = 0
-    for directory, _, filenames in os.walk(root):
-        for name in filenames:
-            path = os.path.join(directory, name)
-            if not os.path.islink(path):
-                total += os.path.getsize(path)
-    return total
+def fork_memory_bytes(box, snapshot: str, count: int, argv: list[str]) -> float:
+    """Mean memory of ``count`` forks of ``snapshot`` (either backend), each after running ``argv`` once; the
+    forks are closed after."""
+    forks = box.fork(snapshot, count)
+    try:
+        for fork in forks:
+            fork.exec(argv)
+        return statistics.mean(fork.memory_bytes() for fork in forks)
+    finally:
+        for fork in forks:
+            fork.close()
 
 
 def percentiles(name: str, samples: list[float]) -> dict:
@@ -109,7 +112,7 @@ def run(iterations: int = 30, edits: int = 100, image_mb: int = 200, density_san
     if not 1 <= edits <= SOURCE_FILES:
         raise ValueError(f"edits must be between 1 and {SOURCE_FILES}, got {edits}")
     image = bench_image(image_mb)
-    results: dict = {"image_mb": round(_tree_bytes(image.path) / (1 << 20), 1), "edits": edits, "iterations": iterations}
+    results: dict = {"image_mb": round(tree_bytes(image.path) / (1 << 20), 1), "edits": edits, "iterations": iterations}
     limits = Limits(memory_mb=512, pids=256, cpus=1.0, disk_mb=disk_mb)
     results["disk_mb"] = disk_mb
 
@@ -170,14 +173,7 @@ def run(iterations: int = 30, edits: int = 100, image_mb: int = 200, density_san
         finally:
             spares.target = target
 
-        forks = box.fork(snapshot, density_sandboxes)
-        try:
-            for fork in forks:
-                fork.exec(["python3", "-c", "print(1)"])
-            per_sandbox = statistics.mean(fork.memory_bytes() for fork in forks)
-        finally:
-            for fork in forks:
-                fork.close()
+        per_sandbox = fork_memory_bytes(box, snapshot, density_sandboxes, ["python3", "-c", "print(1)"])
     results["memory_per_sandbox_mb"] = round(per_sandbox / (1 << 20), 2)
     results["sandboxes_per_gb"] = round((1 << 30) / per_sandbox, 1)
     results["targets_ms"] = TARGET_MS

@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from k3.sandbox.bench import percentiles
+from k3.sandbox.bench import fork_memory_bytes, percentiles
 from k3.sandbox.cgroups import Limits
 
 K3_REPORT_MS = {"snapshot": 133.0, "restore": 49.0}
@@ -99,14 +99,7 @@ def run(iterations: int = 10, state_mb: int = 64, memory_mb: int = 512, compare_
             fork.close()
         results.update(percentiles("vm_fork", samples))
 
-        forks = box.fork(snapshot, 4)
-        try:
-            for fork in forks:
-                fork.exec(["true"])
-            per_sandbox = statistics.mean(fork.memory_bytes() for fork in forks)
-        finally:
-            for fork in forks:
-                fork.close()
+        per_sandbox = fork_memory_bytes(box, snapshot, 4, ["true"])
         results["vm_memory_per_sandbox_mb"] = round(per_sandbox / (1 << 20), 1)
         results["vm_sandboxes_per_gb"] = round((1 << 30) / per_sandbox, 1)
         results["vm_counter_at_snapshot"] = expected

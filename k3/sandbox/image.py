@@ -65,6 +65,17 @@ class Image:
 _default_images: dict[str, Image] = {}
 
 
+def tree_bytes(root: str) -> int:
+    """Bytes of the files under ``root``, links neither followed nor counted."""
+    total = 0
+    for directory, _, filenames in os.walk(root):
+        for name in filenames:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                total += os.lstat(path).st_size
+    return total
+
+
 def default_image(home: str | None = None) -> Image:
     """The minimal image built from host binaries (built on first use, then reused)."""
     home = home or sandbox_home()

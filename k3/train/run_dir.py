@@ -226,3 +226,17 @@ def open_run(kind: RunKind, config: Any, resume: bool, read_saved: Callable[[dic
         from k3.cli_config import replace_flat
         config = replace_flat(read_saved(state[kind.key]), out=config.out, **changes)
     return OpenedRun(directory, state, config)
+
+
+def fresh_demo_dir(out: str | Path, marker: str, command: str) -> Path:
+    """A demo's output folder made new, holding only ``marker`` (an empty JSON object until the demo writes its
+    summary there). An existing ``out`` is deleted only when it holds ``marker`` (an earlier run of the same
+    demo); any other existing path is refused, naming ``command``, before anything is written."""
+    out_dir = Path(out)
+    if out_dir.exists():
+        if not (out_dir / marker).is_file():
+            raise ValueError(f"{out_dir} exists and was not written by `{command}`; choose another --out")
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    atomic_write_bytes(out_dir / marker, b"{}\n")
+    return out_dir

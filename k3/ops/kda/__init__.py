@@ -114,13 +114,22 @@ def _opaque(q, k, v, g, beta, initial_state, kwargs) -> bool:
                                                               kwargs.get("A_log"), kwargs.get("dt_bias"))
 
 
-def _call_op(op, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-             cu_seqlens, kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    o, final = op(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                  kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"), kwargs.get("dt_bias"),
-                  kwargs.get("use_beta_sigmoid_in_kernel", False), kwargs.get("lower_bound"),
-                  kwargs.get("safe_gate", False), cu_seqlens)
-    return o, final if output_final_state else None
+def _dispatch(index: int, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+              cu_seqlens, kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Run entry point `index` (0 chunk_kda, 1 fused_recurrent_kda) on fla (as its custom op where the call is
+    opaque under torch.compile) or on its PyTorch path."""
+    fla = _use_fla(q)
+    if fla and _opaque(q, k, v, g, beta, initial_state, kwargs):
+        op = (fla_chunk_kda_op, fla_fused_recurrent_kda_op)[index]
+        o, final = op(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                      kwargs.get("use_gate_in_kernel", False), kwargs.get("A_log"), kwargs.get("dt_bias"),
+                      kwargs.get("use_beta_sigmoid_in_kernel", False), kwargs.get("lower_bound"),
+                      kwargs.get("safe_gate", False), cu_seqlens)
+        return o, final if output_final_state else None
+    impl = _load_fla()[index] if fla else (chunk_kda_torch, fused_recurrent_kda_torch)[index]
+    return impl(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                cu_seqlens=cu_seqlens, **kwargs)
 
 
 def chunk_kda(
@@ -146,14 +155,8 @@ def chunk_kda(
     fla's in-kernel gate/beta keywords (use_gate_in_kernel, A_log, dt_bias, lower_bound,
     use_beta_sigmoid_in_kernel) are honoured by both backends.
     """
-    fla = _use_fla(q)
-    if fla and _opaque(q, k, v, g, beta, initial_state, kwargs):
-        return _call_op(fla_chunk_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
-                        use_qk_l2norm_in_kernel, cu_seqlens, kwargs)
-    impl = _load_fla()[0] if fla else chunk_kda_torch
-    return impl(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                cu_seqlens=cu_seqlens, **kwargs)
+    return _dispatch(0, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     cu_seqlens, kwargs)
 
 
 def fused_recurrent_kda(
@@ -174,14 +177,8 @@ def fused_recurrent_kda(
     Pass everything after beta by keyword when code may also run against fla directly: fla's own signature puts
     A_log and dt_bias right after beta.
     """
-    fla = _use_fla(q)
-    if fla and _opaque(q, k, v, g, beta, initial_state, kwargs):
-        return _call_op(fla_fused_recurrent_kda_op, q, k, v, g, beta, scale, initial_state, output_final_state,
-                        use_qk_l2norm_in_kernel, cu_seqlens, kwargs)
-    impl = _load_fla()[1] if fla else fused_recurrent_kda_torch
-    return impl(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                cu_seqlens=cu_seqlens, **kwargs)
+    return _dispatch(1, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                     cu_seqlens, kwargs)
 
 
 # fla's two KDA entry points as custom ops, for torch.compile without autograd (a compiled decode step): dynamo

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.utils import check_inputs, l2norm
+from k3.ops.kda.utils import check_inputs, fp32_inputs
 
 
 def _naive_one(
@@ -52,11 +52,7 @@ def naive_recurrent_kda(
     check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    q, k, vf, g, beta = (x.float() for x in (q, k, v, g, beta))
-    q = q * scale
+    q, k, vf, g, beta = fp32_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     if cu_seqlens is None:
         h0 = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
         o, state = _naive_one(q, k, vf, g, beta, h0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.utils import apply_fla_kwargs, check_inputs, l2norm, pack_to_padded, padded_to_pack
+from k3.ops.kda.utils import run_recurrence
 
 
 def _recurrent_fwd(
@@ -51,20 +51,5 @@ def fused_recurrent_kda_torch(
     number of sequences when cu_seqlens [N+1] packs them into B = 1). Returns o [B, T, H, V] in v's dtype and
     the fp32 final state [N, H, K, V] (None unless output_final_state).
     """
-    g, beta = apply_fla_kwargs(g, beta, kwargs)
-    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    K, V = q.shape[-1], v.shape[-1]
-    scale = K**-0.5 if scale is None else scale
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    q, k, vf, g, beta = (x.float() for x in (q, k, v, g, beta))
-    q = q * scale
-    mask = None
-    if cu_seqlens is not None:
-        (q, _), (k, _), (vf, _), (g, _), (beta, mask) = (pack_to_padded(x, cu_seqlens) for x in (q, k, vf, g, beta))
-    B, _, H, _ = q.shape
-    h0 = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float()
-    o, state = _recurrent_fwd(q, k, vf, g, beta, h0)
-    if mask is not None:
-        o = padded_to_pack(o, mask)
-    return o.to(v.dtype), (state if output_final_state else None)
+    return run_recurrence(_recurrent_fwd, q, k, v, g, beta, scale, initial_state, output_final_state,
+                          use_qk_l2norm_in_kernel, cu_seqlens, kwargs)

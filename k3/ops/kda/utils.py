@@ -1,10 +1,13 @@
-"""Shared helpers of the KDA PyTorch paths: argument checks, L2 norm, gate, packed-sequence layout.
+"""Shared helpers of the KDA PyTorch paths: argument checks, L2 norm, gate, packed-sequence layout, and the frame
+(fp32 inputs, padded rows, output back in v's dtype) that the chunked and the step-by-step paths run in.
 
 Shape legend: B batch, T time, H heads, K key dim, V value dim, N number of packed sequences,
 L longest packed sequence (padded).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -144,3 +147,54 @@ def pack_to_padded(x: torch.Tensor, cu_seqlens: torch.Tensor, multiple: int = 1)
 def padded_to_pack(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Padded [N, L, ...] -> packed [1, T, ...], keeping the positions where mask [N, L] is True (in order)."""
     return x[mask].unsqueeze(0)
+
+
+def fp32_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                scale: float | None, use_qk_l2norm_in_kernel: bool) -> tuple[torch.Tensor, ...]:
+    """(q, k, v, g, beta) in fp32 with q scaled by `scale` (None: K**-0.5), q and k L2-normalised over K first when
+    use_qk_l2norm_in_kernel. Shapes unchanged."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    return q * scale, k, v, g, beta
+
+
+def run_recurrence(
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    initial_state: torch.Tensor | None,
+    output_final_state: bool,
+    use_qk_l2norm_in_kernel: bool,
+    cu_seqlens: torch.Tensor | None,
+    kwargs: dict,
+    multiple: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A PyTorch KDA path in fla's convention around `forward`, which runs the recurrence on padded fp32 rows:
+    forward(q, k, v, g, beta, h0) with q, k, g [B, T, H, K] (q scaled), v [B, T, H, V], beta [B, T, H],
+    h0 [B, H, K, V] -> (o [B, T, H, V], final state [B, H, K, V]).
+
+    Here: fla's keywords (apply_fla_kwargs), the shape checks, fp32_inputs; packed sequences (cu_seqlens) become
+    one zero-padded row each, of a whole number of `multiple` tokens, and o is packed back. Returns o in v's dtype
+    and the fp32 final state [N, H, K, V] (None unless output_final_state).
+    """
+    g, beta = apply_fla_kwargs(g, beta, kwargs)
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    qf, kf, vf, gf, betaf = fp32_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    mask = None
+    if cu_seqlens is not None:
+        # Each sequence becomes one batch row, zero-padded: no state crosses a boundary.
+        (qf, _), (kf, _), (vf, _), (gf, _), (betaf, mask) = (
+            pack_to_padded(x, cu_seqlens, multiple) for x in (qf, kf, vf, gf, betaf)
+        )
+    B, _, H, K = qf.shape
+    h0 = qf.new_zeros(B, H, K, vf.shape[-1]) if initial_state is None else initial_state.float()
+    o, state = forward(qf, kf, vf, gf, betaf, h0)
+    if mask is not None:
+        o = padded_to_pack(o, mask)
+    return o.to(v.dtype), (state if output_final_state else None)

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import uuid
 
-from k3.sandbox.image import Image
+from k3.sandbox.image import Image, tree_bytes
 from k3.sandbox.vm.config import GUEST_MODULES, VmConfig, VmUnavailable, modules_dir
 
 AGENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "agent.py")
@@ -86,7 +86,7 @@ def root_disk(image: Image, home: str) -> str:
     target = os.path.join(vm_home(home), f"root-{os.path.basename(image.path)}-{key}.ext4")
     if os.path.exists(target):
         return target
-    size_mb = _tree_bytes(image.path) * 13 // 10 // (1 << 20) + 64
+    size_mb = tree_bytes(image.path) * 13 // 10 // (1 << 20) + 64
     staging = f"{target}.{uuid.uuid4().hex[:8]}.staging"
     try:
         done = subprocess.run([mkfs, "-q", "-F", "-O", "^has_journal", "-m", "0", "-L", "k3root", "-d", image.path,
@@ -99,16 +99,6 @@ def root_disk(image: Image, home: str) -> str:
         if os.path.exists(staging):
             os.unlink(staging)
     return target
-
-
-def _tree_bytes(root: str) -> int:
-    total = 0
-    for directory, _, filenames in os.walk(root):
-        for name in filenames:
-            path = os.path.join(directory, name)
-            if not os.path.islink(path):
-                total += os.lstat(path).st_size
-    return total
 
 
 def _write_atomic(target: str, data: bytes) -> None:

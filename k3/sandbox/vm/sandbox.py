@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 
-from k3.sandbox.backend import DEFAULT_MAX_OUTPUT, ExecResult, check_path, command_argv
+from k3.sandbox.backend import DEFAULT_MAX_OUTPUT, ExecResult, check_path, command_argv, upload_entries
 from k3.sandbox.cgroups import Limits
 from k3.sandbox.image import Image, default_image
 from k3.sandbox.local import SandboxError
@@ -239,29 +239,10 @@ class VmSandbox:
 
     def upload(self, local_path: str, sandbox_path: str) -> None:
         """Copy a host file or directory tree into the guest (modes kept, symlinks skipped)."""
-        local_path = os.path.abspath(local_path)
-        target = check_path(sandbox_path)
-        entries = []
-        if os.path.isfile(local_path):
-            walk = [(os.path.dirname(local_path), [], [os.path.basename(local_path)])]
-            single = True
-        elif os.path.isdir(local_path):
-            walk, single = os.walk(local_path), False
-        else:
-            raise ValueError(f"upload needs an existing file or directory on the host, got {local_path!r}")
-        for directory, _, filenames in walk:
-            rel = os.path.relpath(directory, local_path)
-            base = target if single or rel == "." else os.path.join(target, rel)
-            if not single:
-                entries.append({"path": base, "dir": True, "mode": os.stat(directory).st_mode & 0o7777})
-            for name in filenames:
-                source = os.path.join(directory, name)
-                if os.path.islink(source) or not os.path.isfile(source):
-                    continue
-                with open(source, "rb") as f:
-                    entries.append({"path": base if single else os.path.join(base, name),
-                                    "data": base64.b64encode(f.read()).decode(),
-                                    "mode": os.stat(source).st_mode & 0o7777})
+        entries = upload_entries(local_path, check_path(sandbox_path))
+        for entry in entries:
+            if "data" in entry:
+                entry["data"] = base64.b64encode(entry["data"]).decode()
         self._data(self._call({"op": "write", "entries": entries}, self.config.call_margin_s), sandbox_path)
 
     @staticmethod
