@@ -348,7 +348,7 @@ def _child_main(build: Callable[[], Any], max_queue: int, warmup: bool, requests
     from k3.infer.async_engine import AsyncEngine
 
     run_warmup = getattr(engine, "warmup", None) if warmup else None
-    aengine = AsyncEngine(engine, max_queue=max_queue, warmup=run_warmup)
+    aengine = AsyncEngine(engine, max_queue=max_queue, warmup=run_warmup, freeze_gc=True)
     tokenizer = getattr(engine, "tokenizer", None)
     _send(events, ["hello", {"vocab_size": engine.config.vocab_size,
                              "max_context": getattr(engine, "max_context", 2**31 - 1),

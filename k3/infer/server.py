@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.chat.reply import ReplyParser
-from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed
+from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed, freeze_long_lived_objects
 from k3.infer.chat_request import plan_chat
 from k3.infer.chat_template import ChatTemplate, load_chat_template
 from k3.infer.connection_limits import (ServerLimits, check_prompt_chars, limited_h11_protocol, rate_limit_logs,
@@ -672,9 +672,11 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
     non-zero and a supervisor restarts it); else keep answering, /health with 503. limits: connection count and
     timeouts (k3.infer.connection_limits). switch_interval_s: the interpreter's thread switch interval for the
     process (sys.setswitchinterval; Python's default 5 ms): the engine thread gives up the GIL in every torch
-    call and may then wait that long for the event loop to hand it back."""
+    call and may then wait that long for the event loop to hand it back. The objects alive when it starts (the
+    app's; with the engine in process, the model's) are frozen out of the garbage collector's later passes."""
     import uvicorn
 
+    freeze_long_lived_objects()  # the app's and (in process) the model's objects: out of every later collection
     if switch_interval_s is not None:
         import sys
 
