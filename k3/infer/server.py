@@ -17,6 +17,7 @@ non-streaming requests watch for the disconnect themselves, streaming ones throu
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -745,6 +746,7 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
     try:
         asyncio.run(main())
     finally:
+        gc.unfreeze()  # the interpreter's last collection frees them (else native bindings report leaks at exit)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if bind_failed:
