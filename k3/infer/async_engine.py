@@ -29,8 +29,7 @@ import time
 from typing import Callable
 
 from k3.infer.engine import Engine, TokenEvent
-from k3.infer.event_streams import (EngineDead, EventStreams, QueueFull, RequestFailed, Sink,  # noqa: F401
-                                    put_all, run_sinks)
+from k3.infer.event_streams import EngineDead, EventStreams, QueueFull, RequestFailed, Sink  # noqa: F401
 from k3.infer.sampling import SamplingParams
 
 log = logging.getLogger("k3.engine")
