@@ -9,9 +9,7 @@ work, and hands each request's token events to the asyncio queue of the coroutin
 The event loop never waits for a step: new requests and aborts go into an inbox that the engine thread drains
 between steps (a prompt is validated before it is queued, so a bad one still fails at once). A stream that is
 closed early (client gone, task cancelled) aborts its request, which frees its KDA slot and MLA pages at the
-next step boundary. A step's events reach each listening event loop in one wake-up (one call_soon_threadsafe
-for all its requests: one per request cost the engine thread a self-pipe write each, 10% of its time at 64
-streams on CPU), where each request's sink takes its list of events.
+next step boundary. A step's events reach each listening event loop in one wake-up (k3.infer.event_streams).
 
 A step that raises fails the requests it was running (each stream raises RequestFailed) and the loop goes on
 with the rest. The loop itself stops only when failing those requests fails too, after MAX_FAILED_STEPS failed
@@ -22,83 +20,34 @@ request raises EngineDead.
 from __future__ import annotations
 
 import asyncio
-import functools
+import gc
 import itertools
 import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 from k3.infer.engine import Engine, TokenEvent
+from k3.infer.event_streams import EngineDead, EventStreams, QueueFull, RequestFailed, Sink  # noqa: F401
 from k3.infer.sampling import SamplingParams
-
-
-class QueueFull(RuntimeError):
-    """More requests are waiting than max_queue allows (an HTTP server answers 429)."""
-
-
-class EngineDead(RuntimeError):
-    """The engine loop raised; no further requests are served."""
-
-
-class RequestFailed(RuntimeError):
-    """A step running this request raised; the request ended, the engine serves on."""
-
 
 log = logging.getLogger("k3.engine")
 MAX_FAILED_STEPS = 3  # failed steps in a row that mean the engine itself is broken, not one request
 
 
-class EngineFrontEnd:
-    """What AsyncEngine and EngineProcess (k3/infer/engine_process.py) share above their own `add` and `abort_now`:
-    a request's events as an async iterator, and cancel. Both keep a request's listener in `_listeners`
-    (request id -> (event loop, sink))."""
-
-    _listeners: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[str, list], None]]]
-
-    def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-            events: asyncio.Queue | None = None, prompt_embeds=None,
-            sink: Callable[[str, list], None] | None = None) -> str:
-        raise NotImplementedError
-
-    def abort_now(self, request_id: str) -> None:
-        raise NotImplementedError
-
-    async def stream(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-                     prompt_embeds=None) -> AsyncIterator[TokenEvent]:
-        """Yield the request's TokenEvents until all n samples have finished (prompt_embeds: see
-        Engine.add_request); a stream closed before then aborts its request."""
-        events: asyncio.Queue = asyncio.Queue()
-        request_id = self.add(prompt, params, request_id, events, prompt_embeds)
-        remaining = params.n
-        try:
-            while remaining:
-                item = await events.get()
-                if isinstance(item, (ValueError, RequestFailed, QueueFull, EngineDead)):
-                    raise item
-                if isinstance(item, BaseException):
-                    raise EngineDead(f"the engine loop stopped: {item!r}") from item
-                remaining -= bool(item.finished)
-                yield item
-        finally:
-            self._listeners.pop(request_id, None)
-            if remaining:
-                self.abort_now(request_id)
-
-    def cancel(self, request_id: str) -> None:
-        """Stop delivering this request's events and abort it at the next step boundary (if still running)."""
-        self._listeners.pop(request_id, None)
-        self.abort_now(request_id)
-
-
-class AsyncEngine(EngineFrontEnd):
+class AsyncEngine(EventStreams):
     def __init__(self, engine: Engine, max_queue: int = 256, idle_wait_s: float = 0.05,
-                 warmup: Callable[[], object] | None = None) -> None:
+                 warmup: Callable[[], object] | None = None, freeze_gc: bool = False) -> None:
         """warmup: run on the engine thread before the first step (Engine.warmup: graphs, compiles, kernel
         autotuning), so the first requests do not pay for it; until it returns `ready` is unset (a server's
-        /health answers 503) and requests wait in the inbox. It raising stops the engine (see `error`)."""
+        /health answers 503) and requests wait in the inbox. It raising stops the engine (see `error`).
+        freeze_gc: once warm, put every object alive then out of the cyclic garbage collector's reach
+        (gc.freeze, process-wide; for servers): a full collection walks the model's and the compiler's objects
+        and stalled every step, hence every stream, for about 0.25 s on CPU with the debug model."""
+        super().__init__()
         self.engine, self.max_queue, self.idle_wait_s = engine, max_queue, idle_wait_s
+        self._freeze_gc = freeze_gc
         self._warmup = warmup
         self.ready = threading.Event()
         self.warmup_s: float | None = None  # how long the warm-up took, once it is done
@@ -109,8 +58,6 @@ class AsyncEngine(EngineFrontEnd):
         self._wakeup = threading.Event()
         self._stopping = False
         self._ids = itertools.count()
-        # request id -> (its event loop, sink(request_id, items) run on that loop with each list of events)
-        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[str, list], None]]] = {}
         self.error: BaseException | None = None
         # The engine's counters as of the last step, for readers on other threads: a reader waiting for the lock
         # would starve (the loop takes it again at once) and a /health call would hang for a whole request.
@@ -143,30 +90,10 @@ class AsyncEngine(EngineFrontEnd):
                 self.engine.abort(item[1])
 
     def _deliver(self, request_id: str, items: list) -> None:
-        listener = self._listeners.get(request_id)
-        if listener is None:
-            return
-        loop, sink = listener
-        try:
-            loop.call_soon_threadsafe(sink, request_id, items)
-        except RuntimeError:  # the listening loop has closed: nobody is waiting any more
-            self._listeners.pop(request_id, None)
-            self.engine.abort(request_id)
+        self.deliver([(request_id, items)])
 
-    def _deliver_step(self, by_request: dict[str, list]) -> None:
-        """A step's events: one wake-up per listening loop for all of its requests."""
-        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, items in by_request.items():
-            listener = self._listeners.get(request_id)
-            if listener is not None:
-                per_loop.setdefault(listener[0], []).append((listener[1], request_id, items))
-        for loop, batch in per_loop.items():
-            try:
-                loop.call_soon_threadsafe(run_sinks, batch)
-            except RuntimeError:  # the listening loop has closed: nobody is waiting any more
-                for _, request_id, _ in batch:
-                    self._listeners.pop(request_id, None)
-                    self.engine.abort(request_id)
+    def _loop_closed(self, request_id: str) -> None:
+        self.engine.abort(request_id)  # on the engine thread, between steps
 
     def _fail_running(self, error: Exception) -> None:
         """End every request the failed step was running, telling each stream why."""
@@ -181,8 +108,7 @@ class AsyncEngine(EngineFrontEnd):
     def _die(self, error: BaseException) -> None:
         self.error = error
         log.error("the engine loop stopped; no further requests are served", exc_info=error)
-        for request_id in list(self._listeners):
-            self._deliver(request_id, [error])
+        self.deliver_to_all(error)
 
     def _warm_up(self) -> bool:
         """Run the warm-up (if any) and set `ready`; False when it raised (the engine is then dead)."""
@@ -196,6 +122,8 @@ class AsyncEngine(EngineFrontEnd):
                 return False
             self.warmup_s = time.perf_counter() - start
             log.info("warm-up took %.2f s; ready", self.warmup_s)
+        if self._freeze_gc:
+            freeze_long_lived_objects()
         self.ready.set()
         return True
 
@@ -229,7 +157,7 @@ class AsyncEngine(EngineFrontEnd):
                 by_request: dict[str, list[TokenEvent]] = {}
                 for event in events:
                     by_request.setdefault(event.request_id, []).append(event)
-                self._deliver_step(by_request)
+                self.deliver(by_request.items())
                 stats = self.engine.stats()
                 with self._count_lock:  # the snapshot and the inbox count change together
                     self._stats = stats
@@ -245,8 +173,7 @@ class AsyncEngine(EngineFrontEnd):
         return self._queued + self._stats["waiting"]
 
     def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-            events: asyncio.Queue | None = None, prompt_embeds=None,
-            sink: Callable[[str, list], None] | None = None) -> str:
+            events: asyncio.Queue | None = None, prompt_embeds=None, sink: Sink | None = None) -> str:
         """Queue a request (raises QueueFull, ValueError for a prompt the engine cannot run, EngineDead after a
         crash); its events go to `events` on the calling loop, or in lists to sink(request_id, items) there
         (items: TokenEvents of one step, or one exception: ValueError, RequestFailed, or why the engine died).
@@ -265,10 +192,7 @@ class AsyncEngine(EngineFrontEnd):
             with self._count_lock:
                 self._queued -= 1
             raise ValueError(f"request id {request_id!r} is already in use")
-        if events is not None:
-            sink = functools.partial(put_all, events)
-        if sink is not None:
-            self._listeners[request_id] = (asyncio.get_running_loop(), sink)
+        self._listen(request_id, events, sink)
         self._inbox.put(("add", request_id, prompt, params, prompt_embeds))
         self._wakeup.set()
         return request_id
@@ -298,15 +222,13 @@ class AsyncEngine(EngineFrontEnd):
         self._stopping = True
         self._wakeup.set()
         self._thread.join(timeout_s)
+        if self._freeze_gc:
+            gc.unfreeze()  # the interpreter's last collection frees them (else native bindings report leaks at exit)
 
 
-def put_all(events: asyncio.Queue, request_id: str, items: list) -> None:
-    """A request's events into its queue (on the event loop's thread)."""
-    for item in items:
-        events.put_nowait(item)
-
-
-def run_sinks(batch: list) -> None:
-    """One engine step's events, delivered in one call on the event loop (not one call per token)."""
-    for sink, request_id, items in batch:
-        sink(request_id, items)
+def freeze_long_lived_objects() -> None:
+    """Collect once, then exempt every object alive now from later cyclic collections (gc.freeze): a model's,
+    a compiler's and a web framework's objects live as long as the server, and every full collection walked them
+    all, pausing the process (about 0.25 s for 330K objects on CPU). gc.unfreeze() before exiting."""
+    gc.collect()
+    gc.freeze()

@@ -40,36 +40,48 @@ class IncrementalDecoder:
 
 
 class StopStringMatcher:
+    """Keeps only the text not yet released (a possible start of a stop string) and the released pieces, so a
+    token costs O(its text + the longest stop string), not O(all text so far)."""
+
     def __init__(self, stops: list[str]) -> None:
         self.stops = [s for s in stops if s]
-        self.text = ""
-        self.released = 0
+        self.pieces: list[str] = []  # released text, in order
+        self.pending = ""  # text not yet released
         self.stopped = False
+
+    @property
+    def text(self) -> str:
+        """All released text (joined on each read: read it once, at the end)."""
+        return "".join(self.pieces)
 
     def feed(self, delta: str) -> str:
         """Add text; return what is now safe to show. After a stop string is found, `stopped` is True and
         nothing more is returned."""
         if self.stopped:
             return ""
-        self.text += delta
+        if not self.stops:
+            if delta:
+                self.pieces.append(delta)
+            return delta
+        pending = self.pending + delta
         # A stop string cannot start inside released text: any such start was held back as a possible prefix.
-        hits = [i for i in (self.text.find(s, self.released) for s in self.stops) if i >= 0]
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
         if hits:
-            cut = min(hits)
             self.stopped = True
-            out, self.text, self.released = self.text[self.released:cut], self.text[:cut], cut
-            return out
-        safe = len(self.text) - self._held_tail()
-        out = self.text[self.released:safe]
-        self.released = max(self.released, safe)
+            out, self.pending = pending[:min(hits)], ""
+        else:
+            safe = len(pending) - self._held_tail(pending)
+            out, self.pending = pending[:safe], pending[safe:]
+        if out:
+            self.pieces.append(out)
         return out
 
-    def _held_tail(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of some stop string."""
+    def _held_tail(self, pending: str) -> int:
+        """Length of the longest tail of the pending text that is a proper prefix of some stop string."""
         longest = 0
         for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.text) - self.released), longest, -1):
-                if self.text.endswith(stop[:n]):
+            for n in range(min(len(stop) - 1, len(pending)), longest, -1):
+                if pending.endswith(stop[:n]):
                     longest = n
                     break
         return longest
@@ -78,8 +90,9 @@ class StopStringMatcher:
         """At the end of generation the held-back tail is plain text after all."""
         if self.stopped:
             return ""
-        out = self.text[self.released:]
-        self.released = len(self.text)
+        out, self.pending = self.pending, ""
+        if out:
+            self.pieces.append(out)
         return out
 
 
@@ -97,7 +110,7 @@ class TextAssembler:
 
     @property
     def text(self) -> str:
-        return self.matcher.text[:self.matcher.released]
+        return self.matcher.text
 
     def push(self, token: int) -> str:
         return self.matcher.feed(self.decoder.push(token))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.infer.cache_pool import CachePool
+from k3.infer.detokenize import TextAssembler
 from k3.infer.engine_config import (EngineConfig, default_prefill_chunk, fit_prefill_to_memory,  # noqa: F401
                                     long_prefill_chunk, plan_engine)
 from k3.kernels import applied as kernels_applied
@@ -331,22 +332,21 @@ class Engine:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if token in seq.stop_ids:
             return "stop"
-        if seq.params.stop and self._hits_stop_string(seq):
+        if seq.params.stop and self._hits_stop_string(seq, token):
             return "stop"
         if seq.matcher is not None and seq.matcher.stopped:  # the grammar is complete
             return "stop"
-        if len(seq.generated) >= seq.params.max_new_tokens or len(seq.tokens) >= self.max_context:
+        if len(seq.tokens) - seq.prompt_len >= seq.params.max_new_tokens or len(seq.tokens) >= self.max_context:
             return "length"
         return None
 
-    def _hits_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.generated)
-        longest = max(len(s) for s in seq.params.stop)
-        # Only text that can still complete a stop string is searched again (with a margin: a multi-byte
-        # character decodes as replacement characters until its last byte arrives, then shrinks).
-        window = text[max(0, seq.text_offset - longest - 8):]
-        seq.text_offset = len(text)
-        return any(s in window for s in seq.params.stop)
+    def _hits_stop_string(self, seq: Sequence, token: int) -> bool:
+        # The text grows by what each token adds (k3.infer.detokenize), so a step costs O(its text), not
+        # O(everything generated): decoding the whole output every step made long outputs quadratic.
+        if seq.stop_text is None:
+            seq.stop_text = TextAssembler(self.tokenizer, seq.params.stop)
+        seq.stop_text.push(token)
+        return seq.stop_text.stopped
 
     # --- whole-batch helpers ------------------------------------------------------------------------
     def run_until_done(self, request_ids: list[str], progress=None) -> dict[str, list[Sequence]]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import itertools
 import json
 import logging
@@ -33,8 +32,8 @@ import time
 from types import SimpleNamespace
 from typing import Any, Callable
 
-from k3.infer.async_engine import EngineDead, EngineFrontEnd, QueueFull, RequestFailed, put_all, run_sinks
 from k3.infer.engine import ScoreOutput, TokenEvent, check_prompt_fields
+from k3.infer.event_streams import EngineDead, EventStreams, QueueFull, RequestFailed, Sink
 from k3.infer.sampling import SamplingParams
 
 log = logging.getLogger("k3.engine")
@@ -95,6 +94,10 @@ def _event_from_wire(request_id: str, item: list):
     return ERRORS.get(item[1], EngineDead)(item[2])
 
 
+def _events_from_wire(request_id: str, items: list) -> list:
+    return [_event_from_wire(request_id, item) for item in items]
+
+
 def _send(connection, message: list) -> None:
     connection.send_bytes(json.dumps(message).encode("utf-8"))
 
@@ -124,13 +127,14 @@ class EngineInfo:
         check_prompt_fields(ids, params, name, self.max_context, self.config.vocab_size, self.max_batch)
 
 
-class EngineProcess(EngineFrontEnd):
+class EngineProcess(EventStreams):
     """An AsyncEngine's interface (add / cancel / stream / stats / score / ready / error / shutdown) over an
     engine in a child process. build: a picklable callable (a module-level function, or functools.partial of
     one) that returns the Engine in the child. warmup: run Engine.warmup there before `ready`."""
 
     def __init__(self, build: Callable[[], Any], max_queue: int = 256, warmup: bool = True,
                  start_timeout_s: float = 1800.0, on_ready: Callable[[float | None], None] | None = None) -> None:
+        super().__init__()
         context = multiprocessing.get_context("spawn")
         child_requests, self._requests = context.Pipe(duplex=False)
         self._events, child_events = context.Pipe(duplex=False)
@@ -146,7 +150,6 @@ class EngineProcess(EngineFrontEnd):
         self._on_ready = on_ready
         self._stopping = False
         self._ids = itertools.count()
-        self._listeners: dict[str, tuple[asyncio.AbstractEventLoop, Callable[[str, list], None]]] = {}
         self._calls: dict[int, list] = {}  # call id -> [threading.Event, reply]
         self._call_ids = itertools.count()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -216,7 +219,7 @@ class EngineProcess(EngineFrontEnd):
                 return
             kind = message[0]
             if kind == "events":
-                self._dispatch(message[1])
+                self.deliver(message[1], _events_from_wire)
                 if message[2] is not None:
                     self._stats = message[2]
             elif kind == "stats":
@@ -244,28 +247,7 @@ class EngineProcess(EngineFrontEnd):
             log.error("the engine stopped; no further requests are served: %s", error)
         for call in list(self._calls.values()):
             call[0].set()
-        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, (loop, sink) in list(self._listeners.items()):
-            per_loop.setdefault(loop, []).append((sink, request_id, [error]))
-        self._call_soon(per_loop)
-
-    def _dispatch(self, events: list) -> None:
-        """One step's events: one wake-up per listening loop for all of its requests."""
-        per_loop: dict[asyncio.AbstractEventLoop, list] = {}
-        for request_id, items in events:
-            listener = self._listeners.get(request_id)
-            if listener is not None:
-                per_loop.setdefault(listener[0], []).append(
-                    (listener[1], request_id, [_event_from_wire(request_id, item) for item in items]))
-        self._call_soon(per_loop)
-
-    def _call_soon(self, per_loop: dict) -> None:
-        for loop, batch in per_loop.items():
-            try:
-                loop.call_soon_threadsafe(run_sinks, batch)
-            except RuntimeError:  # that loop has closed: nobody is waiting any more
-                for _, request_id, _ in batch:
-                    self.cancel(request_id)
+        self.deliver_to_all(error)
 
     # --- requests (any thread) ----------------------------------------------------------------------
     @property
@@ -273,8 +255,7 @@ class EngineProcess(EngineFrontEnd):
         return int(self._stats.get("waiting", 0))
 
     def add(self, prompt: list[int], params: SamplingParams, request_id: str | None = None,
-            events: asyncio.Queue | None = None, prompt_embeds=None,
-            sink: Callable[[str, list], None] | None = None) -> str:
+            events: asyncio.Queue | None = None, prompt_embeds=None, sink: Sink | None = None) -> str:
         """As AsyncEngine.add: raises EngineDead, QueueFull (as of the child's last counters; the child holds
         the exact limit), ValueError for a prompt or parameters out of range (checked here, before crossing)."""
         if self.error is not None:
@@ -290,10 +271,7 @@ class EngineProcess(EngineFrontEnd):
         request_id = request_id or f"preq-{next(self._ids)}"
         if request_id in self._listeners:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if events is not None:
-            sink = functools.partial(put_all, events)
-        if sink is not None:
-            self._listeners[request_id] = (asyncio.get_running_loop(), sink)
+        self._listen(request_id, events, sink)
         self._outbox.put(["add", request_id, prompt, wire])
         return request_id
 
@@ -370,7 +348,7 @@ def _child_main(build: Callable[[], Any], max_queue: int, warmup: bool, requests
     from k3.infer.async_engine import AsyncEngine
 
     run_warmup = getattr(engine, "warmup", None) if warmup else None
-    aengine = AsyncEngine(engine, max_queue=max_queue, warmup=run_warmup)
+    aengine = AsyncEngine(engine, max_queue=max_queue, warmup=run_warmup, freeze_gc=True)
     tokenizer = getattr(engine, "tokenizer", None)
     _send(events, ["hello", {"vocab_size": engine.config.vocab_size,
                              "max_context": getattr(engine, "max_context", 2**31 - 1),

@@ -73,19 +73,26 @@ class ServerMetrics:
 
     def tokens(self, count: int, gap_s: float | None = None, now: float | None = None) -> None:
         """`count` tokens produced at `now`; gap_s: time since the previous token of the same sequence."""
-        now = time.monotonic() if now is None else now
+        gaps = [gap_s] + [None] * (count - 1) if count > 0 else []
+        self.token_batch(gaps, time.monotonic() if now is None else now)
+
+    def token_batch(self, gaps: list[float | None], now: float) -> None:
+        """len(gaps) tokens produced at `now` (a step's worth, under one lock); each gap is the time since the
+        previous token of the same sequence, None for a sequence's first token."""
         with self.lock:
-            self.output_tokens += count
+            self.output_tokens += len(gaps)
             # Pruned here, not only at scrape time: a server nobody scrapes must not grow. Tokens of one 10 ms
             # share an entry, so the window holds at most window_s / 0.01 entries at any rate.
             if self._recent and now - self._recent[-1][0] < 0.01:
-                self._recent[-1][1] += count
+                self._recent[-1][1] += len(gaps)
             else:
-                self._recent.append([now, count])
+                self._recent.append([now, len(gaps)])
             while self._recent[0][0] < now - self.window_s:
                 self._recent.popleft()
-            if gap_s is not None:
-                self.per_token.observe(gap_s)
+            observe = self.per_token.observe
+            for gap in gaps:
+                if gap is not None:
+                    observe(gap)
 
     def ended(self, outcome: str, seconds: float) -> None:
         with self.lock:

@@ -51,7 +51,7 @@ class Sequence:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     output_counts: torch.Tensor | None = None  # [V] for penalties
     prompt_counts: torch.Tensor | None = None
-    text_offset: int = 0  # how much of the decoded text has been checked against stop strings
+    stop_text: object | None = None  # its text so far (k3.infer.detokenize.TextAssembler) when params.stop is set
     first_token_time: float | None = None
     prompt_embeds: torch.Tensor | None = None  # [prompt_len, D] input embeddings (images) instead of ids
     routing: list[list[torch.Tensor]] | None = None  # per MoE layer, the [T, K] expert ids of each forward

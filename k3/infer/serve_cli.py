@@ -98,7 +98,8 @@ def serve_command(args: argparse.Namespace) -> int:
             print(f"k3 serve: warmed up in {engine.warmup():.1f} s (decode graphs, prefill shapes); /health is "
                   f"ready", flush=True)
 
-        aengine = AsyncEngine(engine, max_queue=server.max_queue, warmup=warm_up if server.warmup else None)
+        aengine = AsyncEngine(engine, max_queue=server.max_queue, warmup=warm_up if server.warmup else None,
+                              freeze_gc=True)
     template = load_chat_template(tokenizer, tokenizer_directory(source.run, source.model))
     if source.chat_template:
         template = chosen_chat_template(source.chat_template, template)

@@ -17,6 +17,7 @@ non-streaming requests watch for the disconnect themselves, streaming ones throu
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -30,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.chat.reply import ReplyParser
-from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed
+from k3.infer.async_engine import EngineDead, QueueFull, RequestFailed, freeze_long_lived_objects
 from k3.infer.chat_request import plan_chat
 from k3.infer.chat_template import ChatTemplate, load_chat_template
 from k3.infer.connection_limits import (ServerLimits, check_prompt_chars, limited_h11_protocol, rate_limit_logs,
@@ -56,9 +57,19 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
-    text: str = ""
+    text_pieces: list[str] = field(default_factory=list)  # joined once at the end, not once per token
+    text_chars: int = 0
     finish_reason: str | None = None
     last_token_at: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
+
+    def add_text(self, text: str) -> None:
+        if text:
+            self.text_pieces.append(text)
+            self.text_chars += len(text)
 
 
 @dataclass
@@ -115,8 +126,10 @@ class _Generation:
         self.choices = [Choice(p * self.n + i, TextAssembler(server.tokenizer, stops))
                         for p in range(len(prompts)) for i in range(self.n)]
         self.stop_ids = server.aengine.engine.stop_ids(params)
-        # (prompt, the engine's events of one step for it | an exception | None: the prompt was let go)
-        self.queue: asyncio.Queue = asyncio.Queue()
+        # What arrived, not yet read: (prompt, the engine's events of one step for it | an exception | None: the
+        # prompt was let go). A list and one future to wake the reader: cheaper per step than an asyncio.Queue.
+        self._arrived: list[tuple[int, Any]] = []
+        self._waiter: asyncio.Future | None = None
         self.request_ids: list[str | None] = [None] * len(prompts)
         self.open = set(range(len(prompts)))  # prompts whose engine request has not ended
         self._unfinished = [self.n] * len(prompts)  # samples of each prompt still running in the engine
@@ -124,10 +137,27 @@ class _Generation:
         self.first_token_at: float | None = None
         self._buffered: list[tuple[int, Any]] = []
 
+    def _put(self, entry: tuple[int, Any]) -> None:
+        self._arrived.append(entry)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _take(self) -> list[tuple[int, Any]]:
+        """Everything that has arrived since the last take (waits for at least one entry)."""
+        while not self._arrived:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        arrived, self._arrived = self._arrived, []
+        return arrived
+
     def _sink(self, p: int):
         """Where the engine thread's events for prompt p land (on this loop, a step's worth at a time)."""
         def sink(request_id: str, items: list) -> None:
-            self.queue.put_nowait((p, items))
+            self._put((p, items))
         return sink
 
     async def start(self) -> None:
@@ -142,12 +172,12 @@ class _Generation:
                 raise self._api_error(error) from error
         waiting = set(range(len(self.prompts)))
         while waiting:
-            p, payload = await self.queue.get()
-            if payload and isinstance(payload[0], BaseException):
-                self.close()
-                raise self._api_error(self._engine_error(payload[0]))
-            self._buffered.append((p, payload))
-            waiting.discard(p)
+            for p, payload in await self._take():
+                if payload and isinstance(payload[0], BaseException):
+                    self.close()
+                    raise self._api_error(self._engine_error(payload[0]))
+                self._buffered.append((p, payload))
+                waiting.discard(p)
 
     @staticmethod
     def _engine_error(error: BaseException) -> BaseException:
@@ -174,14 +204,15 @@ class _Generation:
     async def updates(self) -> AsyncIterator[list[Update]]:
         """Updates in batches: everything that arrived since the last batch, one Update per choice that changed
         (a reader that fell behind gets several tokens of a choice in one update, so one chunk, one write)."""
+        metrics = self.server.metrics
         while self.open:
             batch, self._buffered = self._buffered, []
-            if not batch:
-                batch.append(await self.queue.get())
-            while not self.queue.empty():
-                batch.append(self.queue.get_nowait())
+            if self._arrived or not batch:
+                batch += await self._take()
             merged: dict[int, Update] = {}
             error = None
+            now = time.monotonic()
+            gaps: list[float | None] = []  # per token: the time since its sequence's previous one (None: first)
             for p, items in batch:
                 if p not in self.open:
                     continue
@@ -197,7 +228,7 @@ class _Generation:
                         error = error or self._engine_error(event)
                         break
                     self._unfinished[p] -= bool(event.finished)
-                    update = self._apply(p, event)
+                    update = self._apply(p, event, now, gaps)
                     if update is not None:
                         _merge(merged, update)
                 group = self.choices[p * self.n:(p + 1) * self.n]
@@ -207,24 +238,24 @@ class _Generation:
                     # Ended here (a stop string) before the engine noticed: stop its request now.
                     self.open.discard(p)
                     self.server.aengine.cancel(self.request_ids[p])
+            if gaps:
+                metrics.token_batch(gaps, now)
             if merged:
                 yield list(merged.values())
             if error is not None:
                 raise self._api_error(error)
 
-    def _apply(self, p: int, event) -> Update | None:
+    def _apply(self, p: int, event, now: float, gaps: list[float | None]) -> Update | None:
         choice = self.choices[p * self.n + event.index]
         if choice.finish_reason is not None:
             return None
-        now = time.monotonic()
-        metrics = self.server.metrics
         if event.token_id is None:  # aborted inside the engine: no token
             choice.finish_reason = event.finish_reason or "abort"
             return Update(choice, choice.assembler.finish(), len(choice.token_ids), True)
         if self.first_token_at is None:
             self.first_token_at = now
-            metrics.first_token(now - self.started_at)
-        metrics.tokens(1, None if choice.last_token_at is None else now - choice.last_token_at, now)
+            self.server.metrics.first_token(now - self.started_at)
+        gaps.append(None if choice.last_token_at is None else now - choice.last_token_at)
         choice.last_token_at = now
         first = len(choice.token_ids)
         token = int(event.token_id)
@@ -239,7 +270,7 @@ class _Generation:
         elif event.finished:
             text += choice.assembler.finish()
             choice.finish_reason = event.finish_reason or "stop"
-        choice.text += text
+        choice.add_text(text)
         return Update(choice, text, first, choice.finish_reason is not None)
 
     def close(self) -> None:
@@ -249,7 +280,7 @@ class _Generation:
         for p in list(self.open):
             if self.request_ids[p] is not None:
                 self.server.aengine.cancel(self.request_ids[p])
-            self.queue.put_nowait((p, None))
+            self._put((p, None))
 
     def usage(self) -> dict[str, int]:
         prompt = sum(len(ids) for ids in self.prompts)
@@ -309,7 +340,7 @@ class _Format:
             return None
         text = self.server.token_text
         tokens = [text(t) for t in choice.token_ids[first:last]]
-        offsets, offset = [], len(choice.text) - sum(len(t) for t in tokens) if first else 0
+        offsets, offset = [], choice.text_chars - sum(len(t) for t in tokens) if first else 0
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
@@ -642,9 +673,11 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
     non-zero and a supervisor restarts it); else keep answering, /health with 503. limits: connection count and
     timeouts (k3.infer.connection_limits). switch_interval_s: the interpreter's thread switch interval for the
     process (sys.setswitchinterval; Python's default 5 ms): the engine thread gives up the GIL in every torch
-    call and may then wait that long for the event loop to hand it back."""
+    call and may then wait that long for the event loop to hand it back. The objects alive when it starts (the
+    app's; with the engine in process, the model's) are frozen out of the garbage collector's later passes."""
     import uvicorn
 
+    freeze_long_lived_objects()  # the app's and (in process) the model's objects: out of every later collection
     if switch_interval_s is not None:
         import sys
 
@@ -713,6 +746,7 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
     try:
         asyncio.run(main())
     finally:
+        gc.unfreeze()  # the interpreter's last collection frees them (else native bindings report leaks at exit)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if bind_failed:

@@ -6,20 +6,22 @@ import json
 from typing import Any, Iterable, Iterator
 
 SSE_DONE = "data: [DONE]\n\n"
+# One encoder for every event (json.dumps with these options builds a new one per call).
+_encode = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def sse_event(payload: dict[str, Any]) -> str:
     """One event. JSON never holds a raw newline, so one `data:` line is enough."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_encode(payload)}\n\n"
 
 
 def sse_chunks(head: dict[str, Any]):
     """A function choice -> the event of a chunk `{**head, "choices": [choice]}`, with the head serialised once
     per stream instead of once per token (the same bytes as sse_event)."""
-    prefix = "data: " + json.dumps(head, ensure_ascii=False, separators=(",", ":"))[:-1] + ',"choices":['
+    prefix = "data: " + _encode(head)[:-1] + ',"choices":['
 
     def event(choice: dict[str, Any]) -> str:
-        return f"{prefix}{json.dumps(choice, ensure_ascii=False, separators=(',', ':'))}]}}\n\n"
+        return f"{prefix}{_encode(choice)}]}}\n\n"
     return event
 
 

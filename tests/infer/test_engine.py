@@ -206,6 +206,39 @@ def test_stop_tokens_strings_and_lengths(model):
     assert_idle(engine)
 
 
+class CountingAsciiTokenizer:
+    """Token i is one printable character; remembers the longest list of ids it was asked to decode."""
+
+    vocab_size, eos_token_id, bos_token_id = 256, None, None
+
+    def __init__(self):
+        self.longest = 0
+
+    def encode(self, text):
+        return [ord(c) - 33 for c in text]
+
+    def decode(self, ids):
+        self.longest = max(self.longest, len(ids))
+        return "".join(chr(33 + i % 90) for i in ids)
+
+
+def test_stop_strings_are_checked_on_the_new_text_only(model):
+    """The stop-string check decodes a window of a token or two per step, never the whole output (which made
+    long outputs quadratic), and stops at the first token whose text completes a stop string."""
+    tokenizer = CountingAsciiTokenizer()
+    engine = Engine(model, tokenizer, max_context=512, max_batch=8, page_size=16, prefill_chunk=32)
+    prompt = [3, 4, 5]
+    free = engine.generate_ids([prompt], greedy(60))[0]
+    text = tokenizer.decode(free)
+    needle = text[40:43]
+    first = text.index(needle)  # one character per token: the stop completes at token first + 3
+    tokenizer.longest = 0
+    stopped = engine.generate_ids([prompt], SamplingParams(max_new_tokens=60, temperature=0, stop=[needle]))[0]
+    assert stopped == free[:first + len(needle)]
+    assert tokenizer.longest <= 2
+    assert_idle(engine)
+
+
 def test_bad_prompts_are_refused_with_the_reason(model):
     engine = small_engine(model, max_context=16)
     with pytest.raises(ValueError, match="prompt 1 has 16 tokens but the context allows 16"):

@@ -200,6 +200,22 @@ def test_held_back_text_is_released_when_no_stop_follows(tokenizer):
     assert shown + assembler.finish() == "ab" * 40 and not assembler.stopped
 
 
+def test_a_token_costs_its_own_text_not_all_text_so_far():
+    """Streaming holds back at most a stop string's length and decodes a window of a token or two per token
+    (the whole text each time made long outputs quadratic)."""
+    class Counting:
+        longest = 0
+
+        def decode(self, ids):
+            Counting.longest = max(Counting.longest, len(ids))
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    assembler = TextAssembler(Counting(), ["zzzz", "xyq"])
+    shown = "".join(assembler.push(i % 25) for i in range(2000))  # never a "z": nothing stops
+    assert Counting.longest <= 2 and len(assembler.matcher.pending) < 4
+    assert shown + assembler.finish() == assembler.text == Counting().decode([i % 25 for i in range(2000)])
+
+
 def test_sse_framing_round_trips():
     chunks = [{"choices": [{"text": "line one\nline two", "index": 0}]}, {"choices": [{"text": "é 🙂 \"q\""}]}]
     stream = "".join(sse_event(c) for c in chunks) + SSE_DONE + sse_event({"after": "done"})

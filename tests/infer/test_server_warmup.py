@@ -109,3 +109,22 @@ def test_a_warmup_that_raises_stops_the_engine_and_health_says_so():
         assert health.status_code == 503 and "no memory for the decode graphs" in health.json()["status"]
     finally:
         server.stop()
+
+
+def test_a_warm_engine_freezes_its_objects_out_of_the_collector_until_shutdown():
+    """freeze_gc: once warm, the objects alive then are out of every later garbage collection (a full one paused
+    the whole server); shutdown gives them back, so the interpreter's last collection still frees them."""
+    import gc
+
+    from k3.infer.async_engine import AsyncEngine
+    from k3.infer.engine import Engine
+
+    model, tokenizer = _tiny()
+    assert gc.get_freeze_count() == 0
+    aengine = AsyncEngine(Engine(model, tokenizer, max_context=128, max_batch=2), freeze_gc=True)
+    try:
+        assert aengine.ready.wait(60)
+        assert gc.get_freeze_count() > 1000  # the model's tensors and modules among them
+    finally:
+        aengine.shutdown()
+    assert gc.get_freeze_count() == 0
