@@ -50,11 +50,14 @@ class K3ForConditionalGeneration(nn.Module):
 
     def embed_multimodal(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                          grid_thw: torch.Tensor | None = None,
-                         image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                         image_embeds: torch.Tensor | None = None,
+                         num_placeholders: int | None = None) -> torch.Tensor:
         """input_ids [B, T] with one media token per merged image token -> inputs_embeds [B, T, d].
 
         The images' embeddings (from pixel_values + grid_thw, or given as image_embeds [M, d]) replace the media
-        tokens' embeddings in reading order: batch row by row, left to right, images in grid_thw order."""
+        tokens' embeddings in reading order: batch row by row, left to right, images in grid_thw order.
+        num_placeholders: the media tokens in input_ids, when the caller counted them on the host (else they are
+        counted here, a sync when input_ids live on a GPU); grid_thw is best given on the CPU, for the same reason."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
         mask = input_ids == self.media_token_id
@@ -63,7 +66,7 @@ class K3ForConditionalGeneration(nn.Module):
             if grid_thw is None:
                 raise ValueError("pixel_values need their grid_thw [num_images, 3]")
             image_embeds = self.vision(pixel_values, grid_thw)
-        placeholders = int(mask.sum())
+        placeholders = int(mask.sum()) if num_placeholders is None else num_placeholders
         given = 0 if image_embeds is None else image_embeds.shape[0]
         if placeholders != given:
             raise ValueError(f"input_ids hold {placeholders} media placeholder token(s) ({self.media_token_id}) "

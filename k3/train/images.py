@@ -86,10 +86,20 @@ def add_vision_param_groups(optimizer: torch.optim.Optimizer, vision, lr: float,
             optimizer.add_param_group({"params": params, "weight_decay": wd, "lr": lr * scale, "lr_scale": scale})
 
 
-def embed_images(multimodal, ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-    """inputs_embeds [1, T, d]: the ids' embeddings with the images' at the media tokens."""
+def embed_images(multimodal, ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                 host_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """inputs_embeds [1, T, d]: the ids' embeddings with the images' at the media tokens. grid_thw stays on the
+    host (the tower reads its sizes there); host_ids, the same ids on the CPU, let the placeholders be counted
+    without a device sync."""
     dtype = next(multimodal.vision.parameters()).dtype
-    return multimodal.embed_multimodal(ids, pixel_values.to(ids.device, dtype), grid_thw.to(ids.device))
+    return multimodal.embed_multimodal(ids, pixel_values.to(ids.device, dtype), grid_thw.cpu(),
+                                       num_placeholders=_placeholders(multimodal, host_ids))
+
+
+def _placeholders(multimodal, host_ids: torch.Tensor | None) -> int | None:
+    if host_ids is None or host_ids.device.type != "cpu":
+        return None
+    return int((host_ids == multimodal.media_token_id).sum())
 
 
 def _held_out(source: str, fraction: float) -> bool:
@@ -185,12 +195,13 @@ class ImageTraining:
     def embed(self, ids: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """inputs_embeds [1, T, d]: the ids' embeddings with the batch's images at the media tokens."""
         if self.split is None:
-            return embed_images(self.multimodal, ids, batch.pixel_values, batch.grid_thw)
+            return embed_images(self.multimodal, ids, batch.pixel_values, batch.grid_thw, batch.input_ids)
         dtype = next(self.vision.parameters()).dtype
         with self.split.vision_forward():
-            image_embeds = self.vision(batch.pixel_values.to(ids.device, dtype), batch.grid_thw.to(ids.device))
+            image_embeds = self.vision(batch.pixel_values.to(ids.device, dtype), batch.grid_thw.cpu())
         self.split.watch(image_embeds)
-        return self.multimodal.embed_multimodal(ids, image_embeds=image_embeds)
+        return self.multimodal.embed_multimodal(ids, image_embeds=image_embeds,
+                                                num_placeholders=_placeholders(self.multimodal, batch.input_ids))
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.vision.parameters() if p.requires_grad]

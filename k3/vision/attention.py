@@ -33,8 +33,9 @@ def _varlen_available(q: torch.Tensor) -> bool:
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                     backend: str = "auto") -> torch.Tensor:
-    """q, k, v [N, H, D] packed images; cu_seqlens [n + 1] -> [N, H, D]. Softmax scale 1/sqrt(D)."""
+                     backend: str = "auto", bounds: list[int] | None = None) -> torch.Tensor:
+    """q, k, v [N, H, D] packed images; cu_seqlens [n + 1] -> [N, H, D]. Softmax scale 1/sqrt(D).
+    bounds: cu_seqlens as Python ints, when the caller has them (else read from cu_seqlens: a sync on a GPU)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if backend == "varlen" and not _varlen_available(q):
@@ -47,9 +48,12 @@ def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         from torch.nn.attention.varlen import varlen_attn
 
         cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if len(cu_seqlens) > 1 else 0
+        if bounds is None:
+            bounds = cu_seqlens.tolist()
+        longest = max((end - start for start, end in zip(bounds[:-1], bounds[1:])), default=0)
         return varlen_attn(q, k, v, cu, cu, longest, longest)
-    bounds = cu_seqlens.tolist()
+    if bounds is None:
+        bounds = cu_seqlens.tolist()
     outputs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         # [1, H, L, D]: heads as the batch dims SDPA expects

@@ -11,29 +11,47 @@ time enters through an additive sincos term (k3.vision.tower), not through the r
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 
-def rope_2d_angles(grid_thw: torch.Tensor, head_dim: int, theta: float = 10000.0,
+def patch_coordinates(grid_thw: torch.Tensor | list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """(row, column) int64 arrays [sum(t*h*w)] of every patch in the processor's order (per image: frame, then
+    row, then column), built on the host from the grid's Python ints: no device work per image."""
+    grids = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    rows, cols = [], []
+    for t, h, w in grids:
+        local_rows, local_cols = _grid_coordinates(int(t), int(h), int(w))
+        rows.append(local_rows)
+        cols.append(local_cols)
+    if not rows:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    return np.concatenate(rows), np.concatenate(cols)
+
+
+@functools.lru_cache(maxsize=256)
+def _grid_coordinates(t: int, h: int, w: int) -> tuple[np.ndarray, np.ndarray]:
+    rows, cols = np.divmod(np.arange(h * w, dtype=np.int64), w)
+    return np.tile(rows, t), np.tile(cols, t)
+
+
+def rope_2d_angles(grid_thw: torch.Tensor | list[list[int]], head_dim: int, theta: float = 10000.0,
                    device: torch.device | None = None) -> torch.Tensor:
     """Angles [sum(t*h*w), head_dim/2] (fp32) for every patch, in the patch order of the processor
-    (per image: frame, then row, then column)."""
+    (per image: frame, then row, then column). One set of tensor ops for the whole pack, whatever its image count:
+    the coordinates come from the host (patch_coordinates), the products are those of a per-image outer()."""
     if head_dim % 4:
         raise ValueError(f"2D rotary needs head_dim divisible by 4, got {head_dim}")
-    device = device if device is not None else grid_thw.device
+    if device is None:
+        device = grid_thw.device if isinstance(grid_thw, torch.Tensor) else torch.device("cpu")
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 4, device=device, dtype=torch.float32) / head_dim)
-    parts = []
-    cache: dict[tuple[int, int], torch.Tensor] = {}
-    for t, h, w in grid_thw.tolist():
-        key = (int(h), int(w))
-        if key not in cache:
-            rows = torch.arange(h, device=device, dtype=torch.float32)
-            cols = torch.arange(w, device=device, dtype=torch.float32)
-            col_angles = torch.outer(cols, inv_freq)[None, :, :].expand(h, w, -1)  # [h, w, head_dim/4]
-            row_angles = torch.outer(rows, inv_freq)[:, None, :].expand(h, w, -1)
-            cache[key] = torch.stack([col_angles, row_angles], dim=-1).reshape(h * w, head_dim // 2)
-        parts.append(cache[key].repeat(int(t), 1))
-    return torch.cat(parts) if parts else torch.zeros(0, head_dim // 2, device=device)
+    rows, cols = patch_coordinates(grid_thw)
+    # one host-to-device copy of both coordinate rows (exact in fp32: a side is far below 2^24 patches)
+    coords = torch.from_numpy(np.stack([cols, rows]).astype(np.float32)).to(device, non_blocking=True)
+    angles = coords[:, :, None] * inv_freq  # [2, N, head_dim/4]: columns, rows
+    return torch.stack([angles[0], angles[1]], dim=-1).reshape(-1, head_dim // 2)
 
 
 def rope_2d_cis(angles: torch.Tensor) -> torch.Tensor:

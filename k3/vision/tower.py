@@ -15,11 +15,14 @@ Shape legend: N packed patches, D tower width, H heads, Dh head dim, M merged to
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.vision.attention import cu_seqlens_from_grid, packed_attention
+from k3.vision.attention import packed_attention
 from k3.vision.config import VisionConfig
 from k3.vision.rope import apply_rope_2d, rope_2d_angles, rope_2d_cis
 
@@ -78,18 +81,30 @@ class PositionGrid(nn.Module):
         out = F.interpolate(grid, size=(h, w), mode=self.mode, align_corners=False)
         return out.squeeze(0).permute(1, 2, 0).flatten(0, 1)
 
-    def forward(self, x: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        parts, resized = [], {}
-        for t, h, w in grid_thw.tolist():
-            if (h, w) not in resized:  # images of one size share one resize
-                resized[(h, w)] = self.resized(h, w)
-            spatial = resized[(h, w)]  # [h*w, D]
-            if t == 1:
-                parts.append(spatial)
-            else:  # frame f of a clip adds time row f; single images add none
-                frames = spatial.unsqueeze(0) + self.time_weight[:t, None, :].to(spatial.dtype)
-                parts.append(frames.flatten(0, 1))
-        return x + torch.cat(parts).to(x.dtype)
+    def forward(self, x: torch.Tensor, grid_thw: torch.Tensor | list[list[int]]) -> torch.Tensor:
+        """x [N, D] + each patch's row of its image's resized grid (and its frame's time row in a clip): one resize
+        per distinct image size, then one gather over the pack (no per-image tensor ops)."""
+        grids = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+        offsets: dict[tuple[int, int], int] = {}  # (h, w) -> first row of its resized grid in the table
+        tables, index, frames, rows = [], [], [], 0
+        for t, h, w in grids:
+            if (h, w) not in offsets:  # images of one size share one resize
+                offsets[(h, w)] = rows
+                tables.append(self.resized(h, w))
+                rows += h * w
+            index.append(np.tile(np.arange(offsets[(h, w)], offsets[(h, w)] + h * w), t))
+            # time row f + 1 for frame f of a clip; row 0 (zeros) for single images, which add none
+            frames.append(np.repeat(np.arange(1, t + 1) if t > 1 else np.zeros(1, np.int64), h * w))
+        if not grids:
+            return x
+        table = tables[0] if len(tables) == 1 else torch.cat(tables)
+        index_N = torch.from_numpy(np.concatenate(index)).to(x.device, non_blocking=True)
+        position = table.index_select(0, index_N)
+        if any(t > 1 for t, _, _ in grids):
+            time_table = torch.cat([self.time_weight.new_zeros(1, self.time_weight.shape[1]), self.time_weight])
+            frame_N = torch.from_numpy(np.concatenate(frames)).to(x.device, non_blocking=True)
+            position = position + time_table.index_select(0, frame_N).to(position.dtype)
+        return x + position.to(x.dtype)
 
 
 class PatchEmbed(nn.Module):
@@ -99,7 +114,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(config.in_channels, config.hidden_size, kernel_size=p, stride=p, bias=config.patch_bias)
         self.pos_emb = PositionGrid(config)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list[list[int]]) -> torch.Tensor:
         x_ND = self.proj(pixel_values).flatten(1)
         return self.pos_emb(x_ND, grid_thw)
 
@@ -126,17 +141,17 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(config)
 
     def attention(self, x_ND: torch.Tensor, cu_seqlens: torch.Tensor, cis: torch.Tensor,
-                  backend: str) -> torch.Tensor:
+                  backend: str, bounds: list[int] | None = None) -> torch.Tensor:
         qkv = self.wqkv(x_ND).unflatten(-1, (3, self.num_heads, self.head_dim))  # [N, 3, H, Dh]
         q, k, v = qkv.unbind(1)
         q, k = apply_rope_2d(q, cis), apply_rope_2d(k, cis)
-        out_NHD = packed_attention(q, k, v, cu_seqlens, backend)
+        out_NHD = packed_attention(q, k, v, cu_seqlens, backend, bounds)
         return self.wo(out_NHD.flatten(1))
 
     def forward(self, x_ND: torch.Tensor, cu_seqlens: torch.Tensor, cis: torch.Tensor,
-                backend: str = "auto") -> torch.Tensor:
-        """cis [N, Dh/2]: the rotary factors of every patch (rope_2d_cis)."""
-        x_ND = x_ND + self.attention(self.norm0(x_ND), cu_seqlens, cis, backend)
+                backend: str = "auto", bounds: list[int] | None = None) -> torch.Tensor:
+        """cis [N, Dh/2]: the rotary factors of every patch (rope_2d_cis); bounds: cu_seqlens as Python ints."""
+        x_ND = x_ND + self.attention(self.norm0(x_ND), cu_seqlens, cis, backend, bounds)
         return x_ND + self.mlp(self.norm1(x_ND))
 
 
@@ -147,27 +162,46 @@ class VisionEncoder(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_layers))
         self.final_layernorm = make_norm(config, config.hidden_size)
 
-    def forward(self, x_ND: torch.Tensor, grid_thw: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-        cis = rope_2d_cis(rope_2d_angles(grid_thw, self.config.head_dim, self.config.rope_theta,
-                                         device=x_ND.device))
-        cu_seqlens = cu_seqlens_from_grid(grid_thw)
+    def forward(self, x_ND: torch.Tensor, grid_thw: torch.Tensor | list[list[int]],
+                backend: str = "auto") -> torch.Tensor:
+        grids = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+        cis = rope_2d_cis(rope_2d_angles(grids, self.config.head_dim, self.config.rope_theta, device=x_ND.device))
+        # the image bounds once per forward, as host ints and as one device tensor, for every layer
+        bounds = np.concatenate([[0], np.cumsum([t * h * w for t, h, w in grids], dtype=np.int64)]).tolist()
+        cu_seqlens = torch.tensor(bounds, dtype=torch.int32).to(x_ND.device, non_blocking=True)
         for block in self.blocks:
-            x_ND = block(x_ND, cu_seqlens, cis, backend)
+            x_ND = block(x_ND, cu_seqlens, cis, backend, bounds)
         return self.final_layernorm(x_ND)
 
 
-def merge_patches(x_ND: torch.Tensor, grid_thw: torch.Tensor, kernel: tuple[int, int]) -> torch.Tensor:
+def merge_patches(x_ND: torch.Tensor, grid_thw: torch.Tensor | list[list[int]],
+                  kernel: tuple[int, int]) -> torch.Tensor:
     """sd2_tpool: [N, D] -> [M, kh*kw*D]; each merged token holds a kh x kw block of patches (row-major inside
-    the block), averaged over the clip's frames. Images stay in order, merged tokens row-major within each."""
+    the block), averaged over the clip's frames. Images stay in order, merged tokens row-major within each.
+    A pack of single images (t = 1, the mean is the patch itself) is one gather in merged order."""
     kh, kw = kernel
     dim = x_ND.shape[-1]
+    grids = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
+    if grids and all(t == 1 for t, _, _ in grids):
+        order, offset = [], 0
+        for _, h, w in grids:
+            order.append(offset + _merge_order(h, w, kh, kw))
+            offset += h * w
+        order_N = torch.from_numpy(np.concatenate(order)).to(x_ND.device, non_blocking=True)
+        return x_ND.index_select(0, order_N).view(-1, kh * kw * dim)
     outputs, offset = [], 0
-    for t, h, w in grid_thw.tolist():
+    for t, h, w in grids:
         clip = x_ND[offset: offset + t * h * w].view(t, h // kh, kh, w // kw, kw, dim)
         merged = clip.permute(0, 1, 3, 2, 4, 5).mean(dim=0)  # [h/kh, w/kw, kh, kw, D]
         outputs.append(merged.reshape((h // kh) * (w // kw), kh * kw * dim))
         offset += t * h * w
-    return torch.cat(outputs)
+    return torch.cat(outputs) if outputs else x_ND.new_zeros(0, kh * kw * dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _merge_order(h: int, w: int, kh: int, kw: int) -> np.ndarray:
+    """Row-major patch indices of an h x w image in merged order: block by block, row-major inside each block."""
+    return np.arange(h * w).reshape(h // kh, kh, w // kw, kw).transpose(0, 2, 1, 3).reshape(-1)
 
 
 class MoonViT3d(nn.Module):
@@ -186,9 +220,11 @@ class MoonViT3d(nn.Module):
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c, p, p):
             raise ValueError(f"pixel_values must be [patches, {c}, {p}, {p}] (k3.vision.ImageProcessor makes "
                              f"them), got shape {tuple(pixel_values.shape)}")
-        grid_thw = grid_thw.to("cpu", torch.long)  # sizes drive Python-side loops; keep them on the host
+        # sizes drive host-side index building: read once (give grid_thw on the CPU: a device one costs a sync)
+        grid_thw = grid_thw.to("cpu", torch.long)
         check_grid(grid_thw, self.config, pixel_values.shape[0])
+        grids = grid_thw.tolist()
         weight = self.patch_embed.proj.weight
-        x_ND = self.patch_embed(pixel_values.to(weight.device, weight.dtype), grid_thw)
-        x_ND = self.encoder(x_ND, grid_thw, self.attention_backend)
-        return merge_patches(x_ND, grid_thw, self.config.merge_kernel)
+        x_ND = self.patch_embed(pixel_values.to(weight.device, weight.dtype), grids)
+        x_ND = self.encoder(x_ND, grids, self.attention_backend)
+        return merge_patches(x_ND, grids, self.config.merge_kernel)
