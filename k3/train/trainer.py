@@ -148,6 +148,11 @@ class Trainer:
                            else self.device.type == "cuda" and not config.parallel.ep and not self.has_images)
         if self.graph_step and self.has_images:
             raise ValueError("image-text data trains with the eager step (images differ in size); drop --cuda-graph")
+        # Image-text steps on a GPU hand the language model its documents in the static form (cu_seqlens padded to
+        # max_documents, attention masked within rows): no host read of cu_seqlens and no per-document attention
+        # calls, which at ~30 short examples a row made the eager step launch-bound. The CPU keeps the
+        # per-document form (it costs sum(len^2), not rows x row_length^2, of attention).
+        self.static_image_documents = self.device.type == "cuda"
         self.log_every = config.log_every or (10 if self.device.type == "cuda" else 1)
         self.eager_steps = 0  # graphed runs: steps whose batch held more documents than the graph's static count
         self.graphed: GraphedTrainStep | None = None  # captured at the first step (and again on a new row shape)
@@ -397,7 +402,12 @@ class Trainer:
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
         ids = batch.input_ids.to(self.device)
         labels = batch.labels.to(self.device)
-        cu = batch.cu_seqlens.to(self.device)
+        cu, packing = batch.cu_seqlens, {}
+        if batch.pixel_values is not None and self.static_image_documents:
+            limit = self.max_documents(batch.num_tokens // self.seq_len)
+            if cu.numel() - 1 <= limit:  # rows hold whole documents (examples and filler): the static form fits
+                cu, packing = pad_cu_seqlens(cu, limit), dict(max_documents=limit, row_length=self.seq_len)
+        cu = cu.to(self.device)
         if self.images is not None and self.images.split is not None:
             self.images.split.start()
         with self._autocast():
@@ -405,9 +415,10 @@ class Trainer:
             if batch.pixel_values is not None:  # image-text rows: the images' embeddings at the media tokens
                 ids, embeds = None, self.images.embed(ids, batch)
             if batch.weights is None:
-                loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False, inputs_embeds=embeds).loss
+                loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False, inputs_embeds=embeds,
+                                  **packing).loss
             else:
-                loss = weighted_loss(self.model(ids, cu_seqlens=cu, inputs_embeds=embeds).logits, labels,
+                loss = weighted_loss(self.model(ids, cu_seqlens=cu, inputs_embeds=embeds, **packing).logits, labels,
                                      batch.weights.to(self.device))
         return self._plus_aux_loss(self.model, loss)
 
