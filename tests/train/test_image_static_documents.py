@@ -10,6 +10,18 @@ from test_image_training import image_config, image_data  # noqa: F401  (the fix
 pytest.importorskip("PIL.Image")
 
 
+def spy_max_documents(trainer, monkeypatch) -> list:
+    """The max_documents each language-model forward is given (None: the per-document form)."""
+    seen, forward = [], trainer.model.forward
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("max_documents"))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.model, "forward", recording)
+    return seen
+
+
 def loss_and_grads(trainer, batch):
     trainer.model.zero_grad(set_to_none=True)
     trainer.images.vision.zero_grad(set_to_none=True)
@@ -26,9 +38,7 @@ def test_static_documents_equal_per_document_on_an_image_text_batch(tmp_path, co
     trainer.model.eval()  # the routers' bias frozen: both forwards route alike
     batch, _ = trainer._next_batch()
     assert batch.pixel_values is not None and batch.cu_seqlens.numel() - 1 > 4  # several documents a row
-    seen = []
-    forward = trainer.model.forward
-    monkeypatch.setattr(trainer.model, "forward", lambda *a, **k: seen.append(k.get("max_documents")) or forward(*a, **k))
+    seen = spy_max_documents(trainer, monkeypatch)
     trainer.static_image_documents = False
     want, want_grads = loss_and_grads(trainer, batch)
     trainer.static_image_documents = True
@@ -47,8 +57,6 @@ def test_too_many_documents_fall_back_to_the_per_document_form(tmp_path, corpus_
     trainer.static_image_documents = True
     batch, _ = trainer._next_batch()
     monkeypatch.setattr(trainer, "max_documents", lambda rows=None: batch.cu_seqlens.numel() - 2)
-    seen = []
-    forward = trainer.model.forward
-    monkeypatch.setattr(trainer.model, "forward", lambda *a, **k: seen.append(k.get("max_documents")) or forward(*a, **k))
+    seen = spy_max_documents(trainer, monkeypatch)
     assert torch.isfinite(trainer._forward(batch))
     assert seen == [None]
