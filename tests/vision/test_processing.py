@@ -53,6 +53,16 @@ def test_patches_are_the_normalised_crops_in_row_major_order():
     torch.testing.assert_close(batch.pixel_values[row * 4 + col], expected)
 
 
+def test_normalise_gives_the_bits_of_the_formula_and_leaves_its_input_alone():
+    processor = ImageProcessor(mean=(0.48, 0.5, 0.41), std=(0.27, 0.5, 0.26))
+    every_value = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(2, 3, 16, 16)
+    formula = (every_value.float() / 255.0 - processor.mean) / processor.std
+    assert torch.equal(processor.normalise(every_value), formula)
+    already_float = every_value.float()
+    processor.normalise(already_float)
+    assert torch.equal(already_float, every_value.float())  # the in-place steps work on a copy
+
+
 def test_padding_is_black_bottom_right():
     batch = ImageProcessor()([Image.new("RGB", (30, 20), (255, 255, 255))])
     assert batch.grid_thw.tolist() == [[1, 2, 4]]  # 20x30 px padded to 28x56
