@@ -38,6 +38,7 @@ FILES=(
   tests/ops/test_rms_norm_triton.py
   tests/ops/test_rms_norm_gated_triton.py
   tests/train/test_adamw_triton.py
+  tests/train/test_master_adamw.py
   tests/ops/test_linear_ce.py
   tests/ops/test_moe_expert_order.py
   tests/ops/test_route_triton.py
