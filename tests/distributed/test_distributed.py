@@ -76,6 +76,17 @@ def ep2_two_ranks(single_process, tmp_path_factory) -> tuple[dict, Path]:
 
 
 @pytest.fixture(scope="module")
+def ep2_four_ranks_short(ep2_two_ranks, tmp_path_factory) -> tuple[dict, Path]:
+    """EP=2 on 4 ranks for the checkpoint tests of the default run: 2 steps instead of 20 (the 4-rank start-up
+    alone is ~25 s of CPU on 2 cores; the 20-step fixture below is for the slow parity tests). Saves its
+    checkpoint, then loads the EP=2-on-2-ranks one."""
+    tmp = tmp_path_factory.mktemp("ep2x4_short")
+    checkpoint = tmp / "ep2x4_short.pt"
+    return launch(tmp, "ep2x4_short", 4, "train", "--ep", "2", "--steps", "2", "--checkpoint", str(checkpoint),
+                  "--load", str(ep2_two_ranks[1])), checkpoint
+
+
+@pytest.fixture(scope="module")
 def ep2_four_ranks(ep2_two_ranks, tmp_path_factory) -> tuple[dict, Path]:
     """EP=2 on 4 ranks (2 EP groups x 2 ranks; the groups are data-parallel replicas of the experts): trains,
     saves its checkpoint, then loads the EP=2-on-2-ranks one."""
@@ -104,9 +115,12 @@ def test_ep2_on_four_ranks_matches_one_process(single_process, ep2_two_ranks, ep
     assert torch.tensor(ep2x4["logits"]).ne(torch.tensor(ep2["logits"])).any()
 
 
-def test_ep2_checkpoints_load_in_one_process(ep2_two_ranks, ep2_four_ranks, tmp_path):
-    """Both EP=2 layouts' checkpoints load into a single process (plain load_state_dict) with their logits."""
-    (ep2, ep2_checkpoint), (ep2x4, ep2x4_checkpoint) = ep2_two_ranks, ep2_four_ranks
+def test_ep2_checkpoints_load_in_one_process(ep2_two_ranks, ep2_four_ranks_short, tmp_path):
+    """Both EP=2 layouts' checkpoints load into a single process (plain load_state_dict) with their logits, and
+    the EP=2-on-2-ranks one loads under EP=2 on 4 ranks with its logits."""
+    (ep2, ep2_checkpoint), (ep2x4, ep2x4_checkpoint) = ep2_two_ranks, ep2_four_ranks_short
+    assert_same_logits(ep2["logits"], ep2x4["loaded_logits"][0])
+    assert torch.tensor(ep2x4["logits"]).ne(torch.tensor(ep2["logits"])).any()  # the load moved weights
     loaded = launch(tmp_path, "ep1_load", 1, "load", "--load", str(ep2_checkpoint), "--load", str(ep2x4_checkpoint))
     assert_same_logits(ep2["logits"], loaded["loaded_logits"][0])
     assert_same_logits(ep2x4["logits"], loaded["loaded_logits"][1])
@@ -155,21 +169,27 @@ def check_balanced(result: dict, nproc: int, min_plain_imbalance: float = 1.5) -
     assert any("block_sparse_moe.w1" in name for name in result["grad_names"])
 
 
-def test_balanced_dispatch_under_skew_two_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def balanced_two_ranks(tmp_path_factory) -> dict:
+    """Both two-rank skew cases in one launch (each on a freshly built model): {hot experts: result}."""
+    return launch(tmp_path_factory.mktemp("balanced2"), "balanced2", 2, "balanced", "--hot", "0,1", "--hot", "0")
+
+
+def test_balanced_dispatch_under_skew_two_ranks(balanced_two_ranks):
     # Experts 0 and 1 live on rank 0: the plain dispatch puts every pair there.
-    check_balanced(launch(tmp_path, "balanced2", 2, "balanced", "--hot", "0,1"), 2)
+    check_balanced(balanced_two_ranks["0,1"], 2)
 
 
-def test_balanced_dispatch_when_a_rank_computes_home_pairs_and_replicas(tmp_path):
+def test_balanced_dispatch_when_a_rank_computes_home_pairs_and_replicas(balanced_two_ranks):
     # Only expert 0 is hot: every token takes it plus a second expert of its own choice, so rank 1 computes
     # pairs of its home experts (4..7) and a replica of expert 0, whose id sorts before them.
-    check_balanced(launch(tmp_path, "balanced2_mixed", 2, "balanced", "--hot", "0"), 2, min_plain_imbalance=1.2)
+    check_balanced(balanced_two_ranks["0"], 2, min_plain_imbalance=1.2)
 
 
 @pytest.mark.slow
 def test_balanced_dispatch_under_skew_four_ranks(tmp_path):
     # Experts 0, 1 (rank 0) and 5 (rank 2) hot: two overloaded ranks shed onto two idle ones.
-    check_balanced(launch(tmp_path, "balanced4", 4, "balanced", "--hot", "0,1,5"), 4)
+    check_balanced(launch(tmp_path, "balanced4", 4, "balanced", "--hot", "0,1,5")["0,1,5"], 4)
 
 
 # --- plan arithmetic, in one process ---------------------------------------------------------------------
