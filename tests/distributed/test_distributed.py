@@ -1,14 +1,15 @@
 """Distributed training on CPU with gloo: loss parity across EP layouts, balanced dispatch under skew,
 checkpoints across layouts, and the plan arithmetic the dispatcher relies on.
 
-Multi-process tests launch tests/distributed/worker.py with torchrun (one subprocess per layout) and
-compare the JSON each layout writes. Model: the debug preset (8 experts, top-2) in float64. Layouts:
+Multi-process tests launch tests/distributed/worker.py with torchrun (one subprocess per layout; the
+one-process layouts run it in this process) and compare the JSON each layout writes. Model: the debug preset (8 experts, top-2) in float64. Layouts:
 1 process; EP=2 on 2 ranks; EP=2 on 4 ranks (two EP groups, each a replica of the experts); EP=4 (slow).
 The trained runs chain their checkpoints: 1 process -> EP=2 on 2 ranks -> EP=2 on 4 ranks -> 1 process / EP=4.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from k3.distributed.balanced import balanced_plan, imbalance
 from k3.distributed.dispatcher import _piece_overlap, home_plan, source_to_slot_order
 from k3.distributed.parallelize import check_ep_size, parallelize
 from k3.model import K3ForCausalLM
+from tests.distributed import worker
 from tests.distributed.launching import REPO, run_scenario
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -29,8 +31,13 @@ STEPS = 20
 
 
 def launch(tmp_path: Path, name: str, nproc: int, *args: str) -> dict:
-    """Run one worker scenario on `nproc` processes and return rank 0's JSON."""
-    return run_scenario(WORKER, tmp_path / f"{name}.json", name, nproc, args, timeout=900)
+    """Run one worker scenario on `nproc` processes and return rank 0's JSON. One process is this one: a fresh
+    interpreter spent ~5 s importing torch and k3 (the worker sees no torchrun environment either way)."""
+    out = tmp_path / f"{name}.json"
+    if nproc == 1:
+        assert worker.main([*args, "--out", str(out)]) == 0
+        return json.loads(out.read_text())
+    return run_scenario(WORKER, out, name, nproc, args, timeout=900)
 
 
 def assert_losses_match(reference: list[float], got: list[float], rtol: float = 1e-5) -> None:
