@@ -2,8 +2,9 @@
 checkpoints across layouts, and the plan arithmetic the dispatcher relies on.
 
 Multi-process tests launch tests/distributed/worker.py with torchrun (one subprocess per layout; the
-one-process layouts run it in this process) and compare the JSON each layout writes. Model: the debug preset (8 experts, top-2) in float64. Layouts:
-1 process; EP=2 on 2 ranks; EP=2 on 4 ranks (two EP groups, each a replica of the experts); EP=4 (slow).
+one-process layouts run it in this process) and compare the JSON each layout writes. Model: the debug preset
+(8 experts, top-2) in float64. Layouts: 1 process; EP=2 on 2 ranks; EP=2 on 4 ranks (two EP groups, each a
+replica of the experts; 20 steps in the slow tests, 2 for the checkpoint test of the default run); EP=4 (slow).
 The trained runs chain their checkpoints: 1 process -> EP=2 on 2 ranks -> EP=2 on 4 ranks -> 1 process / EP=4.
 """
 
