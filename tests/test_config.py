@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -85,14 +83,20 @@ def test_kimi_linear_count_equals_transformers_model():
     assert count_parameters(ModelConfig.from_preset("kimi-linear-48b"))["total_params"] == expected
 
 
-def test_info_cli_json():
-    out = subprocess.run([sys.executable, "-m", "k3", "info", "--preset", "k3", "--json"],
-                         capture_output=True, text=True, check=True).stdout
-    report = json.loads(out)
+# `k3 info` in this process: a subprocess spent ~5 s importing k3 per test; `python -m k3` itself is run by
+# tests/test_cli_careless_input.py.
+def test_info_cli_json(capsys):
+    from k3.cli import main
+
+    assert main(["info", "--preset", "k3", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["total_params"] == count_parameters(ModelConfig.from_preset("k3"))["total_params"]
     assert report["active_params"] < report["total_params"]
 
 
-def test_info_cli_rejects_unknown_preset():
-    result = subprocess.run([sys.executable, "-m", "k3", "info", "--preset", "huge"], capture_output=True, text=True)
-    assert result.returncode != 0 and "invalid choice" in result.stderr
+def test_info_cli_rejects_unknown_preset(capsys):
+    from k3.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["info", "--preset", "huge"])
+    assert exited.value.code != 0 and "invalid choice" in capsys.readouterr().err

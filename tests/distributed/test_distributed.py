@@ -1,14 +1,16 @@
 """Distributed training on CPU with gloo: loss parity across EP layouts, balanced dispatch under skew,
 checkpoints across layouts, and the plan arithmetic the dispatcher relies on.
 
-Multi-process tests launch tests/distributed/worker.py with torchrun (one subprocess per layout) and
-compare the JSON each layout writes. Model: the debug preset (8 experts, top-2) in float64. Layouts:
-1 process; EP=2 on 2 ranks; EP=2 on 4 ranks (two EP groups, each a replica of the experts); EP=4 (slow).
+Multi-process tests launch tests/distributed/worker.py with torchrun (one subprocess per layout; the
+one-process layouts run it in this process) and compare the JSON each layout writes. Model: the debug preset
+(8 experts, top-2) in float64. Layouts: 1 process; EP=2 on 2 ranks; EP=2 on 4 ranks (two EP groups, each a
+replica of the experts; 20 steps in the slow tests, 2 for the checkpoint test of the default run); EP=4 (slow).
 The trained runs chain their checkpoints: 1 process -> EP=2 on 2 ranks -> EP=2 on 4 ranks -> 1 process / EP=4.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +24,7 @@ from k3.distributed.balanced import balanced_plan, imbalance
 from k3.distributed.dispatcher import _piece_overlap, home_plan, source_to_slot_order
 from k3.distributed.parallelize import check_ep_size, parallelize
 from k3.model import K3ForCausalLM
+from tests.distributed import worker
 from tests.distributed.launching import REPO, run_scenario
 
 WORKER = Path(__file__).with_name("worker.py")
@@ -29,8 +32,13 @@ STEPS = 20
 
 
 def launch(tmp_path: Path, name: str, nproc: int, *args: str) -> dict:
-    """Run one worker scenario on `nproc` processes and return rank 0's JSON."""
-    return run_scenario(WORKER, tmp_path / f"{name}.json", name, nproc, args, timeout=900)
+    """Run one worker scenario on `nproc` processes and return rank 0's JSON. One process is this one: a fresh
+    interpreter spent ~5 s importing torch and k3 (the worker sees no torchrun environment either way)."""
+    out = tmp_path / f"{name}.json"
+    if nproc == 1:
+        assert worker.main([*args, "--out", str(out)]) == 0
+        return json.loads(out.read_text())
+    return run_scenario(WORKER, out, name, nproc, args, timeout=900)
 
 
 def assert_losses_match(reference: list[float], got: list[float], rtol: float = 1e-5) -> None:
@@ -76,6 +84,17 @@ def ep2_two_ranks(single_process, tmp_path_factory) -> tuple[dict, Path]:
 
 
 @pytest.fixture(scope="module")
+def ep2_four_ranks_short(ep2_two_ranks, tmp_path_factory) -> tuple[dict, Path]:
+    """EP=2 on 4 ranks for the checkpoint tests of the default run: 2 steps instead of 20 (the 4-rank start-up
+    alone is ~25 s of CPU on 2 cores; the 20-step fixture below is for the slow parity tests). Saves its
+    checkpoint, then loads the EP=2-on-2-ranks one."""
+    tmp = tmp_path_factory.mktemp("ep2x4_short")
+    checkpoint = tmp / "ep2x4_short.pt"
+    return launch(tmp, "ep2x4_short", 4, "train", "--ep", "2", "--steps", "2", "--checkpoint", str(checkpoint),
+                  "--load", str(ep2_two_ranks[1])), checkpoint
+
+
+@pytest.fixture(scope="module")
 def ep2_four_ranks(ep2_two_ranks, tmp_path_factory) -> tuple[dict, Path]:
     """EP=2 on 4 ranks (2 EP groups x 2 ranks; the groups are data-parallel replicas of the experts): trains,
     saves its checkpoint, then loads the EP=2-on-2-ranks one."""
@@ -104,9 +123,12 @@ def test_ep2_on_four_ranks_matches_one_process(single_process, ep2_two_ranks, ep
     assert torch.tensor(ep2x4["logits"]).ne(torch.tensor(ep2["logits"])).any()
 
 
-def test_ep2_checkpoints_load_in_one_process(ep2_two_ranks, ep2_four_ranks, tmp_path):
-    """Both EP=2 layouts' checkpoints load into a single process (plain load_state_dict) with their logits."""
-    (ep2, ep2_checkpoint), (ep2x4, ep2x4_checkpoint) = ep2_two_ranks, ep2_four_ranks
+def test_ep2_checkpoints_load_in_one_process(ep2_two_ranks, ep2_four_ranks_short, tmp_path):
+    """Both EP=2 layouts' checkpoints load into a single process (plain load_state_dict) with their logits, and
+    the EP=2-on-2-ranks one loads under EP=2 on 4 ranks with its logits."""
+    (ep2, ep2_checkpoint), (ep2x4, ep2x4_checkpoint) = ep2_two_ranks, ep2_four_ranks_short
+    assert_same_logits(ep2["logits"], ep2x4["loaded_logits"][0])
+    assert torch.tensor(ep2x4["logits"]).ne(torch.tensor(ep2["logits"])).any()  # the load moved weights
     loaded = launch(tmp_path, "ep1_load", 1, "load", "--load", str(ep2_checkpoint), "--load", str(ep2x4_checkpoint))
     assert_same_logits(ep2["logits"], loaded["loaded_logits"][0])
     assert_same_logits(ep2x4["logits"], loaded["loaded_logits"][1])
@@ -155,21 +177,27 @@ def check_balanced(result: dict, nproc: int, min_plain_imbalance: float = 1.5) -
     assert any("block_sparse_moe.w1" in name for name in result["grad_names"])
 
 
-def test_balanced_dispatch_under_skew_two_ranks(tmp_path):
+@pytest.fixture(scope="module")
+def balanced_two_ranks(tmp_path_factory) -> dict:
+    """Both two-rank skew cases in one launch (each on a freshly built model): {hot experts: result}."""
+    return launch(tmp_path_factory.mktemp("balanced2"), "balanced2", 2, "balanced", "--hot", "0,1", "--hot", "0")
+
+
+def test_balanced_dispatch_under_skew_two_ranks(balanced_two_ranks):
     # Experts 0 and 1 live on rank 0: the plain dispatch puts every pair there.
-    check_balanced(launch(tmp_path, "balanced2", 2, "balanced", "--hot", "0,1"), 2)
+    check_balanced(balanced_two_ranks["0,1"], 2)
 
 
-def test_balanced_dispatch_when_a_rank_computes_home_pairs_and_replicas(tmp_path):
+def test_balanced_dispatch_when_a_rank_computes_home_pairs_and_replicas(balanced_two_ranks):
     # Only expert 0 is hot: every token takes it plus a second expert of its own choice, so rank 1 computes
     # pairs of its home experts (4..7) and a replica of expert 0, whose id sorts before them.
-    check_balanced(launch(tmp_path, "balanced2_mixed", 2, "balanced", "--hot", "0"), 2, min_plain_imbalance=1.2)
+    check_balanced(balanced_two_ranks["0"], 2, min_plain_imbalance=1.2)
 
 
 @pytest.mark.slow
 def test_balanced_dispatch_under_skew_four_ranks(tmp_path):
     # Experts 0, 1 (rank 0) and 5 (rank 2) hot: two overloaded ranks shed onto two idle ones.
-    check_balanced(launch(tmp_path, "balanced4", 4, "balanced", "--hot", "0,1,5"), 4)
+    check_balanced(launch(tmp_path, "balanced4", 4, "balanced", "--hot", "0,1,5")["0,1,5"], 4)
 
 
 # --- plan arithmetic, in one process ---------------------------------------------------------------------

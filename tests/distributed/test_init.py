@@ -53,11 +53,17 @@ def test_seeded_init_writes_everything_and_depends_on_the_seed_only():
     assert queries and all(float(a[k].abs().max()) == 0 for k in queries)  # AttnRes pseudo-queries start at 0
 
 
+@pytest.fixture(scope="module")
+def sharded_builds(tmp_path_factory) -> Path:
+    """Both layouts (EP=2, and EP=1: FSDP only) built on 2 ranks in one launch; their states in this folder."""
+    out_dir = tmp_path_factory.mktemp("sharded_init")
+    run_launch(torchrun(2) + [str(WORKER), "2,1", "3", str(out_dir)], "sharded init, ep 2 and 1", 600)
+    return out_dir
+
+
 @pytest.mark.parametrize("ep", [2, 1])
-def test_sharded_build_equals_the_single_process_init(tmp_path, ep):
-    out = tmp_path / "state.pt"
-    run_launch(torchrun(2) + [str(WORKER), str(ep), "3", str(out)], f"sharded init, ep {ep}", 600)
-    saved = torch.load(out, weights_only=True)
+def test_sharded_build_equals_the_single_process_init(sharded_builds, ep):
+    saved = torch.load(sharded_builds / f"state_ep{ep}.pt", weights_only=True)
     reference = seeded_debug_model(3).state_dict()
     assert sorted(saved["state"]) == sorted(reference)
     assert all(torch.equal(saved["state"][k], reference[k]) for k in reference)

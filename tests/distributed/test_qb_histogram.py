@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -48,21 +49,31 @@ def _reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Both histogram rules on this rank's shard, in one process group (one spawn for both tests)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         scores, old = batch()
         shard = scores.chunk(world)[rank]
         bias = quantile_bias_histogram(shard, old, K, _reduce, center=False)
         torch.save(bias, os.path.join(out_dir, f"bias{rank}.pt"))
+        published = published_bias_histogram(shard, old, K, _reduce)
+        torch.save(published, os.path.join(out_dir, f"published_bias{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def test_histogram_quantile_agrees_across_two_gloo_ranks():
+@pytest.fixture(scope="module")
+def two_gloo_ranks() -> dict[str, list[torch.Tensor]]:
+    """{"iterated": [rank 0's bias, rank 1's], "published": [...]} from two spawned gloo ranks."""
     with tempfile.TemporaryDirectory() as out_dir:
         init_file = os.path.join(out_dir, "init")
         mp.spawn(_rank_main, args=(2, init_file, out_dir), nprocs=2, join=True)
-        biases = [torch.load(os.path.join(out_dir, f"bias{r}.pt")) for r in range(2)]
+        return {rule: [torch.load(os.path.join(out_dir, f"{prefix}bias{r}.pt")) for r in range(2)]
+                for rule, prefix in (("iterated", ""), ("published", "published_"))}
+
+
+def test_histogram_quantile_agrees_across_two_gloo_ranks(two_gloo_ranks):
+    biases = two_gloo_ranks["iterated"]
     assert torch.equal(biases[0], biases[1])
     scores, old = batch()
     received, untied, quota = untied_received(scores, old, biases[0])
@@ -89,22 +100,8 @@ def test_router_uses_histogram_aggregation_when_given_a_reduce():
     assert agree > 0.99  # the two aggregations place the biases alike (ties aside)
 
 
-def _published_rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        scores, old = batch()
-        shard = scores.chunk(world)[rank]
-        bias = published_bias_histogram(shard, old, K, _reduce)
-        torch.save(bias, os.path.join(out_dir, f"bias{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def test_published_histogram_over_two_gloo_ranks_is_within_one_bin_of_the_exact_quantile():
-    with tempfile.TemporaryDirectory() as out_dir:
-        init_file = os.path.join(out_dir, "init")
-        mp.spawn(_published_rank_main, args=(2, init_file, out_dir), nprocs=2, join=True)
-        biases = [torch.load(os.path.join(out_dir, f"bias{r}.pt")) for r in range(2)]
+def test_published_histogram_over_two_gloo_ranks_is_within_one_bin_of_the_exact_quantile(two_gloo_ranks):
+    biases = two_gloo_ranks["published"]
     assert torch.equal(biases[0], biases[1])
     scores, old = batch()
     exact = published_bias(scores, old, K)  # one process, exact quantile over the union of the two shards

@@ -112,10 +112,15 @@ def _forward_backward(model, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str,
 
 
 def scenario_balanced(args) -> dict:
-    """Plain vs balanced dispatch on the same skewed batch: pair counts, logits and gradients."""
+    """Each --hot set in turn (one launch for several): {hot set: _balanced_case}."""
+    return {hot: _balanced_case(args, [int(e) for e in hot.split(",")]) for hot in (args.hot or ["0,1"])}
+
+
+def _balanced_case(args, hot: list[int]) -> dict:
+    """Plain vs balanced dispatch on the same skewed batch, on a freshly built model: pair counts, logits and
+    gradients."""
     model = parallelize(build_model(args.seed), ep_size=get_world_size(), balanced=False)
     ids = global_batches(1, args.batch, args.length, args.seed)[0]
-    hot = [int(e) for e in args.hot.split(",")]
     results = {}
     with skewed_routing(model, hot):
         for mode in ("plain", "balanced"):
@@ -169,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", default="", help="save here after training")
     parser.add_argument("--load", action="append", default=[],
                         help="checkpoint to load (after training, for `train`); repeatable")
-    parser.add_argument("--hot", default="0,1", help="experts the skewed router prefers (balanced)")
+    parser.add_argument("--hot", action="append", default=[],
+                        help="experts the skewed router prefers, e.g. 0,1 (balanced; repeatable; default 0,1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     init_distributed(device="cpu")

@@ -255,16 +255,20 @@ def test_bench_decode_prefills_a_batch_in_chunks_equal_to_one_forward(model, mon
     assert chunked.nbytes("kda") == whole.nbytes("kda") and chunked.nbytes("mla") == whole.nbytes("mla")
 
 
-def test_engine_compiles_its_decode_forward_twice_for_every_batch_size_and_context(model, monkeypatch):
+def test_engine_compiles_its_decode_forward_twice_for_every_batch_size_and_context(monkeypatch):
     """The engine's compiled decode forward with the runner's compile options: one graph for a batch of one, one
     for every larger batch, over growing contexts (page tables of 1, 2, 4 and 8 pages) and a second engine of
-    another context length, where dynamo's automatic dynamic compiled four times or more."""
+    another context length, where dynamo's automatic dynamic compiled four times or more. On the debug preset cut
+    to two layers (KDA with the dense MLP, MLA with the MoE): dynamo's tracing is most of the time, and every
+    kind of layer and cache is still in the graph."""
     import torch._dynamo.testing
 
     from k3.infer import runner as runner_module
     from k3.infer.engine import Engine
     from k3.infer.sampling import SamplingParams
 
+    torch.manual_seed(0)
+    model = K3ForCausalLM(ModelConfig.from_preset("debug", num_layers=2, full_attn_layers=[2])).eval()
     torch._dynamo.reset()
     counter = torch._dynamo.testing.CompileCounter()  # dynamo's tracing and guards alone, no code generation
     counted = torch.compile(runner_module.decode_logits, backend=counter, fullgraph=True)

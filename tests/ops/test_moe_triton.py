@@ -179,9 +179,10 @@ def test_engine_generates_the_same_tokens_with_the_kernels(monkeypatch):
 
     torch.manual_seed(0)
     model = K3ForCausalLM(ModelConfig.from_preset("debug")).eval()
-    prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40)]
+    # 12 tokens prefill in one chunk, 30 in two (16 + 14); both cross a page (16 tokens) while decoding 6 more.
+    prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 30)]
     monkeypatch.setenv("K3_MOE_BACKEND", "loop")
-    want = [greedy_without_cache(model, p, 12) for p in prompts]
+    want = [greedy_without_cache(model, p, 6) for p in prompts]
     import k3.ops.moe as moe_ops
 
     calls = []
@@ -190,7 +191,7 @@ def test_engine_generates_the_same_tokens_with_the_kernels(monkeypatch):
     monkeypatch.setenv("K3_MOE_BACKEND", "triton")
     monkeypatch.setenv("K3_ROUTER_BACKEND", "triton")
     engine = Engine(model, None, max_context=128, max_batch=4, page_size=16, prefill_chunk=16)
-    assert engine.generate_ids(prompts, SamplingParams(max_new_tokens=12, temperature=0.0)) == want
+    assert engine.generate_ids(prompts, SamplingParams(max_new_tokens=6, temperature=0.0)) == want
     assert calls and min(calls) <= 2 * 2  # decode steps (one or two rows of top-2 pairs) went through the kernels
 
 
@@ -213,16 +214,24 @@ def _sorted_reference(h_TD, ids_TK, w1, w3, w2, act):
     return y[torch.argsort(order)]
 
 
-@interpreted
-@pytest.mark.parametrize("act", ["silu", "situ"])
-@pytest.mark.parametrize("num_tokens, top_k, blocks", [
+SHAPES = [
     (1, 3, None), (7, 2, ((16, 16, 16), (16, 32, 16))),
     (90, 3, ((16, 32, 32), (16, 32, 32))),  # 270 pairs, expert 2 over 5 row blocks
     # 240 pairs, experts over two row blocks; warps and stages given
     (80, 3, ((16, 32, 32, 2, 2), (16, 16, 64, 8, 4))),
-])
-@pytest.mark.parametrize("pair_block", [128, moe_triton.PAIR_BLOCK])  # the ids scanned in 2-3 chunks, or in one
-def test_pair_order_kernels_equal_the_sorted_loop(act, num_tokens, top_k, blocks, pair_block, monkeypatch):
+]
+
+
+# Each shape with both activations and each pair block with both, in half the full product: the activation is
+# the GLU epilogue, the same code for any pair block and shape (every pair of choices is still run together).
+# Pair blocks: the ids scanned in 2-3 chunks (128), or in one.
+PAIR_ORDER_CASES = [(*shape, pair_block, ["silu", "situ"][(i + (pair_block == 128)) % 2])
+                    for i, shape in enumerate(SHAPES) for pair_block in (128, moe_triton.PAIR_BLOCK)]
+
+
+@interpreted
+@pytest.mark.parametrize("num_tokens, top_k, blocks, pair_block, act", PAIR_ORDER_CASES)
+def test_pair_order_kernels_equal_the_sorted_loop(num_tokens, top_k, blocks, pair_block, act, monkeypatch):
     monkeypatch.setattr(moe_triton, "PAIR_BLOCK", pair_block)
     w1, w3, w2 = _experts(10, 48, 40, seed=4)
     h = torch.randn(num_tokens, 40, generator=torch.Generator().manual_seed(5))
@@ -245,7 +254,19 @@ def test_pair_lists_shared_between_the_kernels_equal_two_scans(num_tokens, top_k
     args = (h, ids, w1, w3, w2, "situ", (4.0, 25.0), blocks)
     scanned = moe_triton.experts_by_ids_eager(*args, shared_lists=False)
     torch.testing.assert_close(moe_triton.experts_by_ids_eager(*args, shared_lists=True), scanned, rtol=0, atol=0)
+
+
+@interpreted
+def test_pair_lists_switch_is_read_from_the_environment(monkeypatch):
+    """K3_MOE_PAIR_LISTS=1 turns the shared lists on (same result), an unknown value is refused. Apart from the
+    test above: the switch's reading does not depend on the shape, so it runs once, at the smallest."""
+    monkeypatch.setattr(moe_triton, "PAIR_BLOCK", 128)
+    w1, w3, w2 = _experts(10, 48, 40, seed=4)
+    h = torch.randn(1, 40, generator=torch.Generator().manual_seed(5))
+    args = (h, _pairs(1, 3, 10, seed=6).reshape(-1), w1, w3, w2, "situ", (4.0, 25.0), None)
+    scanned = moe_triton.experts_by_ids_eager(*args, shared_lists=False)
     monkeypatch.setenv("K3_MOE_PAIR_LISTS", "1")
+    assert moe_triton.pair_lists_from_env()
     torch.testing.assert_close(moe_triton.experts_by_ids_eager(*args), scanned, rtol=0, atol=0)
     monkeypatch.setenv("K3_MOE_PAIR_LISTS", "yes")
     with pytest.raises(ValueError, match="K3_MOE_PAIR_LISTS"):

@@ -108,7 +108,8 @@ def _check_kth(required, q, slices=None):
 
 
 @interpreted
-@pytest.mark.parametrize("tokens, experts", [(1, 4), (7, 3), (300, 16)])
+# Each expert column is a program of its own (4 passes, each ~0.1 s interpreted): 300 rows over 6 columns, not 16
+@pytest.mark.parametrize("tokens, experts", [(1, 4), (7, 3), (300, 6)])
 def test_kth_and_next_equal_torch(tokens, experts):
     g = torch.Generator().manual_seed(tokens)
     required = torch.randn(tokens, experts, generator=g) * torch.logspace(-3, 1, experts)  # both signs, many scales
@@ -203,22 +204,23 @@ def _on_both_backends(monkeypatch, solve):
 @interpreted
 @pytest.mark.parametrize("seed", [0, 1])
 def test_host_solver_gives_the_same_bias_and_count_on_either_backend(monkeypatch, seed):
-    scores = _skewed(256, 16, seed)
-    used = _on_both_backends(monkeypatch, lambda: solve_batch_bias(scores, torch.zeros(16), 2, max_iters=12))
+    # 8 experts: the interpreted k-th-smallest kernel costs ~0.1 s per expert column per call (6 and 7 updates).
+    scores = _skewed(256, 8, seed)
+    used = _on_both_backends(monkeypatch, lambda: solve_batch_bias(scores, torch.zeros(8), 2, max_iters=12))
     assert 0 < used < 12  # balanced exactly after a few updates
 
 
 @interpreted
 def test_device_solver_gives_the_same_bias_and_count_on_either_backend(monkeypatch):
-    scores = _skewed(256, 16, 2)
-    used = _on_both_backends(monkeypatch, lambda: solve_batch_bias_on_device(scores, torch.zeros(16), 2, updates=4,
+    scores = _skewed(256, 8, 2)
+    used = _on_both_backends(monkeypatch, lambda: solve_batch_bias_on_device(scores, torch.zeros(8), 2, updates=4,
                                                                              tolerance=0.1))
     assert 0 < used < 4  # balanced within the updates; the ones after it computed and dropped
 
 
 @interpreted
 def test_router_routes_the_same_on_either_backend(monkeypatch):
-    config = ModelConfig.from_preset("debug", hidden_size=32, num_experts=16, num_experts_per_tok=2)
+    config = ModelConfig.from_preset("debug", hidden_size=32, num_experts=8, num_experts_per_tok=2)
     torch.manual_seed(0)
     x = torch.randn(64, 32)
     calls = _count_kernel_calls(monkeypatch)
@@ -231,7 +233,7 @@ def test_router_routes_the_same_on_either_backend(monkeypatch):
             router.weight.copy_(torch.randn(router.weight.shape, generator=torch.Generator().manual_seed(1)))
         router.qb_max_iters = 8
         routing = router(x)
-        assert router.last_qb_iters > 0
+        assert router.last_qb_iters > 1, router.last_qb_iters  # a few updates, each through both kernels
         got[backend] = routing.topk_ids_TK, routing.topk_weights_TK, router.last_load_E, \
             router.e_score_correction_bias.clone()
     for want, have in zip(got["torch"], got["triton"]):
