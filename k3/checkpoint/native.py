@@ -136,5 +136,12 @@ def tokenizer_from_checkpoint(state: dict[str, Any], directory: str | os.PathLik
         raise RuntimeError("the checkpoint holds no tokenizer files")
     directory = Path(directory)
     for name, data in files.items():
+        # names come from the checkpoint's author: a path ("../x", "/etc/x", "a/b") would write outside directory
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+            raise ValueError(f"the checkpoint's tokenizer entry {name!r} is not a plain file name; a k3 checkpoint "
+                             f"stores its tokenizer files by name only (e.g. 'tokenizer.json')")
+        if not isinstance(data, bytes):
+            raise ValueError(f"the checkpoint's tokenizer entry {name!r} holds {type(data).__name__}, not bytes")
+    for name, data in files.items():
         atomic_write_bytes(directory / name, data)
     return load_tokenizer(directory)

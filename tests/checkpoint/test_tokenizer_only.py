@@ -109,3 +109,18 @@ def test_a_run_with_no_tokenizer_anywhere_says_so(tmp_path):
     save_checkpoint(run / "checkpoint.pt", {"config": config.to_dict(), "model": {}, "step": 0})
     with pytest.raises(RuntimeError, match="no tokenizer"):
         load_tokenizer_for_inference(str(run), None)
+
+
+@pytest.mark.parametrize("name", ["../escaped.json", "sub/tokenizer.json", "/tmp/k3-escaped-abs.json", ".."])
+def test_a_tokenizer_entry_named_as_a_path_is_refused_and_nothing_lands_outside(tmp_path, tokenizer, name):
+    """A stranger's checkpoint names its tokenizer files: a path in that name must not write where it points."""
+    _, tokenizer_dir = tokenizer
+    run = _run_with_tokenizer_inside(tmp_path / "run", tokenizer_dir, vocab_size=300)
+    state = torch.load(run / "checkpoint.pt", weights_only=True)
+    state["tokenizer"] = {**state["tokenizer"], name: b"{}"}
+    save_checkpoint(run / "checkpoint.pt", state)
+    before = set(tmp_path.rglob("*"))
+    with pytest.raises(ValueError, match="not a plain file name"):
+        load_tokenizer_for_inference(str(run), None)
+    assert set(tmp_path.rglob("*")) == before
+    assert not Path("/tmp/k3-escaped-abs.json").exists()
