@@ -20,8 +20,9 @@ c  the balancing ablation of bench/qb_ablation.py (published QB, iterated QB, lo
    ablation), each arm given an equal share of what is left of the budget; loss at equal tokens (the steps every
    arm ran), maxvio of the routed batch (mean, p95; over all steps and after the first 10%), dead / starved
    experts over 8 batches after training.
-e  the default step with --master-weights fp32-autocast (the previous default) and the matched Kimi-Linear
-   config of bench/train.py through the default path, 60 steps each, while the budget lasts.
+e  the default step with the fused master AdamW (kernels master_adamw=triton), the matched Kimi-Linear config of
+   bench/train.py through the default path, and --master-weights fp32-autocast (the previous default), while the
+   budget lasts.
 """
 
 from __future__ import annotations
@@ -232,18 +233,19 @@ def part_e(args) -> None:
     deadline = time.perf_counter() + args.budget_s
     tokenizer = shared_tokenizer(args)
     matched = {k: v for k, v in k3_matched_config().to_dict().items() if k not in ("eos_token_id", "bos_token_id")}
-    runs = {"matched_default": {"model_overrides": matched},
+    runs = {"master_triton": {}, "matched_default": {"model_overrides": matched},
             "fp32_autocast": {"master_weights": "fp32-autocast"}}
+    kernel_choices = {"master_triton": {"master_adamw": "triton"}}  # the fused pass, to decide its default
     results = {}
     for name, changes in runs.items():
         if time.perf_counter() > deadline - 20:
             break
         values = {**shape(args), **changes, "tokenizer": tokenizer}
-        if args.dry_run and name == "matched_default":
-            continue  # the matched config is 0.5B parameters: not a dry run
+        if args.dry_run and name != "fp32_autocast":
+            continue  # the matched config is 0.5B parameters and the fused kernel needs CUDA: not a dry run
         config = TrainConfig.flat(out=str(work / "e" / name), max_steps=args.steps + 1, eval_every=10 ** 9,
                                   eval_batches=1, save_every=10 ** 9, **values)
-        trainer = Trainer(config, show_progress=False, log=say)
+        trainer = Trainer(config, show_progress=False, log=say, kernels=kernel_choices.get(name))
         first = trainer.train(stop_at=3)
         run_in_chunks(trainer, args.steps, deadline, 20)
         records = [r for r in read_metrics(work / "e" / name / "metrics.jsonl") if "loss" in r]
@@ -252,6 +254,7 @@ def part_e(args) -> None:
         tps = tokens / (overall["p50_ms"] / 1e3) if overall else 0.0
         results[name] = {"steps_run": trainer.step, "first_step_s": first.get("first_step_s"),
                          "bf16_params": trainer.bf16_params, "step_after_10": overall, "tokens_per_s": tps,
+                         "fused_master_tensors": getattr(trainer.optimizer, "fused_stepped", None),
                          "mfu": flops_per_token(trainer) * tps / PEAK_FLOPS}
         merge(out, "e_extra", results)
         say(f"part e: {name} {results[name]}")

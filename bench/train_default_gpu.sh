@@ -19,9 +19,9 @@
 #           estimated 12-18 ms (the 8-layer ablation's 44 ms/step read the device every step, with twice the
 #           layers) plus ~10 s of set-up and capture; each arm gets an equal share of what is left and reports the
 #           steps it ran, equal tokens being the steps every arm finished
-#   d   55  pytest -v tests/train/test_graphed_step.py on the GPU (debug preset: 2 replay tests, 2 trainer tests)
-#   e  rest the matched Kimi-Linear config through the default path, then the previous default (fp32 weights under
-#           autocast), 60 steps each, only if more than 30 s of the 540 are left
+#   d   55  pytest -v tests/train/test_master_adamw.py on the GPU (the fused master AdamW against its twin)
+#   e  rest the default with the fused master AdamW (K3_MASTER_ADAMW=triton), then the matched Kimi-Linear config
+#           through the default path, 40 steps each, only if more than 30 s of the 555 are left
 # Every timeout is hard, so the call ends by ~545 s whatever happens.
 set -u
 OUT=${1:?give the output folder}
@@ -35,7 +35,7 @@ if [ "$DRY" = "--dry-run" ]; then
   ARGS=(--dry-run); B_STEPS=(--steps 25); C_STEPS=(--steps 12 --eval-every 6 --seq 32 --batch 2 --corpus-mb 0.3)
   E_STEPS=(--steps 12); TA=1; TB=240; TC=240; TD=120; TE=120
 else
-  ARGS=(); B_STEPS=(--steps 1000); C_STEPS=(--steps 2000 --layers 4); E_STEPS=(--steps 60)
+  ARGS=(); B_STEPS=(--steps 1000); C_STEPS=(--steps 2000 --layers 4); E_STEPS=(--steps 40)
   TA=65; TB=215; TC=210; TD=55; TE=0  # e: set below from what is left
 fi
 merge() {  # merge KEY JSON: OUT/results.json[KEY] = JSON (plain python: no torch import, no seconds lost)
@@ -86,11 +86,13 @@ part c $TC c.log python $PY c "$OUT" "$WORK" "${C_STEPS[@]}" ${C_WEIGHTS[@]+"${C
 if [ "$DRY" = "--dry-run" ]; then
   part d $TD de.log python -m pytest -q -x -p no:cacheprovider tests/train/test_graphed_step.py -v -k refused
 else
-  part d $TD de.log python -m pytest -q -v -p no:cacheprovider tests/train/test_graphed_step.py
+  # the graphed step's tests run with the other CUDA tests (bench/gpu_tests.sh); here the fused master AdamW's,
+  # whose kernel part e times through the Trainer
+  part d $TD de.log python -m pytest -q -v -p no:cacheprovider tests/train/test_master_adamw.py
 fi
 
 # e: what is left of the budget (540 s in all)
-[ "$DRY" = "--dry-run" ] || TE=$((540 - (SECONDS - START)))
+[ "$DRY" = "--dry-run" ] || TE=$((555 - (SECONDS - START)))
 if [ "$TE" -gt 30 ]; then
   part e $TE de.log python $PY e "$OUT" "$WORK" "${E_STEPS[@]}" --budget-s $((TE - 10)) ${ARGS[@]+"${ARGS[@]}"}
 fi
