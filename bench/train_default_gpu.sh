@@ -23,8 +23,14 @@
 #   e  rest the default with the fused master AdamW (K3_MASTER_ADAMW=triton), then the matched Kimi-Linear config
 #           through the default path, 40 steps each, only if more than 30 s of the 555 are left
 # Every timeout is hard, so the call ends by ~545 s whatever happens.
+#
+# K3_TRAIN_PARTS picks parts (default "a b c d e"); K3_TRAIN_BUDGET_S is the total e may fill up to (default 555),
+# for a call that runs something else first:  K3_TRAIN_PARTS="a b d e" K3_TRAIN_BUDGET_S=380 bash ... OUT
 set -u
 OUT=${1:?give the output folder}
+PARTS=" ${K3_TRAIN_PARTS:-a b c d e} "
+TOTAL=${K3_TRAIN_BUDGET_S:-555}
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 DRY=${2:-}
 mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/k3_train_default.XXXXXX)
@@ -60,7 +66,9 @@ part() {  # part NAME SECONDS LOG COMMAND...: runs COMMAND under its timeout, ap
 }
 
 # a: the bench's best variant and its baselines (bench/train.py writes OUT/a_bench_train.json as it goes)
-if [ "$DRY" = "--dry-run" ]; then
+if ! want a; then
+  :
+elif [ "$DRY" = "--dry-run" ]; then
   echo "dry run: part a (bench/train.py) needs CUDA; skipped" >> "$OUT/a.log"
 else
   part a $TA a.log python bench/train.py --variants k3-small-graphed-step peer --steps 6 \
@@ -68,22 +76,27 @@ else
 fi
 
 # b: the default CLI step, 1,000 steps; recompiles after step 3 counted from TORCH_LOGS
-TORCH_LOGS=recompiles part b $TB b.log python $PY b "$OUT" "$WORK" "${B_STEPS[@]}" --budget-s $((TB - 25)) --profile ${ARGS[@]+"${ARGS[@]}"}
-RECOMPILES=$(awk '/K3-MARK: step 3 done/{after=1; next} after && /Recompiling function/{n++} END{print n+0}' "$OUT/b.log")
-merge b_recompile_lines_after_step_3 "$RECOMPILES" >> "$OUT/b.log" 2>&1
-echo "recompiles logged after step 3: $RECOMPILES" >> "$OUT/b.log"
+if want b; then
+  TORCH_LOGS=recompiles part b $TB b.log python $PY b "$OUT" "$WORK" "${B_STEPS[@]}" --budget-s $((TB - 25)) --profile ${ARGS[@]+"${ARGS[@]}"}
+  RECOMPILES=$(awk '/K3-MARK: step 3 done/{after=1; next} after && /Recompiling function/{n++} END{print n+0}' "$OUT/b.log")
+  merge b_recompile_lines_after_step_3 "$RECOMPILES" >> "$OUT/b.log" 2>&1
+  echo "recompiles logged after step 3: $RECOMPILES" >> "$OUT/b.log"
+fi
 
 # c: the QB ablation (with the previous default's weights if the default failed in part b: an error, not a timeout)
-B_RC=$(awk '/=== part b: rc/{rc=$5} END{print rc+0}' "$OUT/b.log")
+B_RC=0
+want b && B_RC=$(awk '/=== part b: rc/{rc=$5} END{print rc+0}' "$OUT/b.log")
 C_WEIGHTS=()
 if [ "$B_RC" != 0 ] && [ "$B_RC" != 124 ] && [ "$B_RC" != 137 ]; then
   C_WEIGHTS=(--master-weights fp32-autocast)
   echo "part b failed (rc $B_RC): the ablation runs fp32 weights under autocast" >> "$OUT/c.log"
 fi
-part c $TC c.log python $PY c "$OUT" "$WORK" "${C_STEPS[@]}" ${C_WEIGHTS[@]+"${C_WEIGHTS[@]}"} --budget-s $((TC - 20)) ${ARGS[@]+"${ARGS[@]}"}
+want c && part c $TC c.log python $PY c "$OUT" "$WORK" "${C_STEPS[@]}" ${C_WEIGHTS[@]+"${C_WEIGHTS[@]}"} --budget-s $((TC - 20)) ${ARGS[@]+"${ARGS[@]}"}
 
 # d: the graphed step's tests on the GPU
-if [ "$DRY" = "--dry-run" ]; then
+if ! want d; then
+  :
+elif [ "$DRY" = "--dry-run" ]; then
   part d $TD de.log python -m pytest -q -x -p no:cacheprovider tests/train/test_graphed_step.py -v -k refused
 else
   # the graphed step's tests run with the other CUDA tests (bench/gpu_tests.sh); here the fused master AdamW's,
@@ -92,8 +105,8 @@ else
 fi
 
 # e: what is left of the budget (540 s in all)
-[ "$DRY" = "--dry-run" ] || TE=$((555 - (SECONDS - START)))
-if [ "$TE" -gt 30 ]; then
+[ "$DRY" = "--dry-run" ] || TE=$((TOTAL - (SECONDS - START)))
+if want e && [ "$TE" -gt 30 ]; then
   part e $TE de.log python $PY e "$OUT" "$WORK" "${E_STEPS[@]}" --budget-s $((TE - 10)) ${ARGS[@]+"${ARGS[@]}"}
 fi
 # The targets' ratios from what the parts wrote (plain python: read, divide, write)
