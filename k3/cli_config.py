@@ -293,6 +293,16 @@ def _check_scalar(cls: type, name: str, hint: Any, value: Any) -> None:
                          f"{type(value).__name__} {value!r:.60}")
 
 
+def check_positive(config: Any, *names: str, prefix: str = "") -> None:
+    """A ValueError naming the first field of ``config`` among ``names`` that is not above 0 (NaN included); the
+    message gives the flat name (``prefix`` + field name) and what would be right: at least 1 for a count."""
+    for name in names:
+        value = getattr(config, name)
+        if not value > 0:
+            right = "at least 1" if isinstance(value, int) else "positive (above 0)"
+            raise ValueError(f"{prefix}{name} must be {right}, got {value!r}")
+
+
 def _build(cls: type, tree: Mapping[str, Any], base: Any = None) -> Any:
     """``cls`` from a tree of values: a section's values replace its value in ``base``, else its default."""
     hints = typing.get_type_hints(cls)

@@ -8,8 +8,8 @@ from typing import Literal
 
 import pytest
 
-from k3.cli_config import (add_arguments, flags_of, from_dict, from_flat, given, option, replace_flat, section,
-                           to_flat)
+from k3.cli_config import (add_arguments, check_positive, flags_of, from_dict, from_flat, given, option,
+                           replace_flat, section, to_flat)
 
 
 @dataclass
@@ -189,3 +189,17 @@ def test_a_field_without_a_flag_is_not_read_from_an_attribute_of_its_name() -> N
     parser.add_argument("--threads", type=int, default=0)  # the command's own flag of the same name
     args = parser.parse_args(["--threads", "2"])
     assert given(Run, args) == {} and from_flat(Run, threads=3).rollout.threads == 3
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, r"heldout_every must be at least 1, got 0"),
+    (-2, r"heldout_every must be at least 1, got -2"),
+    (0.0, r"heldout_every must be positive \(above 0\), got 0.0"),
+    (float("nan"), r"heldout_every must be positive \(above 0\), got nan"),
+])
+def test_check_positive_names_the_field_and_what_would_be_right(value, message):
+    config = Inner(pairs=3)
+    config.every = value
+    check_positive(config, "pairs")
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        check_positive(config, "pairs", "every", prefix="heldout_")

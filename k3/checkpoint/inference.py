@@ -33,7 +33,6 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
             raise FileNotFoundError(f"{model_path} holds no tokenizer files (tokenizer.json or tiktoken.model); "
                                     f"generation needs one")
     else:
-        from k3.checkpoint.native import tokenizer_from_checkpoint
         from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME, load_run_model
         from k3.data.tokenizer import load_tokenizer
 
@@ -43,7 +42,7 @@ def load_for_inference(run: str | None, model_path: str | None, device: str = "a
         if (run_dir / "tokenizer").is_dir():
             tokenizer = load_tokenizer(run_dir / "tokenizer")
         else:
-            tokenizer = tokenizer_from_checkpoint(state, tempfile.mkdtemp(prefix="k3-tokenizer-"))
+            tokenizer = _tokenizer_inside_checkpoint(state)
     # One move that also casts: moving the fp32 weights first would hold them on the device before the cast.
     model = model.to(target, inference_dtype(dtype, target) if dtype is not None else None)
     if dtype is not None:
@@ -72,7 +71,6 @@ def load_tokenizer_for_inference(run: str | None, model_path: str | None):
             raise FileNotFoundError(f"{model_path} holds no tokenizer files (tokenizer.json or tiktoken.model); "
                                     f"generation needs one")
         return tokenizer
-    from k3.checkpoint.native import tokenizer_from_checkpoint
     from k3.checkpoint.run import SHARDED_CHECKPOINT_NAME, read_run_metadata
     from k3.data.tokenizer import load_tokenizer
 
@@ -80,4 +78,13 @@ def load_tokenizer_for_inference(run: str | None, model_path: str | None):
     run_dir = Path(run).parent if inside else Path(run)
     if (run_dir / "tokenizer").is_dir():
         return load_tokenizer(run_dir / "tokenizer")
-    return tokenizer_from_checkpoint(read_run_metadata(run), tempfile.mkdtemp(prefix="k3-tokenizer-"))
+    return _tokenizer_inside_checkpoint(read_run_metadata(run))
+
+
+def _tokenizer_inside_checkpoint(state: dict) -> object:
+    """The tokenizer stored in a checkpoint's entries, unpacked into a directory of our own that is removed once
+    loaded (every tokenizer reads its files whole at load time)."""
+    from k3.checkpoint.native import tokenizer_from_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="k3-tokenizer-") as directory:
+        return tokenizer_from_checkpoint(state, directory)

@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from k3.cache import MLASlot
 from k3.config import ModelConfig
@@ -171,7 +170,11 @@ class GatedMLA(nn.Module):
             return torch.cat(pieces, dim=2).transpose(1, 2)  # [B, T, H, v]
         # After `past` cached tokens the causal diagonal sits bottom-right. causal_lower_right says so without
         # a [T, past + T] boolean mask (64 GB for a 64K chunk at 1M context) and keeps the flash kernels.
-        mask = causal_lower_right(length, total) if past > 0 and length > 1 else None
+        mask = None
+        if past > 0 and length > 1:
+            from torch.nn.attention.bias import causal_lower_right  # here: importing it imports torch._dynamo (~1.5 s)
+
+            mask = causal_lower_right(length, total)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
             attn_mask=mask, is_causal=past == 0 and length > 1, scale=self.scaling)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch._dynamo.decorators
 
 from k3 import kernels
 from k3.ops.attn_res_triton import DTYPES as TRITON_DTYPES
@@ -65,8 +64,10 @@ def _stack_tokens(sources: list[torch.Tensor]) -> torch.Tensor:
     """[S, N, D] with N = B*T, a fresh tensor (a view of a stack would put its base's strides in the guards).
     Even dynamic, dynamo specialises a size that is 1 the first time it sees it, so B=1 or T=1 (decode)
     would each cost a graph; N is marked unbacked, which dynamo never specialises."""
+    from torch._dynamo.decorators import mark_unbacked  # here: dynamo takes ~1.5 s to import, only compiling needs it
+
     stacked = torch.stack([s.reshape(-1, s.shape[-1]) for s in sources], dim=0)
-    torch._dynamo.decorators.mark_unbacked(stacked, 1)
+    mark_unbacked(stacked, 1)
     return stacked
 
 

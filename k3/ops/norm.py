@@ -38,6 +38,7 @@ import functools
 import torch
 
 from k3 import kernels
+from k3.ops.compile_constant import assume_constant_result
 from k3.ops.fused_backend import fused_backend, opaque_under_compile, with_torch_fallback
 from k3.ops.rms_norm_triton import DTYPES as TRITON_DTYPES, rms_norm_triton
 from k3.ops.triton_support import interpreting, triton_importable
@@ -53,7 +54,7 @@ def _load_fla_norms():
     return rms_norm, rms_norm_gated
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def fla_norms_available() -> bool:
     """A constant to torch.compile: traced, the import would break the graph wherever fla is missing."""
     return not isinstance(_load_fla_norms(), str)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from k3 import kernels
+from k3.ops.compile_constant import assume_constant_result
 from k3.ops.fused_backend import fused_backend, opaque_under_compile, with_torch_fallback
 from k3.ops.short_conv_triton import DTYPES, MAX_WIDTH, short_conv_triton, short_conv_triton_parts
 from k3.ops.triton_support import interpreting, triton_importable
@@ -50,7 +51,7 @@ def _load_fla_conv():
     return causal_conv1d
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def fla_conv_available() -> bool:
     """A constant to torch.compile: traced, the import would break the graph wherever fla is missing."""
     return not isinstance(_load_fla_conv(), str)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from k3 import kernels
+from k3.ops.compile_constant import assume_constant_result
 
 
 # Tags for a custom op whose kernel reads its inputs through their strides. Inductor's default for custom ops is
@@ -43,7 +44,7 @@ def triton_available() -> bool:
     return True
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def triton_importable() -> bool:
     """A constant to torch.compile (the import inside triton_available cannot be traced)."""
     return triton_available()

@@ -9,18 +9,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3.cli_config import from_dict, from_flat, option, replace_flat, section
+from k3.cli_config import check_positive, from_dict, from_flat, option, replace_flat, section
 
 MODES = ("on-policy", "offline", "forward-kl", "mixed")
 ESTIMATORS = ("sampled", "topk")  # on-policy reverse KL: per sampled token (the RL step), or over the teacher's top-k
 TOKEN_LEVEL_ALGORITHMS = ("dapo", "cispo", "grpo", "drgrpo")  # objectives with a per-token term
 LR_SCHEDULES = ("constant", "cosine")
-
-
-def _at_least_one(config: Any, *names: str, prefix: str = "") -> None:
-    for name in names:
-        if getattr(config, name) < 1:
-            raise ValueError(f"{prefix}{name} must be at least 1, got {getattr(config, name)}")
 
 
 @dataclass
@@ -43,7 +37,7 @@ class DistillSampling:
     """the engines' longest prompt + completion, in tokens"""
 
     def __post_init__(self) -> None:
-        _at_least_one(self, "prompts_per_domain", "samples", "max_new_tokens")
+        check_positive(self, "prompts_per_domain", "samples", "max_new_tokens")
 
 
 @dataclass
@@ -111,7 +105,7 @@ class DistillHeldout:
     """steps between held-out evaluations (one is also run at the end)"""
 
     def __post_init__(self) -> None:
-        _at_least_one(self, "samples", "every", prefix="heldout_")
+        check_positive(self, "samples", "every", prefix="heldout_")
 
 
 @dataclass
@@ -155,7 +149,7 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        _at_least_one(self, "steps", "save_every")
+        check_positive(self, "steps", "save_every")
         if self.rl_suites and not self.on_policy:
             raise ValueError(f"--rl-suite adds a task reward to the on-policy advantage; mode {self.mode} has none "
                              f"(use on-policy or mixed)")

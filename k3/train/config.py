@@ -10,19 +10,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3.checkpoint.run import FORMATS as CHECKPOINT_FORMATS
-from k3.cli_config import from_dict, from_flat, option, replace_flat, section
+from k3.cli_config import check_positive, from_dict, from_flat, option, replace_flat, section
 from k3.layers.balancing import QB_AGGREGATES, QB_PUBLISHED
 from k3.runtime import DTYPE_CHOICES
 from k3.train.images import VISION_TRAIN
 from k3.train.master_weights import MASTER_WEIGHTS
 from k3.train.schedule import check_seq_len_schedule, parse_seq_len_schedule
 from k3.vision.config import VISION_PRESETS
-
-
-def _positive(config: Any, *names: str) -> None:
-    for name in names:
-        if getattr(config, name) <= 0:
-            raise ValueError(f"{name} must be positive, got {getattr(config, name)}")
 
 
 @dataclass
@@ -51,7 +45,7 @@ class DataConfig:
     once 2000 steps are done, at the first stage's tokens per step (the first stage's length is --seq-len)"""
 
     def __post_init__(self) -> None:
-        _positive(self, "seq_len", "batch_size")
+        check_positive(self, "seq_len", "batch_size")
         if self.seq_len_schedule is not None:
             self.seq_len_schedule = [[int(n), int(s)] for n, s in self.seq_len_schedule]
             check_seq_len_schedule(self.seq_len_schedule)
@@ -85,7 +79,7 @@ class OptimConfig:
     """coefficient of an auxiliary balancing loss (a baseline for ablations; 0: none)"""
 
     def __post_init__(self) -> None:
-        _positive(self, "lr")
+        check_positive(self, "lr")
         if self.qb_iters < 0:
             raise ValueError(f"qb_iters must be 0 (published Quantile Balancing) or a positive cap on the iterated "
                              f"solve, got {self.qb_iters}")
@@ -249,7 +243,7 @@ class TrainConfig:
     images: ImageConfig = section(ImageConfig)
 
     def __post_init__(self) -> None:
-        _positive(self, "max_steps")
+        check_positive(self, "max_steps")
         if self.log_every < 0:
             raise ValueError(f"log_every must be 0 (auto: 10 on CUDA, 1 elsewhere) or a positive step count, got "
                              f"{self.log_every}")

@@ -3,6 +3,7 @@ weights are damaged or gone still gives its tokenizer (a server tokenizes while 
 
 from __future__ import annotations
 
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -124,3 +125,25 @@ def test_a_tokenizer_entry_named_as_a_path_is_refused_and_nothing_lands_outside(
         load_tokenizer_for_inference(str(run), None)
     assert set(tmp_path.rglob("*")) == before
     assert not Path("/tmp/k3-escaped-abs.json").exists()
+
+
+def test_the_tokenizer_unpacked_from_a_checkpoint_leaves_no_directory_behind(tmp_path, tokenizer, monkeypatch):
+    expected, tokenizer_dir = tokenizer
+    run = _run_with_tokenizer_inside(tmp_path / "run", tokenizer_dir, expected.vocab_size)
+    temp_root = tmp_path / "temp-root"
+    temp_root.mkdir()
+    (temp_root / "someone-elses").mkdir()  # not ours: must survive
+    monkeypatch.setattr(tempfile, "tempdir", str(temp_root))
+    assert load_tokenizer_for_inference(str(run), None).encode(PROBE) == expected.encode(PROBE)
+    assert sorted(p.name for p in temp_root.iterdir()) == ["someone-elses"]
+
+
+def test_the_full_load_leaves_no_tokenizer_directory_behind(tmp_path, tokenizer, monkeypatch):
+    expected, tokenizer_dir = tokenizer
+    run = _run_with_tokenizer_inside(tmp_path / "run", tokenizer_dir, expected.vocab_size)
+    temp_root = tmp_path / "temp-root"
+    temp_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp_root))
+    _, loaded = load_for_inference(str(run), None, "cpu")
+    assert loaded.encode(PROBE) == expected.encode(PROBE)
+    assert list(temp_root.iterdir()) == []

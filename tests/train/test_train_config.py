@@ -76,6 +76,8 @@ def test_a_run_saved_in_the_flat_layout_resumes(tmp_path, corpus_dir, small_conf
     ({"optim": {"lr": True}}, "OptimConfig.lr must be float, got bool"),
     ({"data": {"tokenizer": 3}}, "DataConfig.tokenizer must be str or None, got int"),
     ({"optim": {"lr": 1e-3, "evil": 1}}, "TrainConfig.optim has no field 'evil'"),
+    ({"optim": {"lr": float("nan")}}, r"lr must be positive \(above 0\), got nan"),
+    ({"data": {"seq_len": 0}}, "seq_len must be at least 1, got 0"),
 ])
 def test_a_hostile_saved_config_is_refused_with_the_field_named(saved, message):
     """A checkpoint's saved settings may come from anyone: a wrong type or an unknown field is a ValueError that

@@ -17,6 +17,7 @@ import importlib
 import torch
 
 from k3 import kernels
+from k3.ops.compile_constant import assume_constant_result
 from k3.ops.fused_backend import opaque_under_compile
 from k3.ops.kda.chunk import chunk_kda_torch
 from k3.ops.kda.fla_launch import InplaceRecurrentLauncher, find_fla_recurrent_kernel
@@ -57,13 +58,13 @@ def _load_fla() -> tuple[object, object, object | None] | str:
     return fla_chunk, fla_recurrent, inplace if isinstance(kernel, str) else InplaceRecurrentLauncher(inplace, kernel)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _fla_available() -> bool:
     """A constant to torch.compile: traced, the import would break the graph wherever fla is missing."""
     return not isinstance(_load_fla(), str)
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def _fla_inplace_available() -> bool:
     return _fla_available() and _load_fla()[2] is not None
 
