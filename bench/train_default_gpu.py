@@ -20,9 +20,9 @@ c  the balancing ablation of bench/qb_ablation.py (published QB, iterated QB, lo
    ablation), each arm given an equal share of what is left of the budget; loss at equal tokens (the steps every
    arm ran), maxvio of the routed batch (mean, p95; over all steps and after the first 10%), dead / starved
    experts over 8 batches after training.
-e  the default step with the fused master AdamW (kernels master_adamw=triton), the matched Kimi-Linear config of
-   bench/train.py through the default path, and --master-weights fp32-autocast (the previous default), while the
-   budget lasts.
+e  the default step with the fused master AdamW (kernels master_adamw=triton), then with torch's (the default),
+   the matched Kimi-Linear config of bench/train.py through the default path, and --master-weights fp32-autocast
+   (the previous default), while the budget lasts.
 """
 
 from __future__ import annotations
@@ -233,15 +233,16 @@ def part_e(args) -> None:
     deadline = time.perf_counter() + args.budget_s
     tokenizer = shared_tokenizer(args)
     matched = {k: v for k, v in k3_matched_config().to_dict().items() if k not in ("eos_token_id", "bos_token_id")}
-    runs = {"master_triton": {}, "matched_default": {"model_overrides": matched},
+    runs = {"master_triton": {}, "default": {}, "matched_default": {"model_overrides": matched},
             "fp32_autocast": {"master_weights": "fp32-autocast"}}
-    kernel_choices = {"master_triton": {"master_adamw": "triton"}}  # the fused pass, to decide its default
+    # the fused pass against the default beside it in one run, to decide the fused pass's default
+    kernel_choices = {"master_triton": {"master_adamw": "triton"}, "default": {"master_adamw": "torch"}}
     results = {}
     for name, changes in runs.items():
         if time.perf_counter() > deadline - 20:
             break
         values = {**shape(args), **changes, "tokenizer": tokenizer}
-        if args.dry_run and name != "fp32_autocast":
+        if args.dry_run and name not in ("fp32_autocast", "default"):
             continue  # the matched config is 0.5B parameters and the fused kernel needs CUDA: not a dry run
         config = TrainConfig.flat(out=str(work / "e" / name), max_steps=args.steps + 1, eval_every=10 ** 9,
                                   eval_batches=1, save_every=10 ** 9, **values)
