@@ -76,8 +76,9 @@ class PackedBatch:
     labels: torch.Tensor  # [1, B*T] int64, -100 where not scored
     cu_seqlens: torch.Tensor  # [N+1] int64
     weights: torch.Tensor | None = None  # [1, B*T] float32 loss weight per scored token; None: all 1
-    # Image-text rows (k3.vision.image_batches): the images of the media tokens, in reading order; None: text only
-    pixel_values: torch.Tensor | None = None  # [N, 3, p, p]
+    # Image-text rows (k3.vision.image_batches): the images of the media tokens, in reading order; None: text only.
+    # uint8 patches travel to the device and are normalised there (k3.vision.processing.normalise)
+    image_patches: torch.Tensor | None = None  # [N, 3, p, p] uint8
     grid_thw: torch.Tensor | None = None  # [num_images, 3]
 
     @property

@@ -78,7 +78,7 @@ def visual_generate(model, engine: Engine, items: list[VisualItem]) -> list[list
     for item in items:
         batch = processor([item.image])
         ids = torch.tensor([item.prompt], device=device)
-        embeds.append(model.embed_multimodal(ids, batch.pixel_values.to(device, dtype), batch.grid_thw)[0])
+        embeds.append(model.embed_multimodal(ids, batch.pixel_values_on(device, dtype), batch.grid_thw)[0])
     generated: list[list[int]] = [[] for _ in items]
     by_length: dict[int, list[int]] = {}
     for i, item in enumerate(items):

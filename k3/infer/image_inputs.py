@@ -49,6 +49,6 @@ class ImageInputs:
         with torch.no_grad():
             # grid_thw and the placeholder count from the host: the tower reads sizes there (no device sync)
             embeds = self.model.embed_multimodal(torch.tensor([ids], device=device),
-                                                 images.pixel_values.to(device, dtype), images.grid_thw,
+                                                 images.pixel_values_on(device, dtype), images.grid_thw,
                                                  num_placeholders=ids.count(self.media_token_id))
         return ids, embeds[0]

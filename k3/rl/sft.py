@@ -253,7 +253,8 @@ class SFTTrainer:
             embeds = None
             if images is not None:
                 from k3.train.images import embed_images
-                ids, embeds = None, embed_images(self.multimodal, ids, images.pixel_values, images.grid_thw)
+                ids, embeds = None, embed_images(self.multimodal, ids, images.patches, images.grid_thw,
+                                                 self.processor)
             loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False, inputs_embeds=embeds).loss
         if not torch.isfinite(loss):
             raise RuntimeError(f"SFT loss became {float(loss)} at step {self.step + 1}; lower --lr")

@@ -86,14 +86,19 @@ def add_vision_param_groups(optimizer: torch.optim.Optimizer, vision, lr: float,
             optimizer.add_param_group({"params": params, "weight_decay": wd, "lr": lr * scale, "lr_scale": scale})
 
 
-def embed_images(multimodal, ids: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
-                 host_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """inputs_embeds [1, T, d]: the ids' embeddings with the images' at the media tokens. grid_thw stays on the
-    host (the tower reads its sizes there); host_ids, the same ids on the CPU, let the placeholders be counted
-    without a device sync."""
-    dtype = next(multimodal.vision.parameters()).dtype
-    return multimodal.embed_multimodal(ids, pixel_values.to(ids.device, dtype), grid_thw.cpu(),
+def embed_images(multimodal, ids: torch.Tensor, patches: torch.Tensor, grid_thw: torch.Tensor,
+                 processor: ImageProcessor, host_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """inputs_embeds [1, T, d]: the ids' embeddings with the images' at the media tokens. The uint8 patches
+    [N, 3, p, p] move to the ids' device and are normalised there (the processor's mean and std); grid_thw stays
+    on the host (the tower reads its sizes there); host_ids, the same ids on the CPU, let the placeholders be
+    counted without a device sync."""
+    pixel_values = processor.pixel_values_on(patches, ids.device, _vision_dtype(multimodal))
+    return multimodal.embed_multimodal(ids, pixel_values, grid_thw.cpu(),
                                        num_placeholders=_placeholders(multimodal, host_ids))
+
+
+def _vision_dtype(multimodal) -> torch.dtype:
+    return next(multimodal.vision.parameters()).dtype
 
 
 def _placeholders(multimodal, host_ids: torch.Tensor | None) -> int | None:
@@ -195,10 +200,11 @@ class ImageTraining:
     def embed(self, ids: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         """inputs_embeds [1, T, d]: the ids' embeddings with the batch's images at the media tokens."""
         if self.split is None:
-            return embed_images(self.multimodal, ids, batch.pixel_values, batch.grid_thw, batch.input_ids)
-        dtype = next(self.vision.parameters()).dtype
+            return embed_images(self.multimodal, ids, batch.image_patches, batch.grid_thw, self.processor,
+                                batch.input_ids)
+        pixel_values = self.processor.pixel_values_on(batch.image_patches, ids.device, _vision_dtype(self.multimodal))
         with self.split.vision_forward():
-            image_embeds = self.vision(batch.pixel_values.to(ids.device, dtype), batch.grid_thw.cpu())
+            image_embeds = self.vision(pixel_values, batch.grid_thw.cpu())
         self.split.watch(image_embeds)
         return self.multimodal.embed_multimodal(ids, image_embeds=image_embeds,
                                                 num_placeholders=_placeholders(self.multimodal, batch.input_ids))

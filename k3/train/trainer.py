@@ -403,7 +403,7 @@ class Trainer:
         ids = batch.input_ids.to(self.device)
         labels = batch.labels.to(self.device)
         cu, packing = batch.cu_seqlens, {}
-        if batch.pixel_values is not None and self.static_image_documents:
+        if batch.image_patches is not None and self.static_image_documents:
             limit = self.max_documents(batch.num_tokens // self.seq_len)
             if cu.numel() - 1 <= limit:  # rows hold whole documents (examples and filler): the static form fits
                 cu, packing = pad_cu_seqlens(cu, limit), dict(max_documents=limit, row_length=self.seq_len)
@@ -412,7 +412,7 @@ class Trainer:
             self.images.split.start()
         with self._autocast():
             embeds = None
-            if batch.pixel_values is not None:  # image-text rows: the images' embeddings at the media tokens
+            if batch.image_patches is not None:  # image-text rows: the images' embeddings at the media tokens
                 ids, embeds = None, self.images.embed(ids, batch)
             if batch.weights is None:
                 loss = self.model(ids, cu_seqlens=cu, labels=labels, return_logits=False, inputs_embeds=embeds,

@@ -104,7 +104,7 @@ def processor_for(settings: DemoSettings) -> ImageProcessor:
 
 
 def make_batch(qa: SyntheticVQA, processor: ImageProcessor, samples: list[VQASample]):
-    """(ids [B, T], labels [B, T] with -100 off the answer, pixel_values, grid_thw). labels[t] is the token at
+    """(ids [B, T], labels [B, T] with -100 off the answer, uint8 patches, grid_thw). labels[t] is the token at
     t + 1 where that token is part of the answer or its <eos>; rows are right-padded."""
     images = processor([s.image for s in samples])
     rows, starts = [], []
@@ -119,7 +119,7 @@ def make_batch(qa: SyntheticVQA, processor: ImageProcessor, samples: list[VQASam
     for i, (row, start) in enumerate(zip(rows, starts)):
         ids[i, :len(row)] = torch.tensor(row)
         labels[i, start - 1:len(row) - 1] = torch.tensor(row[start:])
-    return ids, labels, images.pixel_values, images.grid_thw
+    return ids, labels, images.patches, images.grid_thw
 
 
 @torch.no_grad()
@@ -135,7 +135,7 @@ def evaluate(model, qa: SyntheticVQA, processor: ImageProcessor, samples: list[V
         ids, labels, pixels, grid = make_batch(qa, processor, chunk)
         ids, labels = ids.to(device), labels.to(device)
         with _autocast(device, bf16):
-            logits = model(ids, pixels.to(device), grid).logits
+            logits = model(ids, processor.pixel_values_on(pixels, device), grid).logits
         hit = (logits.argmax(-1) == labels) | (labels == -100)
         for sample, ok in zip(chunk, hit.all(-1).tolist()):
             correct[sample.kind][0] += int(ok)
@@ -160,7 +160,7 @@ def letter_accuracy(model, qa: SyntheticVQA, processor: ImageProcessor, samples:
         ids, labels, pixels, grid = make_batch(qa, processor, texts[start:start + 100])
         ids, labels = ids.to(device), labels.to(device)
         with _autocast(device, bf16):
-            predicted = model(ids, pixels.to(device), grid).logits.argmax(-1)
+            predicted = model(ids, processor.pixel_values_on(pixels, device), grid).logits.argmax(-1)
         letters = (labels != -100) & (labels != qa.vocab["<eos>"])
         right += int((predicted == labels)[letters].sum())
         total += int(letters.sum())
@@ -254,7 +254,8 @@ def run_demo(settings: DemoSettings, out: str | Path | None = None, progress: bo
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         started = time.perf_counter()
-        ids, labels, pixels = ids.to(device, non_blocking=True), labels.to(device), pixels.to(device)
+        ids, labels = ids.to(device, non_blocking=True), labels.to(device)
+        pixels = processor.pixel_values_on(pixels, device)
         for group, peak in zip(optimizer.param_groups, peaks):
             group["lr"] = peak * _one_cycle(step, settings.steps)
         with _autocast(device, bf16):

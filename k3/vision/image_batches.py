@@ -1,11 +1,12 @@
 """Image-text examples packed into rows beside text rows, so one training step mixes both.
 
     rows = pack_image_rows(examples, count=2, row_length=256, filler_id=eos, rng=random.Random("0/7"))
-    batch = mixed_batch(pack_rows(text_rows, eos), rows, processor)    # PackedBatch with pixel_values, grid_thw
+    batch = mixed_batch(pack_rows(text_rows, eos), rows, processor)    # PackedBatch with image_patches, grid_thw
 
 Each image row holds whole examples (an example is never cut, so a row never splits an image's placeholders),
 each its own document in cu_seqlens, and a filler document (EOS ids, no loss) up to row_length. The images come
 in reading order: text rows hold none, then image rows one after another, as the model's embed_multimodal wants.
+The images stay uint8 patches here; the step normalises them on its device (ImageProcessor.pixel_values_on).
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def pack_image_rows(examples: list[ImageTextExample], count: int, row_length: in
 
 
 def mixed_batch(text: PackedBatch | None, rows: list[ImageRow], processor) -> PackedBatch:
-    """The text rows' packed batch (or None) followed by the image rows, with the images processed."""
+    """The text rows' packed batch (or None) followed by the image rows, with the images processed into uint8
+    patches (processor: an ImageProcessor or a PixelCache)."""
     ids = [text.input_ids[0]] if text is not None else []
     labels = [text.labels[0]] if text is not None else []
     cu = text.cu_seqlens.tolist() if text is not None else [0]
@@ -79,5 +81,5 @@ def mixed_batch(text: PackedBatch | None, rows: list[ImageRow], processor) -> Pa
                          f"read its data: restore the file, or start a new run without it") from error
     return PackedBatch(torch.cat(ids)[None], torch.cat(labels)[None], torch.tensor(cu, dtype=torch.int64),
                        torch.cat(weights)[None] if weights is not None else None,
-                       processed.pixel_values if processed is not None else None,
+                       processed.patches if processed is not None else None,
                        processed.grid_thw if processed is not None else None)

@@ -3,9 +3,9 @@
     pixels = PixelCache(processor)                                  # at most DEFAULT_MAX_BYTES (1 GiB)
     batch = pixels(["/data/a.png", "data:image/png;base64,..."])   # ProcessedImages, as processor(...) gives
 
-An entry is an image's uint8 patches and grid (a quarter of the fp32 pixel_values' bytes); `normalise` turns
-them into the same bits the processor returns. The least recently used entries leave once the entries hold more
-than max_bytes (0: nothing is kept). A file is keyed by its path with its size, modification time and inode, so
+An entry is an image's uint8 patches and grid (a quarter of the fp32 pixel_values' bytes); a batch keeps them
+uint8 (ProcessedImages.patches) until the step's device normalises them. The least recently used entries leave
+once the entries hold more than max_bytes (0: nothing is kept). A file is keyed by its path with its size, modification time and inode, so
 an image rewritten during a run is decoded again and one removed is the processor's error, as without a cache;
 a data: URL is keyed by its text.
 """

@@ -220,6 +220,9 @@ class MoonViT3d(nn.Module):
         if pixel_values.dim() != 4 or tuple(pixel_values.shape[1:]) != (c, p, p):
             raise ValueError(f"pixel_values must be [patches, {c}, {p}, {p}] (k3.vision.ImageProcessor makes "
                              f"them), got shape {tuple(pixel_values.shape)}")
+        if not pixel_values.is_floating_point():
+            raise ValueError(f"pixel_values must be normalised floats, got {pixel_values.dtype}: normalise uint8 "
+                             f"patches first (ImageProcessor.pixel_values_on or k3.vision.processing.normalise)")
         # sizes drive host-side index building: read once (give grid_thw on the CPU: a device one costs a sync)
         grid_thw = grid_thw.to("cpu", torch.long)
         check_grid(grid_thw, self.config, pixel_values.shape[0])

@@ -37,7 +37,7 @@ def test_static_documents_equal_per_document_on_an_image_text_batch(tmp_path, co
                       show_progress=False)
     trainer.model.eval()  # the routers' bias frozen: both forwards route alike
     batch, _ = trainer._next_batch()
-    assert batch.pixel_values is not None and batch.cu_seqlens.numel() - 1 > 4  # several documents a row
+    assert batch.image_patches is not None and batch.cu_seqlens.numel() - 1 > 4  # several documents a row
     seen = spy_max_documents(trainer, monkeypatch)
     trainer.static_image_documents = False
     want, want_grads = loss_and_grads(trainer, batch)

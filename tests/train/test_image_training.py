@@ -62,7 +62,7 @@ def test_a_step_reaches_the_tower_only_when_not_frozen(tmp_path, corpus_dir, sma
     text_before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     before = vision_state(trainer)
     batch, _ = trainer._next_batch()
-    assert batch.pixel_values is not None and int(batch.grid_thw.shape[0]) >= 1  # a step mixes images in
+    assert batch.image_patches is not None and int(batch.grid_thw.shape[0]) >= 1  # a step mixes images in
     assert batch.input_ids.shape[1] == 4 * 64
     media = trainer.images.media_token_id  # two text rows, then two image rows: the step mixes both
     assert not (batch.input_ids[0, :128] == media).any() and (batch.input_ids[0, 128:] == media).any()

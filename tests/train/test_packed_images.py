@@ -62,7 +62,8 @@ def test_a_packed_step_equals_its_examples_one_by_one(tmp_path, corpus_dir, smal
         pixels = grid = None
         if count:
             used = sum(patches[image:image + count])
-            pixels, grid = batch.pixel_values[patch:patch + used], batch.grid_thw[image:image + count]
+            pixels = trainer.images.processor.normalise(batch.image_patches[patch:patch + used])
+            grid = batch.grid_thw[image:image + count]
             image, patch = image + count, patch + used
         if (labels == -100).all():
             continue  # a filler document: no loss, and its ids pass the model alone

@@ -103,7 +103,8 @@ def test_document_round_trip_gives_exact_ids_labels_and_pixels(tmp_path):
     assert batch.grid_thw.tolist() == [[1, 2, 4]]
     # Patches in (row, column) order: two red, two blue, in both patch rows.
     expected = torch.stack([patch(c) for c in (RED, RED, BLUE, BLUE, RED, RED, BLUE, BLUE)])
-    assert torch.allclose(batch.pixel_values, expected, atol=1e-6)
+    assert batch.image_patches.dtype == torch.uint8  # normalised on the step's device
+    assert torch.allclose(ImageProcessor().normalise(batch.image_patches), expected, atol=1e-6)
 
 
 def test_chat_round_trip_trains_on_assistant_tokens_only(tmp_path):
@@ -172,8 +173,9 @@ def test_images_land_at_their_media_positions_in_reading_order(tmp_path):
     model = K3ForConditionalGeneration(text, VisionConfig.from_preset("tiny", text_hidden_size=text.hidden_size),
                                        MEDIA).eval()
     with torch.no_grad():
-        embeds = model.embed_multimodal(batch.input_ids, batch.pixel_values, batch.grid_thw)
-        images = model.vision(batch.pixel_values, batch.grid_thw)
+        pixel_values = ImageProcessor().normalise(batch.image_patches)
+        embeds = model.embed_multimodal(batch.input_ids, pixel_values, batch.grid_thw)
+        images = model.vision(pixel_values, batch.grid_thw)
     assert images.shape[0] == len(positions)
     assert torch.equal(embeds[0, positions], images)
     others = [t for t in range(batch.input_ids.shape[1]) if t not in positions]

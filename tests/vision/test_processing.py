@@ -55,12 +55,16 @@ def test_patches_are_the_normalised_crops_in_row_major_order():
 
 def test_normalise_gives_the_bits_of_the_formula_and_leaves_its_input_alone():
     processor = ImageProcessor(mean=(0.48, 0.5, 0.41), std=(0.27, 0.5, 0.26))
-    every_value = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).expand(2, 3, 16, 16)
+    every_value = torch.arange(256, dtype=torch.uint8).view(1, 1, 16, 16).repeat(2, 3, 1, 1)
+    kept = every_value.clone()
     formula = (every_value.float() / 255.0 - processor.mean) / processor.std
     assert torch.equal(processor.normalise(every_value), formula)
-    already_float = every_value.float()
-    processor.normalise(already_float)
-    assert torch.equal(already_float, every_value.float())  # the in-place steps work on a copy
+    assert torch.equal(every_value, kept)  # the in-place steps work on a copy
+
+
+def test_normalise_refuses_values_already_normalised():
+    with pytest.raises(ValueError, match="uint8 pixels 0..255, got torch.float32"):
+        ImageProcessor().normalise(torch.zeros(2, 3, 14, 14))
 
 
 def test_padding_is_black_bottom_right():
