@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import io
 import math
-import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
