@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3.cli_config import from_dict, from_flat, option, replace_flat, section
+from k3.cli_config import check_positive, from_dict, from_flat, option, replace_flat, section
 from k3.rl.losses import ALGORITHMS, LossConfig, loss_config_for
 from k3.rl.policy import PolicyConfig
 from k3.rl.rollout import RolloutConfig
@@ -97,11 +97,8 @@ class RLConfig:
     def __post_init__(self) -> None:
         if self.algo not in ALGORITHMS:
             raise ValueError(f"algo must be one of {sorted(ALGORITHMS)}, got {self.algo!r}")
-        for name in ("group", "tasks_per_step", "steps", "heldout_every", "save_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.policy.minibatches < 1:
-            raise ValueError(f"minibatches must be at least 1, got {self.policy.minibatches}")
+        check_positive(self, "group", "tasks_per_step", "steps", "heldout_every", "save_every")
+        check_positive(self.policy, "minibatches")
         if self.routing_source not in ROUTING_SOURCES:
             raise ValueError(f"routing_source must be 'rollout' or 'trainer', got {self.routing_source!r}")
         if self.cuda_graphs and self.policy.routing_replay and self.routing_source == "rollout":
