@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from k3.train.trainer import Trainer
+from test_image_static_documents import loss_and_grads
 from test_packed_images import mixed_size_images  # noqa: F401  (the fixture: noise images of five sizes)
 
 pytest.importorskip("PIL.Image")
@@ -29,15 +30,6 @@ def record_tower_inputs(trainer) -> list[torch.Tensor]:
     proj = trainer.images.vision.vision_tower.patch_embed.proj
     proj.register_forward_pre_hook(lambda _, args: seen.append(args[0].detach().clone()))
     return seen
-
-
-def loss_and_grads(trainer, batch):
-    trainer.model.zero_grad(set_to_none=True)
-    trainer.images.vision.zero_grad(set_to_none=True)
-    loss = trainer._forward(batch)
-    loss.backward()
-    params = [*trainer.model.named_parameters(), *trainer.images.vision.named_parameters()]
-    return loss.detach(), {n: p.grad.clone() for n, p in params if p.grad is not None}
 
 
 @pytest.fixture
