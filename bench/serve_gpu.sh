@@ -89,11 +89,26 @@ if device == "cuda":
 PY
 record probe "$LAST_STATUS" "$LAST_SECONDS"
 
+# The server's packages: a GPU image without them (and without a package index) gets them from .whl/, which
+# bench/gpu_wheels.sh fills on a machine that has one; without them the server parts are skipped, said so.
+MISSING=$(python -c "import fastapi, uvicorn, openai, llguidance" 2>&1 | tail -1)
+if [ -n "$MISSING" ]; then
+  echo "serving packages missing ($MISSING): run bash bench/gpu_wheels.sh before the call; server parts skipped" \
+    | tee -a "$OUT/serve.log"
+fi
+skip() {  # skip NAME: record a server part as not run
+  record "$1" "skipped: serving packages missing ($MISSING); run bash bench/gpu_wheels.sh before the call" 0
+}
+
 # --- serve ---------------------------------------------------------------------------------------------------
-part serve "$T_SERVE" "$OUT/serve.log" python bench/serve.py --preset "$PRESET" --device "$DEVICE" \
-  --skip transformers --mixed tools json_schema --engine-modes in-process process --out "$OUT/serve.json" \
-  "${SERVE_ARGS[@]}"
-record serve "$LAST_STATUS" "$LAST_SECONDS" "$OUT/serve.json"
+if [ -z "$MISSING" ]; then
+  part serve "$T_SERVE" "$OUT/serve.log" python bench/serve.py --preset "$PRESET" --device "$DEVICE" \
+    --skip transformers --mixed tools json_schema --engine-modes in-process process --out "$OUT/serve.json" \
+    "${SERVE_ARGS[@]}"
+  record serve "$LAST_STATUS" "$LAST_SECONDS" "$OUT/serve.json"
+else
+  skip serve
+fi
 
 # --- a random run, then k3 eval at 1M ---------------------------------------------------------------------------
 part run "$T_RUN" "$OUT/run.log" python bench/random_run.py --preset "$PRESET" --out "$RUN_DIR" --device "$DEVICE"
@@ -104,6 +119,7 @@ part eval "$T_EVAL" "$OUT/eval.log" python -m k3 eval --run "$RUN_DIR" --device 
 record eval "$LAST_STATUS" "$LAST_SECONDS" "$OUT/eval.json"
 
 # --- k3 serve at 1M context -------------------------------------------------------------------------------------
+[ -n "$MISSING" ] && { skip serve1m; echo "done: $OUT/summary.json"; exit 0; }
 part serve1m "$T_SERVE1M" "$OUT/eval.log" python - "$RUN_DIR" "$DEVICE" "$LONG_CONTEXT" "$OUT/serve1m.json" <<'PY'
 import json, subprocess, sys, threading, time
 import httpx

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from k3.config import ModelConfig
-from k3.ops.mla_decode import PagedLatents, gather_pages
+from k3.ops.mla_decode import PagedLatents, gather_latents, gather_pages
 
 SCRATCH = 0  # slot and page 0 absorb the writes of padded rows
 
@@ -222,10 +222,13 @@ class MLAView:
     def append(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """latent [B, T, R], k_rope [B, T, rope] -> the rows' whole context [B, S, R], [B, S, rope] gathered."""
         self._write(latent, k_rope)
-        gathered_latent, gathered_rope, mask = gather_pages(self.pages(), latent.shape[1])
         if not self.mask_rows:
+            # Prefill: only the pages holding the row's tokens so far, and no [T, S] mask (the layer's causal
+            # SDPA call needs none; at 1M context a 48K-token chunk's mask alone would be 48 GiB).
             total = self.past + latent.shape[1]
+            gathered_latent, gathered_rope = gather_latents(self.pages(), -(-total // self.pool.page_size))
             return gathered_latent[:, :total], gathered_rope[:, :total]
+        gathered_latent, gathered_rope, mask = gather_pages(self.pages(), latent.shape[1])
         self.visible_mask = mask  # [B, 1, T, S]
         return gathered_latent, gathered_rope
 

@@ -310,15 +310,22 @@ class PagedLatents(NamedTuple):
     positions_B: torch.Tensor
 
 
-def gather_pages(pages: PagedLatents, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The rows' pages copied out: latent [B, S, R], k_rope [B, S, E] (S = P * page_size) and the visible mask
-    [B, 1, T, S] of `length` queries per row."""
-    batch, width = pages.table_BP.shape
+def gather_latents(pages: PagedLatents, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' first `width` pages (all of the table by default) copied out: latent [B, S, R] and k_rope
+    [B, S, E], S = width * page_size."""
+    table = pages.table_BP if width is None else pages.table_BP[:, :width]
+    batch, width = table.shape
     size = pages.latent_NPR.shape[1]
-    latent = pages.latent_NPR[pages.table_BP].view(batch, width * size, -1)
-    k_rope = pages.k_rope_NPE[pages.table_BP].view(batch, width * size, -1)
+    return (pages.latent_NPR[table].view(batch, width * size, -1),
+            pages.k_rope_NPE[table].view(batch, width * size, -1))
+
+
+def gather_pages(pages: PagedLatents, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' pages copied out (gather_latents) and the visible mask [B, 1, T, S] of `length` queries per row:
+    T x S booleans, for decode's few queries only (a 48K-token prefill chunk at 1M context would make 48 GiB)."""
+    latent, k_rope = gather_latents(pages)
     position_BT = pages.positions_B[:, None] + torch.arange(length, device=latent.device)
-    slots_S = torch.arange(width * size, device=latent.device)
+    slots_S = torch.arange(latent.shape[1], device=latent.device)
     return latent, k_rope, (slots_S[None, None, :] <= position_BT[:, :, None])[:, None]
 
 

@@ -2,10 +2,14 @@
 free-memory numbers: where memory allows they are max_context's defaults; where not, they shrink to fit."""
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3.config import ModelConfig
+from k3.infer.cache_pool import CachePool, MLAView
 from k3.infer.engine import default_prefill_chunk
 from k3.infer.memory_budget import context_bytes, fit_prefill, prefill_bytes_per_token
+from k3.ops.mla_decode import gather_pages
 
 GiB = 2**30
 SMALL = ModelConfig.from_preset("small")
@@ -55,3 +59,41 @@ def test_bad_arguments_say_what_is_wrong(kwargs):
     args = dict(config=SMALL, max_context=4096, chunk=512, step_tokens=2048, free_bytes=GiB, itemsize=2) | kwargs
     with pytest.raises(ValueError, match="must be"):
         fit_prefill(**args)
+
+
+class _Created(TorchDispatchMode):
+    """Every tensor an op makes: (shape, dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made += [(tuple(t.shape), t.dtype) for t in (out if isinstance(out, (tuple, list)) else [out])
+                      if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_a_prefill_chunk_reads_only_its_rows_pages_and_makes_no_mask():
+    """A prefill chunk after cached tokens: the layer attends over the row's tokens so far, gathered from the pages
+    holding them (not the whole table, sized for max_context), and no [T, S] mask is made (the 1M eval on an 80 GB
+    card failed on one: 49,152 queries x 1M slots, 48 GiB of booleans the causal SDPA call never read)."""
+    config = ModelConfig.from_preset("debug")
+    page, width = 16, 64  # a table for 1,024 tokens
+    pool = CachePool(config, num_slots=1, num_pages=width, page_size=page, device="cpu", dtype=torch.float32)
+    table, layer = torch.arange(1, width + 1)[None], config.layer_types.index("mla")
+    rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+    g = torch.Generator().manual_seed(0)
+    past, length = 40, 24
+    MLAView(pool, layer, table, torch.tensor([0]), mask_rows=False).append(
+        torch.randn(1, past, rank, generator=g), torch.randn(1, past, rope, generator=g))
+    view = MLAView(pool, layer, table, torch.tensor([past]), mask_rows=False, past=past)
+    new_latent, new_rope = torch.randn(1, length, rank, generator=g), torch.randn(1, length, rope, generator=g)
+    with _Created() as created:
+        latent, k_rope = view.append(new_latent, new_rope)
+    whole_latent, whole_rope, _ = gather_pages(view.pages(), length)  # the whole table, as before
+    assert torch.equal(latent, whole_latent[:, :past + length]) and torch.equal(k_rope, whole_rope[:, :past + length])
+    assert torch.equal(latent[:, past:], new_latent) and view.visible_mask is None
+    assert not [made for made in created.made if made[1] == torch.bool or page * width in made[0]], created.made
+    assert max(shape[1] for shape, _ in created.made if len(shape) == 3 and shape[-1] == rank) == 4 * page
