@@ -20,10 +20,10 @@ default, takes `fused` for CUDA tensors when fla imports and `torch` elsewhere):
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from k3 import kernels
 
@@ -117,6 +117,13 @@ def linear_cross_entropy_fused(hidden: torch.Tensor, weight: torch.Tensor, label
     return loss_N.sum() / (labels != ignore_index).sum()
 
 
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor, without importing torch.distributed.tensor (~0.9 s of `import k3.model`) where
+    nothing has: a DTensor exists only once that module is loaded (FSDP and torch.compile load it)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
+
+
 def linear_cross_entropy_backend(on_cuda: bool = False) -> str:
     """The path K3_LINEAR_CE names, with `auto` resolved for tensors on CUDA (`on_cuda`) or not."""
     backend = kernels.choice("linear_ce")
@@ -134,7 +141,7 @@ def linear_cross_entropy(hidden: torch.Tensor, head: torch.nn.Linear, labels: to
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     backend = linear_cross_entropy_backend(hidden.is_cuda)
     weight = head.weight
-    if backend == "torch" or isinstance(weight, DTensor) or (backend == "fused" and not hidden.is_cuda):
+    if backend == "torch" or is_dtensor(weight) or (backend == "fused" and not hidden.is_cuda):
         return F.cross_entropy(head(hidden).float(), labels, ignore_index=ignore_index)
     if backend == "fused":
         return linear_cross_entropy_fused(hidden, weight, labels, ignore_index)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from k3 import K3ForCausalLM, ModelConfig
-from k3.ops.linear_ce import (_fla_importable, linear_cross_entropy_backend, linear_cross_entropy_chunked,
-                              linear_cross_entropy_plain)
+from k3.ops.linear_ce import (_fla_importable, is_dtensor, linear_cross_entropy_backend,
+                              linear_cross_entropy_chunked, linear_cross_entropy_plain)
 
 needs_cuda_fla = pytest.mark.skipif(not (torch.cuda.is_available() and _fla_importable()), reason="needs CUDA and fla")
 
@@ -129,3 +129,19 @@ def test_fused_loss_is_nan_when_every_label_is_ignored_as_plains_is():
     hidden, weight, labels = (t.detach().cuda() for t in (hidden, weight, labels))
     assert linear_cross_entropy_plain(hidden, weight, labels).isnan()
     assert linear_cross_entropy_fused(hidden, weight, labels).isnan()
+
+
+def test_a_sharded_head_is_told_apart_without_importing_dtensor_up_front(tmp_path):
+    """is_dtensor: True for a DTensor weight (an FSDP-sharded head, which takes the plain path), False for a plain
+    tensor; k3 itself does not import torch.distributed.tensor to ask (tests/ops/test_compile_constant.py)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        weight = distribute_tensor(torch.randn(8, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        assert is_dtensor(weight) and not is_dtensor(torch.randn(8, 4))
+    finally:
+        dist.destroy_process_group()
