@@ -74,3 +74,40 @@ def test_an_unwritable_output_is_a_message(tmp_path, capsys):
     assert main(["convert", "--from", str(tmp_path / "run"), "--to", str(tmp_path / "file" / "out")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("k3: error: ") and str(tmp_path / "file") in err
+
+
+class _FailingAllocation:
+    """torch, except that arange fails as a GPU out of memory does (raised from torch's C++, no Python frame)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def arange(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 GiB.")
+
+
+def test_an_error_k3_did_not_raise_names_the_line_of_k3_it_came_from(run, capsys, monkeypatch):
+    import k3.infer.cache_pool as cache_pool
+
+    monkeypatch.setattr(cache_pool, "torch", _FailingAllocation())
+    assert main(["generate", "--run", str(run), "--prompt", "x", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("k3: error: CUDA out of memory. Tried to allocate 48.00 GiB. (at k3/infer/cache_pool.py:")
+    assert "in _write)" in err and "Traceback" not in err  # the prefill writing its latents to the pages
+
+
+def test_k3s_own_errors_keep_their_message_alone(run, capsys):
+    assert main(["eval", "--run", str(run), "--device", "cpu", "--n", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "--n must be >= 1" in err and "(at k3/" not in err
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_the_whole_traceback_on_request(run, capsys, monkeypatch, how):
+    if how == "environment":
+        monkeypatch.setenv("K3_TRACEBACK", "1")
+    argv = ["eval", "--run", str(run), "--device", "cpu", "--n", "0"]
+    assert main(["--traceback", *argv] if how == "flag" else argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.rstrip().splitlines()[-1].startswith("k3: error: ")
