@@ -76,11 +76,12 @@ def single_process(tmp_path_factory) -> tuple[dict, Path]:
 
 @pytest.fixture(scope="module")
 def ep2_two_ranks(single_process, tmp_path_factory) -> tuple[dict, Path]:
-    """EP=2 on 2 ranks: trains, saves its checkpoint, then loads the single process's."""
+    """EP=2 on 2 ranks: trains, saves its checkpoint, then loads the single process's; then, in the same launch
+    (a start-up of 2 ranks is ~5 s on 2 cores), both two-rank skew cases of balanced_two_ranks."""
     tmp = tmp_path_factory.mktemp("ep2")
     checkpoint = tmp / "ep2.pt"
     return launch(tmp, "ep2", 2, "train", "--steps", str(STEPS), "--checkpoint", str(checkpoint),
-                  "--load", str(single_process[1])), checkpoint
+                  "--load", str(single_process[1]), "--hot", "0,1", "--hot", "0"), checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +179,10 @@ def check_balanced(result: dict, nproc: int, min_plain_imbalance: float = 1.5) -
 
 
 @pytest.fixture(scope="module")
-def balanced_two_ranks(tmp_path_factory) -> dict:
-    """Both two-rank skew cases in one launch (each on a freshly built model): {hot experts: result}."""
-    return launch(tmp_path_factory.mktemp("balanced2"), "balanced2", 2, "balanced", "--hot", "0,1", "--hot", "0")
+def balanced_two_ranks(ep2_two_ranks) -> dict:
+    """Both two-rank skew cases, run after the EP=2 training in its launch (each on a freshly built model):
+    {hot experts: result}."""
+    return ep2_two_ranks[0]["balanced"]
 
 
 def test_balanced_dispatch_under_skew_two_ranks(balanced_two_ranks):

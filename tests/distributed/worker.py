@@ -78,6 +78,8 @@ def scenario_train(args) -> dict:
     for path in args.load:
         load_checkpoint(model, path)
         result["loaded_logits"].append(_eval_logits(model, args))
+    if args.hot:  # the balanced cases too, in this launch (each on a freshly built model): saves a start-up
+        result["balanced"] = scenario_balanced(args)
     return result
 
 
@@ -175,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--load", action="append", default=[],
                         help="checkpoint to load (after training, for `train`); repeatable")
     parser.add_argument("--hot", action="append", default=[],
-                        help="experts the skewed router prefers, e.g. 0,1 (balanced; repeatable; default 0,1)")
+                        help="experts the skewed router prefers, e.g. 0,1 (balanced, or train then the balanced "
+                             "cases; repeatable; default 0,1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     init_distributed(device="cpu")

@@ -56,7 +56,9 @@ class Server:
     source: a run directory (--run), or with hf=True a Hugging Face-format directory (--model)."""
 
     def __init__(self, source: Path, *args: str, hf: bool = False, start_timeout_s: float = 120.0,
-                 module: str = "k3") -> None:
+                 module: str = "k3", wait: bool = True) -> None:
+        """wait=False returns once the process is started; ready() then waits for it (several servers start
+        side by side: each start-up is seconds of imports on one core)."""
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         # module: "k3", or a module of this folder standing in for it (dying_serve)
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), env.get("PYTHONPATH", "")])
@@ -68,7 +70,17 @@ class Server:
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._drain, daemon=True).start()
         self.url = None
-        deadline = time.monotonic() + start_timeout_s
+        self.http = None
+        self._start_timeout_s = start_timeout_s
+        self._deadline = time.monotonic() + start_timeout_s
+        if wait:
+            self.ready()
+
+    def ready(self) -> "Server":
+        """Wait until the server listens and its warm-up is over; returns the server."""
+        if self.http is not None:
+            return self
+        start_timeout_s, deadline = self._start_timeout_s, self._deadline
         try:
             while self.url is None:
                 try:
@@ -91,6 +103,7 @@ class Server:
             except (httpx.HTTPError, ValueError):  # a server that died or answers no JSON: its test will say
                 break
             time.sleep(0.05)
+        return self
 
     def _drain(self) -> None:
         for line in self.process.stdout:

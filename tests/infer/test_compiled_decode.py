@@ -80,6 +80,9 @@ def check_compiled_equals_eager(model, step) -> None:
         step(model, fresh, ids[:, :1])
 
 
+# test_compiled_decode_equals_eager_without_recompiles compiles the same step of the same model and cache with
+# fullgraph=True, which raises at any graph break: the default run checks this there, without a second trace.
+@pytest.mark.slow
 def test_decode_step_is_one_graph_without_breaks(model):
     cache, ids = prefilled(model)
     explained = torch._dynamo.explain(decode_step)(model, cache, ids[:, :1])

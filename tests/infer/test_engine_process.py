@@ -67,14 +67,21 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(run):
+def launched(run):
+    """The server, started here and waited for in `served`: the file's other engines (`process`, `in_process`)
+    start meanwhile, side by side with it (each start-up is seconds of imports on one core)."""
     server = Server(run, "--engine-process", "--chat-template", "kimi_k2", "--max-batch", "8", "--max-context",
-                    "1024", start_timeout_s=180)
+                    "1024", start_timeout_s=180, wait=False)
     try:
-        server.wait_until(lambda h: h["status"] == "ok", "the engine process's readiness", 120)
         yield server
     finally:
         stop_all(server)
+
+
+@pytest.fixture(scope="module")
+def served(launched, process, in_process):
+    launched.ready().wait_until(lambda h: h["status"] == "ok", "the engine process's readiness", 120)
+    return launched
 
 
 @pytest.fixture

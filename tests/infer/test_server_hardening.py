@@ -21,12 +21,24 @@ def run(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(run):
-    server = Server(run, "--max-batch", "4", "--max-context", "128", "--max-queue", "16")
+def servers(run):
+    """Both long-lived servers of this file, started side by side (each start-up is seconds of imports on one
+    core): the plain one and `limited`, with small limits, so that passing them is quick."""
+    started = {}
     try:
-        yield server
+        started["server"] = Server(run, "--max-batch", "4", "--max-context", "128", "--max-queue", "16", wait=False)
+        started["limited"] = Server(run, "--max-context", "128", "--max-body-mb", "1", "--header-timeout", "1",
+                                    "--keep-alive-timeout", "1", "--max-connections", "8", "--allowed-origins",
+                                    "http://ok.example", wait=False)
+        yield started
     finally:
-        server.stop()
+        for server in started.values():
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers["server"].ready()
 
 
 def completion(server, **fields):
@@ -46,8 +58,36 @@ def test_a_huge_number_is_answered_and_the_next_request_served(server, field, va
     assert server.http.get("/health").status_code == 200
 
 
-def test_an_engine_that_dies_makes_the_process_exit_non_zero(run):
-    server = Server(run, module="dying_serve")
+@pytest.fixture(scope="module")
+def dying(run):
+    """The three processes whose engine fails, started side by side: a server that exits, one told to keep
+    serving, and a start whose warm-up fails (each start-up is seconds of imports on one core)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    started = {}
+    try:
+        started["exits"] = Server(run, module="dying_serve", wait=False)
+        started["keeps"] = Server(run, "--keep-serving-after-engine-error", module="dying_serve", wait=False)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
+                                                                               os.environ.get("PYTHONPATH", "")]))
+        started["warm-up"] = subprocess.Popen([sys.executable, "-m", "dying_serve", "serve", "--run", str(run),
+                                               "--port", "0", "--device", "cpu", "--warm-up-dies"],
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        yield started
+    finally:
+        for process in started.values():
+            if isinstance(process, Server):
+                process.stop()
+            elif process.poll() is None:
+                process.kill()
+                process.communicate(timeout=30)
+
+
+def test_an_engine_that_dies_makes_the_process_exit_non_zero(dying):
+    server = dying["exits"].ready()
     try:
         assert completion(server).status_code == 503
         assert server.process.wait(timeout=30) == 1
@@ -56,22 +96,14 @@ def test_an_engine_that_dies_makes_the_process_exit_non_zero(run):
         server.stop()
 
 
-def test_a_warmup_that_fails_makes_the_process_exit_non_zero(run):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(Path(__file__).parent),
-                                                                           os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-m", "dying_serve", "serve", "--run", str(run), "--port", "0",
-                           "--device", "cpu", "--warm-up-dies"], capture_output=True, text=True, timeout=120, env=env)
-    assert done.returncode == 1
-    assert "injected engine failure" in done.stderr + done.stdout
+def test_a_warmup_that_fails_makes_the_process_exit_non_zero(dying):
+    stdout, stderr = dying["warm-up"].communicate(timeout=120)
+    assert dying["warm-up"].returncode == 1
+    assert "injected engine failure" in stderr + stdout
 
 
-def test_an_engine_that_dies_keeps_answering_503_when_told_to(run):
-    server = Server(run, "--keep-serving-after-engine-error", module="dying_serve")
+def test_an_engine_that_dies_keeps_answering_503_when_told_to(dying):
+    server = dying["keeps"].ready()
     try:
         assert completion(server).status_code == 503
         health = server.http.get("/health")
@@ -83,14 +115,8 @@ def test_an_engine_that_dies_keeps_answering_503_when_told_to(run):
 
 
 @pytest.fixture(scope="module")
-def limited(run):
-    """A server with small limits, so that passing them is quick."""
-    server = Server(run, "--max-context", "128", "--max-body-mb", "1", "--header-timeout", "1",
-                    "--keep-alive-timeout", "1", "--max-connections", "8", "--allowed-origins", "http://ok.example")
-    try:
-        yield server
-    finally:
-        server.stop()
+def limited(servers):
+    return servers["limited"].ready()
 
 
 def test_a_20m_character_prompt_is_refused_fast_while_health_answers(server):

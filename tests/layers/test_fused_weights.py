@@ -20,9 +20,9 @@ from k3.ops.short_conv import short_conv_step, short_conv_torch
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def make_model(seed: int = 0) -> K3ForCausalLM:
+def make_model(seed: int = 0, **overrides) -> K3ForCausalLM:
     torch.manual_seed(seed)
-    model = K3ForCausalLM(ModelConfig.from_preset("debug")).eval()
+    model = K3ForCausalLM(ModelConfig.from_preset("debug", **overrides)).eval()
     with torch.no_grad():  # weights far from init so that every projection matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
@@ -117,7 +117,7 @@ def test_compiled_fused_decode_through_the_conv_kernel_equals_the_twin(monkeypat
     declares its write to the cache's window, so the window after each step and the logits equal the PyTorch
     twin's, eager."""
     pytest.importorskip("triton")
-    model = make_model()
+    model = make_model(num_layers=2, full_attn_layers=[2])  # one KDA layer, one MLA: half the preset's trace
     fuse_model_weights(model)
     ids = torch.randint(0, model.config.vocab_size, (3, 8), generator=torch.Generator().manual_seed(5))
 

@@ -178,7 +178,10 @@ def test_engine_generates_the_same_tokens_with_the_kernels(monkeypatch):
     from k3.model import K3ForCausalLM
 
     torch.manual_seed(0)
-    model = K3ForCausalLM(ModelConfig.from_preset("debug")).eval()
+    # Two layers (KDA, then MLA), both MoE: every interpreted expert launch is ~0.1 s, and two MoE layers take the
+    # same calls as the preset's three.
+    model = K3ForCausalLM(ModelConfig.from_preset("debug", num_layers=2, full_attn_layers=[2],
+                                                  first_k_dense_replace=0)).eval()
     # 12 tokens prefill in one chunk, 30 in two (16 + 14); both cross a page (16 tokens) while decoding 6 more.
     prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 30)]
     monkeypatch.setenv("K3_MOE_BACKEND", "loop")

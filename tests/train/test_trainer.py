@@ -173,14 +173,19 @@ def test_cli_train_then_resume(tmp_path, corpus_dir, capsys):
     assert math.isfinite(losses(run)[3])
 
 
+# The profile tests' model: parsing the profiler's events (one per op, ~2x as many at the preset's 4 layers) is
+# most of such a test's time, and the report is the same at any depth.
+PROFILED_MODEL = {"vocab_size": 320, "num_layers": 2, "full_attn_layers": [2]}
+
+
 def test_profile_reports_a_window_of_steps_after_the_first_ones(tmp_path, corpus_dir, small_config):
     """`--profile DIR`: steps 4-6 under torch.profiler (the first three compile kernels on a GPU), one report
     with the per-step times, the host syncs and the op table; the run itself is unchanged."""
     from k3.train.profile import PROFILE_AFTER, PROFILE_STEPS
 
     run = tmp_path / "run"
-    trainer = Trainer(small_config(run, corpus_dir, max_steps=7, eval_every=7), show_progress=False,
-                      profile=tmp_path / "prof")
+    trainer = Trainer(small_config(run, corpus_dir, max_steps=7, eval_every=7, model_overrides=PROFILED_MODEL),
+                      show_progress=False, profile=tmp_path / "prof")
     summary = trainer.train()
     first, last = PROFILE_AFTER + 1, PROFILE_AFTER + PROFILE_STEPS
     report = tmp_path / "prof" / f"profile_steps_{first}-{last}.txt"
@@ -200,16 +205,16 @@ def test_profile_reports_a_window_of_steps_after_the_first_ones(tmp_path, corpus
 
 def test_profile_of_a_run_that_stops_inside_the_window_is_still_written(tmp_path, corpus_dir, small_config):
     run = tmp_path / "run"
-    summary = Trainer(small_config(run, corpus_dir, max_steps=5, eval_every=5), show_progress=False,
-                      profile=tmp_path / "prof").train()
+    summary = Trainer(small_config(run, corpus_dir, max_steps=5, eval_every=5, model_overrides=PROFILED_MODEL),
+                      show_progress=False, profile=tmp_path / "prof").train()
     assert summary["profile"].endswith("profile_steps_4-5.txt")
     assert "steps 4-5 (2 steps)" in Path(summary["profile"]).read_text()
 
 
 def test_profile_at_moves_the_window_to_a_later_step(tmp_path, corpus_dir, small_config):
     run = tmp_path / "run"
-    summary = Trainer(small_config(run, corpus_dir, max_steps=8, eval_every=8), show_progress=False,
-                      profile=tmp_path / "prof", profile_at=6).train()
+    summary = Trainer(small_config(run, corpus_dir, max_steps=8, eval_every=8, model_overrides=PROFILED_MODEL),
+                      show_progress=False, profile=tmp_path / "prof", profile_at=6).train()
     assert summary["profile"].endswith("profile_steps_6-8.txt")
     assert "steps 6-8 (3 steps)" in Path(summary["profile"]).read_text()
     with pytest.raises(ValueError, match="needs a profile directory"):
