@@ -516,7 +516,8 @@ def test_paged_kernel_equals_einsum_cuda_bf16(length):
 @interpreted
 def test_engine_generates_the_same_tokens_with_the_kernel(monkeypatch):
     """The inference engine (chunked prefill, batched decode over the cache pool, rows at their own positions)
-    with every absorbed MLA call on the kernel gives the tokens of a cache-free greedy loop."""
+    with every absorbed MLA call on the kernel gives the tokens of a cache-free greedy loop, and the log
+    probabilities of the same engine on the einsum twin (tokens alone let a wrong scale through)."""
     from k3.infer.engine import Engine, greedy_without_cache
     from k3.infer.sampling import SamplingParams
     from k3.model import K3ForCausalLM
@@ -525,10 +526,19 @@ def test_engine_generates_the_same_tokens_with_the_kernel(monkeypatch):
     # Two layers (KDA, then MLA): one MLA layer takes the same kernel calls as the preset's two, at half the launches.
     model = K3ForCausalLM(ModelConfig.from_preset("debug", num_layers=2, full_attn_layers=[2])).eval()
     prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0, logprobs=0)
+
+    def engine_outputs():
+        engine = Engine(model, None, max_context=128, max_batch=4, page_size=16, prefill_chunk=16)
+        return [out.outputs[0] for out in engine.complete(prompts, params)]
+
     monkeypatch.setenv("K3_MLA_DECODE", "einsum")
     want = [greedy_without_cache(model, p, 8) for p in prompts]
+    twin = engine_outputs()
     calls = _count_kernel_calls(monkeypatch)
     monkeypatch.setenv("K3_MLA_DECODE", "triton")
-    engine = Engine(model, None, max_context=128, max_batch=4, page_size=16, prefill_chunk=16)
-    assert engine.generate_ids(prompts, SamplingParams(max_new_tokens=8, temperature=0.0)) == want
+    got = engine_outputs()
+    assert [out.token_ids for out in got] == [out.token_ids for out in twin] == want
+    for out, ref in zip(got, twin):
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
     assert any(shape[0] == 2 and shape[2] == 1 for shape in calls)  # batched one-token decode took the kernel

@@ -172,7 +172,8 @@ def test_a_kernel_triton_cannot_compile_falls_back_once(monkeypatch):
 @interpreted
 def test_engine_generates_the_same_tokens_with_the_kernels(monkeypatch):
     """The inference engine (chunked prefill, batched decode over the cache pool) with every routed-expert call on
-    the Triton kernels gives the tokens of a cache-free greedy loop over the PyTorch experts."""
+    the Triton kernels gives the tokens of a cache-free greedy loop over the PyTorch experts, and the log
+    probabilities of the same engine on them (tokens alone let a wrong scale through)."""
     from k3.infer.engine import Engine, greedy_without_cache
     from k3.infer.sampling import SamplingParams
     from k3.model import K3ForCausalLM
@@ -184,8 +185,15 @@ def test_engine_generates_the_same_tokens_with_the_kernels(monkeypatch):
                                                   first_k_dense_replace=0)).eval()
     # 12 tokens prefill in one chunk, 30 in two (16 + 14); both cross a page (16 tokens) while decoding 6 more.
     prompts = [torch.randint(1, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 30)]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, logprobs=0)
+
+    def engine_outputs():
+        engine = Engine(model, None, max_context=128, max_batch=4, page_size=16, prefill_chunk=16)
+        return [out.outputs[0] for out in engine.complete(prompts, params)]
+
     monkeypatch.setenv("K3_MOE_BACKEND", "loop")
     want = [greedy_without_cache(model, p, 6) for p in prompts]
+    twin = engine_outputs()
     import k3.ops.moe as moe_ops
 
     calls = []
@@ -193,8 +201,10 @@ def test_engine_generates_the_same_tokens_with_the_kernels(monkeypatch):
     monkeypatch.setattr(moe_ops, "experts_by_ids", lambda *args: calls.append(args[1].numel()) or kernels(*args))
     monkeypatch.setenv("K3_MOE_BACKEND", "triton")
     monkeypatch.setenv("K3_ROUTER_BACKEND", "triton")
-    engine = Engine(model, None, max_context=128, max_batch=4, page_size=16, prefill_chunk=16)
-    assert engine.generate_ids(prompts, SamplingParams(max_new_tokens=6, temperature=0.0)) == want
+    got = engine_outputs()
+    assert [out.token_ids for out in got] == [out.token_ids for out in twin] == want
+    for out, ref in zip(got, twin):
+        torch.testing.assert_close(torch.tensor(out.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=0)
     assert calls and min(calls) <= 2 * 2  # decode steps (one or two rows of top-2 pairs) went through the kernels
 
 
