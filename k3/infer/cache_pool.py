@@ -225,9 +225,7 @@ class MLAView:
         if not self.mask_rows:
             # Prefill: only the pages holding the row's tokens so far, and no [T, S] mask (the layer's causal
             # SDPA call needs none; at 1M context a 48K-token chunk's mask alone would be 48 GiB).
-            total = self.past + latent.shape[1]
-            gathered_latent, gathered_rope = gather_latents(self.pages(), -(-total // self.pool.page_size))
-            return gathered_latent[:, :total], gathered_rope[:, :total]
+            return gather_latents(self.pages(), self.past + latent.shape[1])
         gathered_latent, gathered_rope, mask = gather_pages(self.pages(), latent.shape[1])
         self.visible_mask = mask  # [B, 1, T, S]
         return gathered_latent, gathered_rope

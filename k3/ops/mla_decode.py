@@ -310,14 +310,15 @@ class PagedLatents(NamedTuple):
     positions_B: torch.Tensor
 
 
-def gather_latents(pages: PagedLatents, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows' first `width` pages (all of the table by default) copied out: latent [B, S, R] and k_rope
-    [B, S, E], S = width * page_size."""
-    table = pages.table_BP if width is None else pages.table_BP[:, :width]
-    batch, width = table.shape
+def gather_latents(pages: PagedLatents, tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' first `tokens` slots (the whole table by default) copied out of the pages holding them: latent
+    [B, S, R] and k_rope [B, S, E]."""
     size = pages.latent_NPR.shape[1]
-    return (pages.latent_NPR[table].view(batch, width * size, -1),
-            pages.k_rope_NPE[table].view(batch, width * size, -1))
+    table = pages.table_BP if tokens is None else pages.table_BP[:, :-(-tokens // size)]
+    batch, slots = table.shape[0], table.shape[1] * size
+    latent = pages.latent_NPR[table].view(batch, slots, -1)
+    k_rope = pages.k_rope_NPE[table].view(batch, slots, -1)
+    return (latent, k_rope) if tokens is None else (latent[:, :tokens], k_rope[:, :tokens])
 
 
 def gather_pages(pages: PagedLatents, length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
