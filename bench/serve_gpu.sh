@@ -91,7 +91,7 @@ record probe "$LAST_STATUS" "$LAST_SECONDS"
 
 # The server's packages: a GPU image without them (and without a package index) gets them from .whl/, which
 # bench/gpu_wheels.sh fills on a machine that has one; without them the server parts are skipped, said so.
-MISSING=$(python -c "import fastapi, uvicorn, openai, llguidance" 2>&1 | tail -1)
+MISSING=$(python -c "import fastapi, uvicorn, httpx, llguidance" 2>&1 | tail -1)
 WHY="serving packages missing ($MISSING); run bash bench/gpu_wheels.sh before the call"
 [ -n "$MISSING" ] && echo "$WHY: server parts skipped" | tee -a "$OUT/serve.log"
 skip() {  # skip NAME: record a server part as not run
