@@ -12,6 +12,9 @@
 #             (expected total about 8.5 minutes; should the 10-minute limit cut it, the rest has been written)
 # Each part runs under its own timeout; summary.json is rewritten as each part ends (status, seconds, numbers).
 #
+# K3_SERVE_PARTS picks parts (default "probe serve run eval serve1m"; serve1m needs run), for a call that runs
+# something else first.
+#
 # Usage: bench/serve_gpu.sh OUT_DIR            on the GPU
 #        bench/serve_gpu.sh OUT_DIR --cpu-check the same logic on CPU: debug preset, tiny lengths (minutes)
 # Files in OUT_DIR (7): summary.json probe.log serve.json serve.log run.log eval.json eval.log
@@ -25,6 +28,8 @@ cd "$HERE"
 export PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 RUN_DIR=$(mktemp -d /tmp/k3_serve_gpu_run.XXXXXX)
 trap 'rm -rf "$RUN_DIR"' EXIT
+PARTS=" ${K3_SERVE_PARTS:-probe serve run eval serve1m} "
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 
 if [ "$MODE" = "--cpu-check" ]; then
   export OMP_NUM_THREADS=1
@@ -70,7 +75,7 @@ part() {  # part NAME TIMEOUT LOG CMD... : run CMD under timeout, append to LOG,
 }
 
 # --- probe -------------------------------------------------------------------------------------------------
-part probe "$T_PROBE" "$OUT/probe.log" python - "$DEVICE" <<'PY'
+want probe && part probe "$T_PROBE" "$OUT/probe.log" python - "$DEVICE" <<'PY'
 import sys, torch
 device = sys.argv[1]
 print("torch", torch.__version__, "device", torch.cuda.get_device_name() if device == "cuda" else "cpu")
@@ -87,7 +92,7 @@ if device == "cuda":
               f"efficient {can_use_efficient_attention(params, True)}")
         del q, k
 PY
-record probe "$LAST_STATUS" "$LAST_SECONDS"
+want probe && record probe "$LAST_STATUS" "$LAST_SECONDS"
 
 # The server's packages: a GPU image without them (and without a package index) gets them from .whl/, which
 # bench/gpu_wheels.sh fills on a machine that has one; without them the server parts are skipped, said so.
@@ -99,7 +104,9 @@ skip() {  # skip NAME: record a server part as not run
 }
 
 # --- serve ---------------------------------------------------------------------------------------------------
-if [ -z "$MISSING" ]; then
+if ! want serve; then
+  :
+elif [ -z "$MISSING" ]; then
   part serve "$T_SERVE" "$OUT/serve.log" python bench/serve.py --preset "$PRESET" --device "$DEVICE" \
     --skip transformers --mixed tools json_schema --engine-modes in-process process --out "$OUT/serve.json" \
     "${SERVE_ARGS[@]}"
@@ -109,14 +116,15 @@ else
 fi
 
 # --- a random run, then k3 eval at 1M ---------------------------------------------------------------------------
-part run "$T_RUN" "$OUT/run.log" python bench/random_run.py --preset "$PRESET" --out "$RUN_DIR" --device "$DEVICE"
-record run "$LAST_STATUS" "$LAST_SECONDS"
+want run && part run "$T_RUN" "$OUT/run.log" python bench/random_run.py --preset "$PRESET" --out "$RUN_DIR" --device "$DEVICE"
+want run && record run "$LAST_STATUS" "$LAST_SECONDS"
 
-part eval "$T_EVAL" "$OUT/eval.log" python -m k3 eval --run "$RUN_DIR" --device "$DEVICE" \
+want eval && part eval "$T_EVAL" "$OUT/eval.log" python -m k3 eval --run "$RUN_DIR" --device "$DEVICE" \
   --task needle_single mqar --lengths "$LENGTH" --n 1 --json "$OUT/eval.json" --quiet
-record eval "$LAST_STATUS" "$LAST_SECONDS" "$OUT/eval.json"
+want eval && record eval "$LAST_STATUS" "$LAST_SECONDS" "$OUT/eval.json"
 
 # --- k3 serve at 1M context -------------------------------------------------------------------------------------
+want serve1m || { echo "done: $OUT/summary.json"; exit 0; }
 [ -n "$MISSING" ] && { skip serve1m; echo "done: $OUT/summary.json"; exit 0; }
 part serve1m "$T_SERVE1M" "$OUT/eval.log" python - "$RUN_DIR" "$DEVICE" "$LONG_CONTEXT" "$OUT/serve1m.json" <<'PY'
 import json, subprocess, sys, threading, time
