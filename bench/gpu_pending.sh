@@ -1,32 +1,63 @@
 #!/usr/bin/env bash
-# The GPU work not yet measured, most needed first, in one call that ends by END seconds (default 570):
-#   1  the CUDA test not yet seen to pass on a GPU: the fla KDA layer against its twin in fp32
-#      (test_kda_layer_fla_paths_equal_torch_cuda, head_dim 64 since its 128 outran three calls' budgets),
-#      then the graphed trainer's tests, whose bf16-parameter runs now take the fused master AdamW by default;
-#      fla at one autotune config, at most 200 s                                      -> OUT/tests.log
-#   2  bench/train_default_gpu.sh part c, the QB ablation (4 arms x 2,000 steps), with what is left if over 90 s
-#                                                                                     -> OUT/c.log, c_arms.json
-# The serving rows have their own call: bash bench/gpu_wheels.sh here first (the GPU image has no server
-# packages), then bench/serve_gpu.sh OUT there.
-#
-#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" [END]
-#   bash bench/gpu_pending.sh OUT END --dry-run     # the logic on the CPU (tests skip without CUDA; debug shapes)
+# The GPU work not yet measured, most needed first. Each step runs only if the seconds it needs are left before
+# END (default 570), so a short window still yields the first steps; name steps to pick them (default: all).
+#   tests    the CUDA test not yet seen to pass (the fla KDA layer against its twin in fp32, head_dim 64), then
+#            the graphed trainer's tests; fla at one autotune config          needs 60, limit 150  -> tests.log
+#   serve    bench/serve_gpu.sh's probe + serve parts (the serving table)      needs 330            -> serve/
+#   long     bench/serve_gpu.sh's run + eval + serve1m parts (1M context)      needs 310            -> long/
+#   flat     bench/train_default_gpu.sh part b: the default step over 1,000 steps (p50/p99 per 100)
+#                                                                              needs 230            -> b.log
+#   qb       bench/train_default_gpu.sh part c: the QB ablation, 4 arms x 2,000 steps
+#                                                                              needs 200            -> c.log
+# The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
+# with fla's; the GPU image has no FastAPI). Three calls of 570 s cover everything, e.g.
+#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 tests serve
+#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 long flat
+#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 qb
+#   bash bench/gpu_pending.sh OUT 570 --dry-run [STEPS...]   # the logic on the CPU (debug shapes, CUDA tests skip)
 set -u
 OUT=${1:?give the output folder}
 END=${2:-570}
-DRY=${3:-}
+shift 2 2>/dev/null || shift $#
+DRY=""
+if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
+STEPS=" ${*:-tests serve long flat qb} "
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 left() { echo $((END - SECONDS)); }
+log() { echo "gpu_pending: $* at ${SECONDS} s of ${END}" | tee -a "$OUT/pending.log"; }
+# run NAME NEEDS: true if the step was asked for and NEEDS seconds are left; says why not otherwise
+run() {
+  [[ "$STEPS" == *" $1 "* ]] || return 1
+  if [ "$(left)" -lt "$2" ]; then log "$1 skipped: needs $2 s, $(left) left"; return 1; fi
+  log "$1 starts"
+}
 
-TESTS_S=$(( $(left) < 200 ? $(left) : 200 ))
-K3_AUTOTUNE_CONFIGS=1 timeout -s INT --kill-after=5 "$TESTS_S" python -m pytest -v -p no:cacheprovider \
-  -o faulthandler_timeout=$(( TESTS_S - 10 )) \
-  tests/ops/test_kda_layer_ops.py::test_kda_layer_fla_paths_equal_torch_cuda tests/train/test_graphed_step.py \
-  > "$OUT/tests.log" 2>&1
-echo "=== tests: rc $? at ${SECONDS} s (limit ${TESTS_S} s)" >> "$OUT/tests.log"
-
-if [ "$(left)" -gt 90 ]; then
-  K3_TRAIN_PARTS="c" K3_TRAIN_C_S=$(( $(left) - 5 )) bash bench/train_default_gpu.sh "$OUT" $DRY
+if run tests 60; then
+  limit=$(( $(left) < 150 ? $(left) : 150 ))
+  K3_AUTOTUNE_CONFIGS=1 timeout -s INT --kill-after=5 "$limit" python -m pytest -v -p no:cacheprovider \
+    -o faulthandler_timeout=$(( limit - 10 )) \
+    tests/ops/test_kda_layer_ops.py::test_kda_layer_fla_paths_equal_torch_cuda tests/train/test_graphed_step.py \
+    > "$OUT/tests.log" 2>&1
+  log "tests: rc $? (limit ${limit} s)"
 fi
-echo "gpu_pending: done at ${SECONDS} s of ${END}" | tee -a "$OUT/tests.log"
+SERVE_MODE=()
+[ -n "$DRY" ] && SERVE_MODE=(--cpu-check)
+if run serve 330; then
+  K3_SERVE_PARTS="probe serve" bash bench/serve_gpu.sh "$OUT/serve" "${SERVE_MODE[@]}"
+  log "serve done"
+fi
+if run long 310; then
+  K3_SERVE_PARTS="run eval serve1m" bash bench/serve_gpu.sh "$OUT/long" "${SERVE_MODE[@]}"
+  log "long done"
+fi
+if run flat 230; then
+  K3_TRAIN_PARTS="b" bash bench/train_default_gpu.sh "$OUT" $DRY
+  log "flat done"
+fi
+if run qb 200; then
+  K3_TRAIN_PARTS="c" K3_TRAIN_C_S=$(( $(left) - 5 )) bash bench/train_default_gpu.sh "$OUT" $DRY
+  log "qb done"
+fi
+log "done"
