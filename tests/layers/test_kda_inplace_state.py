@@ -363,8 +363,10 @@ def test_layer_decodes_through_pool_and_static_cache_like_through_hybrid_cache(m
 # --- under torch.compile, with fla's dispatch taken on CPU --------------------------------------------------
 @pytest.fixture(scope="module")
 def model():
+    # The debug preset cut to three layers (KDA, MLA, KDA; dense MLP, then MoE): two KDA layers, so each one's own
+    # in-place op and pool layer are checked, and dynamo (most of the compiled tests' time) traces three, not four.
     torch.manual_seed(0)
-    return K3ForCausalLM(ModelConfig.from_preset("debug")).eval()
+    return K3ForCausalLM(ModelConfig.from_preset("debug", num_layers=3, full_attn_layers=[2])).eval()
 
 
 @pytest.fixture

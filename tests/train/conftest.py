@@ -5,16 +5,19 @@ import pytest
 from k3.train.trainer import TrainConfig
 
 
-@pytest.fixture
-def corpus_dir(tmp_path: Path) -> Path:
+def write_corpus(directory: Path) -> Path:
     """A small, fixed corpus: a few stdlib-like text documents, so tests do not depend on the machine."""
-    directory = tmp_path / "corpus"
     directory.mkdir()
     for i in range(12):
         body = "\n".join(f"def function_{i}_{j}(value):\n    return value * {j} + {i}  # number {j}"
                          for j in range(40))
         (directory / f"doc{i:02d}.txt").write_text(body)
     return directory
+
+
+@pytest.fixture
+def corpus_dir(tmp_path: Path) -> Path:
+    return write_corpus(tmp_path / "corpus")
 
 
 def _small_config(out: Path, corpus: Path, **changes) -> TrainConfig:

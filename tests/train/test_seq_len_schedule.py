@@ -10,6 +10,7 @@ from k3.checkpoint.native import load_checkpoint
 from k3.cli import main
 from k3.train.schedule import parse_seq_len_schedule, rows_for, stage_at
 from k3.train.trainer import Trainer
+from tests.train.conftest import _small_config, write_corpus
 
 
 def records(run):
@@ -31,19 +32,30 @@ def test_parse_and_stage_lookup():
             parse_seq_len_schedule(bad)
 
 
+SCHEDULE = [[16, 0], [32, 3]]
+
+
+@pytest.fixture(scope="module")
+def unbroken_run(tmp_path_factory):
+    """(corpus, run): the unbroken run that both resume points are held to, trained once (it only is read)."""
+    root = tmp_path_factory.mktemp("seq_len_schedule")
+    corpus = write_corpus(root / "corpus")
+    unbroken = root / "unbroken"
+    Trainer(_small_config(unbroken, corpus, batch_size=4, seq_len_schedule=SCHEDULE), show_progress=False).train()
+    return corpus, unbroken
+
+
 @pytest.mark.parametrize("stop_at", [3, 5])  # last checkpoint before the change (step 2) and after it (step 4)
-def test_resume_across_a_stage_change_matches_the_unbroken_run(tmp_path, corpus_dir, small_config, stop_at):
-    schedule = [[16, 0], [32, 3]]
-    unbroken = tmp_path / "unbroken"
-    Trainer(small_config(unbroken, corpus_dir, batch_size=4, seq_len_schedule=schedule), show_progress=False).train()
+def test_resume_across_a_stage_change_matches_the_unbroken_run(tmp_path, unbroken_run, stop_at):
+    corpus, unbroken = unbroken_run
     rows = {r["step"]: r for r in records(unbroken) if "loss" in r}
     assert [rows[s]["seq_len"] for s in range(1, 7)] == [16, 16, 16, 32, 32, 32]
     assert {rows[s]["tokens"] for s in range(1, 7)} == {64}  # 4 x 16 and then 2 x 32 tokens per step
     broken = tmp_path / "broken"
-    Trainer(small_config(broken, corpus_dir, batch_size=4, seq_len_schedule=schedule), show_progress=False).train(
+    Trainer(_small_config(broken, corpus, batch_size=4, seq_len_schedule=SCHEDULE), show_progress=False).train(
         stop_at=stop_at)
     assert load_checkpoint(broken / "checkpoint.pt")["step"] == stop_at - 1
-    Trainer(small_config(broken, corpus_dir), resume=True, show_progress=False).train()
+    Trainer(_small_config(broken, corpus), resume=True, show_progress=False).train()
     assert losses(broken) == losses(unbroken)
     a, b = load_checkpoint(unbroken / "checkpoint.pt")["model"], load_checkpoint(broken / "checkpoint.pt")["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
