@@ -293,9 +293,9 @@ def scaled_table(short: Census, long: Census, deep: Census, layers: int, tokens:
             per_token = (more.bytes - base.bytes) / (tokens[1] - tokens[0])
             at_small_tokens = max(base.bytes + per_token * (SMALL_TOKENS - tokens[0]), 0.0)
             ratio = launches / base.launches if base.launches else (SMALL_LAYERS / layers)
-            ops = collections.Counter(base.ops)
-            for op, n in twice.ops.items():
-                ops[op] = max(ops[op], n)
+            scale = (SMALL_LAYERS - layers) / layers
+            ops = collections.Counter({op: round(base.ops[op] + scale * (twice.ops[op] - base.ops[op]))
+                                       for op in set(base.ops) | set(twice.ops)})
             rows.append(dict(kind=kind, line=where, ops=dict(ops.most_common()), launches=round(launches),
                              bytes=at_small_tokens * ratio))
     rows.sort(key=lambda r: (-r["launches"], -r["bytes"]))
