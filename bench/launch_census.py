@@ -26,8 +26,6 @@ import json
 import os
 import sys
 import time
-import traceback
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
