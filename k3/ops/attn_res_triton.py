@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from k3.kernels import enabled as switch_enabled
+from k3.ops import vector_grads
 from k3.ops.triton_support import Blocks, interpreting, kernel_module, multiprocessors, pow2_width
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -115,6 +116,17 @@ def mix_backward(grad_ND: torch.Tensor, sources_ND: tuple[torch.Tensor, ...], q_
     """dmix [N, D] (rows D apart) and the forward's saved statistics -> (one gradient [N, D] per source in its
     dtype, dq [D] fp32). `into[i]`, where given, is the [N, D] tensor source i's gradient is written to (else a
     new one); with bit i of `accumulate` set it is added to what that tensor holds."""
+    grads, dq_PD = mix_backward_partials(grad_ND, sources_ND, q_D, alpha_NS, inv_rms_NS, dot_NS, blocks, into,
+                                         accumulate)
+    return grads, dq_PD.sum(0)
+
+
+def mix_backward_partials(grad_ND: torch.Tensor, sources_ND: tuple[torch.Tensor, ...], q_D: torch.Tensor,
+                          alpha_NS: torch.Tensor, inv_rms_NS: torch.Tensor, dot_NS: torch.Tensor,
+                          blocks: Blocks | None = None, into: tuple[torch.Tensor | None, ...] | None = None,
+                          accumulate: int = 0) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """mix_backward with dq left as the programs' partial rows [P, D] fp32 (their sum is dq), for
+    k3.ops.vector_grads to finish."""
     import triton
 
     num_rows, dim = sources_ND[0].shape
@@ -137,7 +149,7 @@ def mix_backward(grad_ND: torch.Tensor, sources_ND: tuple[torch.Tensor, ...], q_
             tuple(sources_ND), grads, grad_ND, q_D, alpha_NS, inv_rms_NS, dot_NS, dq_PD, num_rows, per_program,
             D=dim, S=count, S_PAD=triton.next_power_of_2(count), ACC=accumulate, BLOCK_N=blocks.block_n,
             BLOCK_D=blocks.block_d, num_warps=blocks.num_warps)
-    return grads, dq_PD.sum(0)
+    return grads, dq_PD
 
 
 class SourceGradient:
@@ -208,7 +220,7 @@ class _AttnResMix(torch.autograd.Function):
     @staticmethod
     def forward(ctx, norm_weight_D, query_D, eps, blocks, backward_blocks, slots, *inputs):
         sources_ND = inputs[len(slots):]
-        q_D = norm_weight_D.float() * query_D.float()
+        q_D = vector_grads.product(norm_weight_D, query_D)
         out_ND, alpha_NS, inv_rms_NS, dot_NS = mix_forward(sources_ND, q_D, eps, True, blocks)
         ctx.save_for_backward(norm_weight_D, query_D, q_D, alpha_NS, inv_rms_NS, dot_NS, *sources_ND)
         ctx.backward_blocks, ctx.slots = backward_blocks, slots
@@ -225,10 +237,18 @@ class _AttnResMix(torch.autograd.Function):
             else:
                 accumulate |= 1 << i
         into = tuple(slot.grad_ND for slot in slots) + (None,) * (len(sources_ND) - len(slots))
-        grads, dq_D = mix_backward(grad_ND.contiguous(), tuple(sources_ND), q_D, alpha_NS, inv_rms_NS, dot_NS,
-                                   ctx.backward_blocks, into, accumulate)
-        d_norm_weight = (dq_D * query_D.float()).to(norm_weight_D.dtype) if ctx.needs_input_grad[0] else None
-        d_query = (dq_D * norm_weight_D.float()).to(query_D.dtype) if ctx.needs_input_grad[1] else None
+        if vector_grads.triton_chosen(grad_ND):  # dq's partial rows, summed with the products in one kernel
+            grads, dq_PD = mix_backward_partials(grad_ND.contiguous(), tuple(sources_ND), q_D, alpha_NS,
+                                                 inv_rms_NS, dot_NS, ctx.backward_blocks, into, accumulate)
+            d_norm_weight, d_query = vector_grads.summed_rows_times(dq_PD, query_D, norm_weight_D,
+                                                                    norm_weight_D.dtype, query_D.dtype)
+            d_norm_weight = d_norm_weight if ctx.needs_input_grad[0] else None
+            d_query = d_query if ctx.needs_input_grad[1] else None
+        else:
+            grads, dq_D = mix_backward(grad_ND.contiguous(), tuple(sources_ND), q_D, alpha_NS, inv_rms_NS, dot_NS,
+                                       ctx.backward_blocks, into, accumulate)
+            d_norm_weight = (dq_D * query_D.float()).to(norm_weight_D.dtype) if ctx.needs_input_grad[0] else None
+            d_query = (dq_D * norm_weight_D.float()).to(query_D.dtype) if ctx.needs_input_grad[1] else None
         needed = ctx.needs_input_grad[6 + 2 * len(slots):]  # after the tokens and the detached sources
         grads = [None] * len(slots) + [g if n else None for g, n in zip(grads[len(slots):], needed)]
         return d_norm_weight, d_query, None, None, None, None, *([None] * len(slots)), *grads
@@ -255,6 +275,6 @@ def attn_res_mix_triton(sources: list[torch.Tensor], norm_weight_D: torch.Tensor
         inputs = (*tokens, *(s.detach() for s in sources_ND[:count]), *sources_ND[count:])
         out_ND = _AttnResMix.apply(norm_weight_D, query_D, float(eps), blocks, backward_blocks, slots, *inputs)
     else:  # no statistics to keep
-        q_D = norm_weight_D.float() * query_D.float()
+        q_D = vector_grads.product(norm_weight_D, query_D)
         out_ND = mix_forward(sources_ND, q_D, eps, False, blocks)[0]
     return out_ND.view(shape)

@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from k3.ops import vector_grads
 from k3.ops.triton_support import Blocks, interpreting, kernel_module, multiprocessors, pow2_width
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -107,6 +108,15 @@ def norm_backward(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight_D: torch.Tenso
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dy [N, D] and x [N, D] (rows D apart), weight [D], the forward's rstd [N], its gate [N, D] if any ->
     (dx [N, D] in x's dtype, dw [D] fp32, dgate [N, D] in the gate's dtype or None)."""
+    dx_ND, dw_PD, dg_ND = norm_backward_partials(dy_ND, x_ND, weight_D, rstd_N, blocks, gate_ND)
+    return dx_ND, dw_PD.sum(0), dg_ND
+
+
+def norm_backward_partials(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight_D: torch.Tensor, rstd_N: torch.Tensor,
+                           blocks: Blocks | None = None, gate_ND: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """norm_backward with dw left as the programs' partial rows [P, D] fp32 (their sum is dw), for
+    k3.ops.vector_grads to finish."""
     import triton
 
     num_rows, dim = x_ND.shape
@@ -128,7 +138,7 @@ def norm_backward(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight_D: torch.Tenso
             num_warps=blocks.num_warps)
     elif dg_ND is not None:
         dg_ND.zero_()  # D = 0 or no rows: nothing flows to the gate
-    return dx_ND, dw_PD.sum(0), dg_ND
+    return dx_ND, dw_PD, dg_ND
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -142,9 +152,15 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_ND):
         x_ND, weight_D, rstd_N, gate_ND = ctx.saved_tensors
-        dx_ND, dw_D, dg_ND = norm_backward(dy_ND.contiguous(), x_ND, weight_D, rstd_N, ctx.backward_blocks, gate_ND)
+        if vector_grads.triton_chosen(dy_ND):  # dw's partial rows, summed and cast in one kernel
+            dx_ND, dw_PD, dg_ND = norm_backward_partials(dy_ND.contiguous(), x_ND, weight_D, rstd_N,
+                                                         ctx.backward_blocks, gate_ND)
+            dw_D = vector_grads.summed_rows(dw_PD, weight_D.dtype) if ctx.needs_input_grad[1] else None
+        else:
+            dx_ND, dw_D, dg_ND = norm_backward(dy_ND.contiguous(), x_ND, weight_D, rstd_N, ctx.backward_blocks,
+                                               gate_ND)
+            dw_D = dw_D.to(weight_D.dtype) if ctx.needs_input_grad[1] else None
         dx_ND = dx_ND if ctx.needs_input_grad[0] else None
-        dw_D = dw_D.to(weight_D.dtype) if ctx.needs_input_grad[1] else None
         dg_ND = dg_ND if ctx.needs_input_grad[2] else None
         return dx_ND, dw_D, dg_ND, None, None, None
 
