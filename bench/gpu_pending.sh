@@ -9,11 +9,14 @@
 #                                                                              needs 230            -> b.log
 #   qb       bench/train_default_gpu.sh part c: the QB ablation, 4 arms x 2,000 steps
 #                                                                              needs 200            -> c.log
+#   vgrad    bench/train.py's best step with --kernels vector_grads=torch, then =triton (the [D]-gradient tails as one
+#            kernel: 324 launches fewer a step by bench/launch_census.py, not yet timed)
+#                                                                              needs 160   -> vgrad_{torch,triton}.*
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). Three calls of 570 s cover everything, e.g.
 #   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 tests serve
 #   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 long flat
-#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 qb
+#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 qb vgrad
 #   bash bench/gpu_pending.sh OUT 570 --dry-run [STEPS...]   # the logic on the CPU (debug shapes, CUDA tests skip)
 set -u
 OUT=${1:?give the output folder}
@@ -21,7 +24,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests serve long flat qb} "
+STEPS=" ${*:-tests serve long flat qb vgrad} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -57,7 +60,20 @@ if run flat 230; then
   log "flat done"
 fi
 if run qb 200; then
-  K3_TRAIN_PARTS="c" K3_TRAIN_C_S=$(( $(left) - 5 )) bash bench/train_default_gpu.sh "$OUT" $DRY
+  keep=5  # seconds left for what follows: vgrad's, if asked for and the ablation still gets its 200
+  [[ "$STEPS" == *" vgrad "* ]] && [ "$(left)" -ge 365 ] && keep=165
+  K3_TRAIN_PARTS="c" K3_TRAIN_C_S=$(( $(left) - keep )) bash bench/train_default_gpu.sh "$OUT" $DRY
   log "qb done"
+fi
+if run vgrad 160; then
+  if [ -n "$DRY" ]; then
+    log "vgrad: bench/train.py needs CUDA; skipped"
+  else
+    for choice in torch triton; do
+      timeout --kill-after=5 75 python bench/train.py --variants k3-small-graphed-step --steps 6 \
+        --kernels vector_grads=$choice --out "$OUT/vgrad_$choice.json" > "$OUT/vgrad_$choice.log" 2>&1
+      log "vgrad $choice: rc $?"
+    done
+  fi
 fi
 log "done"
