@@ -33,6 +33,7 @@ if __name__ == "__main__":  # k3's Triton kernels on CPU tensors: chosen before 
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
+from _pytest.monkeypatch import MonkeyPatch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 K3_ROOT = str(Path(__file__).resolve().parents[1] / "k3") + os.sep
@@ -154,16 +155,6 @@ class Census(TorchDispatchMode):
             self.quiet -= 1
 
 
-@contextlib.contextmanager
-def _patched(obj, name, value):
-    original = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, original)
-
-
 def _kernel_function(launcher):
     fn = launcher
     while hasattr(fn, "fn"):
@@ -194,11 +185,13 @@ def _recording_kernels(census: Census):
                 depth[0] -= 1
         return wrapper
 
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(_patched(autotuner.Autotuner, "run", recorded(autotuner.Autotuner.run)))
-        stack.enter_context(_patched(interpreter.GridExecutor, "__call__",
-                                     recorded(interpreter.GridExecutor.__call__)))
+    patch = MonkeyPatch()
+    patch.setattr(autotuner.Autotuner, "run", recorded(autotuner.Autotuner.run))
+    patch.setattr(interpreter.GridExecutor, "__call__", recorded(interpreter.GridExecutor.__call__))
+    try:
         yield
+    finally:
+        patch.undo()
 
 
 @contextlib.contextmanager
@@ -206,7 +199,6 @@ def _fla_standins(census: Census):
     """fla's entry points as the tests' CPU stand-ins (tests/ops/fla_standins.py), each call one custom launch."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "ops"))
     import fla_standins
-    from _pytest.monkeypatch import MonkeyPatch
 
     def counted(name, fn):
         def wrapper(*args, **kwargs):
@@ -303,10 +295,6 @@ def scaled_table(short: Census, long: Census, deep: Census, layers: int, tokens:
 def predicted_ms(rows: list[dict]) -> float:
     """Estimated GPU time of rows: bytes at 3 TB/s plus 3 us a launch (an estimate, not a measurement)."""
     return sum(r["bytes"] / HBM_BYTES_PER_S + r["launches"] * LAUNCH_S for r in rows) * 1e3
-
-
-def family(line: str) -> str:
-    return line.split(":")[0].removeprefix("backward of ")
 
 
 def print_table(rows: list[dict], top: int) -> None:
