@@ -143,7 +143,7 @@ def mix_backward_partials(grad_ND: torch.Tensor, sources_ND: tuple[torch.Tensor,
         programs = programs_per_sm(dim) * multiprocessors(grad_ND.device.index) if grad_ND.is_cuda else 8
     per_program = triton.cdiv(num_blocks, max(1, min(programs, num_blocks)))
     programs = triton.cdiv(num_blocks, per_program) if num_blocks else 0
-    dq_PD = torch.zeros(programs, dim, dtype=torch.float32, device=grad_ND.device)
+    dq_PD = torch.empty(programs, dim, dtype=torch.float32, device=grad_ND.device)  # the kernel zeroes its rows
     if programs:
         kernels(interpreting()).attn_res_backward[(programs,)](
             tuple(sources_ND), grads, grad_ND, q_D, alpha_NS, inv_rms_NS, dot_NS, dq_PD, num_rows, per_program,

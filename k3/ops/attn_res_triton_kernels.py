@@ -76,12 +76,15 @@ def attn_res_backward(srcs, grads, g_ptr, q_ptr, alpha_ptr, inv_rms_ptr, dot_ptr
     Bit i of ACC set: grads[i] already holds a gradient of source i (from later mixes), and dv_i is added to it
     in fp32 and rounded once, where autograd would round dv_i and add the two in a kernel of its own.
     A program takes blocks_per_program consecutive blocks of BLOCK_N rows and sums its share of dq into its own
-    row of dq_ptr ([programs, D] fp32, zeroed by the launcher, summed by it): no atomics, so dq is deterministic,
-    and few programs keep that buffer small."""
+    row of dq_ptr ([programs, D] fp32, zeroed by the program itself, summed by the launcher): no atomics, so dq is
+    deterministic, and few programs keep that buffer small."""
     pid = tl.program_id(0)
     cols = tl.arange(0, S_PAD)
     ds = tl.arange(0, BLOCK_D)
     col_ok = cols[None, :] < S
+    # Every block of rows adds into the program's row of dq_ptr, so it starts at zero (here, not as a launch).
+    for d0 in range(0, D, BLOCK_D):
+        tl.store(dq_ptr + pid.to(tl.int64) * D + d0 + ds, tl.zeros((BLOCK_D,), dtype=tl.float32), mask=(d0 + ds) < D)
     for block in range(0, blocks_per_program):
         rows = (pid * blocks_per_program + block) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < num_rows

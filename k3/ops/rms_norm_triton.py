@@ -129,7 +129,7 @@ def norm_backward_partials(dy_ND: torch.Tensor, x_ND: torch.Tensor, weight_D: to
         programs = programs_per_sm(blocks) * multiprocessors(x_ND.device.index) if x_ND.is_cuda else 8
     per_program = triton.cdiv(num_blocks, max(1, min(programs, num_blocks)))
     programs = triton.cdiv(num_blocks, per_program) if num_blocks and dim else 0
-    dw_PD = torch.zeros(programs, dim, dtype=torch.float32, device=x_ND.device)
+    dw_PD = torch.empty(programs, dim, dtype=torch.float32, device=x_ND.device)  # every row written by the kernel
     if programs:
         gated = gate_ND is not None
         kernels(interpreting()).rms_norm_backward[(programs,)](

@@ -67,7 +67,7 @@ def rms_norm_backward(x_ptr, w_ptr, g_ptr, dy_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_
     With GATED (y = x_hat * w * s, s = sigmoid(g)) the gate's gradient is dg = dy * x_hat * w * s * (1 - s),
     written in dg's dtype, and dy * s stands for dy in the two lines above.
     A program takes blocks_per_program consecutive blocks of BLOCK_N rows and sums its share of dw into its own
-    row of dw_ptr ([programs, D] fp32, zeroed and then summed by the launcher): no atomics, so dw is
+    row of dw_ptr ([programs, D] fp32, written whole by the program, summed by the launcher): no atomics, so dw is
     deterministic, and few programs keep that buffer small."""
     pid = tl.program_id(0)
     ds = tl.arange(0, BLOCK_D)
@@ -97,6 +97,9 @@ def rms_norm_backward(x_ptr, w_ptr, g_ptr, dy_ptr, rstd_ptr, dx_ptr, dg_ptr, dw_
             dw += dy * x_hat
         tl.store(partial + ds, tl.sum(dw, axis=0), mask=d_ok)
     else:
+        # Blocks of D add into the program's row, so it starts at zero (here, not as a launch of its own).
+        for d0 in range(0, D, BLOCK_D):
+            tl.store(partial + d0 + ds, tl.zeros((BLOCK_D,), dtype=tl.float32), mask=(d0 + ds) < D)
         for block in range(0, blocks_per_program):
             rows = (pid * blocks_per_program + block) * BLOCK_N + tl.arange(0, BLOCK_N)
             row_ok = rows < num_rows

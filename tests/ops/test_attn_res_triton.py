@@ -260,3 +260,16 @@ def test_auto_leaves_more_sources_than_the_kernels_unroll_to_the_compiled_mix(mo
     for count in (MAX_SOURCES, MAX_SOURCES + 1):
         dispatch.attn_res_mix([torch.randn(1, 2, 8, device=DEVICE) for _ in range(count)], norm_w, query, 1e-5)
     assert taken == ["triton", "compiled"]
+
+
+def test_dquery_partial_rows_need_no_zeroed_buffer(monkeypatch):
+    """The launcher allocates dq's per-program rows uninitialised (each program zeroes its own): filled with NaN
+    here, as reused memory may be, the query's and norm weight's gradients still equal the twin's."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    sources, norm_w, query, upstream = _inputs(3, 130, 13, torch.float32, seed=5)
+    got = _run(_small, sources, norm_w, query, upstream)
+    eager = _run(attn_res_mix_eager, sources, norm_w, query, upstream)
+    for name, a, e in zip(_names(3)[-2:], got[-2:], eager[-2:]):
+        assert torch.isfinite(a).all(), name
+        assert _rel(a, e) < 1e-5, f"{name}: {_rel(a, e):.2e} from the eager twin"

@@ -272,3 +272,17 @@ def test_inside_torch_compile_the_launcher_is_never_called(monkeypatch):
         torch._dynamo.reset()
     with torch.no_grad():
         torch.testing.assert_close(out, rms_norm_torch(x, weight, EPS))
+
+
+@pytest.mark.parametrize("path", ["chunked", "whole_row"])
+def test_dweight_partial_rows_need_no_zeroed_buffer(monkeypatch, path):
+    """The launcher allocates dw's per-program rows uninitialised (no zero-fill launch): filled with NaN here, as
+    reused memory may be, the weight's gradient still equals the twin's."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    blocks = {"chunked": CHUNKED, "whole_row": whole_row(130)}[path]
+    x, weight, upstream = _inputs((33, 130), torch.float32, seed=3)
+    got = _run(lambda *a: rms_norm_triton(*a, blocks=blocks, backward_blocks=blocks), x, weight, upstream)
+    twin = _run(rms_norm_torch, x, weight, upstream)
+    assert torch.isfinite(got[2]).all()
+    assert _rel(got[2], twin[2]) < 1e-5
