@@ -206,27 +206,46 @@ def test_fla_norms_equal_torch_cuda():
             assert rel(a, b) < 2e-2
 
 
+def kda_layer_paths_against_fp32(device: torch.device, fast_switches: dict | None = None) -> dict[str, dict]:
+    """One KDA layer at `small`'s KDA shape (8 heads of 128) run in bf16 with the given switches (None: as they
+    resolve on the device), and in bf16 and fp32 with every switch on its PyTorch twin: each path's relative
+    error from the fp32 twin, on the output and every gradient."""
+    torch.manual_seed(1)
+    config = ModelConfig.from_preset("debug", hidden_size=256, kda_num_heads=8, kda_head_dim=128)
+    layer = KimiDeltaAttention(config, 0).to(device)
+    layer.reset_gate_parameters()
+    x = torch.randn(2, 256, 256, device=device)
+
+    def run(dtype):
+        copy = KimiDeltaAttention(config, 0).to(device, dtype)
+        copy.load_state_dict(layer.state_dict())
+        inp = x.to(dtype).requires_grad_()
+        y = copy(inp)
+        return [y, *torch.autograd.grad(y.float().square().sum(), [inp, *copy.parameters()])]
+
+    names = ["y", "dx", *(name for name, _ in layer.named_parameters())]
+    with kernels.reference():  # every switch on its PyTorch twin (kda, conv, norms, projections)
+        exact = run(torch.float32)
+        twin = run(torch.bfloat16)
+    with kernels.use(**(fast_switches or {})):
+        fast = run(torch.bfloat16)
+    return {"fast": {n: rel(a, b) for n, a, b in zip(names, fast, exact)},
+            "twin": {n: rel(a, b) for n, a, b in zip(names, twin, exact)}}
+
+
+def test_kda_layer_paths_against_fp32_runs_on_cpu():
+    """The CUDA test's harness on the CPU (both bf16 runs on the twins): the twin in bf16 stays within bf16's
+    rounding of fp32 on the output and every gradient, so the bound below is one the fla paths can be held to."""
+    errors = kda_layer_paths_against_fp32(torch.device("cpu"))
+    assert errors["fast"] == errors["twin"]
+    assert all(0 < error < 5e-2 for error in errors["twin"].values()), errors["twin"]
+
+
 @needs_cuda
 def test_kda_layer_fla_paths_equal_torch_cuda():
-    torch.manual_seed(1)
-    dev = torch.device("cuda")
-    # head_dim 64, as test_kda.py's fp32 kernel tests: fla's fp32 kernels at 128 compiled for over 4 minutes on one
-    # H100 (the cut-off runs of bench/gpu_tests.sh); the layer's wiring is the same at either size.
-    config = ModelConfig.from_preset("debug", hidden_size=256, kda_num_heads=4, kda_head_dim=64)
-    layer = KimiDeltaAttention(config, 0).to(dev)
-    layer.reset_gate_parameters()
-    x = torch.randn(2, 256, 256, device=dev, requires_grad=True)
-
-    def run():
-        y = layer(x)
-        return [y, *torch.autograd.grad(y.square().sum(), [x, *layer.parameters()])]
-
-    fast = run()
-    with kernels.reference():  # every switch on its PyTorch twin (kda, conv, norms, projections)
-        twin = run()
-    names = ["y", "dx", *(name for name, _ in layer.named_parameters())]
-    # The output as before; gradients get the op-level fla-vs-twin bound of this file (2e-2), which the whole
-    # layer, chaining several such ops, cannot be held under more tightly.
-    errors = {name: rel(a, b) for name, a, b in zip(names, fast, twin)}
-    assert errors["y"] < 5e-3, errors
-    assert all(error < 2e-2 for error in errors.values()), errors
+    # bf16 at `small`'s KDA shape: the kernels `k3 train` runs, which the kernel cache holds. fp32 fla backward
+    # kernels take ptxas over 110 s each on one H100 (test_kda.py tests those at the op level).
+    errors = kda_layer_paths_against_fp32(torch.device("cuda"), {"kda": "fla"})
+    # The fla paths may differ from fp32 by bf16's rounding, as the twin in bf16 does, but not by a wiring error.
+    for name, error in errors["fast"].items():
+        assert error < max(2 * errors["twin"][name], 1e-2), (name, errors)
