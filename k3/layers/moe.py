@@ -35,6 +35,8 @@ from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.qb_triton import topk_with_load
 from k3.ops.shared_input_linear import joins_projections, linears_of_one_input
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
+from k3.ops.route_weights import route_weights_torch, route_weights_triton
+from k3.ops.route_weights import triton_chosen as route_weights_fused
 from k3.ops.router_logits import router_logits
 
 
@@ -128,7 +130,8 @@ class Router(nn.Module):
         return Routing(ids_TK, weights_TK, scores_TE)
 
     def _route(self, x_TD: torch.Tensor) -> Routing:
-        scores_TE = torch.sigmoid(router_logits(x_TD, self.weight))
+        logits_TE = router_logits(x_TD, self.weight)
+        scores_TE = torch.sigmoid(logits_TE)
         if self.force_balanced:
             t = torch.arange(x_TD.shape[0], device=x_TD.device)
             topk_ids_TK = (t[:, None] * self.top_k + torch.arange(self.top_k, device=x_TD.device)) % self.num_experts
@@ -160,10 +163,12 @@ class Router(nn.Module):
                 # device without a host sync.
                 top = topk_with_load(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.top_k)
             topk_ids_TK, load_E = top.indices[:, :self.top_k].contiguous(), top.load_E
-        weights_TK = scores_TE.gather(1, topk_ids_TK)
-        if self.renormalize:
-            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        weights_TK = weights_TK * self.scale
+        if route_weights_fused(logits_TE) and not (self.training and self.aux_loss_coef > 0):
+            # Two kernels for the gate weights and their backward from the logits; the scores' sigmoid stays for
+            # the selection (and for routing replay, which gathers from scores_TE with its gradient).
+            weights_TK = route_weights_triton(logits_TE, topk_ids_TK, self.renormalize, self.scale)
+        else:
+            weights_TK = route_weights_torch(scores_TE, topk_ids_TK, self.renormalize, self.scale)
         self._last_load_E, self._last_ids_TK = load_E, None
         self.aux_loss = None
         if self.training and self.aux_loss_coef > 0:
