@@ -58,6 +58,8 @@ class Routing:
     topk_ids_TK: torch.Tensor
     topk_weights_TK: torch.Tensor
     scores_TE: torch.Tensor
+    # The logits the scores are the sigmoid of, where the gate weights may come from them (Router.gate_weights).
+    logits_TE: torch.Tensor | None = None
 
 
 class Router(nn.Module):
@@ -163,12 +165,7 @@ class Router(nn.Module):
                 # device without a host sync.
                 top = topk_with_load(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.top_k)
             topk_ids_TK, load_E = top.indices[:, :self.top_k].contiguous(), top.load_E
-        if route_weights_fused(logits_TE) and not (self.training and self.aux_loss_coef > 0):
-            # Two kernels for the gate weights and their backward from the logits; the scores' sigmoid stays for
-            # the selection (and for routing replay, which gathers from scores_TE with its gradient).
-            weights_TK = route_weights_triton(logits_TE, topk_ids_TK, self.renormalize, self.scale)
-        else:
-            weights_TK = route_weights_torch(scores_TE, topk_ids_TK, self.renormalize, self.scale)
+        weights_TK = self.gate_weights(logits_TE, scores_TE, topk_ids_TK)
         self._last_load_E, self._last_ids_TK = load_E, None
         self.aux_loss = None
         if self.training and self.aux_loss_coef > 0:
@@ -177,7 +174,18 @@ class Router(nn.Module):
             self.aux_loss = self.aux_loss_coef * self.num_experts * (share_E * mean_score_E).sum()
         if self.training and self.balancing == "loss_free":
             self._pending_load = load_E if self._pending_load is None else self._pending_load + load_E
-        return Routing(topk_ids_TK, weights_TK, scores_TE)
+        return Routing(topk_ids_TK, weights_TK, scores_TE, logits_TE)
+
+    def gate_weights(self, logits_TE: torch.Tensor | None, scores_TE: torch.Tensor,
+                     ids_TK: torch.Tensor) -> torch.Tensor:
+        """The gate weights [T, K] of experts ids [T, K]: their scores (sigmoid of the logits [T, E]), renormalised
+        and scaled. Two kernels forward and backward from the logits (k3.ops.route_weights) when chosen; else, or
+        without logits, the twin's ops on the scores. With the auxiliary loss the scores need their own gradient
+        through the sigmoid, so the twin's ops stay."""
+        if (logits_TE is not None and route_weights_fused(logits_TE)
+                and not (self.training and self.aux_loss_coef > 0)):
+            return route_weights_triton(logits_TE, ids_TK, self.renormalize, self.scale)
+        return route_weights_torch(scores_TE, ids_TK, self.renormalize, self.scale)
 
     @torch.no_grad()
     def _route_published_qb(self, scores_TE: torch.Tensor):

@@ -190,7 +190,7 @@ def test_the_router_routes_and_trains_the_same_with_the_kernels(renormalize):
     torch.testing.assert_close(got.scores_TE, want.scores_TE, rtol=0, atol=0)
 
 
-def test_routing_replay_still_trains_the_router_through_the_scores():
+def test_routing_replay_gives_the_routers_own_weights_and_trains_it():
     x = torch.randn(30, 40, generator=torch.Generator().manual_seed(10)).to(DEVICE)
     upstream = torch.randn(30, 3, generator=torch.Generator().manual_seed(11)).to(DEVICE)
 
@@ -206,6 +206,12 @@ def test_routing_replay_still_trains_the_router_through_the_scores():
     for choice in ("torch", "triton"):
         model = Model()
         replay = RoutingReplay(model)
+        with kernels.use(route_weights=choice):  # replaying the router's own experts: the very same weights
+            with replay.record() as own:
+                plain = model.gate(x)
+            with replay.replay(own):
+                again = model.gate(x)
+        assert torch.equal(again.topk_weights_TK, plain.topk_weights_TK)
         routes = [[(5 * torch.arange(30)[:, None] + torch.arange(3)) % 12]]  # 3 distinct experts a token
         with kernels.use(route_weights=choice), replay.replay(routes):
             routing, grads[choice] = _router_step(model.gate, x, upstream)
