@@ -29,7 +29,10 @@ import torch
 from k3 import kernels
 from k3.ops.triton_support import interpreting, kernel_module, triton_importable
 
-# Scores a program holds in the backward ([BLOCK_T, E] rounded up to a power of two), as QB's top-k tiles.
+# Not swept (not yet timed): the forward holds [FORWARD_BLOCK_T, K] pairs a program (128 programs for `small`'s
+# 16,384 tokens); the backward [BLOCK_T, E] values of d_logits, E rounded up to a power of two, about TILE of them
+# (QB's top-k tile): 32 tokens a program at 64 experts, 2 at K3's 896.
+FORWARD_BLOCK_T = 128
 TILE = 2048
 RENORMALIZE_EPS = 1e-20
 
@@ -57,6 +60,7 @@ def route_weights_torch(scores_TE: torch.Tensor, ids_TK: torch.Tensor, renormali
 
 
 def _block_t(num_experts: int) -> int:
+    """Tokens a backward program writes d_logits for."""
     import triton
 
     return max(1, TILE // triton.next_power_of_2(num_experts))
@@ -82,13 +86,12 @@ class _RouteWeights(torch.autograd.Function):
         top_k = ids_TK.shape[1]
         weights_TK = torch.empty(num_tokens, top_k, dtype=logits_TE.dtype, device=logits_TE.device)
         chosen_TK = torch.empty(num_tokens, top_k, dtype=torch.float32, device=logits_TE.device)
-        block_t = _block_t(num_experts)
         if num_tokens and top_k:
             kernel_module("k3.ops.route_weights_kernels", interpreting()).route_weights_forward[
-                (triton.cdiv(num_tokens, block_t),)](
+                (triton.cdiv(num_tokens, FORWARD_BLOCK_T),)](
                 logits_TE, ids_TK, weights_TK, chosen_TK, num_tokens, num_experts, logits_TE.stride(0),
                 logits_TE.stride(1), ids_TK.stride(0), ids_TK.stride(1), float(scale), TOP_K=top_k,
-                K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize), BLOCK_T=block_t)
+                K_POW2=triton.next_power_of_2(top_k), RENORMALIZE=bool(renormalize), BLOCK_T=FORWARD_BLOCK_T)
         ctx.save_for_backward(ids_TK, chosen_TK)
         ctx.shape, ctx.dtype, ctx.renormalize, ctx.scale = logits_TE.shape, logits_TE.dtype, renormalize, scale
         return weights_TK

@@ -17,7 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
 from k3 import kernels  # noqa: E402
 from k3.config import ModelConfig  # noqa: E402
 from k3.layers.moe import Router  # noqa: E402
-from k3.ops.route_weights import _block_t, route_weights_torch, route_weights_triton  # noqa: E402
+from k3.ops.route_weights import FORWARD_BLOCK_T, _block_t, route_weights_torch, route_weights_triton  # noqa: E402
 from k3.rl.routing import RoutingReplay  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
@@ -80,12 +80,12 @@ def _check_all(logits, ids, upstream, renormalize, scale, tol=FP32_TOL):
 @pytest.mark.parametrize("renormalize", [True, False])
 @pytest.mark.parametrize("scale", [1.0, 2.446])
 @pytest.mark.parametrize("tokens, experts, k", [
-    (77, 64, 6),    # `small`'s router: 32 tokens a program, a ragged third block
-    (150, 12, 3),   # experts no power of two, 128 tokens a program, a ragged second block
-    (5, 896, 16),   # K3's router: 2 tokens a program
+    (77, 64, 6),    # `small`'s router: 32 tokens a backward program, a ragged third block
+    (150, 12, 3),   # experts no power of two; 128 tokens a program both ways, a ragged second block
+    (5, 896, 16),   # K3's router: 2 tokens a backward program
 ])
 def test_kernels_match_the_fp64_oracle_and_the_twin(renormalize, scale, tokens, experts, k):
-    assert tokens % _block_t(experts)  # the last program's block is ragged
+    assert tokens % _block_t(experts) and tokens % FORWARD_BLOCK_T  # the last program's block is ragged
     _check_all(*_case(tokens, experts, k, seed=tokens + experts), renormalize, scale)
 
 
