@@ -37,6 +37,7 @@ FILES=(
   tests/ops/test_attn_res_triton.py
   tests/ops/test_rms_norm_triton.py
   tests/ops/test_vector_grads_triton.py
+  tests/ops/test_route_weights_triton.py
   tests/ops/test_rms_norm_gated_triton.py
   tests/train/test_adamw_triton.py
   tests/train/test_master_adamw.py

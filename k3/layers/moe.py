@@ -35,6 +35,8 @@ from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.qb_triton import topk_with_load
 from k3.ops.shared_input_linear import joins_projections, linears_of_one_input
 from k3.ops.route_triton import route_triton, route_triton_pays, router_backend
+from k3.ops.route_weights import route_weights_torch, route_weights_triton
+from k3.ops.route_weights import triton_chosen as route_weights_fused
 from k3.ops.router_logits import router_logits
 
 
@@ -56,6 +58,8 @@ class Routing:
     topk_ids_TK: torch.Tensor
     topk_weights_TK: torch.Tensor
     scores_TE: torch.Tensor
+    # The logits the scores are the sigmoid of, where the gate weights may come from them (Router.gate_weights).
+    logits_TE: torch.Tensor | None = None
 
 
 class Router(nn.Module):
@@ -128,7 +132,8 @@ class Router(nn.Module):
         return Routing(ids_TK, weights_TK, scores_TE)
 
     def _route(self, x_TD: torch.Tensor) -> Routing:
-        scores_TE = torch.sigmoid(router_logits(x_TD, self.weight))
+        logits_TE = router_logits(x_TD, self.weight)
+        scores_TE = torch.sigmoid(logits_TE)
         if self.force_balanced:
             t = torch.arange(x_TD.shape[0], device=x_TD.device)
             topk_ids_TK = (t[:, None] * self.top_k + torch.arange(self.top_k, device=x_TD.device)) % self.num_experts
@@ -160,10 +165,7 @@ class Router(nn.Module):
                 # device without a host sync.
                 top = topk_with_load(scores_TE.detach(), self.e_score_correction_bias, self.top_k, self.top_k)
             topk_ids_TK, load_E = top.indices[:, :self.top_k].contiguous(), top.load_E
-        weights_TK = scores_TE.gather(1, topk_ids_TK)
-        if self.renormalize:
-            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        weights_TK = weights_TK * self.scale
+        weights_TK = self.gate_weights(logits_TE, scores_TE, topk_ids_TK)
         self._last_load_E, self._last_ids_TK = load_E, None
         self.aux_loss = None
         if self.training and self.aux_loss_coef > 0:
@@ -172,7 +174,18 @@ class Router(nn.Module):
             self.aux_loss = self.aux_loss_coef * self.num_experts * (share_E * mean_score_E).sum()
         if self.training and self.balancing == "loss_free":
             self._pending_load = load_E if self._pending_load is None else self._pending_load + load_E
-        return Routing(topk_ids_TK, weights_TK, scores_TE)
+        return Routing(topk_ids_TK, weights_TK, scores_TE, logits_TE)
+
+    def gate_weights(self, logits_TE: torch.Tensor | None, scores_TE: torch.Tensor,
+                     ids_TK: torch.Tensor) -> torch.Tensor:
+        """The gate weights [T, K] of experts ids [T, K]: their scores (sigmoid of the logits [T, E]), renormalised
+        and scaled. Two kernels forward and backward from the logits (k3.ops.route_weights) when chosen; else, or
+        without logits, the twin's ops on the scores. With the auxiliary loss the scores need their own gradient
+        through the sigmoid, so the twin's ops stay."""
+        if (logits_TE is not None and route_weights_fused(logits_TE)
+                and not (self.training and self.aux_loss_coef > 0)):
+            return route_weights_triton(logits_TE, ids_TK, self.renormalize, self.scale)
+        return route_weights_torch(scores_TE, ids_TK, self.renormalize, self.scale)
 
     @torch.no_grad()
     def _route_published_qb(self, scores_TE: torch.Tensor):

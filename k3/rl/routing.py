@@ -67,10 +67,9 @@ class RoutingReplay:
                 # Rows the recording did not see (-1) keep the router's own choice; done for every row rather
                 # than after an any() test, which would sync the host with the device once per MoE layer.
                 ids_TK = torch.where(ids_TK[:, :1] >= 0, ids_TK, output.topk_ids_TK)
-                weights_TK = output.scores_TE.gather(1, ids_TK)
-                if module.renormalize:
-                    weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-                return Routing(ids_TK, weights_TK * module.scale, output.scores_TE)
+                # The router's own gate weights for these ids (the same ops or kernels as a forward without replay).
+                weights_TK = module.gate_weights(output.logits_TE, output.scores_TE, ids_TK)
+                return Routing(ids_TK, weights_TK, output.scores_TE, output.logits_TE)
             handles.append(router.register_forward_hook(hook))
         try:
             yield
