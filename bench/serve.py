@@ -100,6 +100,9 @@ class StubEngine:
     def stop_ids(self, params) -> set[int]:
         return set(params.stop_token_ids)
 
+    def warmup(self) -> float:
+        return 0.0  # nothing to compile
+
     def check_prompt(self, ids, params, name: str = "the prompt") -> None:
         if not ids:
             raise ValueError(f"{name} is empty")
@@ -189,17 +192,16 @@ def serve_main(args) -> None:
 
         tokenizer = chat_tokenizer() if args.chat else NumberTokenizer(ModelConfig.from_preset(args.preset).vocab_size)
         aengine = EngineProcess(functools.partial(bench_engine, args), max_queue=4096, warmup=not args.no_warmup)
-        app = create_app(aengine, "bench", tokenizer, args.max_context, 4096)
+        app = create_app(aengine, "bench", tokenizer, args.max_context, 4096, prepare_grammars=not args.no_warmup)
         try:
             run_server(app, "127.0.0.1", 0, on_listening=lambda url: print(f"listening {url}", flush=True),
                        **({"switch_interval_s": args.switch_interval} if args.switch_interval else {}))
         finally:
             aengine.shutdown()
         return
-    if args.stub_step_ms is not None:
-        config = ModelConfig.from_preset(args.preset)
-        tokenizer = NumberTokenizer(config.vocab_size)
-        engine = StubEngine(config.vocab_size, args.max_batch, args.stub_step_ms / 1e3)
+    if args.stub_step_ms is not None:  # with --chat, the chat tokenizer: the chat path's own cost per token
+        tokenizer = chat_tokenizer() if args.chat else NumberTokenizer(ModelConfig.from_preset(args.preset).vocab_size)
+        engine = StubEngine(tokenizer.vocab_size, args.max_batch, args.stub_step_ms / 1e3)
     elif args.chat:
         tokenizer = chat_tokenizer()
         model, config = build_model(args.preset, torch.device(args.device), _dtype(args), tokenizer.vocab_size)
@@ -210,7 +212,7 @@ def serve_main(args) -> None:
         engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
     # Without the warm-up argument when it is off, so the same script drives an older k3 (before/after runs).
     aengine = AsyncEngine(engine, max_queue=4096, **({} if args.no_warmup else {"warmup": engine.warmup}))
-    app = create_app(aengine, "bench", tokenizer, args.max_context, 4096)
+    app = create_app(aengine, "bench", tokenizer, args.max_context, 4096, prepare_grammars=not args.no_warmup)
     try:
         run_server(app, "127.0.0.1", 0, on_listening=lambda url: print(f"listening {url}", flush=True),
                    **({"switch_interval_s": args.switch_interval} if args.switch_interval else {}))

@@ -111,7 +111,7 @@ def serve_command(args: argparse.Namespace) -> int:
 
     api_key = server.api_key or os.environ.get("K3_API_KEY") or None  # the environment is read here, at the edge
     app = create_app(aengine, name, tokenizer, options.max_context, server.max_queue, template, images, limits,
-                     allowed_origins=origins, allowed_hosts=hosts, api_key=api_key)
+                     allowed_origins=origins, allowed_hosts=hosts, api_key=api_key, prepare_grammars=server.warmup)
 
     def listening(url: str) -> None:
         print(f"k3 serve: {name} on {url} (OpenAI-compatible: {url}/v1; device {engine.device}, max batch "

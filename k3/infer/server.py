@@ -20,6 +20,7 @@ import asyncio
 import gc
 import logging
 import signal
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -94,14 +95,33 @@ class _Server:
         self.active: set[_Generation] = set()
         self._token_text: dict[int, str] = {}
         self._grammar_tokenizer = None
+        # Chat requests are planned in worker threads: one build, however many constrained requests come at once.
+        self._grammar_lock = threading.Lock()
+        self.grammars_ready = threading.Event()  # unset while prepare_grammars runs (/health: warming up)
+        self.grammars_ready.set()
 
     def grammar_tokenizer(self):
         """The vocabulary as the grammar library reads it (k3.infer.structured), built on first use."""
-        if self._grammar_tokenizer is None:
-            from k3.infer.structured import GrammarTokenizer
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                from k3.infer.structured import GrammarTokenizer
 
-            self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size)
-        return self._grammar_tokenizer
+                self._grammar_tokenizer = GrammarTokenizer(self.tokenizer, self.vocab_size)
+            return self._grammar_tokenizer
+
+    def prepare_grammars(self) -> None:
+        """Build the grammar tokenizer now, as the first constrained request would (seconds: the grammar library's
+        import and a scan of the vocabulary, which stalled every stream when a request paid for it)."""
+        from k3.infer.structured import available
+
+        try:
+            if available():
+                self.grammar_tokenizer()
+        except Exception as error:  # noqa: BLE001 - a tokenizer it cannot read fails the grammar requests later
+            log.warning("the grammar library could not read the tokenizer (%s); constrained requests will fail",
+                        error)
+        finally:
+            self.grammars_ready.set()
 
     def abort_all(self) -> None:
         """End every request now (shutdown): streams finish with finish_reason "abort" and [DONE]."""
@@ -520,17 +540,21 @@ async def _respond(request: Request, server: _Server, fmt: _Format, prompts: lis
 def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_queue: int,
                chat_template: ChatTemplate | None = None, images=None, limits: ServerLimits | None = None,
                allowed_origins: tuple[str, ...] = (), allowed_hosts: tuple[str, ...] = ("*",),
-               api_key: str | None = None) -> "FastAPI":
+               api_key: str | None = None, prepare_grammars: bool = False) -> "FastAPI":
     """The FastAPI application. async_engine: k3.infer.AsyncEngine (its engine's tokenizer must be
     `tokenizer`); max_context: longest prompt + generation; max_queue: as given to the AsyncEngine (shown in
     errors and /health); images: k3.infer.image_inputs.ImageInputs when the model has a vision tower (chat
     messages may then carry image_url parts with data: URLs); limits: body and prompt sizes (defaults if None);
     allowed_origins / allowed_hosts: see k3.infer.origins; api_key: when given, every /v1/ route needs
-    `Authorization: Bearer <api_key>` (k3.infer.auth).
+    `Authorization: Bearer <api_key>` (k3.infer.auth); prepare_grammars: build what structured output needs
+    (k3.infer.structured's GrammarTokenizer) in a thread now, /health not ready until it is done (warm-up).
     Tokenizing runs in worker threads, so a long prompt does not hold up other requests."""
     limits = limits or ServerLimits()
     server = _Server(async_engine, model_name, tokenizer, max_context, max_queue,
                      chat_template or load_chat_template(tokenizer), images)
+    if prepare_grammars:
+        server.grammars_ready.clear()
+        threading.Thread(target=server.prepare_grammars, name="k3-grammar-setup", daemon=True).start()
     app = FastAPI(title="k3", description="OpenAI-compatible inference for K3-architecture models")
     app.state.k3 = server
     add_origin_checks(app, allowed_origins, allowed_hosts)
@@ -571,8 +595,9 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
     async def health() -> JSONResponse:
         stats = await asyncio.to_thread(async_engine.stats)
         alive = async_engine.error is None
-        # Until the engine has warmed up (k3.infer.AsyncEngine's warmup), requests would wait for it: not ready.
-        ready = alive and async_engine.ready.is_set()
+        # Until the engine has warmed up (k3.infer.AsyncEngine's warmup) and the grammar tokenizer is built (when
+        # asked), requests would wait for them: not ready.
+        ready = alive and async_engine.ready.is_set() and server.grammars_ready.is_set()
         status = "ok" if ready else "warming up" if alive else f"engine stopped: {async_engine.error!r}"
         body = {"status": status, "model": server.model_name, "max_context": server.max_context,
                 "max_queue": server.max_queue, "in_flight": server.metrics.in_flight,

@@ -9,7 +9,8 @@ import time
 
 class InProcessServer:
     def __init__(self, model, tokenizer, chat_template=None, max_context: int = 256, max_batch: int = 8,
-                 api_key: str | None = None, start_timeout_s: float = 30.0, warmup=None) -> None:
+                 api_key: str | None = None, start_timeout_s: float = 30.0, warmup=None,
+                 prepare_grammars: bool = False) -> None:
         import uvicorn
 
         from k3.infer.async_engine import AsyncEngine
@@ -19,8 +20,9 @@ class InProcessServer:
         self.engine = Engine(model, tokenizer, max_context=max_context, max_batch=max_batch, prefix_cache=False)
         self.aengine = AsyncEngine(self.engine, max_queue=64, warmup=warmup)
         kwargs = {"api_key": api_key} if api_key is not None else {}
-        app = create_app(self.aengine, "tiny", tokenizer, max_context, 64, chat_template, **kwargs)
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        self.app = create_app(self.aengine, "tiny", tokenizer, max_context, 64, chat_template,
+                              prepare_grammars=prepare_grammars, **kwargs)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -128,3 +128,73 @@ def test_a_warm_engine_freezes_its_objects_out_of_the_collector_until_shutdown()
     finally:
         aengine.shutdown()
     assert gc.get_freeze_count() == 0
+
+
+def test_grammar_tokenizer_is_built_before_ready_and_once(monkeypatch):
+    """prepare_grammars (k3 serve's warm-up): the grammar library's view of the vocabulary is built in the
+    warm-up, /health stays 503 until it is, and later constrained requests reuse it. Built on a first request
+    instead, it held every stream up for 2-3 s (bench/serve.py's tools level, stub engine, 2 CPU cores)."""
+    import k3.infer.structured as structured
+
+    model, tokenizer = _tiny()
+    release, built = threading.Event(), []
+    real = structured.GrammarTokenizer
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            assert release.wait(60), "the test never released the grammar set-up"
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(structured, "GrammarTokenizer", Counted)
+    server = InProcessServer(model, tokenizer, max_context=256, max_batch=4, prepare_grammars=True)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            assert server.aengine.ready.wait(60)  # the engine is warm; the grammars are not
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["status"] == "warming up"
+            release.set()
+            assert server.app.state.k3.grammars_ready.wait(60)
+            assert http.get("/health").status_code == 200 and built == [1]
+            schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "warm"}], "max_tokens": 8,
+                    "temperature": 0, "response_format": {"type": "json_schema",
+                                                          "json_schema": {"name": "a", "schema": schema}}}
+            for _ in range(2):
+                out = http.post("/v1/chat/completions", json=body)
+                assert out.status_code == 200, out.text
+            assert built == [1]  # the requests took the tokenizer the warm-up built
+    finally:
+        release.set()
+        server.stop()
+
+
+def test_concurrent_first_uses_build_one_grammar_tokenizer(monkeypatch):
+    """Chat requests are planned in worker threads: many constrained ones at once share one build."""
+    from types import SimpleNamespace
+
+    import k3.infer.structured as structured
+    from k3.infer.server import _Server
+
+    entered, release, built = threading.Event(), threading.Event(), []
+
+    class Slow:
+        def __init__(self, tokenizer, vocab_size):
+            built.append(self)
+            entered.set()
+            assert release.wait(60)
+
+    monkeypatch.setattr(structured, "GrammarTokenizer", Slow)
+    engine = SimpleNamespace(engine=SimpleNamespace(config=SimpleNamespace(vocab_size=16)))
+    server = _Server(engine, "tiny", None, 64, 8, chat_template=None)
+    got = []
+    first = threading.Thread(target=lambda: got.append(server.grammar_tokenizer()))
+    first.start()
+    assert entered.wait(60)
+    others = [threading.Thread(target=lambda: got.append(server.grammar_tokenizer())) for _ in range(4)]
+    for thread in others:
+        thread.start()
+    release.set()
+    for thread in [first, *others]:
+        thread.join(60)
+    assert len(built) == 1 and len(got) == 5 and all(g is built[0] for g in got)
