@@ -171,8 +171,11 @@ def bench_engine(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.stub_step_ms is not None:
-        config = ModelConfig.from_preset(args.preset)
-        return StubEngine(config.vocab_size, args.max_batch, args.stub_step_ms / 1e3)
+        if not args.chat:
+            return StubEngine(ModelConfig.from_preset(args.preset).vocab_size, args.max_batch, args.stub_step_ms / 1e3)
+        stub = StubEngine(chat_tokenizer().vocab_size, args.max_batch, args.stub_step_ms / 1e3)
+        stub.tokenizer = chat_tokenizer()  # what the engine process builds constrained requests' grammars from
+        return stub
     tokenizer = chat_tokenizer() if args.chat else None
     model, config = build_model(args.preset, torch.device(args.device), _dtype(args),
                                 tokenizer.vocab_size if tokenizer else None)
@@ -332,16 +335,21 @@ def chat_bodies(count: int, prompt_tokens: int, kind: str, seed: int) -> list[di
 
 
 def mixed_levels(args) -> dict:
-    """The chat server at the top concurrency: plain chat, then each --mixed kind mixed into it."""
+    """The chat server at the top concurrency: plain chat, then each --mixed kind mixed into it. The engine runs
+    where `k3 serve` puts it on this device (its own process on CUDA): chat streams keep the event loop busy, and
+    an engine thread in the same process then waits for the GIL in every torch call."""
+    from k3.infer.serve_cli import engine_process_default
+
     top = max(args.concurrency)
-    process, url, start = start_server(args, chat=True)
-    levels = {"start": start}
+    engine_process = engine_process_default(args.device)
+    process, url, start = start_server(args, chat=True, engine_process=engine_process)
+    levels = {"start": start, "engine": "process" if engine_process else "in-process"}
     try:
         asyncio.run(load_level(url, "bench", chat_bodies(2, args.prompt, "plain", 7), 4, 2, None))  # warm-up
         for kind in ["plain", *args.mixed]:
             bodies = chat_bodies(top * args.requests_per_level, args.prompt, kind, 200)
             levels[kind] = r = asyncio.run(load_level(url, "bench", bodies, args.new, top, args.rate))
-            print(f"chat server C={top}, {kind}: {r}", flush=True)
+            print(f"chat server ({levels['engine']}) C={top}, {kind}: {r}", flush=True)
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -568,7 +576,7 @@ def main() -> None:
     named += list(baselines.items())
     top = max(args.concurrency)
     named += [(f"k3 serve chat, C={top}, {kind}", r) for kind, r in results.get("mixed", {}).items()
-              if kind != "start"]
+              if kind not in ("start", "engine")]
     for name, r in named:
         rows.append([name, r["requests"], r["output_tokens_per_s"],
                      f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else "",
