@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
 # The GPU work not yet measured, most needed first. Each step runs only if the seconds it needs are left before
 # END (default 570), so a short window still yields the first steps; name steps to pick them (default: all).
-#   tests    the CUDA test not yet seen to pass (the fla KDA layer against its twin in fp32, head_dim 64), then
-#            the graphed trainer's tests; fla at one autotune config          needs 60, limit 150  -> tests.log
-#   serve    bench/serve_gpu.sh's probe + serve parts (the serving table)      needs 330            -> serve/
+#   tests    the CUDA test not yet seen to pass (the fla KDA layer against its twins, bf16 at `small`'s KDA shape),
+#            then the graphed trainer's tests; fla at one autotune config     needs 60, limit 150  -> tests.log
+#   serve    bench/serve_gpu.sh's probe + serve parts (the serving table)      needs 400            -> serve/
 #   long     bench/serve_gpu.sh's run + eval + serve1m parts (1M context)      needs 310            -> long/
 #   flat     bench/train_default_gpu.sh part b: the default step over 1,000 steps (p50/p99 per 100)
-#                                                                              needs 230            -> b.log
+#                                                                              needs 295            -> b.log
 #   qb       bench/train_default_gpu.sh part c: the QB ablation, 4 arms x 2,000 steps
-#                                                                              needs 200            -> c.log
-#   vgrad    bench/train.py's best step with --kernels vector_grads=torch, then =triton (the [D]-gradient tails as one
-#            kernel: 324 launches fewer a step by bench/launch_census.py, not yet timed)
-#                                                                              needs 160   -> vgrad_{torch,triton}.*
+#                                                                              needs 240            -> c.log
+#   rweights bench/train.py's best step with --kernels route_weights=torch, then =triton (the router's gate
+#            weights as 2 kernels: 210 launches fewer a step by bench/launch_census.py, not yet timed)
+#                                                                              needs 160   -> rweights_{torch,triton}.*
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). Three calls of 570 s cover everything, e.g.
 #   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 tests serve
-#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 long flat
-#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 qb vgrad
+#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 long rweights
+#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 flat qb
 #   bash bench/gpu_pending.sh OUT 570 --dry-run [STEPS...]   # the logic on the CPU (debug shapes, CUDA tests skip)
 set -u
 OUT=${1:?give the output folder}
@@ -24,7 +24,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests serve long flat qb vgrad} "
+STEPS=" ${*:-tests serve long rweights flat qb} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -47,7 +47,7 @@ if run tests 60; then
 fi
 SERVE_MODE=()
 [ -n "$DRY" ] && SERVE_MODE=(--cpu-check)
-if run serve 330; then
+if run serve 400; then
   K3_SERVE_PARTS="probe serve" bash bench/serve_gpu.sh "$OUT/serve" "${SERVE_MODE[@]}"
   log "serve done"
 fi
@@ -55,25 +55,23 @@ if run long 310; then
   K3_SERVE_PARTS="run eval serve1m" bash bench/serve_gpu.sh "$OUT/long" "${SERVE_MODE[@]}"
   log "long done"
 fi
-if run flat 230; then
-  K3_TRAIN_PARTS="b" bash bench/train_default_gpu.sh "$OUT" $DRY
-  log "flat done"
-fi
-if run qb 200; then
-  keep=5  # seconds left for what follows: vgrad's, if asked for and the ablation still gets its 200
-  [[ "$STEPS" == *" vgrad "* ]] && [ "$(left)" -ge 365 ] && keep=165
-  K3_TRAIN_PARTS="c" K3_TRAIN_C_S=$(( $(left) - keep )) bash bench/train_default_gpu.sh "$OUT" $DRY
-  log "qb done"
-fi
-if run vgrad 160; then
+if run rweights 160; then
   if [ -n "$DRY" ]; then
-    log "vgrad: bench/train.py needs CUDA; skipped"
+    log "rweights: bench/train.py needs CUDA; skipped"
   else
     for choice in torch triton; do
       timeout --kill-after=5 75 python bench/train.py --variants k3-small-graphed-step --steps 6 \
-        --kernels vector_grads=$choice --out "$OUT/vgrad_$choice.json" > "$OUT/vgrad_$choice.log" 2>&1
-      log "vgrad $choice: rc $?"
+        --kernels route_weights=$choice --out "$OUT/rweights_$choice.json" > "$OUT/rweights_$choice.log" 2>&1
+      log "rweights $choice: rc $?"
     done
   fi
+fi
+if run flat 295; then  # 1,000 steps: ~60 s of set-up and first step, 150 ms a step, the profile
+  K3_TRAIN_PARTS="b" K3_TRAIN_B_S=280 bash bench/train_default_gpu.sh "$OUT" $DRY
+  log "flat done"
+fi
+if run qb 240; then  # 4 arms of 2,000 steps: the first (published QB, compiling) took 47 s for 1,750
+  K3_TRAIN_PARTS="c" K3_TRAIN_C_S=$(( $(left) - 5 )) bash bench/train_default_gpu.sh "$OUT" $DRY
+  log "qb done"
 fi
 log "done"

@@ -531,10 +531,6 @@ def main() -> None:
     if "fresh" in first:
         results["fresh"] = first["fresh"]
 
-    if args.mixed:
-        results["mixed"] = mixed_levels(args)
-        write_json(args.out, {**results, "partial": True})
-
     if args.stub_step_ms is not None:  # no model: the engine rows would measure nothing of the server
         args.skip = ["one-by-one", "in-process", "transformers"]
     baselines = {}
@@ -567,6 +563,10 @@ def main() -> None:
         baselines["transformers one-by-one"] = transformers_one_by_one(peer, prompts, args.new, device)
         print(f"transformers: {baselines['transformers one-by-one']}", flush=True)
     results["baselines"] = baselines
+    write_json(args.out, {**results, "partial": True})
+    # After the baselines: the targets compare the server with them, and a time limit should cut chat first.
+    if args.mixed:
+        results["mixed"] = mixed_levels(args)
     results["load_average_at_end"] = os.getloadavg()
 
     base = baselines.get("engine one-by-one")

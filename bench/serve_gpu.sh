@@ -39,7 +39,7 @@ if [ "$MODE" = "--cpu-check" ]; then
 else
   PRESET=small DEVICE=cuda LENGTH=1M LONG_CONTEXT=1048576
   SERVE_ARGS=()
-  T_PROBE=40 T_SERVE=300 T_RUN=60 T_EVAL=150 T_SERVE1M=100
+  T_PROBE=40 T_SERVE=360 T_RUN=60 T_EVAL=150 T_SERVE1M=100
 fi
 
 # summary.json: {"mode", "parts": {name: {"status", "seconds", ...}}}, rewritten after every part.

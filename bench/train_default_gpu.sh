@@ -42,7 +42,7 @@ if [ "$DRY" = "--dry-run" ]; then
   E_STEPS=(--steps 12); TA=1; TB=240; TC=240; TD=120; TE=120
 else
   ARGS=(); B_STEPS=(--steps 1000); C_STEPS=(--steps 2000 --layers 4); E_STEPS=(--steps 40)
-  TA=65; TB=215; TC=${K3_TRAIN_C_S:-210}; TD=55; TE=0  # e: set below from what is left
+  TA=65; TB=${K3_TRAIN_B_S:-215}; TC=${K3_TRAIN_C_S:-210}; TD=55; TE=0  # e: set below from what is left
 fi
 merge() {  # merge KEY JSON: OUT/results.json[KEY] = JSON (plain python: no torch import, no seconds lost)
   python - "$OUT/results.json" "$1" "$2" <<'PY'
