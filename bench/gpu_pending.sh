@@ -9,9 +9,10 @@
 #                                                                              needs 295            -> b.log
 #   qb       bench/train_default_gpu.sh part c: the QB ablation, 4 arms x 2,000 steps
 #                                                                              needs 240            -> c.log
-#   rweights bench/train.py's best step with --kernels route_weights=torch, then =triton (the router's gate
-#            weights as 2 kernels: 210 launches fewer a step by bench/launch_census.py, not yet timed)
-#                                                                              needs 160   -> rweights_{torch,triton}.*
+#   rweights bench/train.py's best step with the switches as they are, then --kernels route_weights=triton (the
+#            router's gate weights as 2 kernels: 210 launches fewer a step by bench/launch_census.py), then
+#            vector_grads=triton (its row loop now tiled; the loop made the step 4.5% slower)
+#                                                                              needs 235   -> rweights_*.{json,log}
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). Three calls of 570 s cover everything, e.g.
 #   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 tests serve
@@ -55,14 +56,16 @@ if run long 310; then
   K3_SERVE_PARTS="run eval serve1m" bash bench/serve_gpu.sh "$OUT/long" "${SERVE_MODE[@]}"
   log "long done"
 fi
-if run rweights 160; then
+if run rweights 235; then
   if [ -n "$DRY" ]; then
     log "rweights: bench/train.py needs CUDA; skipped"
   else
-    for choice in torch triton; do
+    for switch in default route_weights=triton vector_grads=triton; do
+      name=${switch%%=*}
+      kernels=(); [ "$switch" != default ] && kernels=(--kernels "$switch")
       timeout --kill-after=5 75 python bench/train.py --variants k3-small-graphed-step --steps 6 \
-        --kernels route_weights=$choice --out "$OUT/rweights_$choice.json" > "$OUT/rweights_$choice.log" 2>&1
-      log "rweights $choice: rc $?"
+        ${kernels[@]+"${kernels[@]}"} --out "$OUT/rweights_$name.json" > "$OUT/rweights_$name.log" 2>&1
+      log "rweights $switch: rc $?"
     done
   fi
 fi

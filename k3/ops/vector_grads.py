@@ -4,8 +4,8 @@ partial rows a backward kernel leaves ([P, D] fp32), times one or two [D] vector
 RMSNorm's backward ends in dw_PD.sum(0).to(w.dtype) (2 launches); an AttnRes mix's backward in dq_PD.sum(0),
 then (dq * query.float()).to(...) and (dq * norm_weight.float()).to(...) (7), and its forward starts with
 norm_weight.float() * query.float() (3). Each becomes one kernel under the switch `vector_grads` = "triton"
-(k3.kernels); "torch" (the default) keeps those PyTorch ops, the twin. The kernel sums the partial rows in order,
-row 0 first, in fp32; PyTorch's sum(0) may add them in another order, so the two differ in the last bits.
+(k3.kernels); "torch" (the default) keeps those PyTorch ops, the twin. The kernel sums the partial rows in fp32 in
+an order of its own (tiles of rows); PyTorch's sum(0) may add them in another, so the two differ in the last bits.
 
     s_D = partials_PD.sum(0)                        summed_rows(partials_PD, dtype)
     (s_D * a_D, s_D * b_D) in their dtypes          summed_rows_times(partials_PD, a_D, b_D, dtype_a, dtype_b)
@@ -18,8 +18,9 @@ import torch
 from k3 import kernels
 from k3.ops.triton_support import interpreting, kernel_module
 
-# Columns a program: [D] vectors are short (D = 1024 in `small`), so a few programs cover one.
-BLOCK_D = 256
+# Columns a program and partial rows a load: 16 programs at D = 1024 (`small`), each reading [32, 64] tiles.
+BLOCK_D = 64
+BLOCK_R = 32
 
 
 def vector_grads_backend() -> str:
@@ -46,7 +47,7 @@ def _launch(partials_PD: torch.Tensor, a_D: torch.Tensor | None, b_D: torch.Tens
         kernel[(triton.cdiv(dim, BLOCK_D),)](
             partials_PD, a_D if a_D is not None else out_a, b_D if b_D is not None else out_a, out_a,
             out_b if out_b is not None else out_a, num_rows, dim, SCALED=a_D is not None, TWO=b_D is not None,
-            BLOCK_D=BLOCK_D)
+            BLOCK_D=BLOCK_D, BLOCK_R=BLOCK_R)
     return out_a, out_b
 
 

@@ -29,7 +29,7 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("rows,dim", [(1, 16), (5, 300), (9, 1024)])  # 300: a ragged last block of 256
+@pytest.mark.parametrize("rows,dim", [(1, 16), (5, 300), (9, 1024), (70, 130)])  # ragged column and row tiles
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_summed_rows_times_matches_the_fp64_oracle_and_the_twin(rows, dim, dtype):
     g = torch.Generator().manual_seed(rows * dim)
