@@ -85,12 +85,13 @@ class StubEngine:
     request one token after sleeping the given time (as a GPU step leaves the host free), and no model: the
     server's own cost per token, and whether it keeps up with an engine of that step time."""
 
-    def __init__(self, vocab_size: int, max_batch: int, step_s: float) -> None:
+    def __init__(self, vocab_size: int, max_batch: int, step_s: float, handoffs: int = 1) -> None:
         from collections import deque
         from types import SimpleNamespace
 
         self.config = SimpleNamespace(vocab_size=vocab_size)
         self.max_batch, self.step_s, self.tokenizer = max_batch, step_s, None
+        self.handoffs = max(1, handoffs)  # the step sleeps in this many pieces, each giving up the GIL
         self.waiting: deque = deque()
         self.running: dict[str, list] = {}  # request id -> [params, tokens given]
         self.scheduler = SimpleNamespace(running=[], waiting=[])
@@ -124,7 +125,8 @@ class StubEngine:
         while self.waiting and len(self.running) < self.max_batch:
             request_id, params = self.waiting.popleft()
             self.running[request_id] = [params, 0]
-        time.sleep(self.step_s)
+        for _ in range(self.handoffs):  # as a GPU step's torch calls give up the GIL and wait to take it back
+            time.sleep(self.step_s / self.handoffs)
         events = []
         for request_id, state in list(self.running.items()):
             state[1] += 1
@@ -172,8 +174,9 @@ def bench_engine(args):
         torch.set_num_threads(args.threads)
     if args.stub_step_ms is not None:
         if not args.chat:
-            return StubEngine(ModelConfig.from_preset(args.preset).vocab_size, args.max_batch, args.stub_step_ms / 1e3)
-        stub = StubEngine(chat_tokenizer().vocab_size, args.max_batch, args.stub_step_ms / 1e3)
+            return StubEngine(ModelConfig.from_preset(args.preset).vocab_size, args.max_batch, args.stub_step_ms / 1e3,
+                              args.stub_handoffs)
+        stub = StubEngine(chat_tokenizer().vocab_size, args.max_batch, args.stub_step_ms / 1e3, args.stub_handoffs)
         stub.tokenizer = chat_tokenizer()  # what the engine process builds constrained requests' grammars from
         return stub
     tokenizer = chat_tokenizer() if args.chat else None
@@ -204,7 +207,7 @@ def serve_main(args) -> None:
         return
     if args.stub_step_ms is not None:  # with --chat, the chat tokenizer: the chat path's own cost per token
         tokenizer = chat_tokenizer() if args.chat else NumberTokenizer(ModelConfig.from_preset(args.preset).vocab_size)
-        engine = StubEngine(tokenizer.vocab_size, args.max_batch, args.stub_step_ms / 1e3)
+        engine = StubEngine(tokenizer.vocab_size, args.max_batch, args.stub_step_ms / 1e3, args.stub_handoffs)
     elif args.chat:
         tokenizer = chat_tokenizer()
         model, config = build_model(args.preset, torch.device(args.device), _dtype(args), tokenizer.vocab_size)
@@ -244,7 +247,7 @@ def start_server(args, chat: bool = False, engine_process: bool = False) -> tupl
     if args.switch_interval:
         command += ["--switch-interval", str(args.switch_interval)]
     if args.stub_step_ms is not None:
-        command += ["--stub-step-ms", str(args.stub_step_ms)]
+        command += ["--stub-step-ms", str(args.stub_step_ms), "--stub-handoffs", str(args.stub_handoffs)]
     if args.dtype:
         command += ["--dtype", args.dtype]
     if args.threads:
@@ -501,6 +504,9 @@ def main() -> None:
     parser.add_argument("--stub-step-ms", type=float, default=None,
                         help="serve a stub engine (no model: every step sleeps this long, then gives each running "
                              "request a token) to measure the server's own cost; skips the in-process rows")
+    parser.add_argument("--stub-handoffs", type=int, default=1,
+                        help="with --stub-step-ms: the step sleeps in this many pieces, giving up the GIL each time as "
+                             "a GPU step's torch calls do (a busy event loop then delays the engine thread)")
     parser.add_argument("--engine-modes", nargs="+", default=["in-process"], choices=["in-process", "process"],
                         help="server levels with the engine in the server's process, in its own process, or both "
                              "(one after the other, same requests)")
@@ -521,7 +527,8 @@ def main() -> None:
     # On a shared CPU machine the other processes' load moves every number: it is recorded with them.
     results: dict = {"bench": "serve", "device_name": device_name(), "preset": args.preset, "prompt": args.prompt,
                      "new": args.new, "dtype": str(dtype), "rate": args.rate, "switch_interval": args.switch_interval,
-                     "stub_step_ms": args.stub_step_ms, "cpu_count": os.cpu_count(),
+                     "stub_step_ms": args.stub_step_ms, "stub_handoffs": args.stub_handoffs,
+                     "cpu_count": os.cpu_count(),
                      "load_average_at_start": os.getloadavg(), "modes": {}}
 
     for mode in args.engine_modes:
