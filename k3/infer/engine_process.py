@@ -386,14 +386,9 @@ class _Relay:
             return self._grammar_tokenizer
 
     def prepare_grammars(self) -> None:
-        from k3.infer.structured import available
+        from k3.infer.structured import build_ahead
 
-        try:
-            if available():
-                self.grammar_tokenizer()
-        except Exception as error:  # noqa: BLE001 - a tokenizer it cannot read fails the grammar requests later
-            log.warning("the grammar library could not read the tokenizer (%s); constrained requests will fail",
-                        error)
+        build_ahead(self.grammar_tokenizer)
 
     def send(self, message: list) -> None:
         try:

@@ -110,16 +110,11 @@ class _Server:
             return self._grammar_tokenizer
 
     def prepare_grammars(self) -> None:
-        """Build the grammar tokenizer now, as the first constrained request would (seconds: the grammar library's
-        import and a scan of the vocabulary, which stalled every stream when a request paid for it)."""
-        from k3.infer.structured import available
+        """Build the grammar tokenizer now (k3.infer.structured.build_ahead), then say the grammars are ready."""
+        from k3.infer.structured import build_ahead
 
         try:
-            if available():
-                self.grammar_tokenizer()
-        except Exception as error:  # noqa: BLE001 - a tokenizer it cannot read fails the grammar requests later
-            log.warning("the grammar library could not read the tokenizer (%s); constrained requests will fail",
-                        error)
+            build_ahead(self.grammar_tokenizer)
         finally:
             self.grammars_ready.set()
 

@@ -26,10 +26,11 @@ templates), and the reply ends with the format's end of turn (its end marker, or
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -40,6 +41,7 @@ MAX_SCHEMA_CHARS = 100_000
 MAX_FORCED_CALLS = 8  # calls in one forced reply: a model cannot loop on calls until max_tokens
 CACHED_GRAMMARS = 64  # compiled grammars kept per served tokenizer
 CACHED_GRAMMAR_CHARS = 2_000_000  # their Lark text in all; a larger grammar is compiled for its request alone
+log = logging.getLogger("k3.structured")
 
 
 def available() -> bool:
@@ -48,6 +50,19 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def build_ahead(grammar_tokenizer: Callable[[], object]) -> None:
+    """Call `grammar_tokenizer` (a served model's lazy GrammarTokenizer getter) now, as the first constrained
+    request would, where the library is installed: its import and the vocabulary scan take seconds, which stalled
+    every stream when a request paid for them. A tokenizer the library cannot read is logged, and the requests that
+    need it fail later with the reason."""
+    if not available():
+        return
+    try:
+        grammar_tokenizer()
+    except Exception as error:  # noqa: BLE001 - a tokenizer it cannot read fails the grammar requests later
+        log.warning("the grammar library could not read the tokenizer (%s); constrained requests will fail", error)
 
 
 def _llguidance():
