@@ -178,7 +178,7 @@ def build_layer(config: ModelConfig, device: torch.device, dtype: torch.dtype, s
 
 class ForcedRouting:
     """Stands in for a Router's forward: the router computes its scores (and top-k) as usual, then `topk_ids_TK`
-    replaces its choice; the gate weights are its scores at those ids, normalised as the router normalises."""
+    replaces its choice; the gate weights are the router's own for those ids (Router.gate_weights)."""
 
     def __init__(self, router: Router) -> None:
         self.router, self.router_forward = router, router.forward
@@ -187,10 +187,8 @@ class ForcedRouting:
 
     def __call__(self, x_TD: torch.Tensor) -> Routing:
         routing = self.router_forward(x_TD)
-        weights_TK = routing.scores_TE.gather(1, self.topk_ids_TK)
-        if self.router.renormalize:
-            weights_TK = weights_TK / (weights_TK.sum(-1, keepdim=True) + 1e-20)
-        return Routing(self.topk_ids_TK, weights_TK * self.router.scale, routing.scores_TE)
+        weights_TK = self.router.gate_weights(routing.logits_TE, routing.scores_TE, self.topk_ids_TK)
+        return Routing(self.topk_ids_TK, weights_TK, routing.scores_TE, routing.logits_TE)
 
 
 # --- measurements ---------------------------------------------------------------------------------------------
