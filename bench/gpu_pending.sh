@@ -13,9 +13,11 @@
 #            router's gate weights as 2 kernels: 210 launches fewer a step by bench/launch_census.py), then
 #            vector_grads=triton (its row loop now tiled; the loop made the step 4.5% slower)
 #                                                                              needs 235   -> rweights_*.{json,log}
+#   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
+#            in place of the old ones: the next call's first step then compiles nothing new)   needs 40
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). Three calls of 570 s cover everything, e.g.
-#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 tests serve
+#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 tests serve cache
 #   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 long rweights
 #   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 flat qb
 #   bash bench/gpu_pending.sh OUT 570 --dry-run [STEPS...]   # the logic on the CPU (debug shapes, CUDA tests skip)
@@ -76,5 +78,13 @@ fi
 if run qb 240; then  # 4 arms of 2,000 steps: the first (published QB, compiling) took 47 s for 1,750
   K3_TRAIN_PARTS="c" K3_TRAIN_C_S=$(( $(left) - 5 )) bash bench/train_default_gpu.sh "$OUT" $DRY
   log "qb done"
+fi
+if run cache 40; then
+  if [ -d /tmp/kcache ] && [ -n "$(ls -A /tmp/kcache)" ]; then
+    mkdir -p "$OUT/cache" && (cd /tmp/kcache && tar -cf - . | xz -T0 -6 | split -b 9m - "$OUT/cache/tc.")
+    log "cache: $(du -sh "$OUT/cache" | cut -f1) in $(ls "$OUT/cache" | wc -l) parts"
+  else
+    log "cache: no kernel cache at /tmp/kcache (source .devcache/env.sh first); skipped"
+  fi
 fi
 log "done"
