@@ -176,8 +176,9 @@ def bench_engine(args):
         if not args.chat:
             return StubEngine(ModelConfig.from_preset(args.preset).vocab_size, args.max_batch, args.stub_step_ms / 1e3,
                               args.stub_handoffs)
-        stub = StubEngine(chat_tokenizer().vocab_size, args.max_batch, args.stub_step_ms / 1e3, args.stub_handoffs)
-        stub.tokenizer = chat_tokenizer()  # what the engine process builds constrained requests' grammars from
+        tokenizer = chat_tokenizer()  # a BPE trained here: once
+        stub = StubEngine(tokenizer.vocab_size, args.max_batch, args.stub_step_ms / 1e3, args.stub_handoffs)
+        stub.tokenizer = tokenizer  # what the engine process builds constrained requests' grammars from
         return stub
     tokenizer = chat_tokenizer() if args.chat else None
     model, config = build_model(args.preset, torch.device(args.device), _dtype(args),

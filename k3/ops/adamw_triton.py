@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.triton_support import interpreting, kernel_module, triton_available
+from k3.ops.triton_support import interpreting, kernel_module, runs_kernels_on, triton_available
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # 2048 elements a program at 4 warps: 16 of each tensor a thread. bench/adamw.py --blocks on one H100, the largest
@@ -58,7 +58,7 @@ def adamw_input_problem(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
                 f"param's device {param.device} (torch's AdamW keeps it there with fused=True or capturable=True)")
     if not triton_available():
         return "triton is not importable; use torch.optim.AdamW"
-    if not (param.is_cuda or (param.device.type == "cpu" and interpreting())):
+    if not runs_kernels_on(param.device):
         return (f"param is on {param.device}; Triton runs on CUDA, or on the CPU in its interpreter "
                 "(TRITON_INTERPRET=1)")
     return None

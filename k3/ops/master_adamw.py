@@ -27,7 +27,7 @@ import struct
 
 import torch
 
-from k3.ops.triton_support import interpreting, kernel_module, triton_available
+from k3.ops.triton_support import interpreting, kernel_module, runs_kernels_on, triton_available
 
 PARAM_DTYPES = (torch.bfloat16, torch.float16)
 TABLE_COLUMNS = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "step", "numel")
@@ -43,7 +43,7 @@ def kernels(interpret: bool):
 
 def fused_available(device: torch.device) -> bool:
     """Whether the kernel can run on `device`: CUDA with triton, or the CPU in Triton's interpreter."""
-    return triton_available() and (device.type == "cuda" or (device.type == "cpu" and interpreting()))
+    return triton_available() and runs_kernels_on(device)
 
 
 def tensor_problem(param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor,

@@ -41,7 +41,7 @@ from k3 import kernels
 from k3.ops.compile_constant import assume_constant_result
 from k3.ops.fused_backend import fused_backend, opaque_under_compile, with_torch_fallback
 from k3.ops.rms_norm_triton import DTYPES as TRITON_DTYPES, rms_norm_triton
-from k3.ops.triton_support import interpreting, triton_importable
+from k3.ops.triton_support import runs_kernels_on, triton_importable
 
 
 @functools.lru_cache(maxsize=1)
@@ -118,7 +118,7 @@ def k3_triton_path(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return None
     choice = rms_norm_choice()
     if choice == "triton":
-        return "forced" if x.is_cuda or (x.device.type == "cpu" and interpreting()) else None
+        return "forced" if runs_kernels_on(x.device) else None
     # K3_FUSED_BACKEND=torch (the twins, e.g. bench/gpu_check's reference runs) keeps the twin here too.
     if choice == "auto" and x.is_cuda and fused_backend() != "torch" and triton_importable():
         return "chosen"

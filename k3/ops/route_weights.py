@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from k3 import kernels
-from k3.ops.triton_support import interpreting, kernel_module, triton_importable
+from k3.ops.triton_support import interpreting, kernel_module, runs_kernels_on, triton_importable
 
 # Not swept (not yet timed): the forward holds [FORWARD_BLOCK_T, K] pairs a program (128 programs for `small`'s
 # 16,384 tokens); the backward [BLOCK_T, E] values of d_logits, E rounded up to a power of two, about TILE of them
@@ -47,7 +47,7 @@ def triton_chosen(logits_TE: torch.Tensor) -> bool:
     interpreter."""
     if route_weights_backend() != "triton" or torch.compiler.is_compiling() or not triton_importable():
         return False
-    return logits_TE.is_cuda or (logits_TE.device.type == "cpu" and interpreting())
+    return runs_kernels_on(logits_TE.device)
 
 
 def route_weights_torch(scores_TE: torch.Tensor, ids_TK: torch.Tensor, renormalize: bool,

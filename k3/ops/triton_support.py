@@ -30,6 +30,11 @@ def interpreting() -> bool:
     return kernels.triton_interpreting()
 
 
+def runs_kernels_on(device: torch.device) -> bool:
+    """Whether k3's Triton kernels can run on `device`: CUDA, or the CPU in Triton's interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and interpreting())
+
+
 def kernel_backend(switch: str) -> str:
     """The choice of one of k3's own kernels' switches (k3.kernels; by name or environment variable)."""
     return kernels.choice(switch)

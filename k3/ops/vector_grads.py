@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from k3 import kernels
-from k3.ops.triton_support import interpreting, kernel_module
+from k3.ops.triton_support import interpreting, kernel_module, runs_kernels_on
 
 # Columns a program and partial rows a load: 16 programs at D = 1024 (`small`), each reading [32, 64] tiles.
 BLOCK_D = 64
@@ -30,7 +30,7 @@ def vector_grads_backend() -> str:
 
 def triton_chosen(x: torch.Tensor) -> bool:
     """Whether the kernel runs for tensors like x: chosen, on CUDA or in Triton's CPU interpreter."""
-    return vector_grads_backend() == "triton" and (x.is_cuda or (x.device.type == "cpu" and interpreting()))
+    return vector_grads_backend() == "triton" and runs_kernels_on(x.device)
 
 
 def _launch(partials_PD: torch.Tensor, a_D: torch.Tensor | None, b_D: torch.Tensor | None,
