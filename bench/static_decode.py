@@ -55,6 +55,7 @@ class StaticKDASlot:
     going in and three copies coming out (small kernels, one set per KDA layer and step)."""
 
     in_place = True
+    valid_lengths = None  # decode only: no padded rows
 
     def __init__(self, config: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
         heads, dim = config.kda_num_heads, config.kda_head_dim

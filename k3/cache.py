@@ -29,6 +29,9 @@ class KDASlot(Protocol):
     tails [B, W-1, C] (None before the first token)."""
 
     in_place: bool  # state_in_place, conv_window_in_place and update_conv_tails work: decode advances in place
+    # [B] int64: how many of this forward's tokens are real in each row (the rest right padding, which must leave
+    # the state and tails as they were), or None: all of them (k3.infer.runner's padded prefill).
+    valid_lengths: torch.Tensor | None
 
     @property
     def state(self) -> torch.Tensor | None: ...
@@ -79,6 +82,7 @@ def _not_in_place(slot: object) -> TypeError:
 class KDACacheSlot:
     in_place = False
     conv_window = None
+    valid_lengths = None  # rows are never padded here
 
     def __init__(self) -> None:
         self.state: torch.Tensor | None = None

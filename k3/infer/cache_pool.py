@@ -139,8 +139,10 @@ class KDAView:
 
     in_place = True
 
-    def __init__(self, pool: CachePool, layer: int, slots: torch.Tensor) -> None:
+    def __init__(self, pool: CachePool, layer: int, slots: torch.Tensor,
+                 valid_lengths: torch.Tensor | None = None) -> None:
         self.pool, self.n, self.slots = pool, pool.kda_index[layer], slots
+        self.valid_lengths = valid_lengths  # [B]: a padded prefill's real tokens per row (None: all)
 
     @property
     def state(self) -> torch.Tensor:  # [B, H, dk, dv] fp32
@@ -235,13 +237,14 @@ class BatchCache:
     """What `model.model(ids, cache)` indexes: one adapter per layer for the rows of this forward.
 
     slots [B] int64 (KDA slot per row), page_table [B, P] int64, positions [B] int64 (where the rows' new
-    tokens go). `past` is the single row's cached length for a prefill view."""
+    tokens go). `past` is the rows' common cached length for a prefill view; valid_lengths [B] the real tokens of
+    each row of a right-padded prefill (None: every row is real to the end)."""
 
     def __init__(self, pool: CachePool, slots: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
-                 mask_rows: bool, past: int = 0) -> None:
+                 mask_rows: bool, past: int = 0, valid_lengths: torch.Tensor | None = None) -> None:
         self.batch_size = int(slots.shape[0])
         self.layers = [MLAView(pool, i, page_table, positions, mask_rows, past) if t == "mla"
-                       else KDAView(pool, i, slots) for i, t in enumerate(pool.config.layer_types)]
+                       else KDAView(pool, i, slots, valid_lengths) for i, t in enumerate(pool.config.layer_types)]
 
     def __getitem__(self, index: int):
         return self.layers[index]

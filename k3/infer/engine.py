@@ -31,7 +31,8 @@ from k3.kernels import applied as kernels_applied
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.runner import ModelRunner
 from k3.infer.sampling import SamplingParams, sample_rows
-from k3.infer.scheduler import DECODE, FINISHED, PREFILL, Request, Scheduler, Sequence, pages_for
+from k3.infer.scheduler import (DECODE, FINISHED, PREFILL, Request, Scheduler, Sequence, pages_for,
+                                prefill_forwards)
 
 
 @dataclass
@@ -92,8 +93,8 @@ class Engine:
     """model: K3ForCausalLM (put in eval mode here); tokenizer: the project's tokenizer interface or None.
 
     config: the engine's settings (k3.infer.engine_config.EngineConfig: max_context, max_batch, page_size,
-    prefill_chunk, max_step_tokens, prefix_cache, prefix_slots, num_pages, dtype, use_cuda_graphs, record_routing,
-    fuse_weights); keyword options are its fields, replacing config's: Engine(model, tok, max_context=512).
+    prefill_chunk, max_step_tokens, prefill_padding, prefix_cache, prefix_slots, num_pages, dtype, use_cuda_graphs,
+    record_routing, fuse_weights); keyword options are its fields, replacing config's: Engine(model, tok, max_context=512).
     What the settings leave open is decided by engine_config.plan_engine, in one place; self.plan holds the result.
     kernels: k3.kernels choices held while the engine works (setup, steps, scoring), e.g. {"moe": "torch"}."""
 
@@ -202,8 +203,9 @@ class Engine:
                 self._routes[index].append(output.topk_ids_TK.detach())
         return hook
 
-    def _capture(self, seqs: list[Sequence], run):
-        """Run a forward; with record_routing, append each row's expert ids ([T, K] per MoE layer) to it."""
+    def _capture(self, seqs: list[Sequence], run, lengths: list[int] | None = None):
+        """Run a forward; with record_routing, append each row's expert ids ([T, K] per MoE layer) to it (its
+        first lengths[row] tokens': the rest is a padded prefill's padding)."""
         if not self.record_routing:
             return run()
         self._routes = [[] for _ in range(self._num_moe)]
@@ -214,7 +216,7 @@ class Engine:
                 for row, seq in enumerate(seqs):
                     if seq.routing is None:
                         seq.routing = [[] for _ in range(self._num_moe)]
-                    seq.routing[layer].append(ids[row])
+                    seq.routing[layer].append(ids[row] if lengths is None else ids[row, :lengths[row]])
         finally:
             self._routes = None
         return out
@@ -231,12 +233,12 @@ class Engine:
             for seq in plan.decodes:
                 seq.num_cached += 1
             rows.extend(plan.decodes)
-        groups: dict[tuple[int, int, bool], list[Sequence]] = {}
-        for seq, start, end in plan.prefills:
-            groups.setdefault((start, end, seq.prompt_embeds is not None), []).append(seq)
-        for (start, end, _), seqs in groups.items():
-            last_rows = self._capture(seqs, lambda: self.runner.prefill(seqs, start, end))
-            for seq, last in zip(seqs, last_rows):
+        for forward in prefill_forwards(plan.prefills, self.pool.page_size, self.scheduler.max_step_tokens,
+                                        self.engine_config.prefill_padding):
+            seqs, start = forward.seqs, forward.start
+            last_rows = self._capture(seqs, lambda: self.runner.prefill(seqs, start, forward.ends),
+                                      [end - start for end in forward.ends])
+            for seq, last, end in zip(seqs, last_rows, forward.ends):
                 seq.num_cached = end
                 self.stats_counters["prompt_tokens"] += end - start
                 if self.prefix_cache is not None and end in seq.register_at:

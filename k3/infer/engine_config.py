@@ -32,6 +32,9 @@ class EngineConfig:
     max_step_tokens: int | None = field(default=None, metadata=option(cli=False))
     """token budget of a step, decodes counting one each (default: default_prefill_chunk's step tokens plus
     max_batch)"""
+    prefill_padding: float = field(default=0.25, metadata=option(cli=False))
+    """most padding in a prefill forward, as a share of its tokens: chunks of different lengths from one position
+    share a forward padded to the longest (k3.infer.scheduler.prefill_forwards); 0: only equal chunks share"""
     prefix_cache: bool = field(default=True, metadata=option(negative_help="turn prefix caching off"))
     """exact prefix caching of KDA states and MLA pages across requests"""
     prefix_slots: int | None = field(default=None, metadata=option(cli=False))
@@ -56,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 0.0 <= self.prefill_padding < 1.0:
+            raise ValueError(f"prefill_padding is a share of a forward's tokens in [0, 1), got {self.prefill_padding}")
         if self.record_routing and self.use_cuda_graphs:
             raise ValueError("record_routing needs eager decode steps; leave use_cuda_graphs unset or False")
 

@@ -89,27 +89,41 @@ class ModelRunner:
         self._decode_fn = compiled_decode_logits() if self.compile_decode else decode_logits
 
     # --- eager paths --------------------------------------------------------------------------------
-    def _forward_last(self, ids: torch.Tensor, cache: BatchCache, embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward_last(self, ids: torch.Tensor, cache: BatchCache, embeds: torch.Tensor | None = None,
+                      last: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits after each row's last token: position -1, or last [B] (a padded batch's own ends)."""
         hidden = self.model.model(ids, cache, inputs_embeds=embeds)
-        return self.model.lm_head(hidden[:, -1])
+        if last is None:
+            return self.model.lm_head(hidden[:, -1])
+        return self.model.lm_head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
 
     @torch.no_grad()
-    def prefill(self, seqs: list[Sequence], start: int, end: int) -> torch.Tensor:
-        """Write tokens [start, end) of each sequence (all at the same positions) into its cache in one
-        forward -> logits [B, V] after token end-1."""
-        ids = torch.tensor([s.tokens[start:end] for s in seqs], device=self.device)
+    def prefill(self, seqs: list[Sequence], start: int, end: int | list[int]) -> torch.Tensor:
+        """Write tokens [start, end) of each sequence (all from the same position) into its cache in one
+        forward -> logits [B, V] after each row's last token. `end` may differ by row (a list): shorter rows are
+        padded on the right to the longest, and the padding leaves every cache as the row's own tokens left it
+        (KDA: no state or tail change, k3.layers.kda; MLA: written past the row's end, where its own later tokens
+        overwrite it before anything reads there). Every row's pages must reach the longest end."""
+        ends = [end] * len(seqs) if isinstance(end, int) else list(end)
+        longest = max(ends)
+        padded = any(e != longest for e in ends)
+        ids = torch.tensor([s.tokens[start:e] + [0] * (longest - e) for s, e in zip(seqs, ends)],
+                           device=self.device)
         embeds = None
         if any(s.prompt_embeds is not None for s in seqs):
+            if padded:
+                raise ValueError("rows with image embeddings are prefilled at one common end")
             # Rows with image embeddings take them; the others embed their ids as the model would.
             plain = self.model.model.embed_tokens(ids)
-            embeds = torch.stack([s.prompt_embeds[start:end].to(plain.dtype) if s.prompt_embeds is not None
+            embeds = torch.stack([s.prompt_embeds[start:longest].to(plain.dtype) if s.prompt_embeds is not None
                                   else plain[row] for row, s in enumerate(seqs)])
-        pages = pages_for(end, self.pool.page_size)
+        pages = pages_for(longest, self.pool.page_size)
         table = torch.tensor([s.pages[:pages] for s in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         positions = torch.full((len(seqs),), start, device=self.device)
-        cache = BatchCache(self.pool, slots, table, positions, mask_rows=False, past=start)
-        return self._forward_last(ids, cache, embeds)
+        lengths = torch.tensor([e - start for e in ends], device=self.device) if padded else None
+        cache = BatchCache(self.pool, slots, table, positions, mask_rows=False, past=start, valid_lengths=lengths)
+        return self._forward_last(ids, cache, embeds, None if lengths is None else lengths - 1)
 
     def _decode_inputs(self, seqs: list[Sequence], rows: int, table_pages: int, pin: bool = False):
         """Host tensors (ids [rows, 1], slots, positions [rows], page table [rows, table_pages], int64) for a

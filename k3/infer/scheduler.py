@@ -7,7 +7,9 @@
 
 Prefill chunks end at multiples of `prefill_chunk` from the start of the prompt, and at the prefix-cache
 boundaries a prompt asks for, never where the budget happens to run out: the same prompt is then cut the same
-way whatever else is running, so its numbers (and its greedy output) do not depend on the batch.
+way whatever else is running, so its numbers (and its greedy output) do not depend on the batch. The chunks
+from one position then run as one forward, the shorter right-padded (prefill_forwards): chats' prompts rarely
+share a length, and a short forward on a GPU costs about the same for one row as for many.
 
 Memory is reserved at admission for the whole request (prompt + max_new_tokens, capped by the context), so a
 running request can never run out of pages and nothing is ever preempted. A request with n samples reserves
@@ -89,6 +91,50 @@ class StepPlan:
 
 def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
+
+
+@dataclass
+class PrefillForward:
+    """Prefill chunks that run as one forward: every row from `start`, row i to ends[i] (shorter rows padded)."""
+
+    seqs: list[Sequence]
+    start: int
+    ends: list[int]
+
+
+def prefill_forwards(prefills: list[tuple[Sequence, int, int]], page_size: int, max_tokens: int,
+                     max_padding: float = 0.25) -> list[PrefillForward]:
+    """Group a step's prefill chunks into forwards. A forward costs much the same from one row to many while it
+    is short (launch-bound on a GPU), and chats' prompts rarely share a length, so chunks from the same position
+    share a forward, right-padded to the longest, as long as the padding stays at most `max_padding` of the
+    forward's tokens, the forward at most `max_tokens` (a longer chunk runs alone), and every row's reserved pages
+    reach the longest end (padding is written there). Rows with image embeddings share only an exact (start, end)."""
+    forwards: list[PrefillForward] = []
+    exact: dict[tuple[int, int], PrefillForward] = {}
+    by_start: dict[int, list[tuple[Sequence, int]]] = {}
+    for seq, start, end in prefills:
+        if seq.prompt_embeds is not None:
+            if (start, end) not in exact:
+                exact[start, end] = PrefillForward([], start, [])
+                forwards.append(exact[start, end])
+            exact[start, end].seqs.append(seq)
+            exact[start, end].ends.append(end)
+        else:
+            by_start.setdefault(start, []).append((seq, end))
+    for start, rows in by_start.items():
+        group: PrefillForward | None = None
+        for seq, end in sorted(rows, key=lambda row: -row[1]):  # the longest first: it sets a forward's width
+            if group is not None:
+                width, real = group.ends[0] - start, sum(group.ends) - start * len(group.ends) + end - start
+                padded = width * (len(group.ends) + 1)
+                if (padded <= max_tokens and padded - real <= max_padding * padded
+                        and len(seq.pages) >= pages_for(group.ends[0], page_size)):
+                    group.seqs.append(seq)
+                    group.ends.append(end)
+                    continue
+            group = PrefillForward([seq], start, [end])
+            forwards.append(group)
+    return forwards
 
 
 class Scheduler:

@@ -22,6 +22,8 @@ from k3.ops.linear_triton import project
 from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
 from k3.ops.short_conv import short_conv, short_conv_parts
 
+# A padded token's beta and decay-gate logit: sigmoid and softplus of it are 0 in fp32 and bf16 (no write, no decay).
+PAD_LOGIT = -1e4
 # Up to this many new tokens with a cache, the step-by-step recurrence is cheaper than chunking.
 RECURRENT_MAX_TOKENS = 16
 # Longer inputs run the six input projections as one GEMM over weights concatenated on the fly (names and
@@ -120,6 +122,15 @@ class KimiDeltaAttention(nn.Module):
         # The decay gate, beta's sigmoid and the q/k L2 norm run inside the KDA op (fused into fla's kernels on
         # CUDA; the PyTorch twin applies the same formulas), so only the raw projections are formed here.
         raw_gate = project(self.f_b_proj, f_a).view(shape)
+        valid = cache.valid_lengths if cache is not None else None
+        if valid is not None:
+            # A right-padded prefill row: its padding must not move the state (beta 0 writes nothing, a zero
+            # log-decay keeps everything), and its conv tails are the inputs before its own end.
+            pad_BT = torch.arange(length, device=x.device) >= valid[:, None]
+            beta_logits = beta_logits.masked_fill(pad_BT[:, :, None], PAD_LOGIT)
+            raw_gate = raw_gate.masked_fill(pad_BT[:, :, None, None], PAD_LOGIT)
+            if new_tails is not None:
+                new_tails = tails_before(tails, qkv, new_tails, valid)
         if in_place:
             # The engine's pool and the static cache hold the states at fixed places: the kernel advances them
             # there, with no gathered copy going in and no new state to copy back.
@@ -205,3 +216,25 @@ class KimiDeltaAttention(nn.Module):
         parts, new_tail = short_conv_parts(qkv, weight_CW, 3, tail, cu_seqlens=cu_seqlens,
                                            position_in_doc=position_in_doc, planar=planar, conv=short_conv)
         return parts, new_tail if joined else tuple(new_tail.split(width, dim=-1))
+
+
+def tails_before(tails, qkv, new_tails, valid: torch.Tensor):
+    """The conv tails of right-padded rows: row b's W-1 inputs before its own end valid[b] (reaching into its
+    previous tail where it has fewer new tokens), in new_tails' layout. tails: the previous tails as _convolve took
+    them (a joined [B, W-1, 3C] window, or three tensors or Nones); qkv: the conv inputs (joined [B, T, 3C] or
+    three [B, T, C])."""
+    def one(previous, inputs, like):
+        if previous is None:
+            previous = inputs.new_zeros(like.shape)
+        source = torch.cat([previous.to(inputs.dtype), inputs], dim=1)  # [B, W-1+T, C]
+        index = valid[:, None] + torch.arange(like.shape[1], device=valid.device)  # [B, W-1]
+        return source.gather(1, index[:, :, None].expand(-1, -1, source.shape[-1])).to(like.dtype)
+
+    if isinstance(new_tails, torch.Tensor):  # joined window back
+        previous = tails if isinstance(tails, torch.Tensor) else None if tails[0] is None else torch.cat(tails, -1)
+        inputs = qkv if isinstance(qkv, torch.Tensor) else torch.cat(list(qkv), dim=-1)
+        return one(previous, inputs, new_tails)
+    if isinstance(tails, torch.Tensor):
+        tails = tails.chunk(3, dim=-1)
+    inputs = qkv.chunk(3, dim=-1) if isinstance(qkv, torch.Tensor) else qkv
+    return tuple(one(p, x, like) for p, x, like in zip(tails, inputs, new_tails))

@@ -29,3 +29,37 @@ def test_cuda_graph_decode_equals_the_eager_step():
     for a, b in zip(eager, graph):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert max(abs(x - y) for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs)) < 2e-2
+
+
+def test_padded_prefill_equals_prefilling_each_length_apart():
+    """bf16 on one GPU (fla's chunked and recurrent KDA kernels): prompts of different lengths prefilled in one
+    right-padded forward leave the KDA states close to those of prefill forwards that pad nothing
+    (prefill_padding=0), with the same first greedy tokens and logprobs within 2e-2; no padding reaches a state
+    (a NaN or a decay from the padded tokens would show here)."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = K3ForCausalLM(ModelConfig.from_preset("tiny"))
+    model = model.to(torch.bfloat16).eval()
+    generator = torch.Generator().manual_seed(2)
+    # 8-24 tokens: fla's recurrent kernel; 200-230: its chunked kernel.
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=generator).tolist()
+               for n in (24, 21, 19, 230, 215, 200)]
+    results = {}
+    for padding in (0.25, 0.0):
+        engine = Engine(model, None, max_context=512, max_batch=8, prefix_cache=False, prefill_padding=padding)
+        calls = []
+        real = engine.runner.prefill
+        engine.runner.prefill = lambda seqs, start, end: calls.append(end) or real(seqs, start, end)
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=32, temperature=0, logprobs=0)) for p in prompts]
+        engine.step()
+        seqs = [engine.requests[rid].sequences[0] for rid in ids]
+        states = torch.stack([engine.pool.kda_state[:, s.slot] for s in seqs]).float()
+        results[padding] = (calls, states, [s.generated[0] for s in seqs], [s.logprobs[0] for s in seqs])
+    assert any(isinstance(end, list) and len(set(end)) > 1 for end in results[0.25][0]), "nothing was padded"
+    assert all(isinstance(end, int) or len(set(end)) == 1 for end in results[0.0][0])
+    padded, apart = results[0.25], results[0.0]
+    assert torch.isfinite(padded[1]).all()
+    scale = apart[1].abs().amax().clamp_min(1e-3)
+    assert (padded[1] - apart[1]).abs().amax() / scale < 2e-2
+    assert padded[2] == apart[2]
+    assert max(abs(x - y) for x, y in zip(padded[3], apart[3])) < 2e-2

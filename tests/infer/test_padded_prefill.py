@@ -1,0 +1,133 @@
+"""Prefill chunks of different lengths from one position share a forward, right-padded to the longest
+(k3.infer.scheduler.prefill_forwards, k3.infer.runner.ModelRunner.prefill): every cache must end as the row's own
+prefill leaves it, and the grouping must respect the padding, token and page limits. CPU, fp32."""
+
+import pytest
+import torch
+
+from k3.config import ModelConfig
+from k3.infer.engine import Engine, greedy_without_cache
+from k3.infer.sampling import SamplingParams
+from k3.infer.scheduler import Sequence, prefill_forwards
+from k3.model import K3ForCausalLM
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return K3ForCausalLM(ModelConfig.from_preset("debug")).eval()
+
+
+def prompts_of(lengths, seed=5):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 256, (n,), generator=generator).tolist() for n in lengths]
+
+
+def engine_for(model, fuse_weights, **kw):
+    return Engine(model, None, max_context=256, max_batch=8, page_size=16, prefill_chunk=64, prefix_cache=False,
+                  fuse_weights=fuse_weights, **kw)
+
+
+def spy_prefills(engine):
+    """Record each prefill forward's (start, ends) as the runner gets it."""
+    calls = []
+    real = engine.runner.prefill
+
+    def prefill(seqs, start, end):
+        calls.append((start, [end] * len(seqs) if isinstance(end, int) else list(end)))
+        return real(seqs, start, end)
+
+    engine.runner.prefill = prefill
+    return calls
+
+
+def caches_of(engine, seq, tokens):
+    """The row's KDA states and conv tails, and its MLA latents and rope keys for its first `tokens` tokens."""
+    pool, size = engine.pool, engine.pool.page_size
+    positions = torch.arange(tokens)
+    flat = torch.tensor(seq.pages)[positions // size] * size + positions % size
+    kda = [(pool.kda_state[n, seq.slot].clone(), pool.kda_tails[n, seq.slot].clone())
+           for n in range(pool.kda_state.shape[0])]
+    mla = [(pool.latent[n].view(-1, pool.latent.shape[-1])[flat].clone(),
+            pool.k_rope[n].view(-1, pool.k_rope.shape[-1])[flat].clone()) for n in range(pool.latent.shape[0])]
+    return kda, mla
+
+
+def assert_caches_close(got, want):
+    for (state, tails), (state_ref, tails_ref) in zip(got[0], want[0]):
+        torch.testing.assert_close(state, state_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tails, tails_ref, atol=1e-6, rtol=1e-6)
+    for (latent, rope), (latent_ref, rope_ref) in zip(got[1], want[1]):
+        torch.testing.assert_close(latent, latent_ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(rope, rope_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fuse_weights", [False, True], ids=["separate-projections", "fused-weights"])
+def test_a_padded_prefill_leaves_each_cache_as_its_own_prefill(model, fuse_weights):
+    """Four prompts of 100, 96, 93 and 90 tokens: the first chunks (64 each) share one forward, the second chunks
+    (36, 32, 29, 26 tokens from position 64) one padded forward; every row's states, tails and latents then equal
+    those of the prompt prefilled alone, and so do its logits and greedy tokens."""
+    prompts = prompts_of([100, 96, 93, 90])
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, logprobs=3)  # pages to reach 100 for each
+    engine = engine_for(model, fuse_weights)
+    calls = spy_prefills(engine)
+    ids = [engine.add_request(p, params) for p in prompts]
+    engine.step()
+    engine.step()  # both prefill steps; the last one samples each row's first token
+    assert calls == [(0, [64, 64, 64, 64]), (64, [100, 96, 93, 90])]
+    seqs = [engine.requests[rid].sequences[0] for rid in ids]
+    together = [caches_of(engine, seq, len(p)) for seq, p in zip(seqs, prompts)]
+    firsts = [seq.generated[0] for seq in seqs]
+    first_logprobs = [seq.logprobs[0] for seq in seqs]
+    for prompt, got, first, logprob in zip(prompts, together, firsts, first_logprobs):
+        alone = engine_for(model, fuse_weights)
+        rid = alone.add_request(prompt, params)
+        alone.step()
+        alone.step()
+        seq = alone.requests[rid].sequences[0]
+        assert_caches_close(got, caches_of(alone, seq, len(prompt)))
+        assert first == seq.generated[0]
+        assert logprob == pytest.approx(seq.logprobs[0], abs=1e-5)
+
+
+def test_padded_rows_decode_on_as_if_alone(model):
+    """After a padded prefill the rows decode greedy tokens equal to recomputing without any cache (the padding's
+    latents, written past each row's end, are overwritten before anything reads them)."""
+    prompts = prompts_of([37, 33, 30, 31], seed=8)
+    engine = engine_for(model, None)
+    calls = spy_prefills(engine)
+    outs = engine.generate_ids(prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
+    assert (0, [37, 33, 31, 30]) in calls  # one forward, longest first
+    for prompt, out in zip(prompts, outs):
+        assert out == greedy_without_cache(model, prompt, 12)
+
+
+def fake(pages, embeds=False):
+    seq = Sequence("r", 0, SamplingParams(), [1] * 10, 10)
+    seq.pages = list(range(pages))
+    seq.prompt_embeds = torch.zeros(10, 4) if embeds else None
+    return seq
+
+
+def test_prefill_forwards_groups_within_the_padding_token_and_page_limits():
+    a, b, c, d = fake(8), fake(8), fake(8), fake(8)
+    forwards = prefill_forwards([(a, 0, 100), (b, 0, 90), (c, 0, 80)], page_size=16, max_tokens=1000)
+    assert [(f.seqs, f.start, f.ends) for f in forwards] == [([a, b, c], 0, [100, 90, 80])]
+    # 100 + 40: padding 60 of 200 tokens is over a quarter, so the short one runs apart.
+    forwards = prefill_forwards([(a, 0, 100), (b, 0, 40)], page_size=16, max_tokens=1000)
+    assert [f.ends for f in forwards] == [[100], [40]]
+    # Another start, or too many tokens for one forward, splits.
+    forwards = prefill_forwards([(a, 0, 100), (b, 64, 100), (c, 0, 96), (d, 0, 95)], page_size=16, max_tokens=250)
+    assert [(f.start, f.ends) for f in forwards] == [(0, [100, 96]), (0, [95]), (64, [100])]
+    # A row whose pages stop before the longest end is not padded into it.
+    short = fake(5)  # 80 tokens of pages
+    forwards = prefill_forwards([(a, 0, 100), (short, 0, 80)], page_size=16, max_tokens=1000)
+    assert [f.ends for f in forwards] == [[100], [80]]
+    # Rows with image embeddings share only an exact (start, end).
+    e, f, g = fake(8, True), fake(8, True), fake(8, True)
+    forwards = prefill_forwards([(e, 0, 100), (f, 0, 100), (g, 0, 90)], page_size=16, max_tokens=1000)
+    assert [(x.seqs, x.ends) for x in forwards] == [([e, f], [100, 100]), ([g], [90])]
+    # prefill_padding 0: only equal chunks share a forward.
+    forwards = prefill_forwards([(a, 0, 100), (b, 0, 99), (c, 0, 100)], page_size=16, max_tokens=1000,
+                                max_padding=0.0)
+    assert [(x.seqs, x.ends) for x in forwards] == [([a, c], [100, 100]), ([b], [99])]
