@@ -11,6 +11,8 @@ Two equal computations:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,10 +26,11 @@ from k3.ops.linear_triton import project
 from k3.ops.shared_input_linear import joins_projections, linears_of_one_input
 from k3.ops.mla_decode import latent_attention, latent_attention_paged
 
-# Packed documents give per-document attention a new (length, length) shape at nearly every call, and cuDNN's
-# SDPA builds an execution plan for each new shape: in `k3 train --preset small` on one H200 (packed 2048-token
-# rows, `k3 train --profile`) its forward and backward took 7.3 and 8.1 ms of host time per call, 736 ms of a
-# 1,364 ms step whose kernels took 296. Flash and memory-efficient attention build nothing per shape.
+# Packed documents (and the engine's prefills: every prompt a new length) give attention a new shape at nearly
+# every call, and cuDNN's SDPA builds an execution plan for each new shape: in `k3 train --preset small` on one
+# H200 (packed 2048-token rows, `k3 train --profile`) its forward and backward took 7.3 and 8.1 ms of host time
+# per call, 736 ms of a 1,364 ms step whose kernels took 296. Flash and memory-efficient attention build nothing
+# per shape.
 PER_DOCUMENT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 # With a cache, up to this many new tokens attend in latent space (absorbed); longer inputs use expanded SDPA.
 ABSORB_MAX_TOKENS = 16
@@ -118,7 +121,7 @@ class GatedMLA(nn.Module):
         elif absorb and (length <= ABSORB_MAX_TOKENS or visible is not None):
             out = self._attend_absorbed(q, latent, k_rope, past, visible, limits=limits)
         else:
-            out = self._attend_expanded(q, latent, k_rope, past, cu_seqlens)
+            out = self._attend_expanded(q, latent, k_rope, past, cu_seqlens, shapes_vary=cache is not None)
         out = out.reshape(batch, length, self.num_heads * self.v_dim)
         if gate:
             out = out * torch.sigmoid(gate[0])
@@ -152,7 +155,9 @@ class GatedMLA(nn.Module):
             out = out * torch.sigmoid(gate[0])
         return project(self.o_proj, out)
 
-    def _attend_expanded(self, q, latent, k_rope, past, cu_seqlens=None):
+    def _attend_expanded(self, q, latent, k_rope, past, cu_seqlens=None, shapes_vary: bool = False):
+        """shapes_vary: an inference prefill, whose (rows, length) changes with every prompt: no cuDNN (a plan per
+        new shape, see PER_DOCUMENT_BACKENDS), where training's fixed rows keep it."""
         batch, length = q.shape[:2]
         total = latent.shape[1]
         kv = self.kv_b_proj(latent).view(batch, total, self.num_heads, self.nope + self.v_dim)
@@ -175,9 +180,10 @@ class GatedMLA(nn.Module):
             from torch.nn.attention.bias import causal_lower_right  # here: importing it imports torch._dynamo (~1.5 s)
 
             mask = causal_lower_right(length, total)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-            attn_mask=mask, is_causal=past == 0 and length > 1, scale=self.scaling)
+        with sdpa_kernel(PER_DOCUMENT_BACKENDS) if shapes_vary else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                attn_mask=mask, is_causal=past == 0 and length > 1, scale=self.scaling)
         return out.transpose(1, 2)  # [B, T, H, v]
 
     def _attend_absorbed(self, q, latent=None, k_rope=None, past=0, mask=None, pages=None, limits=None):
