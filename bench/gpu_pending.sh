@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work not yet measured, most needed first. Each step runs only if the seconds it needs are left before
 # END (default 570), so a short window still yields the first steps; name steps to pick them (default: all).
-#   tests    the CUDA test not yet seen to pass (the fla KDA layer against its twins, bf16 at `small`'s KDA shape),
-#            then the graphed trainer's tests; fla at one autotune config     needs 60, limit 150  -> tests.log
+#   tests    the CUDA tests not yet seen to pass: the engine's (padded prefill against prefill apart, CUDA-graph
+#            decode), then the graphed trainer's (243 s alone on one H100); fla at one autotune config
+#                                                                              needs 60, limit 300  -> tests.log
 #   serve    bench/serve_gpu.sh's probe + serve parts (the serving table)      needs 400            -> serve/
 #   long     bench/serve_gpu.sh's run + eval + serve1m parts (1M context)      needs 310            -> long/
 #   flat     bench/train_default_gpu.sh part b: the default step over 1,000 steps (p50/p99 per 100)
@@ -16,10 +17,13 @@
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
 #            in place of the old ones: the next call's first step then compiles nothing new)   needs 40
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
-# with fla's; the GPU image has no FastAPI). Three calls of 570 s cover everything, e.g.
-#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 tests serve cache
-#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 long rweights
-#   source .devcache/env.sh && bash bench/gpu_pending.sh "$OUT" 570 flat qb
+# with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
+# the machine's and pack it into one archive. Three calls of 570 s cover everything, e.g.
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r1 560 tests serve; tar czf "$OUT/r1.tgz" -C /tmp r1
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 long rweights; tar czf "$OUT/r2.tgz" -C /tmp r2
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 flat qb; tar czf "$OUT/r3.tgz" -C /tmp r3
+# (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
+# .whl/, so `cache` is for a fresh, smaller cache)
 #   bash bench/gpu_pending.sh OUT 570 --dry-run [STEPS...]   # the logic on the CPU (debug shapes, CUDA tests skip)
 set -u
 OUT=${1:?give the output folder}
@@ -41,10 +45,10 @@ run() {
 }
 
 if run tests 60; then
-  limit=$(( $(left) < 150 ? $(left) : 150 ))
+  limit=$(( $(left) < 300 ? $(left) : 300 ))
   K3_AUTOTUNE_CONFIGS=1 timeout -s INT --kill-after=5 "$limit" python -m pytest -v -p no:cacheprovider \
     -o faulthandler_timeout=$(( limit - 10 )) \
-    tests/ops/test_kda_layer_ops.py::test_kda_layer_fla_paths_equal_torch_cuda tests/train/test_graphed_step.py \
+    tests/infer/test_engine_cuda.py tests/train/test_graphed_step.py \
     > "$OUT/tests.log" 2>&1
   log "tests: rc $? (limit ${limit} s)"
 fi
