@@ -4,6 +4,8 @@
 #   tests    the CUDA tests not yet seen to pass: the engine's (padded prefill against prefill apart, CUDA-graph
 #            decode), then the graphed trainer's (243 s alone on one H100); fla at one autotune config
 #                                                                              needs 60, limit 300  -> tests.log
+#   prefill  bench/engine_prefill.py on `small`: 8 prompts of 1,024 tokens and of mixed lengths through the engine
+#            against one plain forward, padded and apart, with a profile of each     needs 120  -> prefill.{json,log}
 #   serve    bench/serve_gpu.sh's probe + serve parts (the serving table)      needs 400            -> serve/
 #   long     bench/serve_gpu.sh's run + eval + serve1m parts (1M context)      needs 310            -> long/
 #   flat     bench/train_default_gpu.sh part b: the default step over 1,000 steps (p50/p99 per 100)
@@ -19,7 +21,7 @@
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
 # the machine's and pack it into one archive. Three calls of 570 s cover everything, e.g.
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r1 560 tests serve; tar czf "$OUT/r1.tgz" -C /tmp r1
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r1 560 tests prefill serve; tar czf "$OUT/r1.tgz" -C /tmp r1
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 long rweights; tar czf "$OUT/r2.tgz" -C /tmp r2
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 flat qb; tar czf "$OUT/r3.tgz" -C /tmp r3
 # (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
@@ -31,7 +33,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests serve long rweights flat qb} "
+STEPS=" ${*:-tests prefill serve long rweights flat qb} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -51,6 +53,16 @@ if run tests 60; then
     tests/infer/test_engine_cuda.py tests/train/test_graphed_step.py \
     > "$OUT/tests.log" 2>&1
   log "tests: rc $? (limit ${limit} s)"
+fi
+if run prefill 120; then
+  if [ -n "$DRY" ]; then
+    timeout 110 python bench/engine_prefill.py --preset debug --prompt 128 --repeats 1 --out "$OUT/prefill.json" \
+      > "$OUT/prefill.log" 2>&1
+  else
+    timeout 110 python bench/engine_prefill.py --preset small --profile "$OUT/prefill_profile" \
+      --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+  fi
+  log "prefill: rc $?"
 fi
 SERVE_MODE=()
 [ -n "$DRY" ] && SERVE_MODE=(--cpu-check)

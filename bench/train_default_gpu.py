@@ -98,7 +98,9 @@ def part_b(args) -> None:
     out, work = Path(args.out), Path(args.work)
     started = time.perf_counter()
     deadline = started + args.budget_s
-    config = TrainConfig.flat(out=str(work / "b"), max_steps=args.steps + 1, eval_every=10 ** 9, eval_batches=1,
+    # Two steps past the asked ones: the profiled step (steps + 1) must not be the run's last, whose final save
+    # and evaluation (11 s of device-to-host copies) would land in its profile.
+    config = TrainConfig.flat(out=str(work / "b"), max_steps=args.steps + 2, eval_every=10 ** 9, eval_batches=1,
                               save_every=10 ** 9, **shape(args))
     trainer = Trainer(config, show_progress=False, log=say)
     say(f"part b: built in {time.perf_counter() - started:.1f} s; bf16 parameters {trainer.bf16_params}, graphed "

@@ -1,0 +1,132 @@
+"""Prefill through the engine against one plain forward of the same tokens, in one run: where a serving step's
+prefill time goes, and what prompts of different lengths cost.
+
+Usage: python bench/engine_prefill.py [--preset small] [--rows 8] [--prompt 1024] [--spread 0.12] [--repeats 3]
+                                      [--profile DIR] [--out F]
+
+Cases, each --repeats times after one untimed round (fresh random prompts every round; the mixed cases draw
+fresh lengths in [prompt * (1 - spread), prompt] every round, as a server's prompts come):
+  plain forward     model.model over [rows, prompt] ids, no cache, the last position's logits: the baseline;
+  engine, equal     rows prompts of `prompt` tokens through Engine.step until every one is prefilled
+                    (max_new_tokens 1), prefix cache off;
+  engine, mixed     rows prompts of mixed lengths: chunks from one position share a right-padded forward;
+  engine, mixed, apart  the same with prefill_padding=0: one forward per distinct length (the engine before).
+Printed: ms per round, prompt tokens/s, and each engine case against the plain forward. With --profile DIR, one
+more round of `engine, mixed` and of the plain forward under torch.profiler (CUDA): kernel families in DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import device_name, print_table, synchronize, write_json  # noqa: E402
+
+from k3 import K3ForCausalLM, ModelConfig  # noqa: E402
+from k3.infer import Engine, SamplingParams  # noqa: E402
+
+
+def lengths_for(args, generator: torch.Generator, mixed: bool) -> list[int]:
+    if not mixed:
+        return [args.prompt] * args.rows
+    low = max(1, int(args.prompt * (1 - args.spread)))
+    return torch.randint(low, args.prompt + 1, (args.rows,), generator=generator).tolist()
+
+
+def prompts_for(lengths: list[int], vocab: int, generator: torch.Generator) -> list[list[int]]:
+    return [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def engine_round(engine: Engine, prompts: list[list[int]]) -> None:
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    while engine.has_unfinished():
+        engine.step()
+    synchronize()
+
+
+@torch.no_grad()
+def plain_round(model, prompts: list[list[int]], device) -> None:
+    ids = torch.tensor(prompts, device=device)
+    hidden = model.model(ids)
+    model.lm_head(hidden[:, -1])
+    synchronize()
+
+
+def run_case(name: str, args, model, device, round_fn, mixed: bool, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    round_fn(prompts_for(lengths_for(args, generator, mixed), vocab, generator))  # untimed: compiles, autotune
+    times, tokens = [], 0
+    for _ in range(args.repeats):
+        prompts = prompts_for(lengths_for(args, generator, mixed), vocab, generator)
+        start = time.perf_counter()
+        round_fn(prompts)
+        times.append(time.perf_counter() - start)
+        tokens += sum(len(p) for p in prompts)
+    ms = 1e3 * sum(times) / len(times)
+    result = {"ms_per_round": ms, "ms_min": 1e3 * min(times), "tokens_per_s": tokens / sum(times)}
+    print(f"{name}: {result}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--spread", type=float, default=0.12, help="mixed lengths: down to prompt * (1 - spread)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", default=None, help="a folder for the profiles (CUDA)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with device:
+        model = K3ForCausalLM(ModelConfig.from_preset(args.preset))
+    model = model.to(dtype).eval()
+
+    def engine(padding: float) -> Engine:
+        return Engine(model, None, max_context=args.prompt + 64, max_batch=args.rows, prefix_cache=False,
+                      prefill_padding=padding)
+
+    equal, mixed, apart = engine(0.25), engine(0.25), engine(0.0)
+    cases = {
+        "plain forward": run_case("plain forward", args, model, device, lambda p: plain_round(model, p, device),
+                                  False, 1),
+        "engine, equal": run_case("engine, equal", args, model, device, lambda p: engine_round(equal, p), False, 1),
+        "engine, mixed": run_case("engine, mixed", args, model, device, lambda p: engine_round(mixed, p), True, 2),
+        "engine, mixed, apart": run_case("engine, mixed, apart", args, model, device,
+                                         lambda p: engine_round(apart, p), True, 2),
+    }
+    base = cases["plain forward"]["tokens_per_s"]
+    rows = [[name, f"{r['ms_per_round']:.1f}", f"{r['ms_min']:.1f}", f"{r['tokens_per_s']:,.0f}",
+             f"{r['tokens_per_s'] / base:.2f}x"] for name, r in cases.items()]
+    print_table(f"Prefill of {args.rows} prompts of <= {args.prompt} tokens, {args.preset}, {dtype}, on {device_name()}",
+                ["", "ms a round", "min ms", "prompt tok/s", "vs plain forward"], rows)
+    if args.profile and device.type == "cuda":
+        from train import profile_step
+
+        folder = Path(args.profile)
+        folder.mkdir(parents=True, exist_ok=True)
+        generator = torch.Generator().manual_seed(3)
+        prompts = prompts_for(lengths_for(args, generator, True), model.config.vocab_size, generator)
+        profile_step(lambda: engine_round(mixed, prompts), str(folder / "engine_mixed.txt"),
+                     f"engine prefill, {args.rows} prompts of mixed lengths <= {args.prompt}, {args.preset}")
+        profile_step(lambda: plain_round(model, [p[:min(map(len, prompts))] for p in prompts], device),
+                     str(folder / "plain_forward.txt"), f"plain forward, {args.rows} rows, {args.preset}")
+    write_json(args.out, {"bench": "engine_prefill", "device_name": device_name(), "preset": args.preset,
+                          "rows": args.rows, "prompt": args.prompt, "spread": args.spread, "repeats": args.repeats,
+                          "dtype": str(dtype), "cases": cases})
+
+
+if __name__ == "__main__":
+    main()
