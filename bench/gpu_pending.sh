@@ -7,6 +7,9 @@
 #   prefill  bench/engine_prefill.py on `small`: 8 prompts of 1,024 tokens and of mixed lengths through the engine
 #            against one plain forward, padded and apart, with a profile of each     needs 120  -> prefill.{json,log}
 #   serve    bench/serve_gpu.sh's probe + serve parts (the serving table)      needs 400            -> serve/
+#   compiled the serving table's completion levels and engine baselines with the compiled decode step
+#            (K3_COMPILE_DECODE=1, off by default: its compile time at start-up was the reason), the server's warm-up
+#            compiling before ready                                                  needs 480  -> compiled/
 #   long     bench/serve_gpu.sh's run + eval + serve1m parts (1M context)      needs 310            -> long/
 #   flat     bench/train_default_gpu.sh part b: the default step over 1,000 steps (p50/p99 per 100)
 #                                                                              needs 295            -> b.log
@@ -20,10 +23,11 @@
 #            in place of the old ones: the next call's first step then compiles nothing new)   needs 40
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
-# the machine's and pack it into one archive. Three calls of 570 s cover everything, e.g.
+# the machine's and pack it into one archive. Four calls of 570 s cover everything (long and rweights a fourth), e.g.
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r1 560 tests prefill serve; tar czf "$OUT/r1.tgz" -C /tmp r1
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 long rweights; tar czf "$OUT/r2.tgz" -C /tmp r2
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 compiled; tar czf "$OUT/r2.tgz" -C /tmp r2
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 flat qb; tar czf "$OUT/r3.tgz" -C /tmp r3
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r4 560 long rweights; tar czf "$OUT/r4.tgz" -C /tmp r4
 # (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
 # .whl/, so `cache` is for a fresh, smaller cache)
 #   bash bench/gpu_pending.sh OUT 570 --dry-run [STEPS...]   # the logic on the CPU (debug shapes, CUDA tests skip)
@@ -33,7 +37,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests prefill serve long rweights flat qb} "
+STEPS=" ${*:-tests prefill serve compiled long rweights flat qb} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -69,6 +73,16 @@ SERVE_MODE=()
 if run serve 400; then
   K3_SERVE_PARTS="probe serve" bash bench/serve_gpu.sh "$OUT/serve" "${SERVE_MODE[@]}"
   log "serve done"
+fi
+if run compiled 480; then
+  mkdir -p "$OUT/compiled"
+  if [ -n "$DRY" ]; then
+    log "compiled: the compiled decode step needs CUDA; skipped"
+  else
+    K3_COMPILE_DECODE=1 timeout --kill-after=10 $(( $(left) - 10 )) python bench/serve.py --preset small \
+      --skip transformers --engine-modes process --out "$OUT/compiled/serve.json" > "$OUT/compiled/serve.log" 2>&1
+    log "compiled: rc $?"
+  fi
 fi
 if run long 310; then
   K3_SERVE_PARTS="run eval serve1m" bash bench/serve_gpu.sh "$OUT/long" "${SERVE_MODE[@]}"
