@@ -517,8 +517,9 @@ class Engine:
     # --- warm-up ------------------------------------------------------------------------------------
     def warmup(self) -> float:
         """Build now what the first requests would build lazily: the decode CUDA graphs for every batch size up
-        to max_batch (compiled with K3_COMPILE_DECODE), a prefill of one full chunk and a short one (kernels
-        autotune per shape), greedy and sampled decoding with logprobs. Leaves no trace: the prefix cache and
+        to max_batch (compiled with K3_COMPILE_DECODE), prefills of one full chunk, of a multiple of 64 tokens and
+        of two short prompts sharing a padded forward (kernels autotune and specialise per shape), greedy and
+        sampled decoding with logprobs. Leaves no trace: the prefix cache and
         the counters are as before. Returns the seconds it took."""
         start = time.perf_counter()
         if self.has_unfinished():
@@ -537,8 +538,14 @@ class Engine:
                 break
             except ValueError:  # the page pool cannot hold a full chunk: a shorter prompt still warms up
                 length //= 2
-        prompts = [[0] * max(1, length), [0] * max(1, min(length, 17))]
-        self.complete(prompts, [greedy, sampled][:len(prompts)])
+        # Kernels specialise on a length's divisibility (Triton: by 16), so a full chunk that is not a multiple of
+        # 64 leaves a round prompt's first forward compiling: one of each, then two short prompts of different
+        # lengths, which share one padded forward (prefill_forwards), with sampling and logprobs.
+        # Each prompt repeats its own token, so none is a prefix-cache hit of another.
+        length = max(1, length)
+        for token, size in enumerate(sorted({length, length // 64 * 64} - {0}, reverse=True)):
+            self.complete([[token] * size], greedy)
+        self.complete([[2] * min(length, 17), [3] * min(length, 15)], [greedy, sampled])
         self.clear_prefix_cache()
         self.stats_counters = counters
         if self.device.type == "cuda":

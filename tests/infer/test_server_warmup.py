@@ -96,6 +96,20 @@ def test_warmup_leaves_the_engine_as_it_was_and_outputs_unchanged():
     assert warm_engine.generate_ids([[3, 4, 5, 6]], params) == cold
 
 
+def test_warmup_prefills_a_full_chunk_a_round_length_and_a_padded_pair():
+    """Kernels specialise per shape: the warm-up's prefill forwards cover a full chunk (125 tokens of a 128-token
+    context), a multiple of 64, and two short prompts of different lengths in one padded forward."""
+    from k3.infer.engine import Engine
+
+    model, tokenizer = _tiny()
+    engine = Engine(model, tokenizer, max_context=128, max_batch=4, prefix_cache=False)  # no page-boundary cuts
+    calls = []
+    real = engine.runner.prefill
+    engine.runner.prefill = lambda seqs, start, end: calls.append((start, end)) or real(seqs, start, end)
+    engine.warmup()
+    assert calls == [(0, [125]), (0, [64]), (0, [17, 15])]
+
+
 def test_a_warmup_that_raises_stops_the_engine_and_health_says_so():
     model, tokenizer = _tiny()
 
