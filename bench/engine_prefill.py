@@ -110,8 +110,8 @@ def main() -> None:
     base = cases["plain forward"]["tokens_per_s"]
     rows = [[name, f"{r['ms_per_round']:.1f}", f"{r['ms_min']:.1f}", f"{r['tokens_per_s']:,.0f}",
              f"{r['tokens_per_s'] / base:.2f}x"] for name, r in cases.items()]
-    print_table(f"Prefill of {args.rows} prompts of <= {args.prompt} tokens, {args.preset}, {dtype}, on {device_name()}",
-                ["", "ms a round", "min ms", "prompt tok/s", "vs plain forward"], rows)
+    title = f"Prefill of {args.rows} prompts of <= {args.prompt} tokens, {args.preset}, {dtype}, on {device_name()}"
+    print_table(title, ["", "ms a round", "min ms", "prompt tok/s", "vs plain forward"], rows)
     if args.profile and device.type == "cuda":
         from train import profile_step
 

@@ -24,7 +24,7 @@
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
 # the machine's and pack it into one archive. Four calls of 570 s cover everything (long and rweights a fourth), e.g.
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r1 560 tests prefill serve; tar czf "$OUT/r1.tgz" -C /tmp r1
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r1 560 tests prefill serve; tar czf $OUT/r1.tgz -C /tmp r1
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 compiled; tar czf "$OUT/r2.tgz" -C /tmp r2
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 flat qb; tar czf "$OUT/r3.tgz" -C /tmp r3
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r4 560 long rweights; tar czf "$OUT/r4.tgz" -C /tmp r4

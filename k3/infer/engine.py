@@ -94,8 +94,8 @@ class Engine:
 
     config: the engine's settings (k3.infer.engine_config.EngineConfig: max_context, max_batch, page_size,
     prefill_chunk, max_step_tokens, prefill_padding, prefix_cache, prefix_slots, num_pages, dtype, use_cuda_graphs,
-    record_routing, fuse_weights); keyword options are its fields, replacing config's: Engine(model, tok, max_context=512).
-    What the settings leave open is decided by engine_config.plan_engine, in one place; self.plan holds the result.
+    record_routing, fuse_weights); keyword options are its fields, replacing config's:
+    Engine(model, tok, max_context=512). What the settings leave open is decided by engine_config.plan_engine, in one place; self.plan holds the result.
     kernels: k3.kernels choices held while the engine works (setup, steps, scoring), e.g. {"moe": "torch"}."""
 
     @kernels_applied
@@ -519,8 +519,8 @@ class Engine:
         """Build now what the first requests would build lazily: the decode CUDA graphs for every batch size up
         to max_batch (compiled with K3_COMPILE_DECODE), prefills of one full chunk, of a multiple of 64 tokens and
         of two short prompts sharing a padded forward (kernels autotune and specialise per shape), greedy and
-        sampled decoding with logprobs. Leaves no trace: the prefix cache and
-        the counters are as before. Returns the seconds it took."""
+        sampled decoding with logprobs. Leaves no trace: the prefix cache and the counters are as before. Returns
+        the seconds it took."""
         start = time.perf_counter()
         if self.has_unfinished():
             raise RuntimeError("warm up an idle engine: requests are queued or running")
