@@ -199,14 +199,31 @@ class Matcher:
             self.state.consume_token(token)
 
 
+# From this many constrained rows a step, llguidance's thread pool fills the masks (it pays from about 16 rows:
+# with a 24K vocabulary on 2 cores 64 rows took 0.10 ms against 0.43 one by one, 8 rows 0.08 against 0.05).
+PARALLEL_MASK_ROWS = 16
+_executor = None
+
+
+def _mask_executor():
+    global _executor
+    if _executor is None:
+        _executor = _llguidance().LLExecutor()
+    return _executor
+
+
 def allowed_rows(matchers: list[Matcher], vocab: int, device: torch.device) -> torch.Tensor:
     """[len(matchers), vocab] bool on the device: the tokens each matcher allows next. The bitmasks are filled
-    on the host (llguidance), then unpacked on the device."""
+    on the host (llguidance; in its thread pool from PARALLEL_MASK_ROWS rows), then unpacked on the device."""
     import llguidance.torch as llt
 
     bitmask = llt.allocate_token_bitmask(len(matchers), vocab)
-    for row, matcher in enumerate(matchers):
-        matcher.fill(bitmask, row)
+    if len(matchers) >= PARALLEL_MASK_ROWS:
+        llt.fill_next_token_bitmask_par(_mask_executor(), [(m.state, row) for row, m in enumerate(matchers)],
+                                        bitmask)
+    else:
+        for row, matcher in enumerate(matchers):
+            matcher.fill(bitmask, row)
     words = bitmask.to(device, non_blocking=True)
     shifts = torch.arange(32, device=device, dtype=torch.int32)
     bits = (words[:, :, None] >> shifts) & 1

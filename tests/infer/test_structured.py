@@ -149,3 +149,26 @@ def test_many_distinct_schemas_cannot_grow_the_cache_without_bound(engine):
     json_grammar(grammars, big)
     json_grammar(grammars, big)
     assert grammars.compiled.builds == 13 and len(grammars.compiled) == 4 and grammars.compiled.chars <= 2_000
+
+
+def test_many_rows_fill_their_masks_in_the_thread_pool_as_one_by_one(engine, monkeypatch):
+    """From PARALLEL_MASK_ROWS rows llguidance's thread pool fills the masks: the same masks as one row at a time,
+    for 24 matchers walked to different places in their grammar."""
+    import torch
+
+    from k3.infer import structured
+
+    grammar = structured.json_grammar(structured.GrammarTokenizer(engine.tokenizer, engine.config.vocab_size), SCHEMA)
+    vocab, device = engine.config.vocab_size, torch.device("cpu")
+    generator = torch.Generator().manual_seed(0)
+    matchers = [grammar.matcher() for _ in range(24)]
+    for steps, matcher in enumerate(matchers):
+        for _ in range(steps % 7):
+            allowed = structured.allowed_rows([matcher], vocab, device)[0].nonzero().flatten()
+            matcher.advance(int(allowed[torch.randint(len(allowed), (1,), generator=generator)]))
+    assert len(matchers) >= structured.PARALLEL_MASK_ROWS
+    pooled = structured.allowed_rows(matchers, vocab, device)
+    monkeypatch.setattr(structured, "PARALLEL_MASK_ROWS", 10 ** 9)
+    one_by_one = structured.allowed_rows(matchers, vocab, device)
+    assert torch.equal(pooled, one_by_one)
+    assert len({tuple(row.nonzero().flatten().tolist()) for row in one_by_one}) > 2  # the rows differ
