@@ -235,10 +235,10 @@ class Engine:
             rows.extend(plan.decodes)
         for forward in prefill_forwards(plan.prefills, self.pool.page_size, self.scheduler.max_step_tokens,
                                         self.engine_config.prefill_padding):
-            seqs, start = forward.seqs, forward.start
-            last_rows = self._capture(seqs, lambda: self.runner.prefill(seqs, start, forward.ends),
-                                      [end - start for end in forward.ends])
-            for seq, last, end in zip(seqs, last_rows, forward.ends):
+            seqs = forward.seqs
+            last_rows = self._capture(seqs, lambda: self.runner.prefill(seqs, forward.starts, forward.ends),
+                                      [end - start for start, end in zip(forward.starts, forward.ends)])
+            for seq, last, start, end in zip(seqs, last_rows, forward.starts, forward.ends):
                 seq.num_cached = end
                 self.stats_counters["prompt_tokens"] += end - start
                 if self.prefix_cache is not None and end in seq.register_at:

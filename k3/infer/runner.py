@@ -98,31 +98,38 @@ class ModelRunner:
         return self.model.lm_head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
 
     @torch.no_grad()
-    def prefill(self, seqs: list[Sequence], start: int, end: int | list[int]) -> torch.Tensor:
-        """Write tokens [start, end) of each sequence (all from the same position) into its cache in one
-        forward -> logits [B, V] after each row's last token. `end` may differ by row (a list): shorter rows are
-        padded on the right to the longest, and the padding leaves every cache as the row's own tokens left it
-        (KDA: no state or tail change, k3.layers.kda; MLA: written past the row's end, where its own later tokens
-        overwrite it before anything reads there). Every row's pages must reach the longest end."""
+    def prefill(self, seqs: list[Sequence], start: int | list[int], end: int | list[int]) -> torch.Tensor:
+        """Write tokens [start, end) of each sequence into its cache in one forward -> logits [B, V] after each
+        row's last token. `start` and `end` may differ by row (lists). Shorter rows are padded on the right to the
+        longest, and the padding leaves every cache as the row's own tokens left it (KDA: no state or tail change,
+        k3.layers.kda; MLA: written past the row's end, where its own later tokens overwrite it before anything
+        reads there). Rows from one position attend causally after it; rows from different positions attend as
+        decode does, each from its own position under a mask (short chunks only: scheduler.prefill_forwards).
+        Every row's pages must reach its start plus the longest chunk."""
+        starts = [start] * len(seqs) if isinstance(start, int) else list(start)
         ends = [end] * len(seqs) if isinstance(end, int) else list(end)
-        longest = max(ends)
-        padded = any(e != longest for e in ends)
-        ids = torch.tensor([s.tokens[start:e] + [0] * (longest - e) for s, e in zip(seqs, ends)],
+        lengths_B = [e - s for s, e in zip(starts, ends)]
+        width = max(lengths_B)
+        padded = any(n != width for n in lengths_B)
+        ragged = any(s != starts[0] for s in starts)
+        ids = torch.tensor([seq.tokens[s:e] + [0] * (width - (e - s)) for seq, s, e in zip(seqs, starts, ends)],
                            device=self.device)
         embeds = None
         if any(s.prompt_embeds is not None for s in seqs):
-            if padded:
-                raise ValueError("rows with image embeddings are prefilled at one common end")
+            if padded or ragged:
+                raise ValueError("rows with image embeddings are prefilled at one common (start, end)")
             # Rows with image embeddings take them; the others embed their ids as the model would.
             plain = self.model.model.embed_tokens(ids)
-            embeds = torch.stack([s.prompt_embeds[start:longest].to(plain.dtype) if s.prompt_embeds is not None
+            embeds = torch.stack([s.prompt_embeds[starts[0]:ends[0]].to(plain.dtype) if s.prompt_embeds is not None
                                   else plain[row] for row, s in enumerate(seqs)])
-        pages = pages_for(longest, self.pool.page_size)
-        table = torch.tensor([s.pages[:pages] for s in seqs], device=self.device)
+        pages = max(pages_for(s + width, self.pool.page_size) for s in starts)
+        # Rows that need fewer pages than the widest read the scratch page past their own (never visible to them).
+        table = torch.tensor([(seq.pages[:pages] + [SCRATCH] * pages)[:pages] for seq in seqs], device=self.device)
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
-        positions = torch.full((len(seqs),), start, device=self.device)
-        lengths = torch.tensor([e - start for e in ends], device=self.device) if padded else None
-        cache = BatchCache(self.pool, slots, table, positions, mask_rows=False, past=start, valid_lengths=lengths)
+        positions = torch.tensor(starts, device=self.device)
+        lengths = torch.tensor(lengths_B, device=self.device) if padded else None
+        cache = BatchCache(self.pool, slots, table, positions, mask_rows=ragged, past=starts[0],
+                           valid_lengths=lengths)
         return self._forward_last(ids, cache, embeds, None if lengths is None else lengths - 1)
 
     def _decode_inputs(self, seqs: list[Sequence], rows: int, table_pages: int, pin: bool = False):

@@ -93,13 +93,27 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+# Short chunks (a prompt's tail after its last page boundary, where the prefix cache cuts) share a forward whatever
+# their positions: each row attends from its own position under a mask (the decode path's latent attention),
+# whose [T, S] scores are only affordable for few queries over a bounded context.
+RAGGED_MAX_TOKENS = 32
+RAGGED_MAX_CONTEXT = 8192
+# Padding allowed among short chunks: a few dozen tokens a row cost next to nothing beside a forward's launches.
+RAGGED_MAX_PADDING = 0.75
+
+
 @dataclass
 class PrefillForward:
-    """Prefill chunks that run as one forward: every row from `start`, row i to ends[i] (shorter rows padded)."""
+    """Prefill chunks that run as one forward: row i writes tokens [starts[i], ends[i]), padded on the right to
+    the longest chunk. Rows from different positions (a ragged forward) only for short chunks."""
 
     seqs: list[Sequence]
-    start: int
+    starts: list[int]
     ends: list[int]
+
+    @property
+    def width(self) -> int:
+        return max(end - start for start, end in zip(self.starts, self.ends))
 
 
 def prefill_forwards(prefills: list[tuple[Sequence, int, int]], page_size: int, max_tokens: int,
@@ -108,32 +122,50 @@ def prefill_forwards(prefills: list[tuple[Sequence, int, int]], page_size: int, 
     is short (launch-bound on a GPU), and chats' prompts rarely share a length, so chunks from the same position
     share a forward, right-padded to the longest, as long as the padding stays at most `max_padding` of the
     forward's tokens, the forward at most `max_tokens` (a longer chunk runs alone), and every row's reserved pages
-    reach the longest end (padding is written there). Rows with image embeddings share only an exact (start, end)."""
+    reach its start plus the forward's width (padding is written there). Short chunks (at most RAGGED_MAX_TOKENS,
+    ending within RAGGED_MAX_CONTEXT) that would run in several forwards share one from any positions, padded up to
+    RAGGED_MAX_PADDING (max_padding 0: none anywhere). Rows with image embeddings share only an exact (start, end)."""
     forwards: list[PrefillForward] = []
     exact: dict[tuple[int, int], PrefillForward] = {}
-    by_start: dict[int, list[tuple[Sequence, int]]] = {}
+    by_start: dict[int, list[tuple[Sequence, int, int]]] = {}
     for seq, start, end in prefills:
         if seq.prompt_embeds is not None:
             if (start, end) not in exact:
-                exact[start, end] = PrefillForward([], start, [])
+                exact[start, end] = PrefillForward([], [], [])
                 forwards.append(exact[start, end])
             exact[start, end].seqs.append(seq)
+            exact[start, end].starts.append(start)
             exact[start, end].ends.append(end)
         else:
-            by_start.setdefault(start, []).append((seq, end))
-    for start, rows in by_start.items():
-        group: PrefillForward | None = None
-        for seq, end in sorted(rows, key=lambda row: -row[1]):  # the longest first: it sets a forward's width
-            if group is not None:
-                width, real = group.ends[0] - start, sum(group.ends) - start * len(group.ends) + end - start
-                padded = width * (len(group.ends) + 1)
-                if (padded <= max_tokens and padded - real <= max_padding * padded
-                        and len(seq.pages) >= pages_for(group.ends[0], page_size)):
-                    group.seqs.append(seq)
-                    group.ends.append(end)
-                    continue
-            group = PrefillForward([seq], start, [end])
-            forwards.append(group)
+            by_start.setdefault(start, []).append((seq, start, end))
+    grouped = [f for rows in by_start.values() for f in _pack(rows, page_size, max_tokens, max_padding)]
+    short = [f for f in grouped if f.width <= RAGGED_MAX_TOKENS and max(f.ends) <= RAGGED_MAX_CONTEXT]
+    if len(short) > 1:  # several short forwards: their rows again, from any position
+        grouped = [f for f in grouped if f not in short]
+        grouped += _pack([row for f in short for row in zip(f.seqs, f.starts, f.ends)], page_size, max_tokens,
+                         max(max_padding, RAGGED_MAX_PADDING) if max_padding > 0 else 0.0)
+    return forwards + grouped
+
+
+def _pack(rows: list[tuple[Sequence, int, int]], page_size: int, max_tokens: int,
+          max_padding: float) -> list[PrefillForward]:
+    """Rows into forwards, the longest chunk first (it sets a forward's width), each row joining the open forward
+    while the limits of prefill_forwards hold."""
+    forwards: list[PrefillForward] = []
+    group: PrefillForward | None = None
+    for seq, start, end in sorted(rows, key=lambda row: row[1] - row[2]):
+        if group is not None:
+            width, count = group.ends[0] - group.starts[0], len(group.ends) + 1
+            real = sum(group.ends) - sum(group.starts) + end - start
+            padded = width * count
+            if (padded <= max_tokens and padded - real <= max_padding * padded
+                    and len(seq.pages) >= pages_for(start + width, page_size)):
+                group.seqs.append(seq)
+                group.starts.append(start)
+                group.ends.append(end)
+                continue
+        group = PrefillForward([seq], [start], [end])
+        forwards.append(group)
     return forwards
 
 

@@ -64,3 +64,26 @@ def test_padded_prefill_equals_prefilling_each_length_apart():
     assert (padded[1] - apart[1]).abs().amax() / scale < 2e-2
     assert padded[2] == apart[2]
     assert max(abs(x - y) for x, y in zip(padded[3], apart[3])) < 2e-2
+
+
+def test_prompt_tails_from_different_positions_share_a_forward_on_the_gpu():
+    """bf16 on one GPU, prefix cache on: prompts are cut at their last page boundary, and their tails (different
+    positions, a few tokens each) share one forward, each row attending from its own position. First greedy tokens
+    equal, and logprobs within 2e-2 of, an engine that pads nothing and caches no prefix."""
+    model = tiny_bf16_model()
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=generator).tolist()
+               for n in (100, 90, 75, 70, 45, 40)]
+    params = SamplingParams(max_new_tokens=4, temperature=0, logprobs=0)
+    firsts = {}
+    for name, options in (("ragged", {}), ("apart", {"prefix_cache": False, "prefill_padding": 0.0})):
+        engine = Engine(model, None, max_context=512, max_batch=8, page_size=16, **options)
+        calls = []
+        real = engine.runner.prefill
+        engine.runner.prefill = lambda seqs, start, end: calls.append(start) or real(seqs, start, end)
+        outs = engine.complete(prompts, params)
+        firsts[name] = [(o.outputs[0].token_ids[0], o.outputs[0].logprobs[0]) for o in outs]
+        if name == "ragged":
+            assert any(isinstance(s, list) and len(set(s)) > 1 for s in calls), f"no ragged forward: {calls}"
+    for (token, logprob), (token_ref, logprob_ref) in zip(firsts["ragged"], firsts["apart"]):
+        assert token == token_ref and abs(logprob - logprob_ref) < 2e-2

@@ -29,12 +29,15 @@ def engine_for(model, fuse_weights, **kw):
 
 
 def spy_prefills(engine):
-    """Record each prefill forward's (start, ends) as the runner gets it."""
+    """Record each prefill forward as the runner gets it: (start, ends) for rows from one position, else
+    (starts, ends)."""
     calls = []
     real = engine.runner.prefill
 
     def prefill(seqs, start, end):
-        calls.append((start, [end] * len(seqs) if isinstance(end, int) else list(end)))
+        starts = [start] * len(seqs) if isinstance(start, int) else list(start)
+        ends = [end] * len(seqs) if isinstance(end, int) else list(end)
+        calls.append((starts[0] if len(set(starts)) == 1 else starts, ends))
         return real(seqs, start, end)
 
     engine.runner.prefill = prefill
@@ -102,6 +105,43 @@ def test_padded_rows_decode_on_as_if_alone(model):
         assert out == greedy_without_cache(model, prompt, 12)
 
 
+def prefilled(engine, request_id, prompt):
+    seqs = engine.requests[request_id].sequences
+    return bool(seqs) and seqs[0].num_cached >= len(prompt)
+
+
+def test_tails_from_different_positions_share_one_forward_as_if_alone(model):
+    """With the prefix cache on, a prompt is cut at its last page boundary, so its tail (at most a page) starts
+    where its own length puts it. Tails from different positions share one forward, each row attending from its
+    own position: every cache then equals the prompt's alone, and greedy decoding equals recomputing."""
+    prompts = prompts_of([100, 90, 75, 70], seed=11)
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, logprobs=3)
+    engine = Engine(model, None, max_context=256, max_batch=8, page_size=16, prefill_chunk=64)
+    calls = spy_prefills(engine)
+    ids = [engine.add_request(p, params) for p in prompts]
+    together = {}  # each row's caches as its prefill ends (rows that end early decode on in later steps)
+    while len(together) < len(ids):
+        engine.step()
+        for rid, prompt in zip(ids, prompts):
+            if rid not in together and prefilled(engine, rid, prompt):
+                seq = engine.requests[rid].sequences[0]
+                together[rid] = (caches_of(engine, seq, len(prompt)), seq.logprobs[0])
+    ragged = [call for call in calls if isinstance(call[0], list)]
+    assert ragged, f"no forward took rows from different positions: {calls}"
+    for prompt, rid in zip(prompts, ids):
+        alone = Engine(model, None, max_context=256, max_batch=8, page_size=16, prefill_chunk=64,
+                       prefix_cache=False)
+        alone_id = alone.add_request(prompt, params)
+        while not prefilled(alone, alone_id, prompt):
+            alone.step()
+        reference = alone.requests[alone_id].sequences[0]
+        assert_caches_close(together[rid][0], caches_of(alone, reference, len(prompt)))
+        assert together[rid][1] == pytest.approx(reference.logprobs[0], abs=1e-5)
+    outs = engine.run_until_done(ids)
+    for prompt, rid in zip(prompts, ids):
+        assert outs[rid][0].generated == greedy_without_cache(model, prompt, 16)
+
+
 def fake(pages, embeds=False):
     seq = Sequence("r", 0, SamplingParams(), [1] * 10, 10)
     seq.pages = list(range(pages))
@@ -112,13 +152,13 @@ def fake(pages, embeds=False):
 def test_prefill_forwards_groups_within_the_padding_token_and_page_limits():
     a, b, c, d = fake(8), fake(8), fake(8), fake(8)
     forwards = prefill_forwards([(a, 0, 100), (b, 0, 90), (c, 0, 80)], page_size=16, max_tokens=1000)
-    assert [(f.seqs, f.start, f.ends) for f in forwards] == [([a, b, c], 0, [100, 90, 80])]
+    assert [(f.seqs, f.starts, f.ends) for f in forwards] == [([a, b, c], [0, 0, 0], [100, 90, 80])]
     # 100 + 40: padding 60 of 200 tokens is over a quarter, so the short one runs apart.
     forwards = prefill_forwards([(a, 0, 100), (b, 0, 40)], page_size=16, max_tokens=1000)
     assert [f.ends for f in forwards] == [[100], [40]]
     # Another start, or too many tokens for one forward, splits.
     forwards = prefill_forwards([(a, 0, 100), (b, 64, 100), (c, 0, 96), (d, 0, 95)], page_size=16, max_tokens=250)
-    assert [(f.start, f.ends) for f in forwards] == [(0, [100, 96]), (0, [95]), (64, [100])]
+    assert [(f.starts, f.ends) for f in forwards] == [([0, 0], [100, 96]), ([0], [95]), ([64], [100])]
     # A row whose pages stop before the longest end is not padded into it.
     short = fake(5)  # 80 tokens of pages
     forwards = prefill_forwards([(a, 0, 100), (short, 0, 80)], page_size=16, max_tokens=1000)
@@ -127,6 +167,12 @@ def test_prefill_forwards_groups_within_the_padding_token_and_page_limits():
     e, f, g = fake(8, True), fake(8, True), fake(8, True)
     forwards = prefill_forwards([(e, 0, 100), (f, 0, 100), (g, 0, 90)], page_size=16, max_tokens=1000)
     assert [(x.seqs, x.ends) for x in forwards] == [([e, f], [100, 100]), ([g], [90])]
+    # Short chunks share a forward from any position (at most RAGGED_MAX_TOKENS, within RAGGED_MAX_CONTEXT).
+    far = fake(600)
+    forwards = prefill_forwards([(a, 96, 100), (b, 80, 90), (c, 64, 75), (far, 9000, 9010)], page_size=16,
+                                max_tokens=1000)
+    assert [([id(q) for q in x.seqs], x.starts, x.ends) for x in forwards] == [
+        ([id(far)], [9000], [9010]), ([id(c), id(b), id(a)], [64, 80, 96], [75, 90, 100])]
     # prefill_padding 0: only equal chunks share a forward.
     forwards = prefill_forwards([(a, 0, 100), (b, 0, 99), (c, 0, 100)], page_size=16, max_tokens=1000,
                                 max_padding=0.0)

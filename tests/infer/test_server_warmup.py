@@ -107,7 +107,7 @@ def test_warmup_prefills_a_full_chunk_a_round_length_and_a_padded_pair():
     real = engine.runner.prefill
     engine.runner.prefill = lambda seqs, start, end: calls.append((start, end)) or real(seqs, start, end)
     engine.warmup()
-    assert calls == [(0, [125]), (0, [64]), (0, [17, 15])]
+    assert calls == [([0], [125]), ([0], [64]), ([0, 0], [17, 15])]
 
 
 def test_a_warmup_that_raises_stops_the_engine_and_health_says_so():
