@@ -125,25 +125,22 @@ def prefill_forwards(prefills: list[tuple[Sequence, int, int]], page_size: int, 
     reach its start plus the forward's width (padding is written there). Short chunks (at most RAGGED_MAX_TOKENS,
     ending within RAGGED_MAX_CONTEXT) that would run in several forwards share one from any positions, padded up to
     RAGGED_MAX_PADDING (max_padding 0: none anywhere). Rows with image embeddings share only an exact (start, end)."""
-    forwards: list[PrefillForward] = []
-    exact: dict[tuple[int, int], PrefillForward] = {}
+    images: dict[tuple[int, int], list[tuple[Sequence, int, int]]] = {}
     by_start: dict[int, list[tuple[Sequence, int, int]]] = {}
     for seq, start, end in prefills:
         if seq.prompt_embeds is not None:
-            if (start, end) not in exact:
-                exact[start, end] = PrefillForward([], [], [])
-                forwards.append(exact[start, end])
-            exact[start, end].seqs.append(seq)
-            exact[start, end].starts.append(start)
-            exact[start, end].ends.append(end)
+            images.setdefault((start, end), []).append((seq, start, end))
         else:
             by_start.setdefault(start, []).append((seq, start, end))
+    forwards = [PrefillForward(*(list(column) for column in zip(*rows))) for rows in images.values()]
     grouped = [f for rows in by_start.values() for f in _pack(rows, page_size, max_tokens, max_padding)]
-    short = [f for f in grouped if f.width <= RAGGED_MAX_TOKENS and max(f.ends) <= RAGGED_MAX_CONTEXT]
+    long, short = [], []
+    for forward in grouped:
+        is_short = forward.width <= RAGGED_MAX_TOKENS and max(forward.ends) <= RAGGED_MAX_CONTEXT
+        (short if is_short else long).append(forward)
     if len(short) > 1:  # several short forwards: their rows again, from any position
-        grouped = [f for f in grouped if f not in short]
-        grouped += _pack([row for f in short for row in zip(f.seqs, f.starts, f.ends)], page_size, max_tokens,
-                         max(max_padding, RAGGED_MAX_PADDING) if max_padding > 0 else 0.0)
+        grouped = long + _pack([row for f in short for row in zip(f.seqs, f.starts, f.ends)], page_size,
+                               max_tokens, max(max_padding, RAGGED_MAX_PADDING) if max_padding > 0 else 0.0)
     return forwards + grouped
 
 
