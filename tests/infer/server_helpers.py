@@ -68,7 +68,8 @@ class Server:
                                         env=env)
         self.lines: list[str] = []
         self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._drain, daemon=True).start()
+        self._drainer = threading.Thread(target=self._drain, daemon=True)
+        self._drainer.start()
         self.url = None
         self.http = None
         self._start_timeout_s = start_timeout_s
@@ -103,6 +104,9 @@ class Server:
             except (httpx.HTTPError, ValueError):  # a server that died or answers no JSON: its test will say
                 break
             time.sleep(0.05)
+        if self.process.poll() is not None:  # it listened, then exited (a failed warm-up): say why, with its log
+            self._drainer.join(timeout=10)
+            raise RuntimeError(f"k3 serve exited with {self.process.returncode} before it was ready:\n{self.log()}")
         return self
 
     def _drain(self) -> None:
