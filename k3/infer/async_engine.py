@@ -31,6 +31,7 @@ from typing import Callable
 from k3.infer.engine import Engine, TokenEvent
 from k3.infer.event_streams import EngineDead, EventStreams, QueueFull, RequestFailed, Sink  # noqa: F401
 from k3.infer.sampling import SamplingParams
+from k3.infer.structured import import_ahead
 
 log = logging.getLogger("k3.engine")
 MAX_FAILED_STEPS = 3  # failed steps in a row that mean the engine itself is broken, not one request
@@ -62,6 +63,7 @@ class AsyncEngine(EventStreams):
         # The engine's counters as of the last step, for readers on other threads: a reader waiting for the lock
         # would starve (the loop takes it again at once) and a /health call would hang for a whole request.
         self._stats = engine.stats()
+        import_ahead()  # here, before the loop's thread: k3.infer.structured.import_ahead says why
         self._thread = threading.Thread(target=self._loop, name="k3-engine", daemon=True)
         self._thread.start()
 

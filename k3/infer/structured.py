@@ -52,6 +52,17 @@ def available() -> bool:
     return True
 
 
+def import_ahead() -> None:
+    """Import torch.compile's modules, and the grammar library whose torch helpers load them, on the calling
+    thread: AsyncEngine calls it before its loop's thread starts. The engine's first forward loads
+    the same modules (torch.nn.attention.bias imports torch._dynamo), and two threads importing that cycle at
+    once can each be handed the other's half-initialised module: an ImportError that stopped the engine loop."""
+    import torch._dynamo  # noqa: F401
+
+    if available():
+        _llguidance()
+
+
 def build_ahead(grammar_tokenizer: Callable[[], object]) -> None:
     """Call `grammar_tokenizer` (a served model's lazy GrammarTokenizer getter) now, as the first constrained
     request would, where the library is installed: its import and the vocabulary scan take seconds, which stalled

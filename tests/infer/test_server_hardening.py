@@ -86,6 +86,21 @@ def dying(run):
                 process.communicate(timeout=30)
 
 
+def test_the_engine_thread_starts_after_the_compiler_modules_are_imported(run):
+    """The engine's first forward and the grammar library both import torch._dynamo; imported by two threads at
+    once, one of them got a half-initialised module and the engine loop stopped (an ImportError). The server
+    now imports them before any of its threads starts."""
+    spied = Server(run, "--max-context", "128", module="threads_serve")
+    try:
+        assert completion(spied).status_code == 200
+    finally:
+        spied.stop()
+    started = [line for line in spied.lines if line.startswith("thread k3-")]
+    names = {line.split()[1] for line in started}
+    assert {"k3-engine", "k3-grammar-setup"} <= names, spied.log()
+    assert all("compiler=True" in line and "grammar=True" in line for line in started), started
+
+
 def test_an_engine_that_dies_makes_the_process_exit_non_zero(dying):
     server = dying["exits"].ready()
     try:
