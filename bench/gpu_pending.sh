@@ -19,6 +19,10 @@
 #            router's gate weights as 2 kernels: 210 launches fewer a step by bench/launch_census.py), then
 #            vector_grads=triton (its row loop now tiled; the loop made the step 4.5% slower)
 #                                                                              needs 235   -> rweights_*.{json,log}
+#   varlen   the packed documents' attention in training as flash varlen (K3_PACKED_ATTENTION, off by default until
+#            measured): tests/ops/test_packed_attention.py's CUDA tests, then the default `k3 train` step (part b of
+#            bench/train_default_gpu.py, 150 steps) with torch's masked attention and with varlen
+#                                                                              needs 240  -> varlen_*.log, varlen_*/
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
 #            in place of the old ones: the next call's first step then compiles nothing new)   needs 40
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
@@ -37,7 +41,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests prefill serve compiled long rweights flat qb} "
+STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -108,6 +112,24 @@ fi
 if run qb 240; then  # 4 arms of 2,000 steps: the first (published QB, compiling) took 47 s for 1,750
   K3_TRAIN_PARTS="c" K3_TRAIN_C_S=$(( $(left) - 5 )) bash bench/train_default_gpu.sh "$OUT" $DRY
   log "qb done"
+fi
+if run varlen 240; then  # the packed documents' attention as flash varlen: its CUDA tests, then the default step
+  # with and without it (K3_PACKED_ATTENTION), 150 steps each
+  timeout -s INT --kill-after=5 70 python -m pytest -v -p no:cacheprovider tests/ops/test_packed_attention.py \
+    > "$OUT/varlen_tests.log" 2>&1
+  log "varlen tests: rc $?"
+  for choice in torch varlen; do
+    work=$(mktemp -d /tmp/k3_varlen.XXXXXX)
+    if [ -n "$DRY" ]; then  # varlen needs CUDA: auto (the twin here) checks the rest
+      K3_PACKED_ATTENTION=${choice/varlen/auto} timeout 60 python bench/train_default_gpu.py b "$OUT/varlen_$choice" "$work" \
+        --dry-run --steps 12 --budget-s 40 > "$OUT/varlen_$choice.log" 2>&1
+    else
+      K3_PACKED_ATTENTION=$choice timeout --kill-after=5 80 python bench/train_default_gpu.py b "$OUT/varlen_$choice" \
+        "$work" --steps 150 --budget-s 70 > "$OUT/varlen_$choice.log" 2>&1
+    fi
+    log "varlen $choice: rc $?"
+    rm -rf "$work"
+  done
 fi
 if run cache 40; then
   if [ -d /tmp/kcache ] && [ -n "$(ls -A /tmp/kcache)" ]; then

@@ -44,6 +44,7 @@ FILES=(
   tests/ops/test_linear_ce.py
   tests/ops/test_moe_expert_order.py
   tests/ops/test_route_triton.py
+  tests/ops/test_packed_attention.py
   tests/ops/test_moe_combine.py
   tests/ops/test_conv_step_triton.py
   tests/ops/test_linear_triton.py

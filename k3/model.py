@@ -105,7 +105,8 @@ class DecoderLayer(nn.Module):
             if packed is None:
                 return self.self_attn(x, cache)
             if packed.max_documents is not None:
-                return self.self_attn(x, cache, position_in_doc=packed.position_in_doc, row_length=packed.row_length)
+                return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens, position_in_doc=packed.position_in_doc,
+                                      row_length=packed.row_length)
             return self.self_attn(x, cache, cu_seqlens=packed.cu_seqlens)
         if packed is None:
             return self.self_attn(x, cache)

@@ -73,7 +73,7 @@ def test_every_k3_variable_named_in_the_package_is_declared_in_the_registry():
     undeclared = {name: where for name, where in named.items() if name not in declared | edge | identifiers}
     assert not undeclared, f"K3_ variables named outside k3/kernels.py's registry: {undeclared}"
     assert {"K3_MOE_BACKEND", "K3_ATTN_RES_ACCUMULATE", "K3_AUTOTUNE_CONFIGS"} <= set(named)  # the scan sees them
-    assert len(kernels.SWITCHES) == 24 and len({s.env for s in kernels.SWITCHES.values()}) == 24
+    assert len(kernels.SWITCHES) == 25 and len({s.env for s in kernels.SWITCHES.values()}) == 25
 
 
 def test_only_the_registry_torchrun_sandbox_paths_and_the_cli_read_the_environment():

@@ -25,6 +25,8 @@ from k3.layers.norm import RMSNorm
 from k3.ops.linear_triton import project
 from k3.ops.shared_input_linear import joins_projections, linears_of_one_input
 from k3.ops.mla_decode import latent_attention, latent_attention_paged
+from k3.ops.packed_attention import (packed_attention_backend, packed_attention_varlen,
+                                     packed_causal_attention)
 
 # Packed documents (and the engine's prefills: every prompt a new length) give attention a new shape at nearly
 # every call, and cuDNN's SDPA builds an execution plan for each new shape: in `k3 train --preset small` on one
@@ -94,10 +96,11 @@ class GatedMLA(nn.Module):
                 position_in_doc: torch.Tensor | None = None, row_length: int | None = None) -> torch.Tensor:
         """x [B, T, D] -> [B, T, D]. `cache` is this layer's slot (k3.cache.MLASlot, or None); packed documents are given by
         cu_seqlens [N+1] (no cache), and attention never crosses a document boundary. Static-shape form (a
-        captured step): position_in_doc [T] instead, with rows of row_length tokens that no document crosses
-        (None: one row); attention is then one masked call per row, no host sync."""
-        if position_in_doc is not None and cu_seqlens is None:
-            return self._forward_masked(x, position_in_doc, row_length or x.shape[1])
+        captured step): position_in_doc [T] as well, with rows of row_length tokens that no document crosses
+        (None: one row) and cu_seqlens padded with zero-length documents (k3.model.pad_cu_seqlens) or None;
+        attention is then one call over all rows (k3.ops.packed_attention), no host sync."""
+        if position_in_doc is not None:
+            return self._forward_masked(x, position_in_doc, row_length or x.shape[1], cu_seqlens)
         batch, length, _ = x.shape
         q_first, kv, *gate = self._project(x)
         q = self._query(q_first)
@@ -127,9 +130,10 @@ class GatedMLA(nn.Module):
             out = out * torch.sigmoid(gate[0])
         return project(self.o_proj, out)
 
-    def _forward_masked(self, x: torch.Tensor, position_in_doc: torch.Tensor, row_length: int) -> torch.Tensor:
-        """Packed documents [1, total] as rows [total / row_length, row_length], each query seeing its own
-        document's earlier tokens: key j is visible to query i iff i - position_in_doc[i] <= j <= i."""
+    def _forward_masked(self, x: torch.Tensor, position_in_doc: torch.Tensor, row_length: int,
+                        cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """Packed documents [1, total] in rows of row_length tokens, each query seeing its own document's earlier
+        tokens (k3.ops.packed_attention: a masked call over the rows, or flash varlen over cu_seqlens)."""
         batch, length, _ = x.shape
         if batch != 1 or length % row_length:
             raise ValueError(f"packed input is [1, total] with total a multiple of row_length={row_length}; got "
@@ -137,20 +141,11 @@ class GatedMLA(nn.Module):
         q_first, kv, *gate = self._project(x)
         q = self._query(q_first)
         latent, k_rope = self._latent(kv)
-        rows = length // row_length
-        i = torch.arange(row_length, device=x.device)
-        start_RT = i - position_in_doc.view(rows, row_length)  # each query's document start within its row
-        visible_RTS = (i[None, None, :] <= i[None, :, None]) & (i[None, None, :] >= start_RT[:, :, None])
         kv_full = self.kv_b_proj(latent).view(1, length, self.num_heads, self.nope + self.v_dim)
         k_nope, v = kv_full.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
-
-        def as_rows(t):  # [1, total, H, d] -> [rows, H, row_length, d]
-            return t.reshape(rows, row_length, *t.shape[2:]).transpose(1, 2).to(q.dtype)
-
-        out = F.scaled_dot_product_attention(as_rows(q), as_rows(k), as_rows(v), attn_mask=visible_RTS[:, None],
-                                             scale=self.scaling)
-        out = out.transpose(1, 2).reshape(batch, length, self.num_heads * self.v_dim)
+        out = packed_causal_attention(q, k, v, position_in_doc, row_length, self.scaling, cu_seqlens)
+        out = out.reshape(batch, length, self.num_heads * self.v_dim)
         if gate:
             out = out * torch.sigmoid(gate[0])
         return project(self.o_proj, out)
@@ -166,8 +161,11 @@ class GatedMLA(nn.Module):
         if cu_seqlens is not None and past == 0:
             # Packed documents: one causal SDPA call per document. Exact, keeps the fast causal kernels, and
             # costs sum(len^2) instead of the (total)^2 of a block-diagonal mask over the whole pack.
-            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
             bounds = cu_seqlens.tolist()
+            if batch == 1 and packed_attention_backend(q, k, v, cu_seqlens) == "varlen":
+                longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+                return packed_attention_varlen(q, k, v, cu_seqlens, longest, self.scaling)  # [1, T, H, v]
+            qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype)
             with sdpa_kernel(PER_DOCUMENT_BACKENDS):  # no cuDNN: a plan per new shape (see PER_DOCUMENT_BACKENDS)
                 pieces = [F.scaled_dot_product_attention(qt[:, :, a:b], kt[:, :, a:b], vt[:, :, a:b],
                                                          is_causal=b - a > 1, scale=self.scaling)
