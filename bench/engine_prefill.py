@@ -11,8 +11,14 @@ fresh lengths in [prompt * (1 - spread), prompt] every round, as a server's prom
                     (max_new_tokens 1), prefix cache off;
   engine, mixed     rows prompts of mixed lengths: chunks from one position share a right-padded forward;
   engine, mixed, apart  the same with prefill_padding=0: one forward per distinct length (the engine before).
+  one prompt        one prompt of `prompt` tokens, plain forward [1, prompt] and through the engine (a server's
+                    request one by one: its TTFT is this prefill);
+  first after warm-up  a fresh engine after Engine.warmup() (what `k3 serve` runs before ready), its first three
+                    prompts of `prompt` tokens timed one by one: the first against the others is what a fresh
+                    server's first request pays beyond the steady state.
 Printed: ms per round, prompt tokens/s, and each engine case against the plain forward. With --profile DIR, one
-more round of `engine, mixed` and of the plain forward under torch.profiler (CUDA): kernel families in DIR.
+more round of `engine, mixed` and of the plain forward under torch.profiler (CUDA), then one prompt through the
+engine and plain, and a fresh engine's first prompt after its warm-up, each with a host-time table: in DIR.
 """
 
 from __future__ import annotations
@@ -59,6 +65,20 @@ def plain_round(model, prompts: list[list[int]], device) -> None:
     synchronize()
 
 
+def first_prompts_after_warmup(engine: Engine, args, vocab: int) -> list[float]:
+    """ms of each of a warmed-up engine's first three prompts of args.prompt tokens, one at a time."""
+    engine.warmup()
+    generator = torch.Generator().manual_seed(4)
+    times = []
+    for _ in range(3):
+        prompts = prompts_for([args.prompt], vocab, generator)
+        start = time.perf_counter()
+        engine_round(engine, prompts)
+        times.append(1e3 * (time.perf_counter() - start))
+    print(f"first after warm-up: {[round(t, 1) for t in times]} ms", flush=True)
+    return times
+
+
 def run_case(name: str, args, model, device, round_fn, mixed: bool, seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
@@ -94,9 +114,12 @@ def main() -> None:
         model = K3ForCausalLM(ModelConfig.from_preset(args.preset))
     model = model.to(dtype).eval()
 
-    def engine(padding: float) -> Engine:
-        return Engine(model, None, max_context=args.prompt + 64, max_batch=args.rows, prefix_cache=False,
-                      prefill_padding=padding)
+    def engine(padding: float, max_context: int | None = None) -> Engine:
+        return Engine(model, None, max_context=max_context or args.prompt + 64, max_batch=args.rows,
+                      prefix_cache=False, prefill_padding=padding)
+
+    # A fresh engine sized as bench/serve.py's server (--max-context 2048): its warm-up's lengths are the server's.
+    served_context = max(2048, args.prompt + 64)
 
     equal, mixed, apart = engine(0.25), engine(0.25), engine(0.0)
     cases = {
@@ -107,9 +130,19 @@ def main() -> None:
         "engine, mixed, apart": run_case("engine, mixed, apart", args, model, device,
                                          lambda p: engine_round(apart, p), True, 2),
     }
+    one = argparse.Namespace(**{**vars(args), "rows": 1})
+    single = engine(0.25)
+    cases["plain forward, one prompt"] = run_case("plain forward, one prompt", one, model, device,
+                                                  lambda p: plain_round(model, p, device), False, 3)
+    cases["engine, one prompt"] = run_case("engine, one prompt", one, model, device,
+                                           lambda p: engine_round(single, p), False, 3)
+    firsts = first_prompts_after_warmup(engine(0.25, served_context), args, model.config.vocab_size)
     base = cases["plain forward"]["tokens_per_s"]
+    base_one = cases["plain forward, one prompt"]["tokens_per_s"]
     rows = [[name, f"{r['ms_per_round']:.1f}", f"{r['ms_min']:.1f}", f"{r['tokens_per_s']:,.0f}",
-             f"{r['tokens_per_s'] / base:.2f}x"] for name, r in cases.items()]
+             f"{r['tokens_per_s'] / (base_one if 'one prompt' in name else base):.2f}x"] for name, r in cases.items()]
+    rows.append(["first after warm-up", " / ".join(f"{ms:.1f}" for ms in firsts), "", "",
+                 f"first {firsts[0] / min(firsts[1:]):.2f}x the next"])
     title = f"Prefill of {args.rows} prompts of <= {args.prompt} tokens, {args.preset}, {dtype}, on {device_name()}"
     print_table(title, ["", "ms a round", "min ms", "prompt tok/s", "vs plain forward"], rows)
     if args.profile and device.type == "cuda":
@@ -123,9 +156,19 @@ def main() -> None:
                      f"engine prefill, {args.rows} prompts of mixed lengths <= {args.prompt}, {args.preset}")
         profile_step(lambda: plain_round(model, [p[:min(map(len, prompts))] for p in prompts], device),
                      str(folder / "plain_forward.txt"), f"plain forward, {args.rows} rows, {args.preset}")
+        prompt = prompts[:1]
+        profile_step(lambda: engine_round(single, prompt), str(folder / "engine_one.txt"),
+                     f"engine prefill, one prompt of {len(prompt[0])} tokens, {args.preset}", cpu_table=True)
+        profile_step(lambda: plain_round(model, prompt, device), str(folder / "plain_one.txt"),
+                     f"plain forward, one prompt of {len(prompt[0])} tokens, {args.preset}", cpu_table=True)
+        fresh = engine(0.25, served_context)
+        fresh.warmup()
+        profile_step(lambda: engine_round(fresh, [list(reversed(prompt[0]))]), str(folder / "engine_first.txt"),
+                     f"a fresh engine's first prompt after its warm-up, {len(prompt[0])} tokens, {args.preset}",
+                     cpu_table=True)
     write_json(args.out, {"bench": "engine_prefill", "device_name": device_name(), "preset": args.preset,
                           "rows": args.rows, "prompt": args.prompt, "spread": args.spread, "repeats": args.repeats,
-                          "dtype": str(dtype), "cases": cases})
+                          "dtype": str(dtype), "cases": cases, "first_after_warmup_ms": firsts})
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 #            decode; the graphed trainer's passed on 2026-12-07 in 243 s); fla at one autotune config
 #                                                                              needs 60, limit 150  -> tests.log
 #   prefill  bench/engine_prefill.py on `small`: 8 prompts of 1,024 tokens and of mixed lengths through the engine
-#            against one plain forward, padded and apart, with a profile of each     needs 120  -> prefill.{json,log}
+#            against one plain forward, padded and apart; one prompt (a request's TTFT); a fresh engine's first
+#            prompts after its warm-up; profiles of each, with host-time tables      needs 170  -> prefill.{json,log}
 #   serve    bench/serve_gpu.sh's probe + serve parts (the serving table)      needs 300            -> serve/
 #   compiled the serving table's completion levels and engine baselines with the compiled decode step
 #            (K3_COMPILE_DECODE=1, off by default: its compile time at start-up was the reason), the server's warm-up
@@ -62,12 +63,12 @@ if run tests 60; then
     > "$OUT/tests.log" 2>&1
   log "tests: rc $? (limit ${limit} s)"
 fi
-if run prefill 120; then
+if run prefill 170; then
   if [ -n "$DRY" ]; then
     timeout 110 python bench/engine_prefill.py --preset debug --prompt 128 --repeats 1 --out "$OUT/prefill.json" \
       > "$OUT/prefill.log" 2>&1
   else
-    timeout 110 python bench/engine_prefill.py --preset small --profile "$OUT/prefill_profile" \
+    timeout 160 python bench/engine_prefill.py --preset small --profile "$OUT/prefill_profile" \
       --out "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
   fi
   log "prefill: rc $?"

@@ -244,9 +244,9 @@ def families_table(kernels: list[tuple[str, float, int]], step_ms: float | None 
     return "\n".join(lines)
 
 
-def profile_step(step, path: str, title: str) -> None:
+def profile_step(step, path: str, title: str, cpu_table: bool = False) -> None:
     """One profiled step; the kernel table sorted by self CUDA time and the time per kernel family, written
-    atomically to `path`."""
+    atomically to `path`; cpu_table: then the ops by self CPU time too (host work: compiles, autotuning, Python)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -262,6 +262,8 @@ def profile_step(step, path: str, title: str) -> None:
     kernels = [(e.key, e.self_device_time_total, e.count) for e in events
                if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)]
     families = families_table(kernels, step_ms)
+    if cpu_table:
+        table += "\n\n" + events.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=70)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         f.write(f"{title}\n\n{families}\n\n{table}\n")
