@@ -12,7 +12,8 @@ fresh lengths in [prompt * (1 - spread), prompt] every round, as a server's prom
   engine, mixed     rows prompts of mixed lengths: chunks from one position share a right-padded forward;
   engine, mixed, apart  the same with prefill_padding=0: one forward per distinct length (the engine before).
   one prompt        one prompt of `prompt` tokens, plain forward [1, prompt] and through the engine (a server's
-                    request one by one: its TTFT is this prefill);
+                    request one by one: its TTFT is this prefill), without and with the prefix cache (which
+                    saves the state at the prompt's last page boundary on the way: k3.cache.StateSnapshot);
   first after warm-up  a fresh engine after Engine.warmup() (what `k3 serve` runs before ready), its first three
                     prompts of `prompt` tokens timed one by one: the first against the others is what a fresh
                     server's first request pays beyond the steady state.
@@ -114,9 +115,9 @@ def main() -> None:
         model = K3ForCausalLM(ModelConfig.from_preset(args.preset))
     model = model.to(dtype).eval()
 
-    def engine(padding: float, max_context: int | None = None) -> Engine:
+    def engine(padding: float, max_context: int | None = None, prefix_cache: bool = False) -> Engine:
         return Engine(model, None, max_context=max_context or args.prompt + 64, max_batch=args.rows,
-                      prefix_cache=False, prefill_padding=padding)
+                      prefix_cache=prefix_cache, prefill_padding=padding)
 
     # A fresh engine sized as bench/serve.py's server (--max-context 2048): its warm-up's lengths are the server's.
     served_context = max(2048, args.prompt + 64)
@@ -136,6 +137,9 @@ def main() -> None:
                                                   lambda p: plain_round(model, p, device), False, 3)
     cases["engine, one prompt"] = run_case("engine, one prompt", one, model, device,
                                            lambda p: engine_round(single, p), False, 3)
+    cached = engine(0.25, prefix_cache=True)
+    cases["engine, one prompt, prefix cache"] = run_case("engine, one prompt, prefix cache", one, model, device,
+                                                         lambda p: engine_round(cached, p), False, 3)
     firsts = first_prompts_after_warmup(engine(0.25, served_context), args, model.config.vocab_size)
     base = cases["plain forward"]["tokens_per_s"]
     base_one = cases["plain forward, one prompt"]["tokens_per_s"]

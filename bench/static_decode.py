@@ -56,6 +56,7 @@ class StaticKDASlot:
 
     in_place = True
     valid_lengths = None  # decode only: no padded rows
+    snapshot = None  # nor states saved inside a forward
 
     def __init__(self, config: ModelConfig, batch_size: int, device: torch.device, dtype: torch.dtype) -> None:
         heads, dim = config.kda_num_heads, config.kda_head_dim
@@ -84,6 +85,9 @@ class StaticKDASlot:
     def update(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         self.state.copy_(state)
         self.update_conv_tails(tails)
+
+    def save_snapshot(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        raise TypeError("StaticKDASlot saves no states inside a forward (its snapshot is None)")
 
     def update_conv_tails(self, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         """tails: the joined window [B, W-1, 3C] (one copy) or the three tails [B, W-1, C]."""

@@ -15,12 +15,21 @@ engine's pool views (k3.infer.cache_pool) and the static decode cache (bench/sta
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 if TYPE_CHECKING:
     from k3.ops.mla_decode import PagedLatents
+
+
+class StateSnapshot(NamedTuple):
+    """Where a KDA layer also saves each row's state inside a forward (a prefix-cache boundary the forward runs
+    through, so that no forward has to stop there): after the first at[b] of the row's tokens (at[b] = the row's
+    whole length: nothing to save there); width = the longest rest (a host int: the second kernel call's length)."""
+
+    at: torch.Tensor  # [B] int64
+    width: int
 
 
 @runtime_checkable
@@ -32,6 +41,7 @@ class KDASlot(Protocol):
     # [B] int64: how many of this forward's tokens are real in each row (the rest right padding, which must leave
     # the state and tails as they were), or None: all of them (k3.infer.runner's padded prefill).
     valid_lengths: torch.Tensor | None
+    snapshot: StateSnapshot | None  # a state to save inside this forward (save_snapshot), or None
 
     @property
     def state(self) -> torch.Tensor | None: ...
@@ -52,6 +62,9 @@ class KDASlot(Protocol):
         """(the window pool [slots, W-1, 3C], the rows' slots [B]) for short_conv_step_inplace."""
 
     def update_conv_tails(self, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None: ...
+
+    def save_snapshot(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        """Keep the rows' states and tails at `snapshot.at` (where a snapshot was asked for)."""
 
 
 @runtime_checkable
@@ -74,6 +87,10 @@ class MLASlot(Protocol):
     def append_in_place(self, latent: torch.Tensor, k_rope: torch.Tensor) -> PagedLatents: ...
 
 
+def _no_snapshots(slot: object) -> TypeError:
+    return TypeError(f"{type(slot).__name__} saves no states inside a forward (its snapshot is None)")
+
+
 def _not_in_place(slot: object) -> TypeError:
     return TypeError(f"{type(slot).__name__} grows by new tensors and has no in-place form; check its in_place / "
                      f"pages_in_place first")
@@ -83,6 +100,7 @@ class KDACacheSlot:
     in_place = False
     conv_window = None
     valid_lengths = None  # rows are never padded here
+    snapshot = None  # nor saved inside a forward
 
     def __init__(self) -> None:
         self.state: torch.Tensor | None = None
@@ -108,6 +126,9 @@ class KDACacheSlot:
 
     def update_conv_tails(self, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
         raise _not_in_place(self)
+
+    def save_snapshot(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        raise _no_snapshots(self)
 
 
 class MLACacheSlot:

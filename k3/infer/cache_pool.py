@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from k3.cache import StateSnapshot
 from k3.config import ModelConfig
 from k3.ops.mla_decode import PagedLatents, gather_latents, gather_pages
 
@@ -140,9 +141,11 @@ class KDAView:
     in_place = True
 
     def __init__(self, pool: CachePool, layer: int, slots: torch.Tensor,
-                 valid_lengths: torch.Tensor | None = None) -> None:
+                 valid_lengths: torch.Tensor | None = None, snapshot: StateSnapshot | None = None,
+                 snapshot_slots: torch.Tensor | None = None) -> None:
         self.pool, self.n, self.slots = pool, pool.kda_index[layer], slots
         self.valid_lengths = valid_lengths  # [B]: a padded prefill's real tokens per row (None: all)
+        self.snapshot, self.snapshot_slots = snapshot, snapshot_slots  # [B]: where to save it (scratch: nowhere)
 
     @property
     def state(self) -> torch.Tensor:  # [B, H, dk, dv] fp32
@@ -174,6 +177,12 @@ class KDAView:
         """tails: the joined window [B, W-1, 3C] or the three tails [B, W-1, C]; one scatter either way."""
         window = tails if isinstance(tails, torch.Tensor) else torch.cat(tails, dim=-1)
         self.pool.kda_tails[self.n].index_copy_(0, self.slots, window.to(self.pool.dtype))
+
+    def save_snapshot(self, state: torch.Tensor, tails: torch.Tensor | tuple[torch.Tensor, ...]) -> None:
+        """The rows' states and tails at snapshot.at into their snapshot slots (a prefix-cache entry's)."""
+        window = tails if isinstance(tails, torch.Tensor) else torch.cat(tails, dim=-1)
+        self.pool.kda_state[self.n].index_copy_(0, self.snapshot_slots, state.to(torch.float32))
+        self.pool.kda_tails[self.n].index_copy_(0, self.snapshot_slots, window.to(self.pool.dtype))
 
 
 class MLAView:
@@ -238,13 +247,16 @@ class BatchCache:
 
     slots [B] int64 (KDA slot per row), page_table [B, P] int64, positions [B] int64 (where the rows' new
     tokens go). `past` is the rows' common cached length for a prefill view; valid_lengths [B] the real tokens of
-    each row of a right-padded prefill (None: every row is real to the end)."""
+    each row of a right-padded prefill (None: every row is real to the end); snapshot / snapshot_slots [B]: KDA
+    states to save inside the forward and the slots they go to (k3.cache.StateSnapshot)."""
 
     def __init__(self, pool: CachePool, slots: torch.Tensor, page_table: torch.Tensor, positions: torch.Tensor,
-                 mask_rows: bool, past: int = 0, valid_lengths: torch.Tensor | None = None) -> None:
+                 mask_rows: bool, past: int = 0, valid_lengths: torch.Tensor | None = None,
+                 snapshot: StateSnapshot | None = None, snapshot_slots: torch.Tensor | None = None) -> None:
         self.batch_size = int(slots.shape[0])
         self.layers = [MLAView(pool, i, page_table, positions, mask_rows, past) if t == "mla"
-                       else KDAView(pool, i, slots, valid_lengths) for i, t in enumerate(pool.config.layer_types)]
+                       else KDAView(pool, i, slots, valid_lengths, snapshot, snapshot_slots)
+                       for i, t in enumerate(pool.config.layer_types)]
 
     def __getitem__(self, index: int):
         return self.layers[index]

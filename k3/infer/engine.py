@@ -236,11 +236,21 @@ class Engine:
         for forward in prefill_forwards(plan.prefills, self.pool.page_size, self.scheduler.max_step_tokens,
                                         self.engine_config.prefill_padding):
             seqs = forward.seqs
-            last_rows = self._capture(seqs, lambda: self.runner.prefill(seqs, forward.starts, forward.ends),
-                                      [end - start for start, end in zip(forward.starts, forward.ends)])
-            for seq, last, start, end in zip(seqs, last_rows, forward.starts, forward.ends):
+            snapshots = [self._snapshot_slot(seq, start, end) for seq, start, end in zip(seqs, forward.starts,
+                                                                                          forward.ends)]
+            try:
+                last_rows = self._capture(
+                    seqs, lambda: self.runner.prefill(seqs, forward.starts, forward.ends, snapshots),
+                    [end - start for start, end in zip(forward.starts, forward.ends)])
+            except BaseException:
+                for snapshot in filter(None, snapshots):
+                    self.pool.free_slot(snapshot[1])
+                raise
+            for seq, last, start, end, snapshot in zip(seqs, last_rows, forward.starts, forward.ends, snapshots):
                 seq.num_cached = end
                 self.stats_counters["prompt_tokens"] += end - start
+                if snapshot is not None:
+                    self.prefix_cache.adopt(seq.tokens, snapshot[0], seq.pages, snapshot[1])
                 if self.prefix_cache is not None and end in seq.register_at:
                     self.prefix_cache.insert(seq.tokens, end, seq.pages, seq.slot)
                 if end == seq.prompt_len:
@@ -257,6 +267,16 @@ class Engine:
             self.requests.pop(request.request_id, None)
             self.stats_counters["finished"] += 1
         return events
+
+    def _snapshot_slot(self, seq: Sequence, start: int, end: int) -> tuple[int, int] | None:
+        """(boundary, slot) where this chunk runs through a prefix-cache boundary of its prompt that no entry saves
+        yet: the forward saves the KDA state there into the slot (reserved now, an entry's after the forward).
+        None otherwise, or when the cache has no slot to spare."""
+        inside = [b for b in seq.register_at if start < b < end]
+        if not inside or self.prefix_cache.holds(seq.tokens, inside[0]):
+            return None
+        slot = self.prefix_cache.reserve_slot()
+        return None if slot is None else (inside[0], slot)
 
     def _constrain(self, rows: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
         """Rows under a grammar keep only the tokens their matcher allows (one mask for all of them, applied
@@ -518,14 +538,17 @@ class Engine:
     def warmup(self) -> float:
         """Build now what the first requests would build lazily: the decode CUDA graphs for every batch size up
         to max_batch (compiled with K3_COMPILE_DECODE), prefills of one full chunk, of a multiple of 64 tokens and
-        of two short prompts sharing a padded forward (kernels autotune and specialise per shape), without the
-        prefix cache of a chunk and 64 tokens more (attention after cached tokens), greedy and
+        of two short prompts sharing a padded forward (kernels autotune and specialise per shape), within the
+        context's room a chunk and 64 tokens more (attention after cached tokens), with the prefix cache two
+        prompts saving states on their way and their next turns' tails after those states, greedy and
         sampled decoding with logprobs. Leaves no trace: the prefix cache and the counters are as before. Returns
         the seconds it took."""
         start = time.perf_counter()
         if self.has_unfinished():
             raise RuntimeError("warm up an idle engine: requests are queued or running")
         counters = dict(self.stats_counters)
+        prefix = self.prefix_cache
+        prefix_counts = (prefix.hits, prefix.hit_tokens) if prefix is not None else None
         runner = self.runner
         if runner.use_cuda_graphs:
             top = next((b for b in runner.graph_batch_sizes if b >= self.max_batch), runner.graph_batch_sizes[-1])
@@ -548,13 +571,21 @@ class Engine:
             self.complete([[token] * size], greedy)
         self.complete([[2] * min(length, 17), [3] * min(length, 15)], [greedy, sampled])
         # Attention after cached tokens is a path of its own (a lower-right causal mask, whose first use imports
-        # torch._dynamo): with the prefix cache on, the prompts above reach it (each is cut at its last page
-        # boundary); without it only a prompt longer than a chunk does, and a fresh engine's first one took 1.26 s
-        # against 0.09 after (debug preset, CPU). So a chunk and 64 tokens more, where the context holds it.
-        if self.prefix_cache is None and self.scheduler.prefill_chunk + 64 < self.max_context - greedy.max_new_tokens:
+        # torch._dynamo: a fresh engine's first long prompt took 1.26 s against 0.09 after, debug preset, CPU):
+        # a chunk and 64 tokens more, where the context holds it.
+        room = self.max_context - greedy.max_new_tokens
+        if self.scheduler.prefill_chunk + 64 < room:
             self.complete([[4] * (self.scheduler.prefill_chunk + 64)], greedy)
+        # The prefix cache's paths: two prompts whose forward saves a state on its way (StateSnapshot), then their
+        # next turns, which hit those states and prefill short tails from two positions in one forward.
+        size = self.pool.page_size
+        if self.prefix_cache is not None and self.max_batch >= 2 and 3 * size + size // 2 + 8 < room:
+            self.complete([[5] * (2 * size + size // 2), [6] * (3 * size + size // 2)], greedy)
+            self.complete([[5] * 2 * size + [7] * 8, [6] * 3 * size + [7] * 8], [greedy, sampled])
         self.clear_prefix_cache()
         self.stats_counters = counters
+        if prefix_counts is not None:
+            self.prefix_cache.hits, self.prefix_cache.hit_tokens = prefix_counts
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start

@@ -76,22 +76,44 @@ class PrefixCache:
                 return PrefixHit(entry.boundary, list(entry.pages), entry.slot), matched * size
         return None, matched * size
 
+    def holds(self, tokens: list[int], boundary: int) -> bool:
+        """Whether an entry already saves tokens[:boundary]."""
+        size = self.pool.page_size
+        return boundary > 0 and boundary % size == 0 and page_keys(tokens, size, limit=boundary)[-1] in self.entries
+
+    def reserve_slot(self) -> int | None:
+        """A slot for a new entry's state, evicting to make room; None when there is none to spare. It is the
+        caller's until `adopt` takes it (or it is freed)."""
+        if len(self.entries) >= self.max_entries and not self.evict_one():
+            return None
+        if self.pool.free_slots == 0 and not self.evict_one():
+            return None
+        return self.pool.allocate_slot()
+
     def insert(self, tokens: list[int], boundary: int, pages: list[int], source_slot: int) -> bool:
         """Save the KDA state of `source_slot` (a request at exactly `boundary` tokens) with its first pages.
         Returns False when there is no slot to spare."""
-        size = self.pool.page_size
-        if boundary <= 0 or boundary % size:
+        if boundary <= 0 or boundary % self.pool.page_size:
             return False
-        keys = page_keys(tokens, size, limit=boundary)
+        keys = page_keys(tokens, self.pool.page_size, limit=boundary)
         if keys[-1] in self.entries:
             self.entries.move_to_end(keys[-1])
             return True
-        if len(self.entries) >= self.max_entries and not self.evict_one():
+        slot = self.reserve_slot()
+        if slot is None:
             return False
-        if self.pool.free_slots == 0 and not self.evict_one():
-            return False
-        slot = self.pool.allocate_slot()
         self.pool.copy_slot(source_slot, slot)
+        return self.adopt(tokens, boundary, pages, slot)
+
+    def adopt(self, tokens: list[int], boundary: int, pages: list[int], slot: int) -> bool:
+        """Make an entry of `slot` (from reserve_slot, holding the KDA state at exactly `boundary` tokens: a
+        forward saved it there) with the first pages; the slot is the entry's now, or freed if an entry for these
+        tokens exists already."""
+        size = self.pool.page_size
+        keys = page_keys(tokens, size, limit=boundary) if boundary > 0 and boundary % size == 0 else []
+        if not keys or keys[-1] in self.entries:
+            self.pool.free_slot(slot)
+            return False
         own = pages[: boundary // size]
         for key, page in zip(keys, own):
             known = self.page_by_key.get(key)

@@ -23,6 +23,7 @@ import functools
 import torch
 
 from k3 import kernels
+from k3.cache import StateSnapshot
 from k3.infer.cache_pool import SCRATCH, BatchCache, CachePool
 from k3.infer.scheduler import Sequence, pages_for
 
@@ -98,14 +99,17 @@ class ModelRunner:
         return self.model.lm_head(hidden[torch.arange(hidden.shape[0], device=hidden.device), last])
 
     @torch.no_grad()
-    def prefill(self, seqs: list[Sequence], start: int | list[int], end: int | list[int]) -> torch.Tensor:
+    def prefill(self, seqs: list[Sequence], start: int | list[int], end: int | list[int],
+                snapshots: list[tuple[int, int] | None] | None = None) -> torch.Tensor:
         """Write tokens [start, end) of each sequence into its cache in one forward -> logits [B, V] after each
         row's last token. `start` and `end` may differ by row (lists). Shorter rows are padded on the right to the
         longest, and the padding leaves every cache as the row's own tokens left it (KDA: no state or tail change,
         k3.layers.kda; MLA: written past the row's end, where its own later tokens overwrite it before anything
         reads there). Rows from one position attend causally after it; rows from different positions attend as
         decode does, each from its own position under a mask (short chunks only: scheduler.prefill_forwards).
-        Every row's pages must reach its start plus the longest chunk."""
+        Every row's pages must reach its start plus the longest chunk. snapshots: per row None, or (a position
+        strictly inside its chunk, a KDA slot): its KDA states and tails there are saved into that slot (a
+        prefix-cache entry's), so the forward runs through the boundary instead of stopping at it."""
         starts = [start] * len(seqs) if isinstance(start, int) else list(start)
         ends = [end] * len(seqs) if isinstance(end, int) else list(end)
         lengths_B = [e - s for s, e in zip(starts, ends)]
@@ -128,8 +132,15 @@ class ModelRunner:
         slots = torch.tensor([s.slot for s in seqs], device=self.device)
         positions = torch.tensor(starts, device=self.device)
         lengths = torch.tensor(lengths_B, device=self.device) if padded else None
+        snapshot = snapshot_slots = None
+        if snapshots is not None and any(snapshots):
+            at = [n if snap is None else snap[0] - s for snap, s, n in zip(snapshots, starts, lengths_B)]
+            rest = max(n - a for n, a in zip(lengths_B, at))
+            snapshot = StateSnapshot(torch.tensor(at, device=self.device), rest)
+            snapshot_slots = torch.tensor([SCRATCH if snap is None else snap[1] for snap in snapshots],
+                                          device=self.device)
         cache = BatchCache(self.pool, slots, table, positions, mask_rows=ragged, past=starts[0],
-                           valid_lengths=lengths)
+                           valid_lengths=lengths, snapshot=snapshot, snapshot_slots=snapshot_slots)
         return self._forward_last(ids, cache, embeds, None if lengths is None else lengths - 1)
 
     def _decode_inputs(self, seqs: list[Sequence], rows: int, table_pages: int, pin: bool = False):

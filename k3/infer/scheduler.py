@@ -5,9 +5,10 @@
    budget (the first chunk always runs, so a prefill cannot starve);
 3. then admits waiting requests, first come first served, while a KDA slot and enough MLA pages are free.
 
-Prefill chunks end at multiples of `prefill_chunk` from the start of the prompt, and at the prefix-cache
-boundaries a prompt asks for, never where the budget happens to run out: the same prompt is then cut the same
-way whatever else is running, so its numbers (and its greedy output) do not depend on the batch. The chunks
+Prefill chunks end at multiples of `prefill_chunk` from the start of the prompt, never where the budget happens
+to run out: the same prompt is then cut the same way whatever else is running, so its numbers (and its greedy
+output) do not depend on the batch. A prefix-cache boundary inside a chunk does not cut it: the forward saves
+the KDA state there on its way (k3.cache.StateSnapshot), one boundary per chunk (a second one is a cut). The chunks
 from one position then run as one forward, the shorter right-padded (prefill_forwards): chats' prompts rarely
 share a length, and a short forward on a GPU costs about the same for one row as for many.
 
@@ -248,7 +249,13 @@ class Scheduler:
         if caching:
             last_boundary = ((length - 1) // size) * size
             register = sorted({b for b in (matched, last_boundary) if start < b < length})
-        cuts = set(range(self.prefill_chunk, length, self.prefill_chunk)) | set(register) | {length}
+        # A chunk runs through one boundary inside it (the forward saves the state there: StateSnapshot) and
+        # stops at any other: of two boundaries in one chunk, the earlier becomes a cut.
+        chunks = set(range(self.prefill_chunk, length, self.prefill_chunk)) | {length}
+        cuts = set(chunks)
+        for boundary, following in zip(register, register[1:]):
+            if following not in chunks and not any(boundary < c < following for c in chunks):
+                cuts.add(boundary)
         return sorted(c for c in cuts if c > start), register
 
     # --- planning -----------------------------------------------------------------------------------

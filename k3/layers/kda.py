@@ -7,12 +7,13 @@ Decoding needs only S and the last (kernel-1) inputs of each short conv, whateve
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
-from k3.cache import KDASlot
+from k3.cache import KDASlot, StateSnapshot
 from k3.config import ModelConfig
 from k3.layers.conv import ShortConv
 from k3.layers.norm import GatedRMSNorm
@@ -102,7 +103,8 @@ class KimiDeltaAttention(nn.Module):
         shape = (batch, length, self.num_heads, self.head_dim)
         qkv, f_a, g_in, beta_logits = self._project(x)
         recurrent = cache is not None and length <= RECURRENT_MAX_TOKENS
-        in_place = recurrent and cache.in_place
+        snapshot = cache.snapshot if cache is not None else None
+        in_place = recurrent and cache.in_place and snapshot is None
         if (in_place and length == 1 and cu_seqlens is None and position_in_doc is None
                 and not isinstance(qkv, (list, tuple))):
             # One decode token through the joined conv: one kernel reads the window where the cache keeps it,
@@ -140,6 +142,14 @@ class KimiDeltaAttention(nn.Module):
                                             **self.gate_kwargs())
             if new_tails is not None:
                 cache.update_conv_tails(new_tails)
+        elif snapshot is not None:
+            kernel = functools.partial(fused_recurrent_kda if recurrent else chunk_kda, use_qk_l2norm_in_kernel=True,
+                                       output_final_state=True, **self.gate_kwargs())
+            rows = valid if valid is not None else torch.full((batch,), length, device=x.device)
+            o, saved, new_state = kda_with_snapshot(kernel, q.view(shape), k.view(shape), v.view(shape), raw_gate,
+                                                    beta_logits, cache.state, rows, snapshot)
+            cache.save_snapshot(saved, tails_before(tails, qkv, new_tails, snapshot.at))
+            cache.update(new_state, new_tails)
         else:
             state = cache.state if cache is not None else None
             kernel = fused_recurrent_kda if recurrent else chunk_kda
@@ -216,6 +226,36 @@ class KimiDeltaAttention(nn.Module):
         parts, new_tail = short_conv_parts(qkv, weight_CW, 3, tail, cu_seqlens=cu_seqlens,
                                            position_in_doc=position_in_doc, planar=planar, conv=short_conv)
         return parts, new_tail if joined else tuple(new_tail.split(width, dim=-1))
+
+
+def kda_with_snapshot(kernel, q, k, v, gate_logits, beta_logits, state, rows: torch.Tensor,
+                      snapshot: StateSnapshot):
+    """KDA over [B, T] in two calls that split each row at snapshot.at[b] (its first tokens, then the rest moved
+    to the front), so the state there can be kept: (o [B, T, H, V], the states at `at`, the final states). rows
+    [B]: each row's real tokens (right padding beyond). Masked positions (PAD_LOGIT: beta 0 writes nothing, a
+    zero log-decay keeps everything) leave a state as it was, as in a padded prefill. kernel: chunk_kda or
+    fused_recurrent_kda with its options bound, returning (o, final state)."""
+    batch, length = q.shape[:2]
+    at = snapshot.at
+    later_BT = torch.arange(length, device=q.device) >= at[:, None]
+    o_first, saved = kernel(q, k, v, gate_logits.masked_fill(later_BT[:, :, None, None], PAD_LOGIT),
+                            beta_logits.masked_fill(later_BT[:, :, None], PAD_LOGIT), initial_state=state)
+    # The rest of each row, from `at` on, at the front of width columns; columns past the row's end point at a
+    # dummy position `length` (one zero column appended), where the outputs' scatter drops what they computed.
+    index_BJ = at[:, None] + torch.arange(snapshot.width, device=q.device)
+    real_BJ = index_BJ < rows[:, None]
+    index_BJ = torch.where(real_BJ, index_BJ, length)
+
+    def rest(t):
+        t = torch.cat([t, t.new_zeros(batch, 1, *t.shape[2:])], dim=1)
+        return t.gather(1, index_BJ.view(batch, -1, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
+
+    o_rest, final = kernel(rest(q), rest(k), rest(v), rest(gate_logits).masked_fill(~real_BJ[:, :, None, None],
+                                                                                   PAD_LOGIT),
+                           rest(beta_logits).masked_fill(~real_BJ[:, :, None], PAD_LOGIT), initial_state=saved)
+    o = torch.cat([o_first, o_first.new_zeros(batch, 1, *o_first.shape[2:])], dim=1)
+    o = o.scatter(1, index_BJ.view(batch, -1, 1, 1).expand(-1, -1, *o.shape[2:]), o_rest.to(o.dtype))
+    return o[:, :length], saved, final
 
 
 def tails_before(tails, qkv, new_tails, valid: torch.Tensor):

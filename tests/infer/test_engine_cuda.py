@@ -7,6 +7,7 @@ from k3.config import ModelConfig
 from k3.infer.engine import Engine
 from k3.infer.sampling import SamplingParams
 from k3.model import K3ForCausalLM
+from prefill_spy import spy_prefills
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -49,8 +50,7 @@ def test_padded_prefill_equals_prefilling_each_length_apart():
     for padding in (0.25, 0.0):
         engine = Engine(model, None, max_context=512, max_batch=8, prefix_cache=False, prefill_padding=padding)
         calls = []
-        real = engine.runner.prefill
-        engine.runner.prefill = lambda seqs, start, end: calls.append(end) or real(seqs, start, end)
+        spy_prefills(engine, lambda start, end: calls.append(end))
         ids = [engine.add_request(p, SamplingParams(max_new_tokens=32, temperature=0, logprobs=0)) for p in prompts]
         engine.step()
         seqs = [engine.requests[rid].sequences[0] for rid in ids]
@@ -67,23 +67,27 @@ def test_padded_prefill_equals_prefilling_each_length_apart():
 
 
 def test_prompt_tails_from_different_positions_share_a_forward_on_the_gpu():
-    """bf16 on one GPU, prefix cache on: prompts are cut at their last page boundary, and their tails (different
-    positions, a few tokens each) share one forward, each row attending from its own position. First greedy tokens
-    equal, and logprobs within 2e-2 of, an engine that pads nothing and caches no prefix."""
+    """bf16 on one GPU, prefix cache on: first turns save their states at their last page boundary on the way
+    (StateSnapshot), then their next turns hit those states and prefill their tails (different positions, a few
+    tokens each) in one forward, each row attending from its own position. First greedy tokens equal, and
+    logprobs within 2e-2 of, an engine that pads nothing and caches no prefix."""
     model = tiny_bf16_model()
     generator = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, model.config.vocab_size, (n,), generator=generator).tolist()
-               for n in (100, 90, 75, 70, 45, 40)]
+    firsts_turns = [torch.randint(1, model.config.vocab_size, (n,), generator=generator).tolist()
+                    for n in (100, 90, 75, 70, 45, 40)]
+    prompts = [turn + torch.randint(1, model.config.vocab_size, (extra,), generator=generator).tolist()
+               for turn, extra in zip(firsts_turns, (5, 9, 12, 3, 7, 2))]
     params = SamplingParams(max_new_tokens=4, temperature=0, logprobs=0)
     firsts = {}
     for name, options in (("ragged", {}), ("apart", {"prefix_cache": False, "prefill_padding": 0.0})):
         engine = Engine(model, None, max_context=512, max_batch=8, page_size=16, **options)
+        engine.complete(firsts_turns, SamplingParams(max_new_tokens=1, temperature=0))
         calls = []
-        real = engine.runner.prefill
-        engine.runner.prefill = lambda seqs, start, end: calls.append(start) or real(seqs, start, end)
+        spy_prefills(engine, lambda start, end: calls.append(start))
         outs = engine.complete(prompts, params)
         firsts[name] = [(o.outputs[0].token_ids[0], o.outputs[0].logprobs[0]) for o in outs]
         if name == "ragged":
+            assert engine.prefix_cache.hits == len(prompts)
             assert any(isinstance(s, list) and len(set(s)) > 1 for s in calls), f"no ragged forward: {calls}"
     for (token, logprob), (token_ref, logprob_ref) in zip(firsts["ragged"], firsts["apart"]):
         assert token == token_ref and abs(logprob - logprob_ref) < 2e-2

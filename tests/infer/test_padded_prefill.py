@@ -34,11 +34,11 @@ def spy_prefills(engine):
     calls = []
     real = engine.runner.prefill
 
-    def prefill(seqs, start, end):
+    def prefill(seqs, start, end, *snapshots):
         starts = [start] * len(seqs) if isinstance(start, int) else list(start)
         ends = [end] * len(seqs) if isinstance(end, int) else list(end)
         calls.append((starts[0] if len(set(starts)) == 1 else starts, ends))
-        return real(seqs, start, end)
+        return real(seqs, start, end, *snapshots)
 
     engine.runner.prefill = prefill
     return calls
@@ -110,13 +110,17 @@ def prefilled(engine, request_id, prompt):
     return bool(seqs) and seqs[0].num_cached >= len(prompt)
 
 
-def test_tails_from_different_positions_share_one_forward_as_if_alone(model):
-    """With the prefix cache on, a prompt is cut at its last page boundary, so its tail (at most a page) starts
-    where its own length puts it. Tails from different positions share one forward, each row attending from its
-    own position: every cache then equals the prompt's alone, and greedy decoding equals recomputing."""
-    prompts = prompts_of([100, 90, 75, 70], seed=11)
-    params = SamplingParams(max_new_tokens=16, temperature=0.0, logprobs=3)
+def test_tails_after_prefix_hits_share_one_forward_as_if_alone(model):
+    """Prompts that continue earlier ones (a multi-turn episode's next turn) hit the prefix cache where the earlier
+    prompt saved its state (its last page boundary, saved on the way by the forward running through it), so each
+    prefills a short tail from its own position. Tails from different positions share one forward, each row
+    attending from its own position: every cache then equals the prompt's alone, and greedy decoding equals
+    recomputing."""
+    firsts = prompts_of([100, 90, 75, 70], seed=11)
     engine = Engine(model, None, max_context=256, max_batch=8, page_size=16, prefill_chunk=64)
+    engine.generate_ids(firsts, SamplingParams(max_new_tokens=1, temperature=0.0))
+    prompts = [first + more for first, more in zip(firsts, prompts_of([5, 9, 12, 3], seed=12))]
+    params = SamplingParams(max_new_tokens=16, temperature=0.0, logprobs=3)
     calls = spy_prefills(engine)
     ids = [engine.add_request(p, params) for p in prompts]
     together = {}  # each row's caches as its prefill ends (rows that end early decode on in later steps)
@@ -126,8 +130,9 @@ def test_tails_from_different_positions_share_one_forward_as_if_alone(model):
             if rid not in together and prefilled(engine, rid, prompt):
                 seq = engine.requests[rid].sequences[0]
                 together[rid] = (caches_of(engine, seq, len(prompt)), seq.logprobs[0])
-    ragged = [call for call in calls if isinstance(call[0], list)]
-    assert ragged, f"no forward took rows from different positions: {calls}"
+    assert engine.prefix_cache.hits == 4
+    (starts, ends), = calls  # one forward from four positions
+    assert sorted(zip(starts, ends)) == [(64, 73), (64, 87), (80, 99), (96, 105)]
     for prompt, rid in zip(prompts, ids):
         alone = Engine(model, None, max_context=256, max_batch=8, page_size=16, prefill_chunk=64,
                        prefix_cache=False)
@@ -140,6 +145,29 @@ def test_tails_from_different_positions_share_one_forward_as_if_alone(model):
     outs = engine.run_until_done(ids)
     for prompt, rid in zip(prompts, ids):
         assert outs[rid][0].generated == greedy_without_cache(model, prompt, 16)
+
+
+def test_a_forward_runs_through_a_prefix_boundary_and_saves_the_state_there(model):
+    """A prompt's last page boundary (96 of 100 tokens) lies inside its second chunk [64, 100): the chunk is not
+    cut there (one forward instead of two), and the prefix-cache entry at 96 holds the KDA states and conv tails
+    of the prompt's first 96 tokens prefilled alone."""
+    prompt = prompts_of([100], seed=13)[0]
+    engine = Engine(model, None, max_context=256, max_batch=8, page_size=16, prefill_chunk=64)
+    calls = spy_prefills(engine)
+    engine.generate_ids([prompt], SamplingParams(max_new_tokens=1, temperature=0.0))
+    assert calls == [(0, [64]), (64, [100])]
+    (entry,) = engine.prefix_cache.entries.values()
+    assert entry.boundary == 96
+    alone = Engine(model, None, max_context=256, max_batch=8, page_size=16, prefill_chunk=64, prefix_cache=False)
+    alone_id = alone.add_request(prompt[:96], SamplingParams(max_new_tokens=2, temperature=0.0))
+    while not prefilled(alone, alone_id, prompt[:96]):
+        alone.step()
+    slot = alone.requests[alone_id].sequences[0].slot
+    torch.testing.assert_close(engine.pool.kda_state[:, entry.slot], alone.pool.kda_state[:, slot], atol=1e-5,
+                               rtol=1e-5)
+    torch.testing.assert_close(engine.pool.kda_tails[:, entry.slot], alone.pool.kda_tails[:, slot], atol=1e-6,
+                               rtol=1e-6)
+    assert not torch.equal(engine.pool.kda_state[:, entry.slot], alone.pool.kda_state[:, 0])  # not the scratch
 
 
 def fake(pages, embeds=False):

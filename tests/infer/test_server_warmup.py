@@ -11,6 +11,7 @@ pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
 from inprocess_server import InProcessServer  # noqa: E402
+from prefill_spy import spy_prefills  # noqa: E402
 
 
 def _tiny():
@@ -104,29 +105,40 @@ def test_warmup_prefills_a_full_chunk_a_round_length_and_a_padded_pair():
     model, tokenizer = _tiny()
     engine = Engine(model, tokenizer, max_context=128, max_batch=4, prefix_cache=False)  # no page-boundary cuts
     calls = []
-    real = engine.runner.prefill
-    engine.runner.prefill = lambda seqs, start, end: calls.append((start, end)) or real(seqs, start, end)
+    spy_prefills(engine, lambda start, end: calls.append((start, end)))
     engine.warmup()
     assert calls == [([0], [125]), ([0], [64]), ([0, 0], [17, 15])]
 
 
-def test_warmup_attends_after_cached_tokens_without_the_prefix_cache():
+def test_warmup_attends_after_cached_tokens_and_takes_the_prefix_cache_paths():
     """Attention after cached tokens is a path of its own (a lower-right causal mask, whose first use imported
-    torch._dynamo: a fresh engine's first long prompt took 1.26 s against 0.09 s on the CPU). With the prefix
-    cache on, every warm-up prompt reaches it (cut at its last page boundary); without it, a prompt of a chunk and
-    64 tokens more does."""
+    torch._dynamo: a fresh engine's first long prompt took 1.26 s against 0.09 s on the CPU): the warm-up runs a
+    chunk and 64 tokens more. With the prefix cache on it also runs forwards that save a state on their way and
+    next turns whose tails start from two positions in one forward; and leaves the cache empty."""
     from k3.infer.engine import Engine
 
     model, tokenizer = _tiny()
     for prefix_cache in (False, True):
-        engine = Engine(model, tokenizer, max_context=256, max_batch=4, prefill_chunk=64, prefix_cache=prefix_cache)
-        calls = []
+        engine = Engine(model, tokenizer, max_context=256, max_batch=4, page_size=16, prefill_chunk=64,
+                        prefix_cache=prefix_cache)
+        calls, snapshots = [], []
         real = engine.runner.prefill
-        engine.runner.prefill = lambda seqs, start, end: calls.append((start, end)) or real(seqs, start, end)
+
+        def prefill(seqs, start, end, saves=None):
+            calls.append((start, end))
+            snapshots.extend(filter(None, saves or []))
+            return real(seqs, start, end, saves)
+
+        engine.runner.prefill = prefill
         engine.warmup()
-        assert any(start[0] > 0 and end[0] - start[0] > 16 for start, end in calls), (prefix_cache, calls)
-        if not prefix_cache:
-            assert calls[-1] == ([64], [128])
+        assert ([64], [128]) in calls  # the second chunk of a chunk-and-64 prompt
+        ragged = [(start, end) for start, end in calls if len(set(start)) > 1]
+        if prefix_cache:
+            assert {32, 48} <= {position for position, _ in snapshots}, snapshots
+            assert [sorted(zip(*call)) for call in ragged] == [[(32, 40), (48, 56)]], calls
+            assert len(engine.prefix_cache) == 0 and engine.pool.free_slots == engine.pool.num_slots
+        else:
+            assert not snapshots and not ragged
 
 
 def test_a_warmup_that_raises_stops_the_engine_and_health_says_so():
