@@ -143,11 +143,13 @@ class KimiDeltaAttention(nn.Module):
             if new_tails is not None:
                 cache.update_conv_tails(new_tails)
         elif snapshot is not None:
-            kernel = functools.partial(fused_recurrent_kda if recurrent else chunk_kda, use_qk_l2norm_in_kernel=True,
-                                       output_final_state=True, **self.gate_kwargs())
+            options = dict(use_qk_l2norm_in_kernel=True, output_final_state=True, **self.gate_kwargs())
+            first = functools.partial(fused_recurrent_kda if recurrent else chunk_kda, **options)
+            rest = functools.partial(fused_recurrent_kda if snapshot.width <= RECURRENT_MAX_TOKENS else chunk_kda,
+                                     **options)
             rows = valid if valid is not None else torch.full((batch,), length, device=x.device)
-            o, saved, new_state = kda_with_snapshot(kernel, q.view(shape), k.view(shape), v.view(shape), raw_gate,
-                                                    beta_logits, cache.state, rows, snapshot)
+            o, saved, new_state = kda_with_snapshot((first, rest), q.view(shape), k.view(shape), v.view(shape),
+                                                    raw_gate, beta_logits, cache.state, rows, snapshot)
             cache.save_snapshot(saved, tails_before(tails, qkv, new_tails, snapshot.at))
             cache.update(new_state, new_tails)
         else:
@@ -228,17 +230,19 @@ class KimiDeltaAttention(nn.Module):
         return parts, new_tail if joined else tuple(new_tail.split(width, dim=-1))
 
 
-def kda_with_snapshot(kernel, q, k, v, gate_logits, beta_logits, state, rows: torch.Tensor,
+def kda_with_snapshot(kernels, q, k, v, gate_logits, beta_logits, state, rows: torch.Tensor,
                       snapshot: StateSnapshot):
     """KDA over [B, T] in two calls that split each row at snapshot.at[b] (its first tokens, then the rest moved
     to the front), so the state there can be kept: (o [B, T, H, V], the states at `at`, the final states). rows
     [B]: each row's real tokens (right padding beyond). Masked positions (PAD_LOGIT: beta 0 writes nothing, a
-    zero log-decay keeps everything) leave a state as it was, as in a padded prefill. kernel: chunk_kda or
-    fused_recurrent_kda with its options bound, returning (o, final state)."""
+    zero log-decay keeps everything) leave a state as it was, as in a padded prefill. kernels: for the first
+    tokens and for the rest, chunk_kda or fused_recurrent_kda (a short rest) with their options bound, each
+    returning (o, final state)."""
+    first, rest_kernel = kernels
     batch, length = q.shape[:2]
     at = snapshot.at
     later_BT = torch.arange(length, device=q.device) >= at[:, None]
-    o_first, saved = kernel(q, k, v, gate_logits.masked_fill(later_BT[:, :, None, None], PAD_LOGIT),
+    o_first, saved = first(q, k, v, gate_logits.masked_fill(later_BT[:, :, None, None], PAD_LOGIT),
                             beta_logits.masked_fill(later_BT[:, :, None], PAD_LOGIT), initial_state=state)
     # The rest of each row, from `at` on, at the front of width columns; columns past the row's end point at a
     # dummy position `length` (one zero column appended), where the outputs' scatter drops what they computed.
@@ -250,9 +254,9 @@ def kda_with_snapshot(kernel, q, k, v, gate_logits, beta_logits, state, rows: to
         t = torch.cat([t, t.new_zeros(batch, 1, *t.shape[2:])], dim=1)
         return t.gather(1, index_BJ.view(batch, -1, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
 
-    o_rest, final = kernel(rest(q), rest(k), rest(v), rest(gate_logits).masked_fill(~real_BJ[:, :, None, None],
-                                                                                   PAD_LOGIT),
-                           rest(beta_logits).masked_fill(~real_BJ[:, :, None], PAD_LOGIT), initial_state=saved)
+    o_rest, final = rest_kernel(rest(q), rest(k), rest(v),
+                                rest(gate_logits).masked_fill(~real_BJ[:, :, None, None], PAD_LOGIT),
+                                rest(beta_logits).masked_fill(~real_BJ[:, :, None], PAD_LOGIT), initial_state=saved)
     o = torch.cat([o_first, o_first.new_zeros(batch, 1, *o_first.shape[2:])], dim=1)
     o = o.scatter(1, index_BJ.view(batch, -1, 1, 1).expand(-1, -1, *o.shape[2:]), o_rest.to(o.dtype))
     return o[:, :length], saved, final
