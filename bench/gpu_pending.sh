@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU work not yet measured, most needed first. Each step runs only if the seconds it needs are left before
 # END (default 570), so a short window still yields the first steps; name steps to pick them (default: all).
-#   tests    the CUDA tests not yet seen to pass: the engine's (padded prefill against prefill apart, CUDA-graph
-#            decode; the graphed trainer's passed on 2026-12-07 in 243 s); fla at one autotune config
+#   tests    the CUDA tests not yet seen to pass: the engine's (padded prefill against prefill apart; next turns'
+#            tails after prefix hits, their first turns saving states inside a forward; CUDA-graph decode); fla at
+#            one autotune config
 #                                                                              needs 60, limit 150  -> tests.log
 #   prefill  bench/engine_prefill.py on `small`: 8 prompts of 1,024 tokens and of mixed lengths through the engine
 #            against one plain forward, padded and apart; one prompt (a request's TTFT); a fresh engine's first
@@ -28,11 +29,11 @@
 #            in place of the old ones: the next call's first step then compiles nothing new)   needs 40
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
-# the machine's and pack it into one archive. Four calls of 570 s cover everything (long and rweights a fourth), e.g.
+# the machine's and pack it into one archive. Three calls cover what is open (steps run in this file's order):
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r1 560 tests prefill serve; tar czf $OUT/r1.tgz -C /tmp r1
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 compiled; tar czf "$OUT/r2.tgz" -C /tmp r2
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 flat qb; tar czf "$OUT/r3.tgz" -C /tmp r3
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r4 560 long rweights; tar czf "$OUT/r4.tgz" -C /tmp r4
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 varlen; tar czf "$OUT/r3.tgz" -C /tmp r3
+# and, time left, `flat qb` or `long rweights` (measured on 2026-12-07: re-runs).
 # (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
 # .whl/, so `cache` is for a fresh, smaller cache)
 #   bash bench/gpu_pending.sh OUT 570 --dry-run [STEPS...]   # the logic on the CPU (debug shapes, CUDA tests skip)
