@@ -2,8 +2,8 @@
 # The GPU work not yet measured, most needed first. Each step runs only if the seconds it needs are left before
 # END (default 570), so a short window still yields the first steps; name steps to pick them (default: all).
 #   tests    the CUDA tests not yet seen to pass: the engine's (padded prefill against prefill apart; next turns'
-#            tails after prefix hits, their first turns saving states inside a forward; CUDA-graph decode); fla at
-#            one autotune config
+#            tails after prefix hits, their first turns saving states inside a forward; CUDA-graph decode) and
+#            packed attention's flash varlen; fla at one autotune config
 #                                                                              needs 60, limit 150  -> tests.log
 #   prefill  bench/engine_prefill.py on `small`: 8 prompts of 1,024 tokens and of mixed lengths through the engine
 #            against one plain forward, padded and apart; one prompt (a request's TTFT); a fresh engine's first
@@ -60,7 +60,7 @@ if run tests 60; then
   limit=$(( $(left) < 150 ? $(left) : 150 ))
   K3_AUTOTUNE_CONFIGS=1 timeout -s INT --kill-after=5 "$limit" python -m pytest -v -p no:cacheprovider \
     -o faulthandler_timeout=$(( limit - 10 )) \
-    tests/infer/test_engine_cuda.py \
+    tests/infer/test_engine_cuda.py tests/ops/test_packed_attention.py \
     > "$OUT/tests.log" 2>&1
   log "tests: rc $? (limit ${limit} s)"
 fi
