@@ -55,3 +55,37 @@ def test_greedy_outputs_under_mixed_prefix_traffic_equal_recomputing(model, seed
     assert stats["running"] == stats["waiting"] == 0 and stats["kda_slots_used"] == stats["mla_pages_used"] == 0
     engine.clear_prefix_cache()
     assert engine.pool.free_slots == engine.pool.num_slots and engine.pool.free_pages == engine.pool.num_pages
+
+
+def test_a_reused_prefix_outlives_one_off_prompts_when_the_cache_is_full():
+    """Eviction takes the least recently used entry that no lookup reused before any reused one: a system prompt's
+    entry survives a burst of new prompts' own entries (plain LRU evicted it whenever more new prompts came than
+    the cache held)."""
+    from k3.infer.cache_pool import CachePool
+    from k3.infer.prefix_cache import PrefixCache
+
+    config = ModelConfig.from_preset("debug")
+    pool = CachePool(config, num_slots=6, num_pages=40, page_size=4, device="cpu", dtype=torch.float32)
+    cache = PrefixCache(pool, max_entries=3)
+    source = pool.allocate_slot()
+    generator = torch.Generator().manual_seed(0)
+    system = ids(generator, 8)
+
+    def save(tokens):
+        pages = pool.allocate_pages(len(tokens) // 4)
+        assert cache.insert(tokens, len(tokens), pages, source)
+        for page in pages:  # the request's own references go; the cache keeps its own
+            if pool.release_page(page):
+                pool.return_page(page)
+
+    save(system)
+    hit, _ = cache.lookup(system + [1, 2, 3])
+    assert hit is not None and hit.boundary == 8
+    for _ in range(5):  # one-off prompts, more than the cache holds
+        save(ids(generator, 12))
+    hit, _ = cache.lookup(system + [4, 5, 6])
+    assert hit is not None and hit.boundary == 8
+    assert len(cache) == 3
+    cache.clear()
+    pool.free_slot(source)
+    assert pool.free_slots == pool.num_slots and pool.free_pages == pool.num_pages
