@@ -13,8 +13,8 @@ Entries are made at two kinds of boundaries, both page-aligned:
 
 Pages are keyed by a chained hash of their tokens (page k's key covers tokens [0, (k+1) * page_size)). Each
 entry holds a reference on its pages and its slot; when the engine needs room, the least recently used entry that
-no lookup ever reused goes first, then the least recently used of the others (shared prefixes outlive one-off
-prompts, as a radix tree keeps its inner nodes while it evicts leaves).
+no lookup ever reused goes first while reused ones fill at most half the cache, else the least recently used
+reused one (shared prefixes outlive one-off prompts, as a radix tree keeps its inner nodes while it evicts leaves).
 """
 
 from __future__ import annotations
@@ -131,13 +131,18 @@ class PrefixCache:
         return True
 
     def evict_one(self) -> bool:
-        """Drop the least recently used entry that was never reused, else the least recently used one (its slot
-        and its page references). A prefix that served other prompts (a system prompt, an episode's earlier turn)
-        outlives one-off prompts' entries: with one entry per prompt, plain LRU let a burst of new prompts evict the
-        system prompt every round (debug model, CPU, 32 chat-like prompts a round, 16 entries: 16 hits of 32)."""
+        """Drop the least recently used entry that was never reused while reused ones fill at most half the cache,
+        else the least recently used reused one (its slot and its page references). A prefix that served other prompts (a
+        system prompt, an episode's earlier turn) outlives one-off prompts' entries: with one entry per prompt,
+        plain LRU let a burst of new prompts evict the system prompt every round (debug model, CPU, 32 chat-like
+        prompts a round, 16 entries: 16 hits of 32). The half bound keeps stale reused entries from holding the
+        whole cache, so a new conversation's first turn still lives until its second."""
         if not self.entries:
             return False
-        last_key = next((key for key, entry in self.entries.items() if entry.hits == 0), next(iter(self.entries)))
+        reused = sum(1 for entry in self.entries.values() if entry.hits)
+        take_reused = reused > self.max_entries // 2
+        last_key = next((key for key, entry in self.entries.items() if bool(entry.hits) == take_reused),
+                        next(iter(self.entries)))
         entry = self.entries.pop(last_key)
         keys = self.keys_of.pop(last_key)
         self.pool.free_slot(entry.slot)

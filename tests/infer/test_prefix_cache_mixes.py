@@ -86,6 +86,13 @@ def test_a_reused_prefix_outlives_one_off_prompts_when_the_cache_is_full():
     hit, _ = cache.lookup(system + [4, 5, 6])
     assert hit is not None and hit.boundary == 8
     assert len(cache) == 3
+    # Reused entries hold at most half the cache: a second reused prompt (2 of 3) makes the least recently used
+    # reused one (the system prompt, untouched since) the next to go.
+    other = ids(generator, 12)
+    save(other)
+    assert cache.lookup(other + [7])[0] is not None
+    save(ids(generator, 12))
+    assert cache.lookup(system + [8, 9])[0] is None and cache.lookup(other + [7])[0] is not None
     cache.clear()
     pool.free_slot(source)
     assert pool.free_slots == pool.num_slots and pool.free_pages == pool.num_pages
