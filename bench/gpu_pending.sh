@@ -25,6 +25,8 @@
 #            measured): tests/ops/test_packed_attention.py's CUDA tests, then the default `k3 train` step (part b of
 #            bench/train_default_gpu.py, 150 steps) with torch's masked attention and with varlen
 #                                                                              needs 240  -> varlen_*.log, varlen_*/
+#   traffic  bench/prefix_traffic.py on `small`: rounds of chat-like prompts sharing a system prompt, prefix cache on
+#            against off (hits, tokens skipped, prefill forwards, time)              needs 60   -> traffic.{json,log}
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
 #            in place of the old ones: the next call's first step then compiles nothing new)   needs 40
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
@@ -32,7 +34,7 @@
 # the machine's and pack it into one archive. Three calls cover what is open (steps run in this file's order):
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r1 560 tests prefill serve; tar czf $OUT/r1.tgz -C /tmp r1
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 compiled; tar czf "$OUT/r2.tgz" -C /tmp r2
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 varlen; tar czf "$OUT/r3.tgz" -C /tmp r3
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 varlen traffic; tar czf "$OUT/r3.tgz" -C /tmp r3
 # and, time left, `flat qb` or `long rweights` (measured on 2026-12-07: re-runs).
 # (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
 # .whl/, so `cache` is for a fresh, smaller cache)
@@ -43,7 +45,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb} "
+STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -132,6 +134,15 @@ if run varlen 240; then  # the packed documents' attention as flash varlen: its 
     log "varlen $choice: rc $?"
     rm -rf "$work"
   done
+fi
+if run traffic 60; then  # chat-like traffic with and without the prefix cache (small, bf16)
+  if [ -n "$DRY" ]; then
+    timeout 50 python bench/prefix_traffic.py --rounds 2 --prompts 8 --batch 4 --out "$OUT/traffic.json" \
+      > "$OUT/traffic.log" 2>&1
+  else
+    timeout 55 python bench/prefix_traffic.py --preset small --out "$OUT/traffic.json" > "$OUT/traffic.log" 2>&1
+  fi
+  log "traffic: rc $?"
 fi
 if run cache 40; then
   if [ -d /tmp/kcache ] && [ -n "$(ls -A /tmp/kcache)" ]; then
