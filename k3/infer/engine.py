@@ -250,9 +250,10 @@ class Engine:
                 seq.num_cached = end
                 self.stats_counters["prompt_tokens"] += end - start
                 if snapshot is not None:
-                    self.prefix_cache.adopt(seq.tokens, snapshot[0], seq.pages, snapshot[1])
+                    self.prefix_cache.adopt(seq.tokens, snapshot[0], seq.pages, snapshot[1],
+                                            shared=snapshot[0] == seq.shared_at)
                 if self.prefix_cache is not None and end in seq.register_at:
-                    self.prefix_cache.insert(seq.tokens, end, seq.pages, seq.slot)
+                    self.prefix_cache.insert(seq.tokens, end, seq.pages, seq.slot, shared=end == seq.shared_at)
                 if end == seq.prompt_len:
                     seq.status = DECODE
                     request = self.requests[seq.request_id]

@@ -93,9 +93,11 @@ class PrefixCache:
             return None
         return self.pool.allocate_slot()
 
-    def insert(self, tokens: list[int], boundary: int, pages: list[int], source_slot: int) -> bool:
+    def insert(self, tokens: list[int], boundary: int, pages: list[int], source_slot: int,
+               shared: bool = False) -> bool:
         """Save the KDA state of `source_slot` (a request at exactly `boundary` tokens) with its first pages.
-        Returns False when there is no slot to spare."""
+        shared: the boundary is where a prompt leaves an earlier one's pages (two prompts share this prefix), so
+        the entry counts as reused from the start (evict_one). Returns False when there is no slot to spare."""
         if boundary <= 0 or boundary % self.pool.page_size:
             return False
         keys = page_keys(tokens, self.pool.page_size, limit=boundary)
@@ -106,12 +108,12 @@ class PrefixCache:
         if slot is None:
             return False
         self.pool.copy_slot(source_slot, slot)
-        return self.adopt(tokens, boundary, pages, slot)
+        return self.adopt(tokens, boundary, pages, slot, shared)
 
-    def adopt(self, tokens: list[int], boundary: int, pages: list[int], slot: int) -> bool:
+    def adopt(self, tokens: list[int], boundary: int, pages: list[int], slot: int, shared: bool = False) -> bool:
         """Make an entry of `slot` (from reserve_slot, holding the KDA state at exactly `boundary` tokens: a
         forward saved it there) with the first pages; the slot is the entry's now, or freed if an entry for these
-        tokens exists already."""
+        tokens exists already. shared: as for insert."""
         size = self.pool.page_size
         keys = page_keys(tokens, size, limit=boundary) if boundary > 0 and boundary % size == 0 else []
         if not keys or keys[-1] in self.entries:
@@ -126,7 +128,8 @@ class PrefixCache:
             self.page_by_key[key] = page
             self.key_refs[key] = self.key_refs.get(key, 0) + 1
             self.pool.share_page(page)
-        self.entries[keys[-1]] = PrefixEntry(boundary, [self.page_by_key[k] for k in keys], slot)
+        pages_held = [self.page_by_key[k] for k in keys]
+        self.entries[keys[-1]] = PrefixEntry(boundary, pages_held, slot, hits=int(shared))
         self.keys_of[keys[-1]] = keys
         return True
 

@@ -47,6 +47,7 @@ class Sequence:
     shared_pages: int = 0  # leading pages shared with others (prefix hit or fork)
     cuts: list[int] = field(default_factory=list)  # prefill chunk ends
     register_at: list[int] = field(default_factory=list)  # prefix-cache boundaries to save
+    shared_at: int = 0  # of those, where it leaves the pages of an earlier prompt (a shared prefix), or 0
     status: str = WAITING
     finish_reason: str | None = None
     generator: torch.Generator | None = None
@@ -236,6 +237,7 @@ class Scheduler:
             self.prefix_cache.hits += 1
             self.prefix_cache.hit_tokens += hit.boundary
         parent.cuts, parent.register_at = self._cuts(prompt, parent.num_cached, matched, caching)
+        parent.shared_at = matched if matched in parent.register_at else 0
         parent.status = PREFILL
         request.sequences = [parent]
         for _ in range(n - 1):

@@ -96,3 +96,22 @@ def test_a_reused_prefix_outlives_one_off_prompts_when_the_cache_is_full():
     cache.clear()
     pool.free_slot(source)
     assert pool.free_slots == pool.num_slots and pool.free_pages == pool.num_pages
+
+
+def test_a_shared_prefix_saved_where_prompts_diverge_outlives_one_off_prompts(model):
+    """The state saved where a prompt leaves an earlier one's pages exists because two prompts share that prefix:
+    it counts as reused from the start, so one-off prompts' entries go before it even in a cache of two entries,
+    and a third prompt with the prefix hits it."""
+    generator = torch.Generator().manual_seed(3)
+    system = ids(generator, 40)  # pages of 16: the prompts diverge at 32
+    engine = Engine(model, ByteTokenizer(), max_context=256, max_batch=2, page_size=16, prefill_chunk=64,
+                    prefix_slots=2)
+    greedy = SamplingParams(max_new_tokens=2, temperature=0.0)
+    for prompt in (system + ids(generator, 9), system + ids(generator, 11)):  # the second saves the state at 32
+        engine.generate_ids([prompt], greedy)
+    for _ in range(3):
+        engine.generate_ids([ids(generator, 50)], greedy)  # one-off prompts, an entry each
+    before = engine.stats()["prefix_cache_hit_tokens"]
+    third = system + ids(generator, 7)
+    assert engine.generate_ids([third], greedy)[0] == reference(model, third, 2)
+    assert engine.stats()["prefix_cache_hit_tokens"] - before == 32
