@@ -95,7 +95,7 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
-# Short chunks (a prompt's tail after its last page boundary, where the prefix cache cuts) share a forward whatever
+# Short chunks (next turns' tails after their prefix-cache hits) share a forward whatever
 # their positions: each row attends from its own position under a mask (the decode path's latent attention),
 # whose [T, S] scores are only affordable for few queries over a bounded context.
 RAGGED_MAX_TOKENS = 32
