@@ -108,7 +108,8 @@ class PrefixCache:
         if slot is None:
             return False
         self.pool.copy_slot(source_slot, slot)
-        return self.adopt(tokens, boundary, pages, slot, shared)
+        self._add(keys, boundary, pages, slot, shared)
+        return True
 
     def adopt(self, tokens: list[int], boundary: int, pages: list[int], slot: int, shared: bool = False) -> bool:
         """Make an entry of `slot` (from reserve_slot, holding the KDA state at exactly `boundary` tokens: a
@@ -119,7 +120,12 @@ class PrefixCache:
         if not keys or keys[-1] in self.entries:
             self.pool.free_slot(slot)
             return False
-        own = pages[: boundary // size]
+        self._add(keys, boundary, pages, slot, shared)
+        return True
+
+    def _add(self, keys: list[int], boundary: int, pages: list[int], slot: int, shared: bool) -> None:
+        """The entry for the pages behind `keys` (page_keys up to boundary) and the state in `slot`."""
+        own = pages[: boundary // self.pool.page_size]
         for key, page in zip(keys, own):
             known = self.page_by_key.get(key)
             if known is not None and known != page:
@@ -128,17 +134,16 @@ class PrefixCache:
             self.page_by_key[key] = page
             self.key_refs[key] = self.key_refs.get(key, 0) + 1
             self.pool.share_page(page)
-        pages_held = [self.page_by_key[k] for k in keys]
-        self.entries[keys[-1]] = PrefixEntry(boundary, pages_held, slot, hits=int(shared))
+        held = [self.page_by_key[k] for k in keys]
+        self.entries[keys[-1]] = PrefixEntry(boundary, held, slot, hits=int(shared))
         self.keys_of[keys[-1]] = keys
-        return True
 
     def evict_one(self) -> bool:
         """Drop the least recently used entry that was never reused while reused ones fill at most half the cache,
-        else the least recently used reused one (its slot and its page references). A prefix that served other prompts (a
-        system prompt, an episode's earlier turn) outlives one-off prompts' entries: with one entry per prompt,
-        plain LRU let a burst of new prompts evict the system prompt every round (debug model, CPU, 32 chat-like
-        prompts a round, 16 entries: 16 hits of 32). The half bound keeps stale reused entries from holding the
+        else the least recently used reused one (its slot and its page references). A prefix that served other
+        prompts (a system prompt, an episode's earlier turn) outlives one-off prompts' entries: with one entry per
+        prompt, plain LRU let a burst of new prompts evict the system prompt every round (debug model, CPU, 32
+        chat-like prompts a round, 16 entries: 16 hits of 32). The half bound keeps stale reused entries from holding the
         whole cache, so a new conversation's first turn still lives until its second."""
         if not self.entries:
             return False

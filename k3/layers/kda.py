@@ -128,9 +128,8 @@ class KimiDeltaAttention(nn.Module):
         if valid is not None:
             # A right-padded prefill row: its padding must not move the state (beta 0 writes nothing, a zero
             # log-decay keeps everything), and its conv tails are the inputs before its own end.
-            pad_BT = torch.arange(length, device=x.device) >= valid[:, None]
-            beta_logits = beta_logits.masked_fill(pad_BT[:, :, None], PAD_LOGIT)
-            raw_gate = raw_gate.masked_fill(pad_BT[:, :, None, None], PAD_LOGIT)
+            raw_gate, beta_logits = held_still(raw_gate, beta_logits,
+                                               torch.arange(length, device=x.device) >= valid[:, None])
             if new_tails is not None:
                 new_tails = tails_before(tails, qkv, new_tails, valid)
         if in_place:
@@ -230,6 +229,13 @@ class KimiDeltaAttention(nn.Module):
         return parts, new_tail if joined else tuple(new_tail.split(width, dim=-1))
 
 
+def held_still(gate_logits: torch.Tensor, beta_logits: torch.Tensor, where_BT: torch.Tensor):
+    """(gate logits [B, T, H, K], beta logits [B, T, H]) with the tokens where where_BT holds made no-ops: beta 0
+    writes nothing and a zero log-decay keeps everything (PAD_LOGIT), so the state passes them unchanged."""
+    return (gate_logits.masked_fill(where_BT[:, :, None, None], PAD_LOGIT),
+            beta_logits.masked_fill(where_BT[:, :, None], PAD_LOGIT))
+
+
 def kda_with_snapshot(kernels, q, k, v, gate_logits, beta_logits, state, rows: torch.Tensor,
                       snapshot: StateSnapshot):
     """KDA over [B, T] in two calls that split each row at snapshot.at[b] (its first tokens, then the rest moved
@@ -242,8 +248,7 @@ def kda_with_snapshot(kernels, q, k, v, gate_logits, beta_logits, state, rows: t
     batch, length = q.shape[:2]
     at = snapshot.at
     later_BT = torch.arange(length, device=q.device) >= at[:, None]
-    o_first, saved = first(q, k, v, gate_logits.masked_fill(later_BT[:, :, None, None], PAD_LOGIT),
-                            beta_logits.masked_fill(later_BT[:, :, None], PAD_LOGIT), initial_state=state)
+    o_first, saved = first(q, k, v, *held_still(gate_logits, beta_logits, later_BT), initial_state=state)
     # The rest of each row, from `at` on, at the front of width columns; columns past the row's end point at a
     # dummy position `length` (one zero column appended), where the outputs' scatter drops what they computed.
     index_BJ = at[:, None] + torch.arange(snapshot.width, device=q.device)
@@ -254,9 +259,8 @@ def kda_with_snapshot(kernels, q, k, v, gate_logits, beta_logits, state, rows: t
         t = torch.cat([t, t.new_zeros(batch, 1, *t.shape[2:])], dim=1)
         return t.gather(1, index_BJ.view(batch, -1, *[1] * (t.dim() - 2)).expand(-1, -1, *t.shape[2:]))
 
-    o_rest, final = rest_kernel(rest(q), rest(k), rest(v),
-                                rest(gate_logits).masked_fill(~real_BJ[:, :, None, None], PAD_LOGIT),
-                                rest(beta_logits).masked_fill(~real_BJ[:, :, None], PAD_LOGIT), initial_state=saved)
+    o_rest, final = rest_kernel(rest(q), rest(k), rest(v), *held_still(rest(gate_logits), rest(beta_logits), ~real_BJ),
+                                initial_state=saved)
     o = torch.cat([o_first, o_first.new_zeros(batch, 1, *o_first.shape[2:])], dim=1)
     o = o.scatter(1, index_BJ.view(batch, -1, 1, 1).expand(-1, -1, *o.shape[2:]), o_rest.to(o.dtype))
     return o[:, :length], saved, final

@@ -100,7 +100,7 @@ class GatedMLA(nn.Module):
         (None: one row) and cu_seqlens padded with zero-length documents (k3.model.pad_cu_seqlens) or None;
         attention is then one call over all rows (k3.ops.packed_attention), no host sync."""
         if position_in_doc is not None:
-            return self._forward_masked(x, position_in_doc, row_length or x.shape[1], cu_seqlens)
+            return self._forward_static_documents(x, position_in_doc, row_length or x.shape[1], cu_seqlens)
         batch, length, _ = x.shape
         q_first, kv, *gate = self._project(x)
         q = self._query(q_first)
@@ -130,8 +130,8 @@ class GatedMLA(nn.Module):
             out = out * torch.sigmoid(gate[0])
         return project(self.o_proj, out)
 
-    def _forward_masked(self, x: torch.Tensor, position_in_doc: torch.Tensor, row_length: int,
-                        cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    def _forward_static_documents(self, x: torch.Tensor, position_in_doc: torch.Tensor, row_length: int,
+                                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
         """Packed documents [1, total] in rows of row_length tokens, each query seeing its own document's earlier
         tokens (k3.ops.packed_attention: a masked call over the rows, or flash varlen over cu_seqlens)."""
         batch, length, _ = x.shape
@@ -140,24 +140,26 @@ class GatedMLA(nn.Module):
                              f"{tuple(x.shape[:2])}")
         q_first, kv, *gate = self._project(x)
         q = self._query(q_first)
-        latent, k_rope = self._latent(kv)
-        kv_full = self.kv_b_proj(latent).view(1, length, self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv_full.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+        k, v = self._keys_values(*self._latent(kv))
         out = packed_causal_attention(q, k, v, position_in_doc, row_length, self.scaling, cu_seqlens)
         out = out.reshape(batch, length, self.num_heads * self.v_dim)
         if gate:
             out = out * torch.sigmoid(gate[0])
         return project(self.o_proj, out)
 
+    def _keys_values(self, latent: torch.Tensor, k_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """latent [B, S, R], k_rope [B, S, rope] -> per-head keys [B, S, H, nope + rope] and values [B, S, H, v]."""
+        batch, total = latent.shape[:2]
+        kv = self.kv_b_proj(latent).view(batch, total, self.num_heads, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        return torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1), v
+
     def _attend_expanded(self, q, latent, k_rope, past, cu_seqlens=None, shapes_vary: bool = False):
         """shapes_vary: an inference prefill, whose (rows, length) changes with every prompt: no cuDNN (a plan per
         new shape, see PER_DOCUMENT_BACKENDS), where training's fixed rows keep it."""
         batch, length = q.shape[:2]
         total = latent.shape[1]
-        kv = self.kv_b_proj(latent).view(batch, total, self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.unsqueeze(2).expand(-1, -1, self.num_heads, -1)], dim=-1)
+        k, v = self._keys_values(latent, k_rope)
         if cu_seqlens is not None and past == 0:
             # Packed documents: one causal SDPA call per document. Exact, keeps the fast causal kernels, and
             # costs sum(len^2) instead of the (total)^2 of a block-diagonal mask over the whole pack.
