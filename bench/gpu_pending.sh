@@ -27,6 +27,14 @@
 #                                                                              needs 240  -> varlen_*.log, varlen_*/
 #   traffic  bench/prefix_traffic.py on `small`: rounds of chat-like prompts sharing a system prompt, prefix cache on
 #            against off (hits, tokens skipped, prefill forwards, time)              needs 60   -> traffic.{json,log}
+#   steps    bench/serve.py's completion levels (both engine modes, no chat) with the engine in process at the
+#            default step budget and at 8,192 and 32,768 tokens (--engine-step-tokens)    needs 230  -> steps/
+#   first    bench/first_request.py on `small`: a fresh server's first requests, stacks sampled in the server
+#                                                                              needs 70   -> first.{json,log}
+#   decode   bench/decode.py at batch 1, 16 and 64 (1K context): the graph step against its memory floor, profiles
+#                                                                              needs 60   -> decode.*
+#   etests   the engine's CUDA tests one at a time with launches blocking and a thread dump at a time limit, then
+#            packed attention's                                                needs 40   -> etests_*.log
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
 #            in place of the old ones: the next call's first step then compiles nothing new)   needs 40
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
@@ -45,7 +53,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic} "
+STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic steps first decode etests} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -143,6 +151,52 @@ if run traffic 60; then  # chat-like traffic with and without the prefix cache (
     timeout 55 python bench/prefix_traffic.py --preset small --out "$OUT/traffic.json" > "$OUT/traffic.log" 2>&1
   fi
   log "traffic: rc $?"
+fi
+if run steps 230; then  # the serving table's completion levels; the engine in process at three step budgets
+  mkdir -p "$OUT/steps"
+  if [ -n "$DRY" ]; then
+    timeout 200 python bench/serve.py --preset debug --concurrency 1 4 --skip transformers \
+      --engine-step-tokens 256 --out "$OUT/steps/serve.json" > "$OUT/steps/serve.log" 2>&1
+  else
+    timeout --kill-after=10 $(( $(left) < 300 ? $(left) - 10 : 290 )) python bench/serve.py --preset small \
+      --skip transformers --engine-modes in-process process --engine-step-tokens 8192 32768 \
+      --out "$OUT/steps/serve.json" > "$OUT/steps/serve.log" 2>&1
+  fi
+  log "steps: rc $?"
+fi
+if run first 70; then  # where a fresh server's first request spends its time (stacks sampled in the server)
+  if [ -n "$DRY" ]; then
+    timeout 100 python bench/first_request.py --preset tiny --prompt 128 --requests 2 --out "$OUT/first.json" \
+      > "$OUT/first.log" 2>&1
+  else
+    timeout 90 python bench/first_request.py --preset small --out "$OUT/first.json" > "$OUT/first.log" 2>&1
+  fi
+  log "first: rc $?"
+fi
+if run decode 60; then  # the decode graph's step at batch 1, 16 and 64 against its memory floor, with profiles
+  if [ -n "$DRY" ]; then
+    log "decode: bench/decode.py needs CUDA; skipped"
+  else
+    timeout 90 python bench/decode.py --models k3-small --cases 1x1024 16x1024 64x1024 --new 32 \
+      --profile "$OUT/decode_profile" --out "$OUT/decode.json" > "$OUT/decode.log" 2>&1
+    log "decode: rc $?"
+  fi
+fi
+if run etests 40; then  # the engine's CUDA tests one at a time, launches blocking: a hang shows the launch it hangs in
+  for test in padded_prefill_equals prompt_tails_from cuda_graph_decode; do
+    limit=$(( $(left) < 80 ? $(left) - 5 : 75 ))
+    [ "$limit" -lt 20 ] && break
+    CUDA_LAUNCH_BLOCKING=1 K3_AUTOTUNE_CONFIGS=1 timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v \
+      -p no:cacheprovider --timeout "$limit" --timeout-method thread tests/infer/test_engine_cuda.py -k "$test" \
+      > "$OUT/etests_$test.log" 2>&1
+    log "etests $test: rc $?"
+  done
+  limit=$(( $(left) < 60 ? $(left) - 5 : 55 ))
+  if [ "$limit" -ge 20 ]; then
+    timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v -p no:cacheprovider --timeout "$limit" \
+      --timeout-method thread tests/ops/test_packed_attention.py > "$OUT/etests_packed.log" 2>&1
+    log "etests packed attention: rc $?"
+  fi
 fi
 if run cache 40; then
   if [ -d /tmp/kcache ] && [ -n "$(ls -A /tmp/kcache)" ]; then

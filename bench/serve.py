@@ -500,6 +500,8 @@ def main() -> None:
     parser.add_argument("--mixed", nargs="*", default=[], choices=["tools", "json_schema"],
                         help="also chat at the top concurrency with these grammar-constrained requests mixed in")
     parser.add_argument("--no-warmup", action="store_true", help="start the bench servers without their warm-up")
+    parser.add_argument("--engine-step-tokens", type=int, nargs="*", default=[],
+                        help="also run the engine in process at these step budgets (max_step_tokens)")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="the server process's sys.setswitchinterval in seconds (default: Python's 0.005)")
     parser.add_argument("--stub-step-ms", type=float, default=None,
@@ -553,18 +555,25 @@ def main() -> None:
         print(f"one-by-one: {baselines['engine one-by-one']}", flush=True)
     if "in-process" not in args.skip:
         # The server's own cost: the top level's requests through the engine in process, submitted at once
-        # with max_batch C (so at most C run, as at the server).
+        # with max_batch C (so at most C run, as at the server), warmed up as the server's engine is (its decode
+        # graphs captured before the timed requests, not during them). --engine-step-tokens: the same with other
+        # step budgets (max_step_tokens) beside the default.
         top = max(args.concurrency)
-        engine = Engine(model, None, max_context=args.prompt + args.new + 64, max_batch=top)
-        run_load(engine, prompts_for(2, args.prompt, vocab, seed=7), SamplingParams(max_new_tokens=4, temperature=0))
         level_prompts = prompts_for(top * args.requests_per_level, args.prompt, vocab,
                                     seed=100 + args.concurrency.index(top))
-        name = f"engine in process, C={top}"
-        cpu = process_cpu_s()
-        baselines[name] = run_load(engine, level_prompts, SamplingParams(max_new_tokens=args.new, temperature=0))
-        baselines[name]["cpu_ms_per_token"] = (process_cpu_s() - cpu) * 1e3 / baselines[name]["output_tokens"]
-        print(f"{name}: {baselines[name]}", flush=True)
-        del engine
+        for step_tokens in [None] + list(args.engine_step_tokens or []):
+            options = {} if step_tokens is None else {"max_step_tokens": step_tokens}
+            engine = Engine(model, None, max_context=args.prompt + args.new + 64, max_batch=top, **options)
+            engine.warmup()
+            run_load(engine, prompts_for(2, args.prompt, vocab, seed=7),
+                     SamplingParams(max_new_tokens=4, temperature=0))
+            name = f"engine in process, C={top}" + ("" if step_tokens is None else f", step tokens {step_tokens}")
+            cpu = process_cpu_s()
+            baselines[name] = run_load(engine, level_prompts, SamplingParams(max_new_tokens=args.new, temperature=0))
+            baselines[name]["cpu_ms_per_token"] = (process_cpu_s() - cpu) * 1e3 / baselines[name]["output_tokens"]
+            baselines[name]["max_step_tokens"] = engine.scheduler.max_step_tokens
+            print(f"{name}: {baselines[name]}", flush=True)
+            del engine
     if "transformers" not in args.skip:
         del model
         peer = peer_for(args.preset, config, device, dtype)

@@ -85,15 +85,17 @@ class EnginePlan:
 def default_prefill_chunk(max_context: int, on_gpu: bool) -> tuple[int, int]:
     """(prefill chunk, prefill tokens a step or a scoring forward takes) for an engine of max_context tokens.
 
-    On a GPU a prefill forward of a mid-size model is bound by kernel launches up to several thousand tokens, so the
-    short chunk is 8,192 tokens there and 512 elsewhere (BENCHMARKS.md, engine prefill); long contexts take longer
-    ones (long_prefill_chunk). A step's prefills (and a scoring forward) take four long chunks' tokens, or with the
-    short chunk 8,192 on a GPU and 2,048 (four chunks) elsewhere."""
+    On a GPU a prefill forward of a mid-size model is bound by the host (its launches) up to several thousand
+    tokens, so the short chunk is 8,192 tokens there and 512 elsewhere (BENCHMARKS.md, engine prefill); long
+    contexts take longer ones (long_prefill_chunk). A step's prefills (and a scoring forward) take four long chunks'
+    tokens, or with the short chunk 16,384 on a GPU (`small` on one H100: a forward of 8 x 1,024 tokens took 84 ms
+    of host time for 29 ms of kernels, so two such chunks share one forward's host cost) and 2,048 (four chunks)
+    elsewhere."""
     short = 8192 if on_gpu else 512
     long_chunk = long_prefill_chunk(max_context)
     if long_chunk and long_chunk > short:
         return long_chunk, 4 * long_chunk
-    return short, 8192 if on_gpu else 2048
+    return short, 16384 if on_gpu else 2048
 
 
 def long_prefill_chunk(length: int) -> int | None:

@@ -377,9 +377,9 @@ def test_default_chunks_and_step_budgets(model):
     from k3.infer.engine import default_prefill_chunk
 
     assert default_prefill_chunk(4096, on_gpu=False) == (512, 2048)
-    assert default_prefill_chunk(4096, on_gpu=True) == (8192, 8192)
+    assert default_prefill_chunk(4096, on_gpu=True) == (8192, 16384)
     assert default_prefill_chunk(65536, on_gpu=False) == (4096, 16384)
-    assert default_prefill_chunk(65536, on_gpu=True) == (8192, 8192)  # the long chunk (4,096) is shorter
+    assert default_prefill_chunk(65536, on_gpu=True) == (8192, 16384)  # the long chunk (4,096) is shorter
     assert default_prefill_chunk(1 << 20, on_gpu=True) == (65536, 262144)
     engine = Engine(model, max_context=4096, max_batch=3)
     assert (engine.scheduler.prefill_chunk, engine.scheduler.max_step_tokens, engine.batch_tokens) == (512, 2051, 2048)
