@@ -32,7 +32,7 @@ from k3.layers.fused_weights import fuse_model_weights
 from k3.layers.kda import KimiDeltaAttention
 from k3.ops.kda import fused_recurrent_kda, fused_recurrent_kda_inplace
 from k3.ops.kda.fla_launch import KERNEL_ARGS, InplaceRecurrentLauncher, auto_launch, find_fla_recurrent_kernel
-from k3.ops.kda.inplace import fused_recurrent_kda_inplace_fla
+from k3.ops.kda.inplace import fused_recurrent_kda_inplace_fla, fused_recurrent_kda_inplace_torch
 from k3.ops.kda.recurrent import fused_recurrent_kda_torch
 from tests.ops import fla_standins
 
@@ -306,6 +306,37 @@ def test_k3_launch_equals_fla_launch_on_cuda(monkeypatch, batch, length):
     for o, pool in results.values():
         assert ((pool - want_pool).abs().max() / want_pool.abs().max()).item() < 1e-5
         assert ((o - want_o).abs().max() / want_o.abs().max()).item() < 1e-2
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kda_ops._fla_available()), reason="needs CUDA and fla")
+@pytest.mark.parametrize("batch,length", [(5, 1), (3, 14), (6, 12)])
+def test_fla_path_equals_the_twin_on_cuda(batch, length):
+    """What the engine runs on the GPU (one decode token, or a short prefill chunk of several rows) against the
+    PyTorch twin on the same bf16 inputs and fp32 pool: states to a bf16 input's rounding, outputs likewise. A row
+    of several tokens once went through fla's in-place launcher, which hung (3 rows of 11-14 tokens) or gave other
+    states (6 rows of 2-12 tokens) inside the engine on one H100."""
+    gen = torch.Generator(device="cuda").manual_seed(batch * 100 + length)
+    heads, dim = 8, 128
+
+    def rand(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
+
+    q, k, v, g = (rand(batch, length, heads, dim) for _ in range(4))
+    beta = rand(batch, length, heads)
+    options = dict(use_gate_in_kernel=True, A_log=rand(heads, dtype=torch.float32),
+                   dt_bias=rand(heads * dim, dtype=torch.float32), use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+    start = rand(2 * batch + 1, heads, dim, dim, dtype=torch.float32).mul_(0.1)
+    indices = torch.randperm(2 * batch + 1, device="cuda", generator=gen)[:batch].int()
+    pool, twin_pool = start.clone(), start.clone()
+    with torch.no_grad():
+        o = fused_recurrent_kda_inplace(q, k, v, g, beta, pool, indices, use_qk_l2norm_in_kernel=True, **options)
+        want = fused_recurrent_kda_inplace_torch(q.float(), k.float(), v.float(), g.float(), beta.float(), twin_pool,
+                                                indices, None, True, **options)
+    others = torch.ones(2 * batch + 1, dtype=torch.bool, device="cuda")
+    others[indices.long()] = False
+    assert torch.equal(pool[others], start[others])  # slots no row names are untouched
+    assert ((pool - twin_pool).abs().max() / twin_pool.abs().max()).item() < 1e-2
+    assert ((o.float() - want).abs().max() / want.abs().max()).item() < 2e-2
 
 
 # --- the layer through the three caches -------------------------------------------------------------------

@@ -262,8 +262,8 @@ def fused_recurrent_kda_inplace(
     contiguous [H, K, V] block; state_indices: int32/int64 [B], distinct, each in [0, S) (fla does not check:
     an index outside the pool makes its kernel read and write outside it; the PyTorch twin raises).
     Options as in fused_recurrent_kda (safe_gate only steers fla's chunked kernel and is accepted for drop-in
-    use). Returns o [B, T, H, V] in v's dtype. On CUDA with fla: one kernel reading and writing each state once
-    (for T > 1 fla stores the state after every token, into the same slot).
+    use). Returns o [B, T, H, V] in v's dtype. On CUDA with fla: for T = 1 (decode) one kernel reading and
+    writing each state once; for T > 1 fla's out-of-place kernel between a gather and a scatter of the states.
     """
     check_inputs(q, k, v, g, beta, None, None)
     check_state_pool(q, v, state_pool, state_indices)
@@ -275,8 +275,10 @@ def fused_recurrent_kda_inplace(
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias)):
         raise RuntimeError("fused_recurrent_kda_inplace has no backward on fla's kernel; train through "
                            "fused_recurrent_kda / chunk_kda (HybridCache), or run decode under torch.no_grad()")
-    if not _fla_inplace_available():
-        # An fla without the in-place launcher: its out-of-place kernel between a gather and a scatter.
+    if not _fla_inplace_available() or q.shape[1] > 1:
+        # Its out-of-place kernel between a gather and a scatter: where fla lacks the in-place launcher, and for
+        # several tokens a row (a short prefill chunk), where the in-place launcher, given one state index per
+        # token, hung (3 rows of 11-14 tokens) or gave other tokens (6 rows of 2-12) on one H100 with fla 0.6.0.
         rows = state_indices.long()  # index_copy_ takes int64 only
         o, final = fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state_pool.index_select(0, rows),
                                        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
