@@ -35,6 +35,8 @@
 #                                                                              needs 60   -> decode.*
 #   etests   the engine's CUDA tests one at a time with launches blocking and a thread dump at a time limit, then
 #            packed attention's                                                needs 40   -> etests_*.log
+#   fresh    bench/serve.py, engine process only (k3 serve's CUDA default): a fresh server's first request (its
+#            own warm-up requests on, the client warmed on a stub), then C=1 and C=16      needs 150  -> fresh/
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
 #            in place of the old ones: the next call's first step then compiles nothing new)   needs 40
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
@@ -53,7 +55,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic steps first decode etests} "
+STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic steps first decode etests fresh} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -183,6 +185,9 @@ if run decode 60; then  # the decode graph's step at batch 1, 16 and 64 against 
   fi
 fi
 if run etests 40; then  # the engine's CUDA tests one at a time, launches blocking: a hang shows the launch it hangs in
+  timeout --kill-after=5 60 python -m pytest -v -p no:cacheprovider --timeout 55 tests/layers/test_kda_inplace_state.py \
+    -k "cuda" > "$OUT/etests_kda_inplace.log" 2>&1
+  log "etests kda in place: rc $?"
   for test in padded_prefill_equals prompt_tails_from cuda_graph_decode; do
     limit=$(( $(left) < 80 ? $(left) - 5 : 75 ))
     [ "$limit" -lt 20 ] && break
@@ -197,6 +202,17 @@ if run etests 40; then  # the engine's CUDA tests one at a time, launches blocki
       --timeout-method thread tests/ops/test_packed_attention.py > "$OUT/etests_packed.log" 2>&1
     log "etests packed attention: rc $?"
   fi
+fi
+if run fresh 150; then  # k3 serve's CUDA default (engine process): a fresh server's first request, C=1 and C=16
+  mkdir -p "$OUT/fresh"
+  if [ -n "$DRY" ]; then
+    timeout 200 python bench/serve.py --preset debug --concurrency 1 4 --skip transformers in-process \
+      --engine-modes process --out "$OUT/fresh/serve.json" > "$OUT/fresh/serve.log" 2>&1
+  else
+    timeout --kill-after=10 $(( $(left) - 10 )) python bench/serve.py --preset small --concurrency 1 16 \
+      --skip transformers in-process --engine-modes process --out "$OUT/fresh/serve.json" > "$OUT/fresh/serve.log" 2>&1
+  fi
+  log "fresh: rc $?"
 fi
 if run cache 40; then
   if [ -d /tmp/kcache ] && [ -n "$(ls -A /tmp/kcache)" ]; then

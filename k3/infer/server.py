@@ -44,6 +44,7 @@ from k3.infer.origins import add_origin_checks
 from k3.infer.protocol import (IMAGE_MARKER, APIError, ChatCompletionRequest, CompletionRequest, check_model,
                                check_prompt, parse_request, resolve_max_tokens, sampling_params)
 from k3.infer.sse import SSE_DONE, sse_chunks, sse_event
+from k3.infer.warm_requests import send_warm_requests
 
 log = logging.getLogger("k3.serve")
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (chat: all the room left)
@@ -99,6 +100,14 @@ class _Server:
         self._grammar_lock = threading.Lock()
         self.grammars_ready = threading.Event()  # unset while prepare_grammars runs (/health: warming up)
         self.grammars_ready.set()
+        # unset while run_server sends the server's own first requests (k3.infer.warm_requests)
+        self.warm_requests_done = threading.Event()
+        self.warm_requests_done.set()
+        self.api_key: str | None = None
+
+    def reset_metrics(self) -> None:
+        """Start the request metrics afresh (after the warm-up requests); requests in flight keep the old ones."""
+        self.metrics = ServerMetrics(self.metrics.window_s)
 
     def grammar_tokenizer(self):
         """The vocabulary as the grammar library reads it (k3.infer.structured), built on first use."""
@@ -553,6 +562,7 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
     app = FastAPI(title="k3", description="OpenAI-compatible inference for K3-architecture models")
     app.state.k3 = server
     add_origin_checks(app, allowed_origins, allowed_hosts)
+    server.api_key = api_key
     if api_key:
         from k3.infer.auth import require_api_key
 
@@ -590,9 +600,10 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
     async def health() -> JSONResponse:
         stats = await asyncio.to_thread(async_engine.stats)
         alive = async_engine.error is None
-        # Until the engine has warmed up (k3.infer.AsyncEngine's warmup) and the grammar tokenizer is built (when
-        # asked), requests would wait for them: not ready.
-        ready = alive and async_engine.ready.is_set() and server.grammars_ready.is_set()
+        # Until the engine has warmed up (k3.infer.AsyncEngine's warmup), the grammar tokenizer is built (when
+        # asked) and run_server's own first requests are answered (k3.infer.warm_requests): not ready.
+        ready = (alive and async_engine.ready.is_set() and server.grammars_ready.is_set()
+                 and server.warm_requests_done.is_set())
         status = "ok" if ready else "warming up" if alive else f"engine stopped: {async_engine.error!r}"
         body = {"status": status, "model": server.model_name, "max_context": server.max_context,
                 "max_queue": server.max_queue, "in_flight": server.metrics.in_flight,
@@ -685,9 +696,12 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
 
 def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Callable[[str], None] | None = None,
                log_level: str = "warning", graceful_timeout_s: float = 5.0, exit_on_engine_death: bool = True,
-               limits: ServerLimits | None = None, switch_interval_s: float | None = None) -> None:
+               limits: ServerLimits | None = None, switch_interval_s: float | None = None,
+               warm_requests: bool = True) -> None:
     """Serve `app` until SIGINT or SIGTERM. on_listening(url) is called once the socket is bound (port 0
-    picks a free port; the url names the real one). On the signal, requests in progress end at once with
+    picks a free port; the url names the real one). warm_requests (an app from create_app): once its engine is
+    warm, the server sends itself a completion and a chat request before /health reports ready
+    (k3.infer.warm_requests), and its request metrics start after them. On the signal, requests in progress end at once with
     finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams.
     exit_on_engine_death: when the engine loop stops, shut down and raise EngineDead (so the process exits
     non-zero and a supervisor restarts it); else keep answering, /health with 503. limits: connection count and
@@ -712,6 +726,9 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
                             timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections + 1)
     server = uvicorn.Server(config)
     k3_server = getattr(app.state, "k3", None)
+    warming = warm_requests and k3_server is not None
+    if warming:
+        k3_server.warm_requests_done.clear()  # /health: warming up until they are answered
     signalled: list[int] = []
 
     def remember(signum, frame) -> None:
@@ -755,9 +772,16 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
         while not server.started and not task.done():
             await asyncio.sleep(0.02)
         # An engine that died during its warm-up may have shut the server down already: no socket to name.
-        if server.started and on_listening is not None and server.servers and server.servers[0].sockets:
+        if server.started and server.servers and server.servers[0].sockets:
             bound_host, bound_port = server.servers[0].sockets[0].getsockname()[:2]
-            on_listening(f"http://{bound_host}:{bound_port}")
+            url = f"http://{f'[{bound_host}]' if ':' in bound_host else bound_host}:{bound_port}"
+            if warming:
+                asyncio.create_task(send_warm_requests(k3_server, url, k3_server.api_key,
+                                                       lambda: server.should_exit))
+            if on_listening is not None:
+                on_listening(url)
+        elif warming:
+            k3_server.warm_requests_done.set()
         await task
 
     # uvicorn takes SIGINT/SIGTERM while it runs, shuts down, then re-raises the signal to these handlers.
