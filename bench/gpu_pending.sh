@@ -34,7 +34,8 @@
 #   decode   bench/decode.py at batch 1, 16 and 64 (1K context): the graph step against its memory floor, profiles
 #                                                                              needs 60   -> decode.*
 #   etests   the engine's CUDA tests one at a time with launches blocking and a thread dump at a time limit, then
-#            packed attention's                                                needs 40   -> etests_*.log
+#            packed attention's (K3_ETESTS names the engine tests, K3_ETEST_S their limit, K3_ETESTS_PACKED=0 skips
+#            packed attention's)                                               needs 40   -> etests_*.log
 #   fresh    bench/serve.py, engine process only (k3 serve's CUDA default): a fresh server's first request (its
 #            own warm-up requests on, the client warmed on a stub), then C=1 and C=16      needs 150  -> fresh/
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
@@ -188,8 +189,8 @@ if run etests 40; then  # the engine's CUDA tests one at a time, launches blocki
   timeout --kill-after=5 60 python -m pytest -v -p no:cacheprovider --timeout 55 tests/layers/test_kda_inplace_state.py \
     -k "cuda" > "$OUT/etests_kda_inplace.log" 2>&1
   log "etests kda in place: rc $?"
-  for test in padded_prefill_equals prompt_tails_from cuda_graph_decode; do
-    limit=$(( $(left) < 80 ? $(left) - 5 : 75 ))
+  for test in ${K3_ETESTS:-padded_prefill_equals prompt_tails_from cuda_graph_decode}; do
+    limit=$(( $(left) < 80 ? $(left) - 5 : ${K3_ETEST_S:-75} ))
     [ "$limit" -lt 20 ] && break
     CUDA_LAUNCH_BLOCKING=1 K3_AUTOTUNE_CONFIGS=1 timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v \
       -p no:cacheprovider --timeout "$limit" --timeout-method thread tests/infer/test_engine_cuda.py -k "$test" \
@@ -197,7 +198,7 @@ if run etests 40; then  # the engine's CUDA tests one at a time, launches blocki
     log "etests $test: rc $?"
   done
   limit=$(( $(left) < 60 ? $(left) - 5 : 55 ))
-  if [ "$limit" -ge 20 ]; then
+  if [ "$limit" -ge 20 ] && [ "${K3_ETESTS_PACKED:-1}" = 1 ]; then
     timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v -p no:cacheprovider --timeout "$limit" \
       --timeout-method thread tests/ops/test_packed_attention.py > "$OUT/etests_packed.log" 2>&1
     log "etests packed attention: rc $?"
