@@ -277,8 +277,9 @@ def fused_recurrent_kda_inplace(
                            "fused_recurrent_kda / chunk_kda (HybridCache), or run decode under torch.no_grad()")
     if not _fla_inplace_available() or q.shape[1] > 1:
         # Its out-of-place kernel between a gather and a scatter: where fla lacks the in-place launcher, and for
-        # several tokens a row (a short prefill chunk), where the in-place launcher, given one state index per
-        # token, hung (3 rows of 11-14 tokens) or gave other tokens (6 rows of 2-12) on one H100 with fla 0.6.0.
+        # several tokens a row (a short prefill chunk), where the in-place kernel (fla 0.6.0's, as k3 launches it,
+        # one state index per token) hung (3 rows of 11-14 tokens, the tiny preset) or gave other tokens (6 rows of
+        # 2-12) inside the engine on one H100.
         rows = state_indices.long()  # index_copy_ takes int64 only
         o, final = fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state_pool.index_select(0, rows),
                                        output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
