@@ -43,9 +43,12 @@
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
 # the machine's and pack it into one archive. Three calls cover what is open (steps run in this file's order):
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r1 560 tests prefill serve; tar czf $OUT/r1.tgz -C /tmp r1
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 compiled; tar czf "$OUT/r2.tgz" -C /tmp r2
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 varlen traffic; tar czf "$OUT/r3.tgz" -C /tmp r3
+#   the CUDA tests of the short-prefill fix (not yet run on a GPU), then a fresh server's first request with the
+#   server's own warm-up requests:
+#   source .devcache/env.sh && K3_ETESTS="padded_prefill_equals prompt_tails_from" K3_ETEST_S=60 K3_ETESTS_PACKED=0 \
+#     bash bench/gpu_pending.sh /tmp/r1 400 etests fresh; tar czf $OUT/r1.tgz -C /tmp r1
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 varlen traffic; tar czf "$OUT/r2.tgz" -C /tmp r2
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 steps compiled; tar czf "$OUT/r3.tgz" -C /tmp r3
 # and, time left, `flat qb` or `long rweights` (measured on 2026-12-07: re-runs).
 # (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
 # .whl/, so `cache` is for a fresh, smaller cache)
