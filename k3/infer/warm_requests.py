@@ -31,8 +31,9 @@ def warm_request_bodies(vocab_size: int) -> list[tuple[str, dict]]:
                                       "temperature": 0})]
 
 
-def post(url: str, body: dict, api_key: str | None, timeout_s: float = REQUEST_TIMEOUT_S) -> int:
-    """POST body as JSON, read the whole answer (a stream to its end); returns the HTTP status."""
+def post(url: str, body: dict, api_key: str | None, timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int, str]:
+    """POST body as JSON, read the whole answer (a stream to its end); returns the HTTP status and, for an error,
+    the start of its body."""
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
@@ -41,9 +42,9 @@ def post(url: str, body: dict, api_key: str | None, timeout_s: float = REQUEST_T
     try:
         with opener.open(request, timeout=timeout_s) as response:
             response.read()
-            return response.status
+            return response.status, ""
     except urllib.error.HTTPError as error:
-        return error.code
+        return error.code, error.read(300).decode("utf-8", "replace")
 
 
 def loopback(url: str) -> str:
@@ -62,10 +63,10 @@ async def send_warm_requests(server, url: str, api_key: str | None, should_stop)
             await asyncio.sleep(0.05)
         base = loopback(url)
         for path, body in warm_request_bodies(server.vocab_size):
-            status = await asyncio.to_thread(post, base + path, {"model": server.model_name, **body}, api_key)
+            status, error = await asyncio.to_thread(post, base + path, {"model": server.model_name, **body}, api_key)
             if status != 200:
-                log.warning("the warm-up request to %s answered HTTP %d; the first client request there may be "
-                            "slower", path, status)
+                log.warning("the server's own warm-up request to %s answered HTTP %d (%s); serving anyway, the first "
+                            "client request there may take longer", path, status, error.strip() or "no body")
     except Exception as error:  # the warm-up must never keep a server from serving
         log.warning("the server's warm-up requests failed (%r); serving without them", error)
     finally:

@@ -26,7 +26,7 @@ def test_a_fresh_server_is_ready_after_its_own_requests_which_the_metrics_do_not
         assert health["status"] == "ok"
         # Both went through the key check to the engine: two prompts, two tokens each.
         assert health["finished"] == 2 and health["generated_tokens"] == 4, health
-        assert "warm-up request" not in server.log() and "warm-up requests failed" not in server.log()
+        assert "own warm-up request" not in server.log() and "warm-up requests failed" not in server.log()
         metrics = server.http.get("/metrics").text
         assert '\nk3_requests_total{outcome="finished"} 0\n' in metrics
         assert "\nk3_generation_tokens_total 0\n" in metrics
@@ -64,7 +64,7 @@ def test_a_failing_warm_up_request_still_ends_in_ready_with_fresh_metrics(monkey
 
 def test_a_server_stopping_before_its_engine_is_warm_sends_nothing(monkeypatch):
     server, sent = FakeServer(), []
-    monkeypatch.setattr(warm_requests, "post", lambda *a, **k: sent.append(a) or 200)
+    monkeypatch.setattr(warm_requests, "post", lambda *a, **k: sent.append(a) or (200, ""))
     asyncio.run(warm_requests.send_warm_requests(server, "http://127.0.0.1:8123", None, lambda: True))
     assert not sent and server.warm_requests_done.is_set()
 
@@ -74,3 +74,13 @@ def test_warm_up_prompts_stay_inside_a_tiny_vocabulary():
         completion = warm_requests.warm_request_bodies(vocab)[0][1]
         assert all(0 < token < vocab for token in completion["prompt"])
     assert warm_requests.loopback("http://[::]:80") == "http://[::1]:80"
+
+
+def test_a_refused_warm_up_request_is_logged_with_why(monkeypatch, caplog):
+    server = FakeServer()
+    server.aengine.ready.set()
+    monkeypatch.setattr(warm_requests, "post", lambda url, *a, **k: (400, '{"error": "no chat template"}')
+                        if url.endswith("/chat/completions") else (200, ""))
+    asyncio.run(warm_requests.send_warm_requests(server, "http://127.0.0.1:8123", None, lambda: False))
+    assert server.warm_requests_done.is_set()
+    assert "/v1/chat/completions answered HTTP 400" in caplog.text and "no chat template" in caplog.text
