@@ -701,8 +701,9 @@ def run_server(app, host: str = "127.0.0.1", port: int = 8000, on_listening: Cal
     """Serve `app` until SIGINT or SIGTERM. on_listening(url) is called once the socket is bound (port 0
     picks a free port; the url names the real one). warm_requests (an app from create_app): once its engine is
     warm, the server sends itself a completion and a chat request before /health reports ready
-    (k3.infer.warm_requests), and its request metrics start after them. On the signal, requests in progress end at once with
-    finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long streams.
+    (k3.infer.warm_requests), and its request metrics start after them. On the signal, requests in progress end
+    at once with finish_reason "abort" (an app from create_app), so the graceful shutdown does not wait for long
+    streams.
     exit_on_engine_death: when the engine loop stops, shut down and raise EngineDead (so the process exits
     non-zero and a supervisor restarts it); else keep answering, /health with 503. limits: connection count and
     timeouts (k3.infer.connection_limits). switch_interval_s: the interpreter's thread switch interval for the
