@@ -36,6 +36,8 @@
 #   etests   the engine's CUDA tests one at a time with launches blocking and a thread dump at a time limit, then
 #            packed attention's (K3_ETESTS names the engine tests, K3_ETEST_S their limit, K3_ETESTS_PACKED=0 skips
 #            packed attention's)                                               needs 40   -> etests_*.log
+#   overlap  the serving table (steps' command) with --overlap-steps: decode steps launched before the previous
+#            step's tokens are read                                            needs 230  -> overlap/
 #   fresh    bench/serve.py, engine process only (k3 serve's CUDA default): a fresh server's first request (its
 #            own warm-up requests on, the client warmed on a stub), then C=1 and C=16      needs 150  -> fresh/
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
@@ -45,10 +47,11 @@
 # the machine's and pack it into one archive. Three calls cover what is open (steps run in this file's order):
 #   the CUDA tests of the short-prefill fix (not yet run on a GPU), then a fresh server's first request with the
 #   server's own warm-up requests:
-#   source .devcache/env.sh && K3_ETESTS="padded_prefill_equals prompt_tails_from" K3_ETEST_S=60 K3_ETESTS_PACKED=0 \
-#     bash bench/gpu_pending.sh /tmp/r1 400 etests fresh; tar czf $OUT/r1.tgz -C /tmp r1
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 varlen traffic; tar czf "$OUT/r2.tgz" -C /tmp r2
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 steps compiled; tar czf "$OUT/r3.tgz" -C /tmp r3
+#   source .devcache/env.sh && K3_ETESTS="padded_prefill_equals prompt_tails_from overlapped_steps" K3_ETEST_S=60 \
+#     K3_ETESTS_PACKED=0 bash bench/gpu_pending.sh /tmp/r1 560 etests fresh; tar czf $OUT/r1.tgz -C /tmp r1
+#   then the serving table without and with overlapped steps (flip EngineConfig.overlap_steps's default if it wins):
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 steps overlap; tar czf "$OUT/r2.tgz" -C /tmp r2
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 varlen traffic; tar czf "$OUT/r3.tgz" -C /tmp r3
 # and, time left, `flat qb` or `long rweights` (measured on 2026-12-07: re-runs).
 # (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
 # .whl/, so `cache` is for a fresh, smaller cache)
@@ -59,7 +62,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic steps first decode etests fresh} "
+STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic steps first decode etests overlap fresh} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -192,7 +195,7 @@ if run etests 40; then  # the engine's CUDA tests one at a time, launches blocki
   timeout --kill-after=5 60 python -m pytest -v -p no:cacheprovider --timeout 55 tests/layers/test_kda_inplace_state.py \
     -k "cuda" > "$OUT/etests_kda_inplace.log" 2>&1
   log "etests kda in place: rc $?"
-  for test in ${K3_ETESTS:-padded_prefill_equals prompt_tails_from cuda_graph_decode}; do
+  for test in ${K3_ETESTS:-padded_prefill_equals prompt_tails_from overlapped_steps cuda_graph_decode}; do
     limit=$(( $(left) < 80 ? $(left) - 5 : ${K3_ETEST_S:-75} ))
     [ "$limit" -lt 20 ] && break
     CUDA_LAUNCH_BLOCKING=1 K3_AUTOTUNE_CONFIGS=1 timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v \
@@ -206,6 +209,18 @@ if run etests 40; then  # the engine's CUDA tests one at a time, launches blocki
       --timeout-method thread tests/ops/test_packed_attention.py > "$OUT/etests_packed.log" 2>&1
     log "etests packed attention: rc $?"
   fi
+fi
+if run overlap 230; then  # the serving table with overlapped steps (EngineConfig.overlap_steps), beside `steps`
+  mkdir -p "$OUT/overlap"
+  if [ -n "$DRY" ]; then
+    timeout 200 python bench/serve.py --preset debug --concurrency 1 4 --skip transformers --overlap-steps \
+      --out "$OUT/overlap/serve.json" > "$OUT/overlap/serve.log" 2>&1
+  else
+    timeout --kill-after=10 $(( $(left) < 300 ? $(left) - 10 : 290 )) python bench/serve.py --preset small \
+      --skip transformers --engine-modes in-process process --overlap-steps \
+      --out "$OUT/overlap/serve.json" > "$OUT/overlap/serve.log" 2>&1
+  fi
+  log "overlap: rc $?"
 fi
 if run fresh 150; then  # k3 serve's CUDA default (engine process): a fresh server's first request, C=1 and C=16
   mkdir -p "$OUT/fresh"

@@ -186,7 +186,7 @@ def bench_engine(args):
     model, config = build_model(args.preset, torch.device(args.device), _dtype(args),
                                 tokenizer.vocab_size if tokenizer else None)
     return Engine(model, tokenizer or NumberTokenizer(config.vocab_size), max_context=args.max_context,
-                  max_batch=args.max_batch)
+                  max_batch=args.max_batch, overlap_steps=args.overlap_steps)
 
 
 def serve_main(args) -> None:
@@ -218,7 +218,8 @@ def serve_main(args) -> None:
         model, config = build_model(args.preset, torch.device(args.device), _dtype(args))
         tokenizer = NumberTokenizer(config.vocab_size)
     if args.stub_step_ms is None:
-        engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch)
+        engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
+                        overlap_steps=args.overlap_steps)
     # Without the warm-up argument when it is off, so the same script drives an older k3 (before/after runs).
     aengine = AsyncEngine(engine, max_queue=4096, **({} if args.no_warmup else {"warmup": engine.warmup}))
     app = create_app(aengine, "bench", tokenizer, args.max_context, 4096, prepare_grammars=not args.no_warmup)
@@ -251,6 +252,8 @@ def start_server(args, chat: bool = False, engine_process: bool = False) -> tupl
         command += ["--switch-interval", str(args.switch_interval)]
     if args.stub_step_ms is not None:
         command += ["--stub-step-ms", str(args.stub_step_ms), "--stub-handoffs", str(args.stub_handoffs)]
+    if args.overlap_steps:
+        command.append("--overlap-steps")
     if args.dtype:
         command += ["--dtype", args.dtype]
     if args.threads:
@@ -380,8 +383,8 @@ def summary(requests: int, tokens: int, seconds: float, ttft_s: list[float], tpo
                 tpot_p50_ms=percentile([t * 1e3 for t in tpot_s], 50), tpot_p99_ms=percentile([t * 1e3 for t in tpot_s], 99))
 
 
-def one_by_one(model, config, prompts: list[list[int]], new: int, max_context: int) -> dict:
-    engine = Engine(model, None, max_context=max_context, max_batch=1, prefix_cache=False)
+def one_by_one(model, config, prompts: list[list[int]], new: int, max_context: int, overlap: bool = False) -> dict:
+    engine = Engine(model, None, max_context=max_context, max_batch=1, prefix_cache=False, overlap_steps=overlap)
     run_load(engine, prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
     runs = [run_load(engine, [p], SamplingParams(max_new_tokens=new, temperature=0)) for p in prompts]
     tokens, seconds = sum(r["output_tokens"] for r in runs), sum(r["seconds"] for r in runs)
@@ -528,6 +531,8 @@ def main() -> None:
     parser.add_argument("--mixed", nargs="*", default=[], choices=["tools", "json_schema"],
                         help="also chat at the top concurrency with these grammar-constrained requests mixed in")
     parser.add_argument("--no-warmup", action="store_true", help="start the bench servers without their warm-up")
+    parser.add_argument("--overlap-steps", action="store_true",
+                        help="every engine (servers and baselines) with EngineConfig.overlap_steps")
     parser.add_argument("--engine-step-tokens", type=int, nargs="*", default=[],
                         help="also run the engine in process at these step budgets (max_step_tokens)")
     parser.add_argument("--switch-interval", type=float, default=None,
@@ -559,6 +564,7 @@ def main() -> None:
     results: dict = {"bench": "serve", "device_name": device_name(), "preset": args.preset, "prompt": args.prompt,
                      "new": args.new, "dtype": str(dtype), "rate": args.rate, "switch_interval": args.switch_interval,
                      "stub_step_ms": args.stub_step_ms, "stub_handoffs": args.stub_handoffs,
+                     "overlap_steps": args.overlap_steps,
                      "cpu_count": os.cpu_count(),
                      "load_average_at_start": os.getloadavg(), "modes": {}}
 
@@ -577,7 +583,8 @@ def main() -> None:
         model, config = build_model(args.preset, device, dtype)
     if "one-by-one" not in args.skip:
         cpu = process_cpu_s()
-        baselines["engine one-by-one"] = one_by_one(model, config, prompts, args.new, args.prompt + args.new + 64)
+        baselines["engine one-by-one"] = one_by_one(model, config, prompts, args.new, args.prompt + args.new + 64,
+                                                    args.overlap_steps)
         baselines["engine one-by-one"]["cpu_ms_per_token"] = ((process_cpu_s() - cpu) * 1e3
                                                              / baselines["engine one-by-one"]["output_tokens"])
         print(f"one-by-one: {baselines['engine one-by-one']}", flush=True)
@@ -590,7 +597,9 @@ def main() -> None:
         level_prompts = prompts_for(top * args.requests_per_level, args.prompt, vocab,
                                     seed=100 + args.concurrency.index(top))
         for step_tokens in [None] + list(args.engine_step_tokens or []):
-            options = {} if step_tokens is None else {"max_step_tokens": step_tokens}
+            options = {"overlap_steps": args.overlap_steps}
+            if step_tokens is not None:
+                options["max_step_tokens"] = step_tokens
             engine = Engine(model, None, max_context=args.prompt + args.new + 64, max_batch=top, **options)
             engine.warmup()
             run_load(engine, prompts_for(2, args.prompt, vocab, seed=7),

@@ -49,6 +49,33 @@ class TokenEvent:
 
 
 @dataclass
+class _InFlight:
+    """A launched step whose sampled tokens the host has not read (overlap_steps): the rows, their params, the
+    device results and their host copies, readable once `copied` has passed."""
+
+    rows: list
+    params: list
+    sampled: object  # SampledBatch on the device (the next step gathers its tokens from here)
+    host: object  # SampledBatch of host copies
+    copied: object  # torch.cuda.Event, or None where the copies were synchronous
+
+    @classmethod
+    def launch(cls, rows, params, sampled) -> "_InFlight":
+        if sampled.tokens.device.type != "cuda":
+            return cls(rows, params, sampled, sampled, None)
+        host = type(sampled)(*(None if t is None else t.to("cpu", non_blocking=True)
+                               for t in (sampled.tokens, sampled.logprobs, sampled.top_ids, sampled.top_logprobs)))
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(rows, params, sampled, host, copied)
+
+    def read(self):
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.host
+
+
+@dataclass
 class Completion:
     index: int
     token_ids: list[int]
@@ -134,6 +161,8 @@ class Engine:
                 router.register_forward_hook(self._route_hook(index))
             self._num_moe = len(model.routers())
         self.stats_counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0}
+        self.overlap_steps = config.overlap_steps
+        self._in_flight: _InFlight | None = None  # overlap_steps: the launched step whose tokens are unread
         # Callables (rows, logits [B, V]) -> logits run before sampling, in order (tests force outputs with one).
         self.logits_processors: list = []
 
@@ -194,7 +223,7 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running) or self._in_flight is not None
 
     # --- routing capture ----------------------------------------------------------------------------
     def _route_hook(self, index: int):
@@ -225,6 +254,14 @@ class Engine:
     @kernels_applied
     @torch.no_grad()
     def step(self) -> list[TokenEvent]:
+        """Run one step -> the token events it produced. With overlap_steps, a decode-only step is launched before
+        the previous step's tokens are read, and returns those (one step late); any other step reads the step in
+        flight first."""
+        if self.overlap_steps:
+            return self._step_overlapped()
+        return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         plan = self.scheduler.plan()
         rows: list[Sequence] = []
         logits = []
@@ -263,10 +300,58 @@ class Engine:
         self.stats_counters["steps"] += 1
         if not rows:
             return []
-        events = self._sample(rows, torch.cat(logits))
+        params, sampled = self._sample_launch(rows, torch.cat(logits))
+        events = self._book(rows, params, sampled)
+        self._retire()
+        return events
+
+    def _retire(self) -> None:
         for request in self.scheduler.remove_finished():
             self.requests.pop(request.request_id, None)
             self.stats_counters["finished"] += 1
+
+    # --- overlapped steps (overlap_steps) -----------------------------------------------------------
+    def _overlappable(self, plan) -> bool:
+        """Decode rows only, whose next step needs nothing of this one's tokens on the host (a grammar's mask and
+        penalty counts do), and no per-forward hooks."""
+        return (bool(plan.decodes) and not plan.prefills and not self.record_routing and not self.logits_processors
+                and all(s.params.grammar is None and not s.params.penalised for s in plan.decodes))
+
+    def _step_overlapped(self) -> list[TokenEvent]:
+        flight = self._in_flight
+        plan = self.scheduler.plan()
+        if not self._overlappable(plan):
+            return self._land() + self._step()
+        rows = plan.decodes
+        tokens = None
+        if flight is not None:
+            # Rows of the step in flight take their input from its sampled tokens, still on the device. Rows that
+            # finish there (unknown until it is read) run this step too; their results are dropped when it lands,
+            # and their slot and pages are reused only by later launches on the same stream.
+            where = {id(seq): i for i, seq in enumerate(flight.rows)}
+            pairs = [(row, where[id(seq)]) for row, seq in enumerate(rows) if id(seq) in where]
+            if pairs:
+                index = torch.tensor(pairs, dtype=torch.long)
+                if self.device.type == "cuda":
+                    index = index.pin_memory().to(self.device, non_blocking=True)
+                tokens = (index[:, 0], flight.sampled.tokens[index[:, 1]])
+        logits = self.runner.decode(rows, tokens)
+        for seq in rows:
+            seq.num_cached += 1
+        self.stats_counters["steps"] += 1
+        params, sampled = self._sample_launch(rows, logits)
+        launched = _InFlight.launch(rows, params, sampled)  # its copies queue right behind its sampling
+        events = self._land()
+        self._in_flight = launched
+        return events
+
+    def _land(self) -> list[TokenEvent]:
+        """Read the step in flight (waiting for its copies), book its tokens -> their events ([] if none)."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        events = self._book(flight.rows, flight.params, flight.read())
+        self._retire()
         return events
 
     def _snapshot_slot(self, seq: Sequence, start: int, end: int) -> tuple[int, int] | None:
@@ -298,7 +383,8 @@ class Engine:
         logits[picked] = logits[picked].masked_fill(~allowed, float("-inf"))
         return logits
 
-    def _sample(self, rows: list[Sequence], logits: torch.Tensor) -> list[TokenEvent]:
+    def _sample_launch(self, rows: list[Sequence], logits: torch.Tensor):
+        """Sample each row's next token on the device -> (the rows' params, SampledBatch); nothing read back."""
         logits = self._constrain(rows, logits)
         vocab = logits.shape[-1]
         # One pass over the rows gathers what sample_rows takes (it runs once per row per step, so at large
@@ -321,14 +407,22 @@ class Engine:
                 counts.append(None)
             if p.logprobs is not None:
                 want, top_n = True, max(top_n, p.logprobs)
-        sampled = sample_rows(logits, params, generators, counts, want_logprobs=want, top_n=top_n)
+        return params, sample_rows(logits, params, generators, counts, want_logprobs=want, top_n=top_n)
+
+    def _book(self, rows: list[Sequence], params: list[SamplingParams], sampled) -> list[TokenEvent]:
+        """Append each row's sampled token (SampledBatch, read back here) -> the token events; rows finished
+        meanwhile (a step in flight: by an earlier token, or aborted) are skipped."""
         tokens = sampled.tokens.tolist()
         logprobs = sampled.logprobs.tolist() if sampled.logprobs is not None else None
         top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
         top_values = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
         now = time.monotonic()
         events = []
+        booked = 0
         for row, (seq, p, token) in enumerate(zip(rows, params, tokens)):
+            if seq.status == FINISHED:
+                continue
+            booked += 1
             seq.tokens.append(token)
             seq.first_token_time = seq.first_token_time or now
             if seq.output_counts is not None:
@@ -349,7 +443,7 @@ class Engine:
                 event.finished, event.finish_reason = True, reason
                 self.scheduler.release(seq)
             events.append(event)
-        self.stats_counters["generated_tokens"] += len(tokens)
+        self.stats_counters["generated_tokens"] += booked
         return events
 
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
@@ -545,6 +639,8 @@ class Engine:
         sampled decoding with logprobs. Leaves no trace: the prefix cache and the counters are as before. Returns
         the seconds it took."""
         start = time.perf_counter()
+        if not (self.scheduler.waiting or self.scheduler.running):
+            self._land()  # an idle engine's last step in flight holds only finished rows
         if self.has_unfinished():
             raise RuntimeError("warm up an idle engine: requests are queued or running")
         counters = dict(self.stats_counters)

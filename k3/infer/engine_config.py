@@ -48,6 +48,10 @@ class EngineConfig:
     record_routing: bool = field(default=False, metadata=option(cli=False))
     """record every fed token's experts (Completion.routing, for RL's routing replay); implies eager steps and no
     prefix cache"""
+    overlap_steps: bool = False
+    """launch each decode step before reading the previous one's tokens, so the host's work on them (the events,
+    the stop checks, the server) runs while the GPU computes (off until timed on a GPU; decode-only steps of rows
+    without grammars or penalties; a row's tokens then reach its stream one step later)"""
     fuse_weights: bool | None = field(default=None, metadata=option(cli=False))
     """run projections that read one input as one GEMM over one weight buffer (k3.layers.fused_weights; default: with
     CUDA graphs, for a model whose parameters are all frozen)"""

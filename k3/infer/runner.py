@@ -155,7 +155,8 @@ class ModelRunner:
         flat = torch.empty(rows * (3 + table_pages), dtype=torch.long, device="cpu", pin_memory=pin)
         host = flat.numpy()
         cached = [s.num_cached for s in seqs]
-        host[:n] = [s.tokens[c] for s, c in zip(seqs, cached)]
+        # A row whose token a step in flight sampled has none here yet: the device copy fills it (decode's tokens).
+        host[:n] = [s.tokens[c] if c < len(s.tokens) else 0 for s, c in zip(seqs, cached)]
         host[n:rows] = 0
         host[rows:rows + n] = [s.slot for s in seqs]
         host[rows + n:2 * rows] = SCRATCH
@@ -170,27 +171,32 @@ class ModelRunner:
                 flat[3 * rows:].view(rows, table_pages))
 
     @torch.no_grad()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """One token for each sequence (its last sampled one, at position num_cached) -> logits [B, V]."""
+    def decode(self, seqs: list[Sequence],
+               tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """One token for each sequence (its last sampled one, at position num_cached) -> logits [B, V].
+        tokens: (rows [k], ids [k]) on the device: those rows' tokens, sampled by a step whose results the host
+        has not read yet (the engine's overlap_steps), instead of seq.tokens."""
         if self.use_cuda_graphs and len(seqs) <= self.graph_batch_sizes[-1]:
-            return self._decode_graph(seqs)
+            return self._decode_graph(seqs, tokens)
         # Page tables rounded up to a power of two pages: fewer distinct shapes, same result (masked slots).
         longest = max(pages_for(s.num_cached + 1, self.pool.page_size) for s in seqs)
         table_pages = min(max(1 << (longest - 1).bit_length(), MIN_TABLE_PAGES), self.max_pages_per_seq)
         ids, slots, positions, table = (t.to(self.device) for t in self._decode_inputs(seqs, len(seqs),
                                                                                         table_pages))
+        if tokens is not None:
+            ids[tokens[0], 0] = tokens[1]
         if self.compile_decode:
             mark_decode_shapes_dynamic(ids, slots, positions, table)
         cache = BatchCache(self.pool, slots, table, positions, mask_rows=True)
         return self._decode_fn(self.model, ids, cache)
 
     # --- CUDA graphs --------------------------------------------------------------------------------
-    def _decode_graph(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode_graph(self, seqs: list[Sequence], tokens=None) -> torch.Tensor:
         rows = next(b for b in self.graph_batch_sizes if b >= len(seqs))
         # Pinned inputs: the graph's four copies to the device then return at once instead of each staging its
         # bytes through the driver (the caching host allocator keeps a block until the copies that read it ran).
         inputs = self._decode_inputs(seqs, rows, self.max_pages_per_seq, pin=True)
-        return self._graph(rows).run(*inputs)[: len(seqs)]
+        return self._graph(rows).run(*inputs, tokens=tokens)[: len(seqs)]
 
     def _graph(self, rows: int) -> "_DecodeGraph":
         """The decode graph for `rows` rows, captured on first use (all graphs share one memory pool)."""
@@ -230,8 +236,11 @@ class _DecodeGraph:
         with torch.cuda.graph(self.graph, pool=pool_handle), torch.no_grad():
             self.logits = runner._decode_fn(runner.model, self.ids, cache)
 
-    def run(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, table: torch.Tensor,
+            tokens: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         self.ids.copy_(ids, non_blocking=True)
+        if tokens is not None:  # rows whose token is still on the device (ModelRunner.decode)
+            self.ids[tokens[0], 0] = tokens[1]
         self.slots.copy_(slots, non_blocking=True)
         self.positions.copy_(positions, non_blocking=True)
         self.table.copy_(table, non_blocking=True)
