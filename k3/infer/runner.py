@@ -181,8 +181,9 @@ class ModelRunner:
         # Page tables rounded up to a power of two pages: fewer distinct shapes, same result (masked slots).
         longest = max(pages_for(s.num_cached + 1, self.pool.page_size) for s in seqs)
         table_pages = min(max(1 << (longest - 1).bit_length(), MIN_TABLE_PAGES), self.max_pages_per_seq)
-        ids, slots, positions, table = (t.to(self.device) for t in self._decode_inputs(seqs, len(seqs),
-                                                                                        table_pages))
+        pin = self.device.type == "cuda"  # pinned: copies that do not wait for the step in flight
+        ids, slots, positions, table = (t.to(self.device, non_blocking=pin)
+                                        for t in self._decode_inputs(seqs, len(seqs), table_pages, pin=pin))
         if tokens is not None:
             ids[tokens[0], 0] = tokens[1]
         if self.compile_decode:

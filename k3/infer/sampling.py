@@ -135,6 +135,15 @@ class SampledBatch:
     top_logprobs: torch.Tensor | None  # [B, k]
 
 
+def row_values(values: list, device: torch.device) -> torch.Tensor:
+    """One value per row on the device. On CUDA through pinned memory without waiting: a copy from pageable memory
+    waits for the stream, which would stall the host behind the step it just launched (the engine's overlap)."""
+    host = torch.tensor(values)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
                 penalty_counts: list[tuple[torch.Tensor | None, torch.Tensor] | None] | None = None,
                 want_logprobs: bool = False, top_n: int = 0) -> SampledBatch:
@@ -151,13 +160,13 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
     tokens = work.argmax(-1)
     temperature = None
     if not all(p.greedy for p in params):
-        greedy = torch.tensor([p.greedy for p in params], device=device)
-        temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=device)
+        greedy = row_values([p.greedy for p in params], device)
+        temperature = row_values([1.0 if p.greedy else p.temperature for p in params], device)
         vocab = work.shape[-1]
         filtered = filter_rows(work / temperature[:, None],
-                               torch.tensor([min(p.top_k, vocab) for p in params], device=device),
-                               torch.tensor([p.top_p for p in params], device=device),
-                               torch.tensor([p.min_p for p in params], device=device),
+                               row_values([min(p.top_k, vocab) for p in params], device),
+                               row_values([p.top_p for p in params], device),
+                               row_values([p.min_p for p in params], device),
                                sort=any(p.top_k > 0 or p.top_p < 1 for p in params),
                                use_min_p=any(p.min_p > 0 for p in params))
         probs = filtered.softmax(-1)
