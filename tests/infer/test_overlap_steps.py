@@ -148,3 +148,27 @@ def test_grammar_or_penalty_rows_keep_their_steps_plain(model, monkeypatch):
     got = Engine(model, None, max_context=64, max_batch=4, overlap_steps=True).complete(batch, params)
     assert_same(got, want)
     assert launches == []
+
+
+def test_k3_serve_with_overlap_steps_answers_as_without(tmp_path):
+    """The flag reaches the served engine (EngineConfig through the CLI): the same greedy text, streamed or not."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from server_helpers import Server, make_run
+
+    run = make_run(tmp_path / "run")
+    answers = {}
+    for flags in ((), ("--overlap-steps",)):
+        server = Server(run, "--max-batch", "4", "--max-context", "128", *flags)
+        try:
+            with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as client:
+                whole = client.completions.create(model="tiny", prompt="print('line", max_tokens=12, temperature=0)
+                streamed = client.completions.create(model="tiny", prompt="print('line", max_tokens=12,
+                                                     temperature=0, stream=True)
+                answers[flags] = (whole.choices[0].text, "".join(c.choices[0].text for c in streamed),
+                                  whole.choices[0].finish_reason)
+            server.wait_idle()
+        finally:
+            server.stop()
+    assert answers[()] == answers[("--overlap-steps",)] and answers[()][2] == "length"
+    assert answers[()][0] == answers[()][1] and answers[()][0]
