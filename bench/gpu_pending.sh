@@ -78,7 +78,7 @@ run() {
 if run tests 60; then
   limit=$(( $(left) < 150 ? $(left) : 150 ))
   K3_AUTOTUNE_CONFIGS=1 timeout -s INT --kill-after=5 "$limit" python -m pytest -v -p no:cacheprovider \
-    -o faulthandler_timeout=$(( limit - 10 )) \
+    -p no:timeout -o faulthandler_timeout=$(( limit - 10 )) \
     tests/infer/test_engine_cuda.py tests/ops/test_packed_attention.py \
     > "$OUT/tests.log" 2>&1
   log "tests: rc $? (limit ${limit} s)"
@@ -191,6 +191,8 @@ if run decode 60; then  # the decode graph's step at batch 1, 16 and 64 against 
     log "decode: rc $?"
   fi
 fi
+# A hang inside a launch holds the interpreter, so pytest-timeout's dump never comes (its thread needs it):
+# faulthandler's watchdog writes every thread's stack without it (pytest-timeout off, or it takes the option over).
 if run etests 40; then  # the engine's CUDA tests one at a time, launches blocking: a hang shows the launch it hangs in
   timeout --kill-after=5 60 python -m pytest -v -p no:cacheprovider --timeout 55 tests/layers/test_kda_inplace_state.py \
     -k "cuda" > "$OUT/etests_kda_inplace.log" 2>&1
@@ -199,14 +201,14 @@ if run etests 40; then  # the engine's CUDA tests one at a time, launches blocki
     limit=$(( $(left) < 80 ? $(left) - 5 : ${K3_ETEST_S:-75} ))
     [ "$limit" -lt 20 ] && break
     CUDA_LAUNCH_BLOCKING=1 K3_AUTOTUNE_CONFIGS=1 timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v \
-      -p no:cacheprovider --timeout "$limit" --timeout-method thread tests/infer/test_engine_cuda.py -k "$test" \
+      -p no:cacheprovider -p no:timeout -o faulthandler_timeout=$(( limit - 3 )) tests/infer/test_engine_cuda.py -k "$test" \
       > "$OUT/etests_$test.log" 2>&1
     log "etests $test: rc $?"
   done
   limit=$(( $(left) < 60 ? $(left) - 5 : 55 ))
   if [ "$limit" -ge 20 ] && [ "${K3_ETESTS_PACKED:-1}" = 1 ]; then
-    timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v -p no:cacheprovider --timeout "$limit" \
-      --timeout-method thread tests/ops/test_packed_attention.py > "$OUT/etests_packed.log" 2>&1
+    timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v -p no:cacheprovider -p no:timeout \
+      -o faulthandler_timeout=$(( limit - 3 )) tests/ops/test_packed_attention.py > "$OUT/etests_packed.log" 2>&1
     log "etests packed attention: rc $?"
   fi
 fi
