@@ -275,13 +275,10 @@ def test_fla_kernel_is_launched_by_k3_only_when_its_signature_matches(monkeypatc
         kda_ops._load_fla.cache_clear()
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() and kda_ops._fla_available()), reason="needs CUDA and fla")
-@pytest.mark.parametrize("batch,length", [(1, 1), (5, 1), (64, 1), (3, 4)])
-def test_k3_launch_equals_fla_launch_on_cuda(monkeypatch, batch, length):
-    """The real kernel under k3's launch against fla's own launcher: states to fp32 rounding, bf16 outputs to a
-    unit or so of their last place (another tile width)."""
-    gen = torch.Generator(device="cuda").manual_seed(batch)
-    heads, dim = 8, 128
+def cuda_pool_inputs(batch, length, seed, heads=8, dim=128):
+    """`small`'s KDA shape on the GPU: bf16 [q, k, v, g, beta], the in-kernel gate options, an fp32 pool of
+    2 * batch + 1 slots and `batch` distinct int32 slot indices into it."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
 
     def rand(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
@@ -293,6 +290,15 @@ def test_k3_launch_equals_fla_launch_on_cuda(monkeypatch, batch, length):
                    dt_bias=rand(heads * dim, dtype=torch.float32), use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
     start = rand(2 * batch + 1, heads, dim, dim, dtype=torch.float32).mul_(0.1)
     indices = torch.randperm(2 * batch + 1, device="cuda", generator=gen)[:batch].int()
+    return inputs, options, start, indices
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kda_ops._fla_available()), reason="needs CUDA and fla")
+@pytest.mark.parametrize("batch,length", [(1, 1), (5, 1), (64, 1), (3, 4)])
+def test_k3_launch_equals_fla_launch_on_cuda(monkeypatch, batch, length):
+    """The real kernel under k3's launch against fla's own launcher: states to fp32 rounding, bf16 outputs to a
+    unit or so of their last place (another tile width)."""
+    inputs, options, start, indices = cuda_pool_inputs(batch, length, seed=batch)
     assert isinstance(kda_ops._load_fla()[2], InplaceRecurrentLauncher)  # fla's kernel takes k3's arguments
     results = {}
     for env in ("fla", "auto", "16,2,2"):
@@ -315,18 +321,7 @@ def test_fla_path_equals_the_twin_on_cuda(batch, length):
     PyTorch twin on the same bf16 inputs and fp32 pool: states to a bf16 input's rounding, outputs likewise. A row
     of several tokens once went through fla's in-place launcher, which hung (3 rows of 11-14 tokens) or gave other
     states (6 rows of 2-12 tokens) inside the engine on one H100."""
-    gen = torch.Generator(device="cuda").manual_seed(batch * 100 + length)
-    heads, dim = 8, 128
-
-    def rand(*shape, dtype=torch.bfloat16):
-        return torch.randn(*shape, device="cuda", generator=gen).to(dtype)
-
-    q, k, v, g = (rand(batch, length, heads, dim) for _ in range(4))
-    beta = rand(batch, length, heads)
-    options = dict(use_gate_in_kernel=True, A_log=rand(heads, dtype=torch.float32),
-                   dt_bias=rand(heads * dim, dtype=torch.float32), use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
-    start = rand(2 * batch + 1, heads, dim, dim, dtype=torch.float32).mul_(0.1)
-    indices = torch.randperm(2 * batch + 1, device="cuda", generator=gen)[:batch].int()
+    (q, k, v, g, beta), options, start, indices = cuda_pool_inputs(batch, length, seed=batch * 100 + length)
     pool, twin_pool = start.clone(), start.clone()
     with torch.no_grad():
         o = fused_recurrent_kda_inplace(q, k, v, g, beta, pool, indices, use_qk_l2norm_in_kernel=True, **options)
