@@ -36,8 +36,9 @@
 #   etests   the engine's CUDA tests one at a time with launches blocking and a thread dump at a time limit, then
 #            packed attention's (K3_ETESTS names the engine tests, K3_ETEST_S their limit, K3_ETESTS_PACKED=0 skips
 #            packed attention's)                                               needs 40   -> etests_*.log
-#   overlap  the serving table (steps' command) with --overlap-steps: decode steps launched before the previous
-#            step's tokens are read                                            needs 230  -> overlap/
+#   overlap  the serving table's engine-process rows (k3 serve's CUDA default) with the engine baselines, without
+#            then with --overlap-steps (decode steps launched before the previous step's tokens are read)
+#                                                                              needs 250  -> overlap/
 #   fresh    bench/serve.py, engine process only (k3 serve's CUDA default): a fresh server's first request (its
 #            own warm-up requests on, the client warmed on a stub), then C=1 and C=16      needs 150  -> fresh/
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
@@ -212,17 +213,20 @@ if run etests 40; then  # the engine's CUDA tests one at a time, launches blocki
     log "etests packed attention: rc $?"
   fi
 fi
-if run overlap 230; then  # the serving table with overlapped steps (EngineConfig.overlap_steps), beside `steps`
+if run overlap 250; then  # k3 serve's CUDA default (engine process) without, then with overlapped steps, one call
   mkdir -p "$OUT/overlap"
-  if [ -n "$DRY" ]; then
-    timeout 200 python bench/serve.py --preset debug --concurrency 1 4 --skip transformers --overlap-steps \
-      --out "$OUT/overlap/serve.json" > "$OUT/overlap/serve.log" 2>&1
-  else
-    timeout --kill-after=10 $(( $(left) < 300 ? $(left) - 10 : 290 )) python bench/serve.py --preset small \
-      --skip transformers --engine-modes in-process process --overlap-steps \
-      --out "$OUT/overlap/serve.json" > "$OUT/overlap/serve.log" 2>&1
-  fi
-  log "overlap: rc $?"
+  for arm in off on; do
+    flag=""; [ "$arm" = on ] && flag=--overlap-steps
+    if [ -n "$DRY" ]; then
+      timeout 200 python bench/serve.py --preset debug --concurrency 1 4 --skip transformers --engine-modes process \
+        $flag --out "$OUT/overlap/serve_$arm.json" > "$OUT/overlap/serve_$arm.log" 2>&1
+    else
+      timeout --kill-after=10 $(( $(left) < 210 ? $(left) - 10 : 200 )) python bench/serve.py --preset small \
+        --skip transformers --engine-modes process $flag --out "$OUT/overlap/serve_$arm.json" \
+        > "$OUT/overlap/serve_$arm.log" 2>&1
+    fi
+    log "overlap $arm: rc $?"
+  done
 fi
 if run fresh 150; then  # k3 serve's CUDA default (engine process): a fresh server's first request, C=1 and C=16
   mkdir -p "$OUT/fresh"
