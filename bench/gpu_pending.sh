@@ -216,7 +216,7 @@ fi
 if run overlap 250; then  # k3 serve's CUDA default (engine process) without, then with overlapped steps, one call
   mkdir -p "$OUT/overlap"
   for arm in off on; do
-    flag=""; [ "$arm" = on ] && flag=--overlap-steps
+    flag=--no-overlap-steps; [ "$arm" = on ] && flag=--overlap-steps
     if [ -n "$DRY" ]; then
       timeout 200 python bench/serve.py --preset debug --concurrency 1 4 --skip transformers --engine-modes process \
         $flag --out "$OUT/overlap/serve_$arm.json" > "$OUT/overlap/serve_$arm.log" 2>&1

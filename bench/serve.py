@@ -252,8 +252,8 @@ def start_server(args, chat: bool = False, engine_process: bool = False) -> tupl
         command += ["--switch-interval", str(args.switch_interval)]
     if args.stub_step_ms is not None:
         command += ["--stub-step-ms", str(args.stub_step_ms), "--stub-handoffs", str(args.stub_handoffs)]
-    if args.overlap_steps:
-        command.append("--overlap-steps")
+    if args.overlap_steps is not None:
+        command.append("--overlap-steps" if args.overlap_steps else "--no-overlap-steps")
     if args.dtype:
         command += ["--dtype", args.dtype]
     if args.threads:
@@ -383,7 +383,8 @@ def summary(requests: int, tokens: int, seconds: float, ttft_s: list[float], tpo
                 tpot_p50_ms=percentile([t * 1e3 for t in tpot_s], 50), tpot_p99_ms=percentile([t * 1e3 for t in tpot_s], 99))
 
 
-def one_by_one(model, config, prompts: list[list[int]], new: int, max_context: int, overlap: bool = False) -> dict:
+def one_by_one(model, config, prompts: list[list[int]], new: int, max_context: int,
+               overlap: bool | None = None) -> dict:
     engine = Engine(model, None, max_context=max_context, max_batch=1, prefix_cache=False, overlap_steps=overlap)
     run_load(engine, prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
     runs = [run_load(engine, [p], SamplingParams(max_new_tokens=new, temperature=0)) for p in prompts]
@@ -531,8 +532,9 @@ def main() -> None:
     parser.add_argument("--mixed", nargs="*", default=[], choices=["tools", "json_schema"],
                         help="also chat at the top concurrency with these grammar-constrained requests mixed in")
     parser.add_argument("--no-warmup", action="store_true", help="start the bench servers without their warm-up")
-    parser.add_argument("--overlap-steps", action="store_true",
-                        help="every engine (servers and baselines) with EngineConfig.overlap_steps")
+    parser.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
+                        help="every engine (servers and baselines) with EngineConfig.overlap_steps on / off "
+                             "(default: the engine's, on with CUDA-graph decode)")
     parser.add_argument("--engine-step-tokens", type=int, nargs="*", default=[],
                         help="also run the engine in process at these step budgets (max_step_tokens)")
     parser.add_argument("--switch-interval", type=float, default=None,

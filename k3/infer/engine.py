@@ -161,7 +161,7 @@ class Engine:
                 router.register_forward_hook(self._route_hook(index))
             self._num_moe = len(model.routers())
         self.stats_counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0}
-        self.overlap_steps = config.overlap_steps
+        self.overlap_steps = plan.overlap_steps
         self._in_flight: _InFlight | None = None  # overlap_steps: the launched step whose tokens are unread
         # Callables (rows, logits [B, V]) -> logits run before sampling, in order (tests force outputs with one).
         self.logits_processors: list = []

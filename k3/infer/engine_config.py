@@ -48,10 +48,11 @@ class EngineConfig:
     record_routing: bool = field(default=False, metadata=option(cli=False))
     """record every fed token's experts (Completion.routing, for RL's routing replay); implies eager steps and no
     prefix cache"""
-    overlap_steps: bool = False
+    overlap_steps: bool | None = None
     """launch each decode step before reading the previous one's tokens, so the host's work on them (the events,
-    the stop checks, the server) runs while the GPU computes (off until timed on a GPU; decode-only steps of rows
-    without grammars or penalties; a row's tokens then reach its stream one step later)"""
+    the stop checks, the server) runs while the GPU computes (decode-only steps of rows without grammars or
+    penalties; a row's tokens then reach its stream one step later). Default: with CUDA-graph decode steps (on a
+    CPU a step is done when it returns: nothing to overlap)"""
     fuse_weights: bool | None = field(default=None, metadata=option(cli=False))
     """run projections that read one input as one GEMM over one weight buffer (k3.layers.fused_weights; default: with
     CUDA graphs, for a model whose parameters are all frozen)"""
@@ -83,6 +84,7 @@ class EnginePlan:
     use_cuda_graphs: bool
     fuse_weights: bool
     default_sizes: bool  # prefill sizes from default_prefill_chunk: fit_prefill_to_memory may shrink them
+    overlap_steps: bool = False
     prefill_fit: object = None  # k3.infer.memory_budget's PrefillFit, once fitted
 
 
@@ -152,8 +154,12 @@ def plan_engine(config: EngineConfig, model) -> EnginePlan:
         # reads (a model being trained keeps its separate projections either way).
         fuse_weights = use_cuda_graphs and not any(p.requires_grad for p in model.parameters())
     max_step_tokens = config.max_step_tokens or batch_tokens + config.max_batch
+    overlap_steps = config.overlap_steps
+    if overlap_steps is None:
+        overlap_steps = bool(use_cuda_graphs)  # the GPU runs a replay while the host books the step before
     return EnginePlan(prefill_chunk, batch_tokens, max_step_tokens, max_pages, prefix_slots, num_pages, dtype,
-                      bool(use_cuda_graphs), bool(fuse_weights), default_sizes and config.max_step_tokens is None)
+                      bool(use_cuda_graphs), bool(fuse_weights), default_sizes and config.max_step_tokens is None,
+                      overlap_steps=bool(overlap_steps))
 
 
 def fit_prefill_to_memory(plan: EnginePlan, config: EngineConfig, model) -> EnginePlan:

@@ -22,6 +22,7 @@ def test_defaults_on_cpu(model):
     assert (plan.max_pages, plan.prefix_slots) == (max_pages, 4)
     assert plan.num_pages == 4 * max_pages + 4 * max_pages // 2
     assert plan.use_cuda_graphs is False and plan.fuse_weights is False and plan.dtype == torch.float32
+    assert plan.overlap_steps is False  # a CPU step is done when it returns: nothing to overlap
 
 
 def test_given_sizes_are_kept_and_a_chunk_is_whole_pages(model):
@@ -30,6 +31,15 @@ def test_given_sizes_are_kept_and_a_chunk_is_whole_pages(model):
     plan = plan_engine(config, model)
     assert (plan.prefill_chunk, plan.batch_tokens, plan.max_step_tokens) == (32, 128, 99)
     assert (plan.num_pages, plan.prefix_slots) == (7, 0)
+
+
+def test_overlapped_steps_follow_graphed_decode_unless_set(model):
+    """Left open, steps overlap where decode steps are CUDA-graph replays (the GPU's default); a setting wins."""
+    assert plan_engine(EngineConfig(use_cuda_graphs=True), model).overlap_steps is True
+    assert plan_engine(EngineConfig(use_cuda_graphs=True, overlap_steps=False), model).overlap_steps is False
+    assert plan_engine(EngineConfig(overlap_steps=True), model).overlap_steps is True
+    assert plan_engine(EngineConfig(record_routing=True), model).overlap_steps is False
+    assert Engine(model, None, max_context=64, max_batch=2, overlap_steps=True).overlap_steps is True
 
 
 def test_recording_routes_turns_off_graphs_and_the_prefix_cache(model):
