@@ -35,9 +35,11 @@
 #                                                                              needs 60   -> decode.*
 #   etests   the engine's CUDA tests one at a time with launches blocking and a thread dump at a time limit, then
 #            packed attention's (K3_ETESTS names the engine tests, K3_ETEST_S their limit, K3_ETESTS_PACKED=0 skips
-#            packed attention's)                                               needs 40   -> etests_*.log
+#            packed attention's, K3_ETEST_BLOCKING=0 launches asynchronously: compiling and autotuning a cold
+#            kernel cache with blocking launches outlasted 50 s)                                               needs 40   -> etests_*.log
 #   overlap  the serving table's engine-process rows (k3 serve's CUDA default) with the engine baselines, without
-#            then with --overlap-steps (decode steps launched before the previous step's tokens are read)
+#            then with --overlap-steps (decode steps launched before the previous step's tokens are read;
+#            K3_OVERLAP_ARMS="on off" reverses the order: the first arm compiles what the kernel cache lacks)
 #                                                                              needs 250  -> overlap/
 #   fresh    bench/serve.py, engine process only (k3 serve's CUDA default): a fresh server's first request (its
 #            own warm-up requests on, the client warmed on a stub), then C=1 and C=16      needs 150  -> fresh/
@@ -201,7 +203,7 @@ if run etests 40; then  # the engine's CUDA tests one at a time, launches blocki
   for test in ${K3_ETESTS:-padded_prefill_equals prompt_tails_from overlapped_steps cuda_graph_decode}; do
     limit=$(( $(left) < 80 ? $(left) - 5 : ${K3_ETEST_S:-75} ))
     [ "$limit" -lt 20 ] && break
-    CUDA_LAUNCH_BLOCKING=1 K3_AUTOTUNE_CONFIGS=1 timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v \
+    CUDA_LAUNCH_BLOCKING=${K3_ETEST_BLOCKING:-1} K3_AUTOTUNE_CONFIGS=1 timeout --kill-after=5 $(( limit + 5 )) python -m pytest -v \
       -p no:cacheprovider -p no:timeout -o faulthandler_timeout=$(( limit - 3 )) tests/infer/test_engine_cuda.py -k "$test" \
       > "$OUT/etests_$test.log" 2>&1
     log "etests $test: rc $?"
@@ -215,7 +217,7 @@ if run etests 40; then  # the engine's CUDA tests one at a time, launches blocki
 fi
 if run overlap 250; then  # k3 serve's CUDA default (engine process) without, then with overlapped steps, one call
   mkdir -p "$OUT/overlap"
-  for arm in off on; do
+  for arm in ${K3_OVERLAP_ARMS:-off on}; do
     flag=--no-overlap-steps; [ "$arm" = on ] && flag=--overlap-steps
     if [ -n "$DRY" ]; then
       timeout 200 python bench/serve.py --preset debug --concurrency 1 4 --skip transformers --engine-modes process \
