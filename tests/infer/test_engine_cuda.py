@@ -38,9 +38,11 @@ def test_cuda_graph_decode_equals_the_eager_step():
 
 def test_padded_prefill_equals_prefilling_each_length_apart():
     """bf16 on one GPU (fla's chunked and recurrent KDA kernels): prompts of different lengths prefilled in one
-    right-padded forward leave the KDA states close to those of prefill forwards that pad nothing
-    (prefill_padding=0), with the same first greedy tokens and logprobs within 2e-2; no padding reaches a state
-    (a NaN or a decay from the padded tokens would show here)."""
+    right-padded forward leave the first KDA layer's states within 2e-2 (relative) of prefill forwards that pad
+    nothing (prefill_padding=0): a NaN, a write or a decay from the padded tokens would show there, where the
+    layer reads only the embeddings. Deeper layers see the mixers' and experts' outputs of a different batch shape
+    (other GEMM kernels, bf16 rounding, routing flips in a random-init MoE), so they are checked finite, and the
+    first greedy tokens equal up to bf16 near-ties (assert_same_greedy_token)."""
     model = tiny_bf16_model()
     generator = torch.Generator().manual_seed(2)
     # 11-14 tokens: the recurrent kernel (in place, up to RECURRENT_MAX_TOKENS); 200-230: fla's chunked kernel.
@@ -51,19 +53,21 @@ def test_padded_prefill_equals_prefilling_each_length_apart():
         engine = Engine(model, None, max_context=512, max_batch=8, prefix_cache=False, prefill_padding=padding)
         calls = []
         spy_prefills(engine, lambda start, end: calls.append(end))
-        ids = [engine.add_request(p, SamplingParams(max_new_tokens=32, temperature=0, logprobs=0)) for p in prompts]
+        ids = [engine.add_request(p, SamplingParams(max_new_tokens=32, temperature=0, logprobs=2)) for p in prompts]
         engine.step()
         seqs = [engine.requests[rid].sequences[0] for rid in ids]
-        states = torch.stack([engine.pool.kda_state[:, s.slot] for s in seqs]).float()
-        results[padding] = (calls, states, [s.generated[0] for s in seqs], [s.logprobs[0] for s in seqs])
+        states = torch.stack([engine.pool.kda_state[:, s.slot] for s in seqs]).float()  # [rows, layers, ...]
+        firsts = [(s.generated[0], s.logprobs[0], s.top_logprobs[0]) for s in seqs]
+        results[padding] = (calls, states, firsts)
     assert any(isinstance(end, list) and len(set(end)) > 1 for end in results[0.25][0]), "nothing was padded"
     assert all(isinstance(end, int) or len(set(end)) == 1 for end in results[0.0][0])
     padded, apart = results[0.25], results[0.0]
     assert torch.isfinite(padded[1]).all()
-    scale = apart[1].abs().amax().clamp_min(1e-3)
-    assert (padded[1] - apart[1]).abs().amax() / scale < 2e-2
-    assert padded[2] == apart[2]
-    assert max(abs(x - y) for x, y in zip(padded[3], apart[3])) < 2e-2
+    per_layer = [((padded[1][:, layer] - apart[1][:, layer]).abs().amax()
+                  / apart[1][:, layer].abs().amax().clamp_min(1e-3)).item() for layer in range(padded[1].shape[1])]
+    assert per_layer[0] < 2e-2, f"first KDA layer's states apart by {per_layer[0]:.4f} (every layer: {per_layer})"
+    for row, (got, want) in enumerate(zip(padded[2], apart[2])):
+        assert_same_greedy_token(got, want, 2e-2, f"prompt {row} (every layer's state difference: {per_layer})")
 
 
 def test_prompt_tails_from_different_positions_share_a_forward_on_the_gpu():
