@@ -14,6 +14,8 @@ prefix-cache hits). The phases run one after another, never side by side (they w
                each level sends C x --requests-per-level requests. Streaming with token ids, so every token
                is timed as the client sees it: output tokens/s over the level's wall time; time to first
                token (TTFT) and per-output-token time (TPOT, mean gap after the first token), p50 / p99.
+               The engine's steps, prefill forwards and overlapped steps during each level come from /metrics
+               (from Engine.stats() for the in-process rows): fewer, fuller prefill forwards are cheaper.
   one-by-one   the same engine in process, requests one at a time (bench/engine.py's run_load with one
                prompt): what the server's batching is measured against.
   in process   the largest level's requests submitted at once to the engine in process with max_batch C:
@@ -489,7 +491,9 @@ def server_levels(args, mode: str, vocab: int, results: dict) -> dict:
             prompts = prompts_for(concurrency * args.requests_per_level, args.prompt, vocab, seed=100 + level)
             cpu = process_cpu_s(process.pid) if process is not None else None
             child_cpu = [process_cpu_s(pid) for pid in children]
+            counted = engine_counters(url)
             r = asyncio.run(load_level(url, model_name, prompts, args.new, concurrency, args.rate))
+            r.update(counted_since(url, counted))
             if cpu is not None:
                 r["cpu_ms_per_token"] = (process_cpu_s(process.pid) - cpu) * 1e3 / r["output_tokens"]
             if children:
@@ -503,6 +507,36 @@ def server_levels(args, mode: str, vocab: int, results: dict) -> dict:
             process.terminate()
             process.wait(timeout=60)
     return out
+
+
+# The engine's step counters as /metrics shows them -> their names in Engine.stats() (and in this bench's results).
+COUNTERS = {"k3_engine_steps_total": "steps", "k3_engine_prefill_forwards_total": "prefill_forwards",
+            "k3_engine_overlapped_steps_total": "overlapped_steps"}
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's step counters from the server's /metrics ({} from a server without them)."""
+    import httpx
+
+    found = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in COUNTERS:
+            found[COUNTERS[name]] = float(value)
+    return found
+
+
+def counted_since(url: str, before: dict[str, float]) -> dict[str, int]:
+    """How far each counter moved since `before`. An engine in its own process reports its counters every 0.2 s
+    (k3.infer.engine_process.STATS_EVERY_S): read until two reads agree, at most 2 s."""
+    now = engine_counters(url)
+    for _ in range(8):
+        time.sleep(0.25)
+        again = engine_counters(url)
+        if again == now:
+            break
+        now = again
+    return {key: int(now[key] - before.get(key, 0)) for key in now}
 
 
 def child_pids(pid: int) -> list[int]:
@@ -607,8 +641,10 @@ def main() -> None:
             run_load(engine, prompts_for(2, args.prompt, vocab, seed=7),
                      SamplingParams(max_new_tokens=4, temperature=0))
             name = f"engine in process, C={top}" + ("" if step_tokens is None else f", step tokens {step_tokens}")
-            cpu = process_cpu_s()
+            cpu, before = process_cpu_s(), dict(engine.stats_counters)
             baselines[name] = run_load(engine, level_prompts, SamplingParams(max_new_tokens=args.new, temperature=0))
+            baselines[name].update({key: engine.stats_counters[key] - before[key] for key in COUNTERS.values()
+                                    if key in before})
             baselines[name]["cpu_ms_per_token"] = (process_cpu_s() - cpu) * 1e3 / baselines[name]["output_tokens"]
             baselines[name]["max_step_tokens"] = engine.scheduler.max_step_tokens
             print(f"{name}: {baselines[name]}", flush=True)
@@ -638,12 +674,14 @@ def main() -> None:
                      f"{r['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x" if base else "",
                      r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"],
                      f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x" if base else "",
-                     r.get("cpu_ms_per_token", ""), r.get("engine_process_cpu_ms_per_token", "")])
+                     r.get("cpu_ms_per_token", ""), r.get("engine_process_cpu_ms_per_token", ""),
+                     r.get("steps", ""), r.get("prefill_forwards", ""), r.get("overlapped_steps", "")])
     load = f", load average {results['load_average_at_start'][0]:.1f} on {os.cpu_count()} cores" \
         if device.type == "cpu" else ""
     print_table(f"Serving {args.preset} ({args.prompt} in / {args.new} out, {dtype}) on {device_name()}{load}",
                 ["", "requests", "output tok/s", "vs one-by-one", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                 "TPOT p99 ms", "TPOT vs one-by-one", "CPU ms / token", "engine process CPU ms / token"], rows)
+                 "TPOT p99 ms", "TPOT vs one-by-one", "CPU ms / token", "engine process CPU ms / token", "steps",
+                 "prefill forwards", "overlapped steps"], rows)
     if "fresh" in results:
         fresh = results["fresh"]
         print(f"fresh server: ready {fresh['ready_s']:.1f} s after spawning (warm-up {fresh['warmup_s'] or 0:.1f} "

@@ -160,7 +160,10 @@ class Engine:
             for index, (_, router) in enumerate(model.routers()):
                 router.register_forward_hook(self._route_hook(index))
             self._num_moe = len(model.routers())
-        self.stats_counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0}
+        # steps: every step; prefill_forwards: the prefill forwards inside them (several prompts may share one);
+        # overlapped_steps: decode steps launched before the previous one was read (overlap_steps).
+        self.stats_counters = {"prompt_tokens": 0, "generated_tokens": 0, "steps": 0, "finished": 0,
+                               "prefill_forwards": 0, "overlapped_steps": 0}
         self.overlap_steps = plan.overlap_steps
         self._in_flight: _InFlight | None = None  # overlap_steps: the launched step whose tokens are unread
         # Callables (rows, logits [B, V]) -> logits run before sampling, in order (tests force outputs with one).
@@ -273,6 +276,7 @@ class Engine:
         for forward in prefill_forwards(plan.prefills, self.pool.page_size, self.scheduler.max_step_tokens,
                                         self.engine_config.prefill_padding):
             seqs = forward.seqs
+            self.stats_counters["prefill_forwards"] += 1
             snapshots = [self._snapshot_slot(seq, start, end) for seq, start, end in zip(seqs, forward.starts,
                                                                                           forward.ends)]
             try:
@@ -339,6 +343,7 @@ class Engine:
         for seq in rows:
             seq.num_cached += 1
         self.stats_counters["steps"] += 1
+        self.stats_counters["overlapped_steps"] += 1
         params, sampled = self._sample_launch(rows, logits)
         launched = _InFlight.launch(rows, params, sampled)  # its copies queue right behind its sampling
         events = self._land()

@@ -122,6 +122,14 @@ class ServerMetrics:
         for name, key, help_text in gauges:
             if key in engine_stats:
                 out += _metric(f"{p}_{name}", "gauge", help_text, float(engine_stats[key]))
+        counters = [("engine_steps_total", "steps", "engine steps (each one batched forward of decodes and prefills)"),
+                    ("engine_prefill_forwards_total", "prefill_forwards",
+                     "prefill forwards (prompts of one step that share a forward count once)"),
+                    ("engine_overlapped_steps_total", "overlapped_steps",
+                     "decode steps launched before the previous step's tokens were read")]
+        for name, key, help_text in counters:
+            if key in engine_stats:
+                out += _metric(f"{p}_{name}", "counter", help_text, float(engine_stats[key]))
         if "prefix_cache_hits" in engine_stats:
             out += _metric(f"{p}_prefix_cache_hits_total", "counter",
                            "requests that started from a cached prompt prefix", float(engine_stats["prefix_cache_hits"]))

@@ -76,6 +76,7 @@ def test_overlapped_steps_give_what_plain_steps_give(model, monkeypatch):
     stats = overlapped.stats()
     assert stats["kda_slots_used"] == 0 and stats["mla_pages_used"] == 0
     assert stats["generated_tokens"] == sum(len(c.token_ids) for r in want for c in r.outputs)
+    assert stats["overlapped_steps"] == len(launches) and plain.stats()["overlapped_steps"] == 0
 
 
 def test_events_are_the_same_and_arrive_one_step_late(model):

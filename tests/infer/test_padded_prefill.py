@@ -78,6 +78,7 @@ def test_a_padded_prefill_leaves_each_cache_as_its_own_prefill(model, fuse_weigh
     engine.step()
     engine.step()  # both prefill steps; the last one samples each row's first token
     assert calls == [(0, [64, 64, 64, 64]), (64, [100, 96, 93, 90])]
+    assert engine.stats()["prefill_forwards"] == 2 and engine.stats()["steps"] == 2  # four prompts, two forwards
     seqs = [engine.requests[rid].sequences[0] for rid in ids]
     together = [caches_of(engine, seq, len(p)) for seq, p in zip(seqs, prompts)]
     firsts = [seq.generated[0] for seq in seqs]

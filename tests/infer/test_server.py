@@ -66,7 +66,8 @@ def test_models_health_metrics(server, client):
     text = server.http.get("/metrics").text
     for name in ("k3_requests_waiting", "k3_requests_running", "k3_kda_slots_used", "k3_mla_pages_used",
                  "k3_generation_tokens_per_second", "k3_time_to_first_token_seconds_bucket",
-                 "k3_time_per_output_token_seconds_bucket"):
+                 "k3_time_per_output_token_seconds_bucket", "k3_engine_steps_total", "k3_engine_prefill_forwards_total",
+                 "k3_engine_overlapped_steps_total"):
         assert f"\n{name}" in text, name
 
 
