@@ -41,6 +41,9 @@
 #            then with --overlap-steps (decode steps launched before the previous step's tokens are read;
 #            K3_OVERLAP_ARMS="on off" reverses the order: the first arm compiles what the kernel cache lacks)
 #                                                                              needs 250  -> overlap/
+#   gather   bench/serve.py, engine process, C=16 and 64, with EngineConfig.gather_prompts_ms 0 (the default) and
+#            K3_GATHER_MS (10): a burst's prompts held while more arrive, so that they share prefill forwards; the
+#            table's "prefill forwards" column counts them          needs 230  -> gather/
 #   fresh    bench/serve.py, engine process only (k3 serve's CUDA default): a fresh server's first request (its
 #            own warm-up requests on, the client warmed on a stub), then C=1 and C=16      needs 150  -> fresh/
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
@@ -48,12 +51,11 @@
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
 # the machine's and pack it into one archive. Three calls cover what is open (steps run in this file's order):
-#   the CUDA tests of the short-prefill fix (not yet run on a GPU), then a fresh server's first request with the
-#   server's own warm-up requests:
-#   source .devcache/env.sh && K3_ETESTS="padded_prefill_equals prompt_tails_from overlapped_steps" K3_ETEST_S=60 \
-#     K3_ETESTS_PACKED=0 bash bench/gpu_pending.sh /tmp/r1 560 etests fresh; tar czf $OUT/r1.tgz -C /tmp r1
-#   then the serving table without and with overlapped steps (flip EngineConfig.overlap_steps's default if it wins):
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 steps overlap; tar czf "$OUT/r2.tgz" -C /tmp r2
+#   the engine's CUDA tests, given time to compile (at 50, 80 and 170 s the overlapped-steps test was still
+#   compiling Triton kernels on a cold cache), then gathered prompts against none:
+#   source .devcache/env.sh && K3_ETESTS="overlapped_steps prompt_tails_from padded_prefill_equals" K3_ETEST_S=150 \
+#     K3_ETEST_BLOCKING=0 K3_ETESTS_PACKED=0 bash bench/gpu_pending.sh /tmp/r1 560 etests; tar czf $OUT/r1.tgz -C /tmp r1
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 gather fresh; tar czf "$OUT/r2.tgz" -C /tmp r2
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 varlen traffic; tar czf "$OUT/r3.tgz" -C /tmp r3
 # and, time left, `flat qb` or `long rweights` (measured on 2026-12-07: re-runs).
 # (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
@@ -65,7 +67,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic steps first decode etests overlap fresh} "
+STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic steps first decode etests overlap gather fresh} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -228,6 +230,20 @@ if run overlap 250; then  # k3 serve's CUDA default (engine process) without, th
         > "$OUT/overlap/serve_$arm.log" 2>&1
     fi
     log "overlap $arm: rc $?"
+  done
+fi
+if run gather 230; then  # k3 serve (engine process) with new prompts gathered into shared forwards, off then on
+  mkdir -p "$OUT/gather"
+  for ms in 0 ${K3_GATHER_MS:-10}; do
+    if [ -n "$DRY" ]; then
+      timeout 200 python bench/serve.py --preset debug --concurrency 4 --skip transformers one-by-one \
+        --engine-modes process --gather-prompts-ms "$ms" --out "$OUT/gather/serve_$ms.json" > "$OUT/gather/serve_$ms.log" 2>&1
+    else
+      timeout --kill-after=10 $(( $(left) < 120 ? $(left) - 10 : 110 )) python bench/serve.py --preset small \
+        --concurrency 16 64 --skip transformers --engine-modes process --gather-prompts-ms "$ms" \
+        --out "$OUT/gather/serve_$ms.json" > "$OUT/gather/serve_$ms.log" 2>&1
+    fi
+    log "gather $ms ms: rc $?"
   done
 fi
 if run fresh 150; then  # k3 serve's CUDA default (engine process): a fresh server's first request, C=1 and C=16

@@ -188,7 +188,7 @@ def bench_engine(args):
     model, config = build_model(args.preset, torch.device(args.device), _dtype(args),
                                 tokenizer.vocab_size if tokenizer else None)
     return Engine(model, tokenizer or NumberTokenizer(config.vocab_size), max_context=args.max_context,
-                  max_batch=args.max_batch, overlap_steps=args.overlap_steps)
+                  max_batch=args.max_batch, overlap_steps=args.overlap_steps, **gather_option(args))
 
 
 def serve_main(args) -> None:
@@ -221,7 +221,7 @@ def serve_main(args) -> None:
         tokenizer = NumberTokenizer(config.vocab_size)
     if args.stub_step_ms is None:
         engine = Engine(model, tokenizer, max_context=args.max_context, max_batch=args.max_batch,
-                        overlap_steps=args.overlap_steps)
+                        overlap_steps=args.overlap_steps, **gather_option(args))
     # Without the warm-up argument when it is off, so the same script drives an older k3 (before/after runs).
     aengine = AsyncEngine(engine, max_queue=4096, **({} if args.no_warmup else {"warmup": engine.warmup}))
     app = create_app(aengine, "bench", tokenizer, args.max_context, 4096, prepare_grammars=not args.no_warmup)
@@ -230,6 +230,11 @@ def serve_main(args) -> None:
                    **({"switch_interval_s": args.switch_interval} if args.switch_interval else {}))
     finally:
         aengine.shutdown()
+
+
+def gather_option(args) -> dict:
+    """EngineConfig.gather_prompts_ms when --gather-prompts-ms is given (else the engine's default)."""
+    return {} if args.gather_prompts_ms is None else {"gather_prompts_ms": args.gather_prompts_ms}
 
 
 def _dtype(args) -> torch.dtype:
@@ -256,6 +261,8 @@ def start_server(args, chat: bool = False, engine_process: bool = False) -> tupl
         command += ["--stub-step-ms", str(args.stub_step_ms), "--stub-handoffs", str(args.stub_handoffs)]
     if args.overlap_steps is not None:
         command.append("--overlap-steps" if args.overlap_steps else "--no-overlap-steps")
+    if args.gather_prompts_ms is not None:
+        command += ["--gather-prompts-ms", str(args.gather_prompts_ms)]
     if args.dtype:
         command += ["--dtype", args.dtype]
     if args.threads:
@@ -569,6 +576,9 @@ def main() -> None:
     parser.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                         help="every engine (servers and baselines) with EngineConfig.overlap_steps on / off "
                              "(default: the engine's, on with CUDA-graph decode)")
+    parser.add_argument("--gather-prompts-ms", type=float, default=None,
+                        help="every engine (servers and baselines) with EngineConfig.gather_prompts_ms (default: "
+                             "the engine's)")
     parser.add_argument("--engine-step-tokens", type=int, nargs="*", default=[],
                         help="also run the engine in process at these step budgets (max_step_tokens)")
     parser.add_argument("--switch-interval", type=float, default=None,
@@ -600,7 +610,7 @@ def main() -> None:
     results: dict = {"bench": "serve", "device_name": device_name(), "preset": args.preset, "prompt": args.prompt,
                      "new": args.new, "dtype": str(dtype), "rate": args.rate, "switch_interval": args.switch_interval,
                      "stub_step_ms": args.stub_step_ms, "stub_handoffs": args.stub_handoffs,
-                     "overlap_steps": args.overlap_steps,
+                     "overlap_steps": args.overlap_steps, "gather_prompts_ms": args.gather_prompts_ms,
                      "cpu_count": os.cpu_count(),
                      "load_average_at_start": os.getloadavg(), "modes": {}}
 
@@ -633,7 +643,7 @@ def main() -> None:
         level_prompts = prompts_for(top * args.requests_per_level, args.prompt, vocab,
                                     seed=100 + args.concurrency.index(top))
         for step_tokens in [None] + list(args.engine_step_tokens or []):
-            options = {"overlap_steps": args.overlap_steps}
+            options = {"overlap_steps": args.overlap_steps, **gather_option(args)}
             if step_tokens is not None:
                 options["max_step_tokens"] = step_tokens
             engine = Engine(model, None, max_context=args.prompt + args.new + 64, max_batch=top, **options)

@@ -164,8 +164,9 @@ class AsyncEngine(EventStreams):
                 with self._count_lock:  # the snapshot and the inbox count change together
                     self._stats = stats
                     self._queued -= moved
-            if not busy:
-                self._wakeup.wait(self.idle_wait_s)
+            gathering = busy and not events and getattr(self.engine, "gather_wait_s", lambda: 0.0)()
+            if not busy or gathering:  # idle, or new prompts waiting for more to arrive (woken by each one)
+                self._wakeup.wait(min(gathering or self.idle_wait_s, self.idle_wait_s))
                 self._wakeup.clear()
 
     # --- requests (any thread) ----------------------------------------------------------------------

@@ -142,7 +142,7 @@ class Engine:
         self.batch_tokens, self.prefill_fit = plan.batch_tokens, plan.prefill_fit
         self.prefix_cache = PrefixCache(self.pool, plan.prefix_slots) if plan.prefix_slots > 0 else None
         self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_batch, config.max_context,
-                                   plan.prefill_chunk, plan.max_step_tokens)
+                                   plan.prefill_chunk, plan.max_step_tokens, gather_s=config.gather_prompts_ms / 1e3)
         if plan.fuse_weights:
             from k3.layers.fused_weights import fuse_model_weights
 
@@ -206,7 +206,7 @@ class Engine:
         request = Request(request_id, prompt, params, prompt_embeds=prompt_embeds,
                           stop_ids=frozenset(self.stop_ids(params)))
         self.requests[request_id] = request
-        self.scheduler.waiting.append(request)
+        self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id: str) -> bool:
@@ -224,6 +224,15 @@ class Engine:
         if request in self.scheduler.running:
             self.scheduler.running.remove(request)
         return True
+
+    def gather_wait_s(self) -> float:
+        """How long a caller's loop may sleep instead of stepping: new prompts wait for others arriving with them
+        (EngineConfig.gather_prompts_ms) and nothing else runs. 0: step on."""
+        until = self.scheduler.gathering_until
+        if until is None or self._in_flight is not None or any(
+                s.status == DECODE for s in self.scheduler.running_sequences()):
+            return 0.0
+        return max(0.0, until - self.scheduler.clock())
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running) or self._in_flight is not None
@@ -266,6 +275,8 @@ class Engine:
 
     def _step(self) -> list[TokenEvent]:
         plan = self.scheduler.plan()
+        if not plan.decodes and not plan.prefills:  # new prompts gathering (Scheduler gather_s): nothing to run yet
+            return []
         rows: list[Sequence] = []
         logits = []
         if plan.decodes:

@@ -53,6 +53,10 @@ class EngineConfig:
     the stop checks, the server) runs while the GPU computes (decode-only steps of rows without grammars or
     penalties; a row's tokens then reach its stream one step later). Default: with CUDA-graph decode steps (on a
     CPU a step is done when it returns: nothing to overlap)"""
+    gather_prompts_ms: float = 0.0
+    """the longest a new prompt waits for prompts arriving with it before its first forward, so that they share
+    forwards (a server's bursts); it waits only while prompts keep arriving (within 2 ms) and do not fill a
+    step yet. 0: never"""
     fuse_weights: bool | None = field(default=None, metadata=option(cli=False))
     """run projections that read one input as one GEMM over one weight buffer (k3.layers.fused_weights; default: with
     CUDA graphs, for a model whose parameters are all frozen)"""
@@ -64,6 +68,8 @@ class EngineConfig:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if not 0.0 <= self.gather_prompts_ms <= 10_000:
+            raise ValueError(f"gather_prompts_ms must be in [0, 10000], got {self.gather_prompts_ms}")
         if not 0.0 <= self.prefill_padding < 1.0:
             raise ValueError(f"prefill_padding is a share of a forward's tokens in [0, 1), got {self.prefill_padding}")
         if self.record_routing and self.use_cuda_graphs:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,8 @@ from k3.infer.prefix_cache import PrefixCache
 from k3.infer.sampling import SamplingParams
 
 WAITING, PREFILL, DECODE, FINISHED = "waiting", "prefill", "decode", "finished"
+# Gathering new prompts (Scheduler gather_s) stops once none has arrived for this long.
+GATHER_QUIET_S = 0.002
 
 
 @dataclass
@@ -170,14 +173,22 @@ def _pack(rows: list[tuple[Sequence, int, int]], page_size: int, max_tokens: int
 
 class Scheduler:
     def __init__(self, pool: CachePool, prefix_cache: PrefixCache | None, max_batch: int, max_context: int,
-                 prefill_chunk: int, max_step_tokens: int) -> None:
+                 prefill_chunk: int, max_step_tokens: int, gather_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """gather_s: the longest a new prompt's first forward waits for prompts arriving with it (0: never); it
+        waits only while prompts keep arriving (one did within GATHER_QUIET_S) and the new prompts do not yet
+        fill a step. clock: the time of arrivals and of plan() (tests pass their own)."""
         if prefill_chunk % pool.page_size:
             raise ValueError(f"prefill_chunk ({prefill_chunk}) must be a multiple of page_size ({pool.page_size})")
+        if gather_s < 0:
+            raise ValueError(f"gather_s must be >= 0, got {gather_s}")
         self.pool, self.prefix_cache = pool, prefix_cache
         self.max_batch, self.max_context = max_batch, max_context
         self.prefill_chunk, self.max_step_tokens = prefill_chunk, max_step_tokens
+        self.gather_s, self.clock = gather_s, clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.gathering_until: float | None = None  # set by plan() while new prompts wait for more to arrive
 
     # --- queries ------------------------------------------------------------------------------------
     def running_sequences(self) -> list[Sequence]:
@@ -261,14 +272,35 @@ class Scheduler:
         return sorted(c for c in cuts if c > start), register
 
     # --- planning -----------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        request.arrival = self.clock()
+        self.waiting.append(request)
+
+    def _gather_deadline(self, fresh: list[tuple[Request, int]], room: int) -> float | None:
+        """While new prompts (not yet in any forward) keep arriving, until when their first forwards wait for
+        more (None: run them now). Prompts arriving together then share forwards: on a GPU a prefill forward's
+        cost is mostly the host's launches, whatever its rows, and each one stalls every decoding row."""
+        if self.gather_s <= 0 or not fresh or sum(tokens for _, tokens in fresh) >= room:
+            return None
+        now = self.clock()
+        newest = max(request.arrival for request, _ in fresh)
+        oldest = min(request.arrival for request, _ in fresh)
+        until = min(newest + min(GATHER_QUIET_S, self.gather_s), oldest + self.gather_s)
+        return until if now < until else None
+
     def plan(self) -> StepPlan:
         self.admit()
         running = self.running_sequences()
         decodes = [s for s in running if s.status == DECODE]
         room = self.max_step_tokens - len(decodes)
+        fresh = [(request, request.sequences[0].cuts[0] - request.sequences[0].num_cached) for request in self.running
+                 if request.sequences and request.sequences[0].status == PREFILL and request.sequences[0].cuts
+                 and request.sequences[0].num_cached < request.sequences[0].cuts[0]]
+        self.gathering_until = self._gather_deadline(fresh, room)
+        held = {id(request.sequences[0]) for request, _ in fresh} if self.gathering_until is not None else set()
         prefills: list[tuple[Sequence, int, int]] = []
         for seq in running:
-            if seq.status != PREFILL:
+            if seq.status != PREFILL or id(seq) in held:
                 continue
             end = next(c for c in seq.cuts if c > seq.num_cached)
             tokens = end - seq.num_cached
