@@ -297,7 +297,8 @@ def check_model(requested: str, served: str) -> None:
 def check_prompt(ids: list[int], max_context: int, vocab_size: int, what: str = "prompt") -> None:
     """A tokenized prompt must be non-empty, leave room for one new token and hold only known ids."""
     if not ids:
-        raise APIError(f"the {what} is empty after tokenization; give at least one token", param=what)
+        verb = "are" if what.endswith("s") else "is"  # "the messages are", "the prompt is"
+        raise APIError(f"the {what} {verb} empty after tokenization; give at least one token", param=what)
     if len(ids) >= max_context:
         raise APIError(f"the {what} has {len(ids)} tokens but this server's context is {max_context} tokens "
                        f"(prompt plus at least one new token); shorten it or restart the server with a larger "
