@@ -276,11 +276,17 @@ class Scheduler:
         request.arrival = self.clock()
         self.waiting.append(request)
 
+    def _fresh(self) -> list[tuple[Request, int]]:
+        """Running requests whose prompt has not been in any forward yet, with their first chunk's tokens."""
+        return [(request, request.sequences[0].cuts[0] - request.sequences[0].num_cached) for request in self.running
+                if request.sequences and request.sequences[0].status == PREFILL and request.sequences[0].cuts
+                and request.sequences[0].num_cached < request.sequences[0].cuts[0]]
+
     def _gather_deadline(self, fresh: list[tuple[Request, int]], room: int) -> float | None:
         """While new prompts (not yet in any forward) keep arriving, until when their first forwards wait for
         more (None: run them now). Prompts arriving together then share forwards: on a GPU a prefill forward's
         cost is mostly the host's launches, whatever its rows, and each one stalls every decoding row."""
-        if self.gather_s <= 0 or not fresh or sum(tokens for _, tokens in fresh) >= room:
+        if not fresh or sum(tokens for _, tokens in fresh) >= room:
             return None
         now = self.clock()
         newest = max(request.arrival for request, _ in fresh)
@@ -293,11 +299,13 @@ class Scheduler:
         running = self.running_sequences()
         decodes = [s for s in running if s.status == DECODE]
         room = self.max_step_tokens - len(decodes)
-        fresh = [(request, request.sequences[0].cuts[0] - request.sequences[0].num_cached) for request in self.running
-                 if request.sequences and request.sequences[0].status == PREFILL and request.sequences[0].cuts
-                 and request.sequences[0].num_cached < request.sequences[0].cuts[0]]
-        self.gathering_until = self._gather_deadline(fresh, room)
-        held = {id(request.sequences[0]) for request, _ in fresh} if self.gathering_until is not None else set()
+        held: set[int] = set()
+        self.gathering_until = None
+        if self.gather_s > 0:
+            fresh = self._fresh()
+            self.gathering_until = self._gather_deadline(fresh, room)
+            if self.gathering_until is not None:
+                held = {id(request.sequences[0]) for request, _ in fresh}
         prefills: list[tuple[Sequence, int, int]] = []
         for seq in running:
             if seq.status != PREFILL or id(seq) in held:
