@@ -35,8 +35,9 @@ class Clock:
 
 
 def gathering_engine(model, gather_ms=20.0, **options):
+    # Plain steps: a step's tokens come with it (overlapped steps would hand them out a step later).
     engine = Engine(model, None, max_context=128, max_batch=8, page_size=16, prefix_cache=False,
-                    gather_prompts_ms=gather_ms, **options)
+                    gather_prompts_ms=gather_ms, overlap_steps=False, **options)
     clock = Clock()
     engine.scheduler.clock = clock
     forwards = []

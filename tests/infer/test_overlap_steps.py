@@ -56,7 +56,7 @@ def test_overlapped_steps_give_what_plain_steps_give(model, monkeypatch):
     """Rows that finish at different steps (lengths, a stop token, a stop at the context's end), top logprobs,
     seeded sampling with n=2: every completion equal, and most steps were overlapped."""
     batch = prompts(6)
-    plain = Engine(model, None, max_context=64, max_batch=8)
+    plain = Engine(model, None, max_context=64, max_batch=8, overlap_steps=False)
     params = [SamplingParams(max_new_tokens=n, temperature=0, logprobs=2) for n in (3, 9, 17, 30)]
     params.append(SamplingParams(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=7, n=2, logprobs=0))
     params.append(SamplingParams(max_new_tokens=40, temperature=0))  # runs into max_context
