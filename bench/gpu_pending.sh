@@ -234,6 +234,8 @@ if run overlap 250; then  # k3 serve's CUDA default (engine process) without, th
 fi
 if run gather 230; then  # k3 serve (engine process) with new prompts gathered into shared forwards, off then on
   mkdir -p "$OUT/gather"
+  # The arm that ran first in the overlap A/B still compiled during its levels, after its warm-up: say what.
+  export TORCH_LOGS=${TORCH_LOGS:-recompiles}
   for ms in 0 ${K3_GATHER_MS:-10}; do
     if [ -n "$DRY" ]; then
       timeout 200 python bench/serve.py --preset debug --concurrency 4 --skip transformers one-by-one \
