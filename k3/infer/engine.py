@@ -35,6 +35,10 @@ from k3.infer.scheduler import (DECODE, FINISHED, PREFILL, Request, Scheduler, S
                                 prefill_forwards)
 
 
+# The warm-up's forward of many rows (Engine.warmup): how many, and how long each prompt.
+WARM_ROWS, WARM_ROW_TOKENS = 16, 32
+
+
 @dataclass
 class TokenEvent:
     """One new token of one sample (finished events carry the reason; an abort event has token_id None)."""
@@ -648,12 +652,12 @@ class Engine:
     # --- warm-up ------------------------------------------------------------------------------------
     def warmup(self) -> float:
         """Build now what the first requests would build lazily: the decode CUDA graphs for every batch size up
-        to max_batch (compiled with K3_COMPILE_DECODE), prefills of one full chunk, of a multiple of 64 tokens and
-        of two short prompts sharing a padded forward (kernels autotune and specialise per shape), within the
-        context's room a chunk and 64 tokens more (attention after cached tokens), with the prefix cache two
-        prompts saving states on their way and their next turns' tails after those states, greedy and
-        sampled decoding with logprobs. Leaves no trace: the prefix cache and the counters are as before. Returns
-        the seconds it took."""
+        to max_batch (compiled with K3_COMPILE_DECODE), prefills of one full chunk, of a multiple of 64 tokens, of
+        two short prompts sharing a padded forward and of 16 rows at once where max_batch allows (kernels autotune
+        and specialise per shape), within the context's room a chunk and 64 tokens more (attention after cached
+        tokens), with the prefix cache two prompts saving states on their way and their next turns' tails after
+        those states, greedy and sampled decoding with logprobs. Leaves no trace: the prefix cache and the
+        counters are as before. Returns the seconds it took."""
         start = time.perf_counter()
         if not (self.scheduler.waiting or self.scheduler.running):
             self._land()  # an idle engine's last step in flight holds only finished rows
@@ -683,6 +687,12 @@ class Engine:
         for token, size in enumerate(sorted({length, length // 64 * 64} - {0}, reverse=True)):
             self.complete([[token] * size], greedy)
         self.complete([[2] * min(length, 17), [3] * min(length, 15)], [greedy, sampled])
+        # Triton specialises an integer argument that is a multiple of 16 apart from others, so a forward of 16 rows
+        # (or 32, 48, ...) may run other builds of the kernels than 1 or 2 rows do. (On one H100 the first burst
+        # of 16 prompts after a warm-up without it still compiled: TTFT p50 0.5-1.1 s against 0.2-0.3 after.)
+        if self.max_batch >= WARM_ROWS and WARM_ROW_TOKENS + greedy.max_new_tokens < self.max_context:
+            vocab = self.config.vocab_size
+            self.complete([[(8 + row) % vocab] * WARM_ROW_TOKENS for row in range(WARM_ROWS)], greedy)
         # Attention after cached tokens is a path of its own (a lower-right causal mask, whose first use imports
         # torch._dynamo: a fresh engine's first long prompt took 1.26 s against 0.09 after, debug preset, CPU):
         # a chunk and 64 tokens more, where the context holds it.

@@ -110,6 +110,20 @@ def test_warmup_prefills_a_full_chunk_a_round_length_and_a_padded_pair():
     assert calls == [([0], [125]), ([0], [64]), ([0, 0], [17, 15])]
 
 
+def test_warmup_prefills_sixteen_rows_in_one_forward_where_the_batch_allows():
+    """Triton builds a kernel apart for an integer argument that is a multiple of 16: with max_batch >= 16 the
+    warm-up also runs one forward of 16 rows, so a burst of 16 prompts compiles nothing after ready."""
+    from k3.infer.engine import WARM_ROW_TOKENS, WARM_ROWS, Engine
+
+    model, tokenizer = _tiny()
+    for max_batch, expected in ((16, True), (8, False)):
+        engine = Engine(model, tokenizer, max_context=128, max_batch=max_batch, prefix_cache=False)
+        calls = []
+        spy_prefills(engine, lambda start, end: calls.append((start, end)))
+        engine.warmup()
+        assert (([0] * WARM_ROWS, [WARM_ROW_TOKENS] * WARM_ROWS) in calls) is expected, calls
+
+
 def test_warmup_attends_after_cached_tokens_and_takes_the_prefix_cache_paths():
     """Attention after cached tokens is a path of its own (a lower-right causal mask, whose first use imported
     torch._dynamo: a fresh engine's first long prompt took 1.26 s against 0.09 s on the CPU): the warm-up runs a
