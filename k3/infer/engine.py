@@ -30,7 +30,7 @@ from k3.infer.engine_config import (EngineConfig, default_prefill_chunk, fit_pre
 from k3.kernels import applied as kernels_applied
 from k3.infer.prefix_cache import PrefixCache
 from k3.infer.runner import ModelRunner
-from k3.infer.sampling import SamplingParams, sample_rows
+from k3.infer.sampling import SamplingParams, row_values, sample_rows
 from k3.infer.scheduler import (DECODE, FINISHED, PREFILL, Request, Scheduler, Sequence, pages_for,
                                 prefill_forwards)
 
@@ -340,6 +340,7 @@ class Engine:
         flight = self._in_flight
         plan = self.scheduler.plan()
         if not self._overlappable(plan):
+            # Landing may finish rows of this plan: the plain step plans again after it.
             return self._land() + self._step()
         rows = plan.decodes
         tokens = None
@@ -350,9 +351,7 @@ class Engine:
             where = {id(seq): i for i, seq in enumerate(flight.rows)}
             pairs = [(row, where[id(seq)]) for row, seq in enumerate(rows) if id(seq) in where]
             if pairs:
-                index = torch.tensor(pairs, dtype=torch.long)
-                if self.device.type == "cuda":
-                    index = index.pin_memory().to(self.device, non_blocking=True)
+                index = row_values(pairs, self.device)  # [k, 2] int64: this step's row, the flight's row
                 tokens = (index[:, 0], flight.sampled.tokens[index[:, 1]])
         logits = self.runner.decode(rows, tokens)
         for seq in rows:

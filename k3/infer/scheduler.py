@@ -278,9 +278,12 @@ class Scheduler:
 
     def _fresh(self) -> list[tuple[Request, int]]:
         """Running requests whose prompt has not been in any forward yet, with their first chunk's tokens."""
-        return [(request, request.sequences[0].cuts[0] - request.sequences[0].num_cached) for request in self.running
-                if request.sequences and request.sequences[0].status == PREFILL and request.sequences[0].cuts
-                and request.sequences[0].num_cached < request.sequences[0].cuts[0]]
+        fresh = []
+        for request in self.running:
+            seq = request.sequences[0] if request.sequences else None
+            if seq is not None and seq.status == PREFILL and seq.cuts and seq.num_cached < seq.cuts[0]:
+                fresh.append((request, seq.cuts[0] - seq.num_cached))
+        return fresh
 
     def _gather_deadline(self, fresh: list[tuple[Request, int]], room: int) -> float | None:
         """While new prompts (not yet in any forward) keep arriving, until when their first forwards wait for
