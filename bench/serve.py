@@ -11,9 +11,11 @@ prefix-cache hits). The phases run one after another, never side by side (they w
   server       a `k3 serve`-equivalent subprocess (this script with --serve: the same create_app and
                run_server) unless --url names a running one. An open-loop generator: requests are released
                at --rate per second (default: all at once) with at most C in flight, C in --concurrency;
-               each level sends C x --requests-per-level requests. Streaming with token ids, so every token
-               is timed as the client sees it: output tokens/s over the level's wall time; time to first
-               token (TTFT) and per-output-token time (TPOT, mean gap after the first token), p50 / p99.
+               each level sends C x --requests-per-level requests, from one client process per 16 streams
+               (--client-processes; a client parses every token, and one process fell behind at C=64).
+               Streaming with token ids, so every token is timed as the client sees it: output tokens/s over
+               the level's wall time; time to first token (TTFT) and per-output-token time (TPOT, mean gap
+               after the first token), p50 / p99; the clients' CPU time per token beside the server's.
                The engine's steps, prefill forwards and overlapped steps during each level come from /metrics
                (from Engine.stats() for the in-process rows): fewer, fuller prefill forwards are cheaper.
   one-by-one   the same engine in process, requests one at a time (bench/engine.py's run_load with one
@@ -59,6 +61,12 @@ from k3 import K3ForCausalLM, ModelConfig  # noqa: E402
 from k3.infer import Engine, SamplingParams  # noqa: E402
 
 SIZES = {"debug": (64, 16), "tiny": (256, 32), "small": (1024, 256)}
+# One client process per this many concurrent streams by default: parsing every streamed token costs the client
+# more CPU than the server spends sending it (0.11-0.15 against 0.07-0.09 ms a token, measured on 2 CPU cores),
+# so one client process at C=64 held its requests back and the server was measured against a slow client.
+CLIENT_STREAMS = 16
+CLIENT_START_TIMEOUT_S = 120.0
+CLIENT_LEVEL_TIMEOUT_S = 3600.0
 
 
 class NumberTokenizer:
@@ -294,7 +302,7 @@ async def one_request(http, model: str, prompt: list[int] | dict, new: int) -> d
     chat = isinstance(prompt, dict)
     body = {"model": model, "max_tokens": new, "temperature": 0, "stream": True, "return_token_ids": True,
             **(prompt if chat else {"prompt": prompt})}
-    start = time.perf_counter()
+    start = time.monotonic()  # one clock for every client process of a level
     times: list[float] = []
     async with http.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as response:
         if response.status_code != 200:
@@ -302,19 +310,20 @@ async def one_request(http, model: str, prompt: list[int] | dict, new: int) -> d
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 count = len(json.loads(line[6:])["choices"][0].get("token_ids", []))
-                times += [time.perf_counter()] * count
+                times += [time.monotonic()] * count
     if not times:
         raise RuntimeError("a request returned no tokens")
     tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
     return dict(start=start, end=times[-1], tokens=len(times), ttft=times[0] - start, tpot=tpot)
 
 
-async def load_level(url: str, model: str, prompts: list, new: int, concurrency: int,
-                     rate: float | None) -> dict:
+async def client_requests(url: str, model: str, prompts: list, new: int, concurrency: int,
+                          rate: float | None, seed: int = 0) -> list[dict]:
+    """Each prompt as a streamed request, at most `concurrency` in flight: one dict per request."""
     import httpx
 
     gate = asyncio.Semaphore(concurrency)
-    rng = random.Random(concurrency)
+    rng = random.Random(concurrency + 1000 * seed)
     limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
     async with httpx.AsyncClient(base_url=url, timeout=3600, limits=limits) as http:
         async def gated(prompt):
@@ -326,11 +335,78 @@ async def load_level(url: str, model: str, prompts: list, new: int, concurrency:
             tasks.append(asyncio.create_task(gated(prompt)))
             if rate:
                 await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
+        return list(await asyncio.gather(*tasks))
+
+
+def level_summary(results: list[dict]) -> dict:
     wall = max(r["end"] for r in results) - min(r["start"] for r in results)
     tokens = sum(r["tokens"] for r in results)
     return summary(len(results), tokens, wall, [r["ttft"] for r in results],
                    [r["tpot"] for r in results if r["tokens"] > 1])
+
+
+async def load_level(url: str, model: str, prompts: list, new: int, concurrency: int,
+                     rate: float | None) -> dict:
+    return level_summary(await client_requests(url, model, prompts, new, concurrency, rate))
+
+
+def client_processes_for(concurrency: int, asked: int | None) -> int:
+    """--client-processes, or by default one client process per CLIENT_STREAMS concurrent streams, leaving
+    most cores to the server and its engine (one on a machine of fewer than 8 cores)."""
+    if asked is not None:
+        return max(1, min(asked, concurrency))
+    return max(1, min(-(-concurrency // CLIENT_STREAMS), (os.cpu_count() or 1) // 4))
+
+
+def _client_part(url, model, prompts, new, concurrency, rate, seed, ready, go, results) -> None:
+    """One client process's share of a level (spawned: nothing of the parent's state)."""
+    ready.put(os.getpid())
+    if not go.wait(CLIENT_START_TIMEOUT_S):
+        results.put((seed, None, 0.0))
+        return
+    cpu = time.process_time()
+    done = asyncio.run(client_requests(url, model, prompts, new, concurrency, rate, seed))
+    results.put((seed, done, time.process_time() - cpu))
+
+
+def client_level(url: str, model: str, prompts: list, new: int, concurrency: int, rate: float | None,
+                 processes: int) -> dict:
+    """A level's requests from `processes` client processes (their streams and prompts dealt out evenly, started
+    together), so that the client's own parsing of every streamed token does not hold the server back; the
+    summary over all of them, with the clients' CPU time per output token."""
+    if processes <= 1:
+        cpu = time.process_time()
+        r = asyncio.run(load_level(url, model, prompts, new, concurrency, rate))
+        return {**r, "client_processes": 1,
+                "client_cpu_ms_per_token": (time.process_time() - cpu) * 1e3 / r["output_tokens"]}
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")  # no fork of a process that may hold CUDA or threads
+    ready, results, go = context.Queue(), context.Queue(), context.Event()
+    workers = []
+    for part in range(processes):
+        share = concurrency // processes + (part < concurrency % processes)
+        args = (url, model, prompts[part::processes], new, share, rate / processes if rate else None, part,
+                ready, go, results)
+        workers.append(context.Process(target=_client_part, args=args, daemon=True))
+    try:
+        for worker in workers:
+            worker.start()
+        for _ in workers:
+            ready.get(timeout=CLIENT_START_TIMEOUT_S)
+        go.set()
+        parts = [results.get(timeout=CLIENT_LEVEL_TIMEOUT_S) for _ in workers]
+    finally:
+        for worker in workers:
+            worker.join(10)
+            if worker.is_alive():
+                worker.kill()
+    if any(done is None for _, done, _ in parts):
+        raise RuntimeError("a client process did not start in time")
+    done = [r for _, rows, _ in parts for r in rows]
+    r = level_summary(done)
+    return {**r, "client_processes": processes,
+            "client_cpu_ms_per_token": sum(cpu for _, _, cpu in parts) * 1e3 / r["output_tokens"]}
 
 
 def chat_bodies(count: int, prompt_tokens: int, kind: str, seed: int) -> list[dict]:
@@ -366,7 +442,8 @@ def mixed_levels(args) -> dict:
         asyncio.run(load_level(url, "bench", chat_bodies(2, args.prompt, "plain", 7), 4, 2, None))  # warm-up
         for kind in ["plain", *args.mixed]:
             bodies = chat_bodies(top * args.requests_per_level, args.prompt, kind, 200)
-            levels[kind] = r = asyncio.run(load_level(url, "bench", bodies, args.new, top, args.rate))
+            levels[kind] = r = client_level(url, "bench", bodies, args.new, top, args.rate,
+                                            client_processes_for(top, args.client_processes))
             print(f"chat server ({levels['engine']}) C={top}, {kind}: {r}", flush=True)
     finally:
         process.terminate()
@@ -499,7 +576,8 @@ def server_levels(args, mode: str, vocab: int, results: dict) -> dict:
             cpu = process_cpu_s(process.pid) if process is not None else None
             child_cpu = [process_cpu_s(pid) for pid in children]
             counted = engine_counters(url)
-            r = asyncio.run(load_level(url, model_name, prompts, args.new, concurrency, args.rate))
+            r = client_level(url, model_name, prompts, args.new, concurrency, args.rate,
+                             client_processes_for(concurrency, args.client_processes))
             r.update(counted_since(url, counted))
             if cpu is not None:
                 r["cpu_ms_per_token"] = (process_cpu_s(process.pid) - cpu) * 1e3 / r["output_tokens"]
@@ -563,6 +641,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--requests-per-level", type=int, default=2, help="requests per level = C x this")
     parser.add_argument("--rate", type=float, default=None, help="requests released per second (default: all)")
+    parser.add_argument("--client-processes", type=int, default=None,
+                        help="client processes a level's requests are sent from (default: one per "
+                             f"{CLIENT_STREAMS} concurrent streams, at most a quarter of the cores)")
     parser.add_argument("--baseline-requests", type=int, default=4, help="requests of each one-by-one baseline")
     parser.add_argument("--skip", nargs="*", default=[], choices=["one-by-one", "in-process", "transformers"])
     parser.add_argument("--url", default=None, help="a running k3 serve of the same preset instead of starting one")
@@ -685,12 +766,14 @@ def main() -> None:
                      r["ttft_p50_ms"], r["ttft_p99_ms"], r["tpot_p50_ms"], r["tpot_p99_ms"],
                      f"{r['tpot_p50_ms'] / base['tpot_p50_ms']:.2f}x" if base else "",
                      r.get("cpu_ms_per_token", ""), r.get("engine_process_cpu_ms_per_token", ""),
-                     r.get("steps", ""), r.get("prefill_forwards", ""), r.get("overlapped_steps", "")])
+                     r.get("client_cpu_ms_per_token", ""), r.get("client_processes", ""), r.get("steps", ""),
+                     r.get("prefill_forwards", ""), r.get("overlapped_steps", "")])
     load = f", load average {results['load_average_at_start'][0]:.1f} on {os.cpu_count()} cores" \
         if device.type == "cpu" else ""
     print_table(f"Serving {args.preset} ({args.prompt} in / {args.new} out, {dtype}) on {device_name()}{load}",
                 ["", "requests", "output tok/s", "vs one-by-one", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-                 "TPOT p99 ms", "TPOT vs one-by-one", "CPU ms / token", "engine process CPU ms / token", "steps",
+                 "TPOT p99 ms", "TPOT vs one-by-one", "CPU ms / token", "engine process CPU ms / token",
+                 "client CPU ms / token", "client processes", "steps",
                  "prefill forwards", "overlapped steps"], rows)
     if "fresh" in results:
         fresh = results["fresh"]
