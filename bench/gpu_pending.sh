@@ -41,9 +41,10 @@
 #            then with --overlap-steps (decode steps launched before the previous step's tokens are read;
 #            K3_OVERLAP_ARMS="on off" reverses the order: the first arm compiles what the kernel cache lacks)
 #                                                                              needs 250  -> overlap/
-#   gather   bench/serve.py, engine process, C=16 and 64, with EngineConfig.gather_prompts_ms 0 (the default) and
-#            K3_GATHER_MS (10): a burst's prompts held while more arrive, so that they share prefill forwards; the
-#            table's "prefill forwards" column counts them          needs 230  -> gather/
+#   gather   bench/serve.py, engine process, C=16 and 64, in arms K3_GATHER_ARMS (default "1:0 auto:0 auto:10",
+#            client processes:EngineConfig.gather_prompts_ms): one client process against one per 16 streams (one
+#            fell behind parsing C=64's tokens on a CPU), then a burst's prompts held while more arrive, so that
+#            they share prefill forwards; the table's "prefill forwards" column counts them  needs 230 -> gather/
 #   fresh    bench/serve.py, engine process only (k3 serve's CUDA default): a fresh server's first request (its
 #            own warm-up requests on, the client warmed on a stub), then C=1 and C=16      needs 150  -> fresh/
 #   cache    the kernel cache as it is now, in 9 MiB xz parts under OUT/cache/ (put them in .devcache/ as tc.a?
@@ -52,7 +53,7 @@
 # with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
 # the machine's and pack it into one archive. Three calls cover what is open (steps run in this file's order):
 #   the engine's CUDA tests, given time to compile (at 50, 80 and 170 s the overlapped-steps test was still
-#   compiling Triton kernels on a cold cache), then gathered prompts against none:
+#   compiling Triton kernels on a cold cache), then one client process against several and gathered prompts:
 #   source .devcache/env.sh && K3_ETESTS="overlapped_steps prompt_tails_from padded_prefill_equals" K3_ETEST_S=150 \
 #     K3_ETEST_BLOCKING=0 K3_ETESTS_PACKED=0 bash bench/gpu_pending.sh /tmp/r1 560 etests; tar czf $OUT/r1.tgz -C /tmp r1
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 gather fresh; tar czf "$OUT/r2.tgz" -C /tmp r2
@@ -232,20 +233,26 @@ if run overlap 250; then  # k3 serve's CUDA default (engine process) without, th
     log "overlap $arm: rc $?"
   done
 fi
-if run gather 230; then  # k3 serve (engine process) with new prompts gathered into shared forwards, off then on
+if run gather 230; then  # k3 serve (engine process): one client process then several, new prompts gathered or not
   mkdir -p "$OUT/gather"
   # The arm that ran first in the overlap A/B still compiled during its levels, after its warm-up: say what.
   export TORCH_LOGS=${TORCH_LOGS:-recompiles}
-  for ms in 0 ${K3_GATHER_MS:-10}; do
+  # Arms "client processes:gather ms" (auto: bench/serve.py's default, one client process per 16 streams).
+  for arm in ${K3_GATHER_ARMS:-1:0 auto:0 auto:${K3_GATHER_MS:-10}}; do
+    clients=${arm%%:*}; ms=${arm##*:}
+    client_option=()
+    [ "$clients" != auto ] && client_option=(--client-processes "$clients")
+    name="${clients}_$ms"
     if [ -n "$DRY" ]; then
       timeout 200 python bench/serve.py --preset debug --concurrency 4 --skip transformers one-by-one \
-        --engine-modes process --gather-prompts-ms "$ms" --out "$OUT/gather/serve_$ms.json" > "$OUT/gather/serve_$ms.log" 2>&1
+        --engine-modes process --gather-prompts-ms "$ms" "${client_option[@]}" --out "$OUT/gather/serve_$name.json" \
+        > "$OUT/gather/serve_$name.log" 2>&1
     else
       timeout --kill-after=10 $(( $(left) < 120 ? $(left) - 10 : 110 )) python bench/serve.py --preset small \
-        --concurrency 16 64 --skip transformers --engine-modes process --gather-prompts-ms "$ms" \
-        --out "$OUT/gather/serve_$ms.json" > "$OUT/gather/serve_$ms.log" 2>&1
+        --concurrency 16 64 --skip transformers --engine-modes process --gather-prompts-ms "$ms" "${client_option[@]}" \
+        --out "$OUT/gather/serve_$name.json" > "$OUT/gather/serve_$name.log" 2>&1
     fi
-    log "gather $ms ms: rc $?"
+    log "gather arm $arm (client processes:gather ms): rc $?"
   done
 fi
 if run fresh 150; then  # k3 serve's CUDA default (engine process): a fresh server's first request, C=1 and C=16
