@@ -63,6 +63,9 @@
 # .whl/, so `cache` is for a fresh, smaller cache)
 #   bash bench/gpu_pending.sh OUT 570 --dry-run [STEPS...]   # the logic on the CPU (debug shapes, CUDA tests skip)
 set -u
+# Where the GPU machine's run collects what comes back ($OUT there, before this script names its own folder OUT):
+# after every step the folder so far is packed there, so a run cut short at its time limit still returns its logs.
+RETURN_DIR=${OUT:-}
 OUT=${1:?give the output folder}
 END=${2:-570}
 shift 2 2>/dev/null || shift $#
@@ -73,7 +76,12 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
 left() { echo $((END - SECONDS)); }
-log() { echo "gpu_pending: $* at ${SECONDS} s of ${END}" | tee -a "$OUT/pending.log"; }
+log() {
+  echo "gpu_pending: $* at ${SECONDS} s of ${END}" | tee -a "$OUT/pending.log"
+  if [ -n "$RETURN_DIR" ] && [ -d "$RETURN_DIR" ] && [ "$RETURN_DIR" != "$OUT" ]; then
+    tar czf "$RETURN_DIR/pending_so_far.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" 2>/dev/null || true
+  fi
+}
 # run NAME NEEDS: true if the step was asked for and NEEDS seconds are left; says why not otherwise
 run() {
   [[ "$STEPS" == *" $1 "* ]] || return 1
