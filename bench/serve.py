@@ -62,7 +62,7 @@ from k3.infer import Engine, SamplingParams  # noqa: E402
 
 SIZES = {"debug": (64, 16), "tiny": (256, 32), "small": (1024, 256)}
 # One client process per this many concurrent streams by default: parsing every streamed token costs the client
-# more CPU than the server spends sending it (0.11-0.15 against 0.07-0.09 ms a token, measured on 2 CPU cores),
+# more CPU than the server spends sending it (0.11-0.20 against 0.06-0.11 ms a token, measured on 2 CPU cores),
 # so one client process at C=64 held its requests back and the server was measured against a slow client.
 CLIENT_STREAMS = 16
 CLIENT_START_TIMEOUT_S = 120.0
@@ -359,14 +359,36 @@ def client_processes_for(concurrency: int, asked: int | None) -> int:
 
 
 def _client_part(url, model, prompts, new, concurrency, rate, seed, ready, go, results) -> None:
-    """One client process's share of a level (spawned: nothing of the parent's state)."""
+    """One client process's share of a level (spawned: nothing of the parent's state). Puts (seed, rows or an
+    error's text, CPU seconds)."""
+    asyncio.run(warm_client())  # its first stream's one-off costs (imports, first connection) before the level
     ready.put(os.getpid())
     if not go.wait(CLIENT_START_TIMEOUT_S):
-        results.put((seed, None, 0.0))
+        results.put((seed, "the level did not start in time", 0.0))
         return
     cpu = time.process_time()
-    done = asyncio.run(client_requests(url, model, prompts, new, concurrency, rate, seed))
+    try:
+        done = asyncio.run(client_requests(url, model, prompts, new, concurrency, rate, seed))
+    except Exception as error:  # noqa: BLE001 - the parent reports it
+        done = f"{type(error).__name__}: {error}"
     results.put((seed, done, time.process_time() - cpu))
+
+
+def _collect(queue, workers: list, count: int, timeout_s: float, what: str) -> list:
+    """count items from queue within timeout_s, failing early if a worker died without putting its item."""
+    import queue as queues
+
+    items, deadline = [], time.monotonic() + timeout_s
+    while len(items) < count:
+        try:
+            items.append(queue.get(timeout=1.0))
+        except queues.Empty:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"client processes: {what} took longer than {timeout_s:.0f} s") from None
+            if sum(not w.is_alive() and w.exitcode != 0 for w in workers):
+                raise RuntimeError(f"a client process exited (codes {[w.exitcode for w in workers]}) before "
+                                   f"{what}") from None
+    return items
 
 
 def client_level(url: str, model: str, prompts: list, new: int, concurrency: int, rate: float | None,
@@ -392,19 +414,18 @@ def client_level(url: str, model: str, prompts: list, new: int, concurrency: int
     try:
         for worker in workers:
             worker.start()
-        for _ in workers:
-            ready.get(timeout=CLIENT_START_TIMEOUT_S)
+        _collect(ready, workers, processes, CLIENT_START_TIMEOUT_S, "starting")
         go.set()
-        parts = [results.get(timeout=CLIENT_LEVEL_TIMEOUT_S) for _ in workers]
+        parts = _collect(results, workers, processes, CLIENT_LEVEL_TIMEOUT_S, "the level")
     finally:
         for worker in workers:
             worker.join(10)
             if worker.is_alive():
                 worker.kill()
-    if any(done is None for _, done, _ in parts):
-        raise RuntimeError("a client process did not start in time")
-    done = [r for _, rows, _ in parts for r in rows]
-    r = level_summary(done)
+    failed = [rows for _, rows, _ in parts if isinstance(rows, str)]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {processes} client processes failed: {failed[0]}")
+    r = level_summary([row for _, rows, _ in parts for row in rows])
     return {**r, "client_processes": processes,
             "client_cpu_ms_per_token": sum(cpu for _, _, cpu in parts) * 1e3 / r["output_tokens"]}
 

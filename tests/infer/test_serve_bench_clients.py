@@ -22,8 +22,8 @@ def serve_bench(monkeypatch):
 
 @pytest.fixture
 def stub_stream_server():
-    """An HTTP server on a thread of its own answering every POST with three streamed tokens; its URL, and the
-    number of requests it answered."""
+    """An HTTP server on a thread of its own answering every POST with three streamed tokens (or, once
+    `answered` holds "fail", with HTTP 500); its URL, and the requests it answered."""
     answered = []
     ready = threading.Event()
     holder = {}
@@ -33,6 +33,11 @@ def stub_stream_server():
         length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
                        if line.lower().startswith(b"content-length:")), 0)
         await reader.readexactly(length)
+        if "fail" in answered:
+            writer.write(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 4\r\nConnection: close\r\n\r\noops")
+            await writer.drain()
+            writer.close()
+            return
         answered.append(1)
         events = b"".join(b'data: {"choices": [{"token_ids": [%d]}]}\n\n' % t for t in (1, 2, 3)) + b"data: [DONE]\n\n"
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
@@ -67,6 +72,13 @@ def test_a_level_from_two_client_processes_counts_every_request_once(serve_bench
     assert r["seconds"] > 0 and r["client_cpu_ms_per_token"] > 0
     one = serve_bench.client_level(url, "stub", prompts[:3], 3, 2, None, processes=1)
     assert one["requests"] == 3 and one["client_processes"] == 1 and len(answered) == 10
+
+
+def test_a_failing_client_process_fails_the_level_at_once(serve_bench, stub_stream_server):
+    url, answered = stub_stream_server
+    answered.append("fail")
+    with pytest.raises(RuntimeError, match="2 of 2 client processes failed: RuntimeError: HTTP 500"):
+        serve_bench.client_level(url, "stub", [[1], [2], [3], [4]], 3, 2, None, processes=2)
 
 
 def test_client_processes_follow_concurrency_and_cores(serve_bench, monkeypatch):
