@@ -51,12 +51,15 @@
 #            in place of the old ones: the next call's first step then compiles nothing new)   needs 40
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
-# the machine's and pack it into one archive. Three calls cover what is open (steps run in this file's order):
+# the machine's and pack it into one archive (and the steps so far are packed into the machine's return folder after
+# each step). Three calls cover what is open (steps run in this file's order), most decisive first:
+#   one client process against one per 16 streams, then gathered prompts on top (k3 serve at C=64 against the
+#   engine in process: the target is 90%, 85% with one client process):
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 345 gather; tar czf "$OUT/r2.tgz" -C /tmp r2
 #   the engine's CUDA tests, given time to compile (at 50, 80 and 170 s the overlapped-steps test was still
-#   compiling Triton kernels on a cold cache), then one client process against several and gathered prompts:
+#   compiling Triton kernels on a cold cache):
 #   source .devcache/env.sh && K3_ETESTS="overlapped_steps prompt_tails_from padded_prefill_equals" K3_ETEST_S=150 \
 #     K3_ETEST_BLOCKING=0 K3_ETESTS_PACKED=0 bash bench/gpu_pending.sh /tmp/r1 560 etests; tar czf $OUT/r1.tgz -C /tmp r1
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 560 gather fresh; tar czf "$OUT/r2.tgz" -C /tmp r2
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 varlen traffic; tar czf "$OUT/r3.tgz" -C /tmp r3
 # and, time left, `flat qb` or `long rweights` (measured on 2026-12-07: re-runs).
 # (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
