@@ -78,6 +78,8 @@ STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic s
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
+KCACHE=${K3_KCACHE:-/tmp/kcache}  # where .devcache/env.sh restored the kernel cache
+STARTED=$(mktemp)  # what the cache gains after this (its restored files keep their archived times) is new
 left() { echo $((END - SECONDS)); }
 log() {
   echo "gpu_pending: $* at ${SECONDS} s of ${END}" | tee -a "$OUT/pending.log"
@@ -285,4 +287,15 @@ if run cache 40; then
     log "cache: no kernel cache at /tmp/kcache (source .devcache/env.sh first); skipped"
   fi
 fi
+# The kernels this run compiled that the restored cache lacked, packed apart (a few MB, where the whole cache is too
+# large to come back): `bash bench/kernel_cache_merge.sh OUT/kernels_new.tar.xz` adds them to .devcache/.
+if [ -d "$KCACHE" ]; then
+  new=$(cd "$KCACHE" && find . -type f -newer "$STARTED" | wc -l)
+  if [ "$new" -gt 0 ]; then
+    (cd "$KCACHE" && find . -type f -newer "$STARTED" -print0 | tar --null -cf - -T - | xz -T0 -6) \
+      > "$OUT/kernels_new.tar.xz"
+    log "new kernels: $new files, $(du -h "$OUT/kernels_new.tar.xz" | cut -f1) in OUT/kernels_new.tar.xz"
+  fi
+fi
+rm -f "$STARTED"
 log "done"
