@@ -52,7 +52,8 @@
 # The server steps need the serving wheels: run `bash bench/gpu_wheels.sh` here before the call (they go in .whl/
 # with fla's; the GPU image has no FastAPI). A call brings back only a few files from OUT, so write to a folder of
 # the machine's and pack it into one archive (and the steps so far are packed into the machine's return folder after
-# each step). Three calls cover what is open (steps run in this file's order), most decisive first:
+# each step; OUT/kernels_new.tar.xz holds the kernels it compiled: `bash bench/kernel_cache_merge.sh` adds them to
+# .devcache/). Three calls cover what is open (steps run in this file's order), most decisive first:
 #   one client process against one per 16 streams, then gathered prompts on top (k3 serve at C=64 against the
 #   engine in process: the target is 90%, 85% with one client process):
 #   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r2 345 gather; tar czf "$OUT/r2.tgz" -C /tmp r2
