@@ -291,12 +291,12 @@ fi
 # The kernels this run compiled that the restored cache lacked, packed apart (a few MB, where the whole cache is too
 # large to come back): `bash bench/kernel_cache_merge.sh OUT/kernels_new.tar.xz` adds them to .devcache/.
 if [ -d "$KCACHE" ]; then
-  new=$(cd "$KCACHE" && find . -type f -newer "$STARTED" | wc -l)
+  (cd "$KCACHE" && find . -type f -newer "$STARTED" -print0) > "$STARTED.list"
+  new=$(tr -cd '\0' < "$STARTED.list" | wc -c)
   if [ "$new" -gt 0 ]; then
-    (cd "$KCACHE" && find . -type f -newer "$STARTED" -print0 | tar --null -cf - -T - | xz -T0 -6) \
-      > "$OUT/kernels_new.tar.xz"
+    (cd "$KCACHE" && tar --null -cf - -T "$STARTED.list" | xz -T0 -6) > "$OUT/kernels_new.tar.xz"
     log "new kernels: $new files, $(du -h "$OUT/kernels_new.tar.xz" | cut -f1) in OUT/kernels_new.tar.xz"
   fi
 fi
-rm -f "$STARTED"
+rm -f "$STARTED" "$STARTED.list"
 log "done"

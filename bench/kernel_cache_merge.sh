@@ -23,7 +23,7 @@ done
 after=$(find "$work/tree" -type f | wc -l)
 (cd "$work/tree" && tar -cf - . | xz -T0 -6 | split -b 9m - "$work/parts/tc.")
 new_bytes=$(cat "$work/parts"/tc.* | wc -c)
-whl_bytes=$( (cat "$top"/.whl/* 2>/dev/null || true) | wc -c)
+whl_bytes=$(du -cb "$top"/.whl 2>/dev/null | tail -1 | cut -f1)
 total_mib=$(( (new_bytes + whl_bytes) / 1048576 ))
 echo "cache files: $before -> $after; packed $(( new_bytes / 1048576 )) MiB, with .whl/ $total_mib MiB (limit $limit_mib)"
 if [ "$total_mib" -ge "$limit_mib" ]; then

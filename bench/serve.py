@@ -385,7 +385,7 @@ def _collect(queue, workers: list, count: int, timeout_s: float, what: str) -> l
         except queues.Empty:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"client processes: {what} took longer than {timeout_s:.0f} s") from None
-            if sum(not w.is_alive() and w.exitcode != 0 for w in workers):
+            if any(not w.is_alive() and w.exitcode != 0 for w in workers):
                 raise RuntimeError(f"a client process exited (codes {[w.exitcode for w in workers]}) before "
                                    f"{what}") from None
     return items
