@@ -40,7 +40,7 @@ from k3 import K3ForCausalLM, ModelConfig
 from k3.ops.glu import glu_activation
 from k3 import kernels
 from k3.ops.attn_res import attn_res_mix
-from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_backend
+from k3.ops.kda import chunk_kda, fused_recurrent_kda, kda_backend, training_options
 from k3.ops.moe import count_per_expert, run_experts
 from k3.ops.moe_combine import weighted_sum_over_k
 from k3.ops.norm import rms_norm
@@ -101,7 +101,8 @@ def compare(name: str, fast: list[torch.Tensor], twin: list[torch.Tensor], label
         rows.append([name, label, err, tol, "ok" if err <= tol else "FAIL"])
 
 
-def check_kda_chunk(device, rows) -> None:
+def kda_chunk_case(device):
+    """Packed documents at `small`'s KDA head shape: run(**options) -> [o, final state, every gradient]."""
     torch.manual_seed(1)
     lens = [63, 500, 1000, 1537]
     total, H, K = sum(lens), 8, 128  # the `small` preset's head shape: fla tunes its kernels once for all runs
@@ -114,17 +115,40 @@ def check_kda_chunk(device, rows) -> None:
     h0 = torch.randn(len(lens), H, K, K, device=device)
     leaves = [t.requires_grad_() for t in (q, k, v, raw_g, beta_logits)] + [A_log, dt_bias, h0.requires_grad_()]
 
-    def run():
+    def run(**options):
         o, ht = chunk_kda(q, k, v, raw_g, beta_logits, initial_state=h0, output_final_state=True,
                           use_qk_l2norm_in_kernel=True, cu_seqlens=cu, use_gate_in_kernel=True, A_log=A_log,
-                          dt_bias=dt_bias, lower_bound=-5.0, safe_gate=True, use_beta_sigmoid_in_kernel=True)
+                          dt_bias=dt_bias, lower_bound=-5.0, safe_gate=True, use_beta_sigmoid_in_kernel=True,
+                          **options)
         return [o, ht] + grads_of([o, ht], leaves, seed=2)
 
+    return run, q
+
+
+KDA_LABELS = ["o", "final_state", "dq", "dk", "dv", "dg_raw", "dbeta", "dA_log", "ddt_bias", "dh0"]
+
+
+def check_kda_chunk(device, rows) -> None:
+    run, q = kda_chunk_case(device)
     fast = run()
     with twins(True):
         twin = run()
-    labels = ["o", "final_state", "dq", "dk", "dv", "dg_raw", "dbeta", "dA_log", "ddt_bias", "dh0"]
-    compare(f"kda_chunk[{kda_backend(q)}]", fast, twin, labels, BF16_TOL, rows)
+    compare(f"kda_chunk[{kda_backend(q)}]", fast, twin, KDA_LABELS, BF16_TOL, rows)
+
+
+def check_kda_options(device, rows) -> None:
+    """fla's training options (k3.ops.kda.training_options): the forward's intermediates kept for the backward
+    must give what recomputing them gives (the same kernels: 1e-3), chunks of 32 what the twin gives."""
+    run, q = kda_chunk_case(device)
+    recomputed = run()
+    for switches, reference, tol in ((dict(kda_keep="1"), recomputed, 1e-3), (dict(kda_chunk="32"), None, BF16_TOL)):
+        with kernels.use(**switches):
+            options = training_options()
+        if reference is None:
+            with twins(True):
+                reference = run()
+        name = ",".join(f"{key}={value}" for key, value in switches.items())
+        compare(f"kda_options[{name}][{kda_backend(q)}]", run(**options), reference, KDA_LABELS, tol, rows)
 
 
 def check_kda_recurrent(device, rows) -> None:
@@ -604,7 +628,7 @@ def check_graphed_documents(device, rows) -> None:
                      "ok" if errors[worst] <= BF16_TOL else "FAIL"])
 
 
-CHECKS = [check_kda_chunk, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_glu,
+CHECKS = [check_kda_chunk, check_kda_options, check_kda_recurrent, check_moe, check_attn_res, check_rms_norm, check_glu,
           check_router_logits, check_moe_combine, check_short_conv, check_adamw, check_master_adamw, check_mla_flash,
           check_model,
           check_static_decode, check_graphed_documents]

@@ -21,6 +21,11 @@
 #            router's gate weights as 2 kernels: 210 launches fewer a step by bench/launch_census.py), then
 #            vector_grads=triton (its row loop now tiled; the loop made the step 4.5% slower)
 #                                                                              needs 235   -> rweights_*.{json,log}
+#   kdaopts  fla's KDA options for training (k3.ops.kda.training_options, off until measured): bench/kda.py at
+#            `small`'s shape (the op with its intermediates kept, with chunks of 32, both; their peak memory), the
+#            exactness check (bench/gpu_check.py kda_options), then bench/train.py's best step in arms
+#            K3_KDAOPTS_ARMS (default "default kda_keep=1 kda_chunk=32")
+#                                                                              needs 300  -> kdaopts/
 #   varlen   the packed documents' attention in training as flash varlen (K3_PACKED_ATTENTION, off by default until
 #            measured): tests/ops/test_packed_attention.py's CUDA tests, then the default `k3 train` step (part b of
 #            bench/train_default_gpu.py, 150 steps) with torch's masked attention and with varlen
@@ -61,8 +66,9 @@
 #   compiling Triton kernels on a cold cache):
 #   source .devcache/env.sh && K3_ETESTS="overlapped_steps prompt_tails_from padded_prefill_equals" K3_ETEST_S=150 \
 #     K3_ETEST_BLOCKING=0 K3_ETESTS_PACKED=0 bash bench/gpu_pending.sh /tmp/r1 560 etests; tar czf $OUT/r1.tgz -C /tmp r1
-#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 varlen traffic; tar czf "$OUT/r3.tgz" -C /tmp r3
-# and, time left, `flat qb` or `long rweights` (measured on 2026-12-07: re-runs).
+#   the training step's untimed levers (#51): fla's KDA options, then varlen attention for packed documents:
+#   source .devcache/env.sh && bash bench/gpu_pending.sh /tmp/r3 560 kdaopts varlen; tar czf "$OUT/r3.tgz" -C /tmp r3
+# and, time left, `traffic`, `flat qb` or `long rweights` (measured on 2026-12-07: re-runs).
 # (the whole kernel cache after a day's compiles was 58 MB in xz: more than a call can carry beside the tree and
 # .whl/, so `cache` is for a fresh, smaller cache)
 #   bash bench/gpu_pending.sh OUT 570 --dry-run [STEPS...]   # the logic on the CPU (debug shapes, CUDA tests skip)
@@ -75,7 +81,7 @@ END=${2:-570}
 shift 2 2>/dev/null || shift $#
 DRY=""
 if [ "${1:-}" = "--dry-run" ]; then DRY=--dry-run; shift; fi
-STEPS=" ${*:-tests varlen prefill serve compiled long rweights flat qb traffic steps first decode etests overlap gather fresh} "
+STEPS=" ${*:-tests varlen prefill serve compiled long rweights kdaopts flat qb traffic steps first decode etests overlap gather fresh} "
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 export PYTHONUNBUFFERED=1
@@ -143,6 +149,28 @@ if run rweights 235; then
       timeout --kill-after=5 75 python bench/train.py --variants k3-small-graphed-step --steps 6 \
         ${kernels[@]+"${kernels[@]}"} --out "$OUT/rweights_$name.json" > "$OUT/rweights_$name.log" 2>&1
       log "rweights $switch: rc $?"
+    done
+  fi
+fi
+if run kdaopts 300; then  # fla's KDA training options: the op, its exactness, the step in arms
+  mkdir -p "$OUT/kdaopts"
+  if [ -n "$DRY" ]; then
+    timeout 120 python bench/gpu_check.py --device cpu --checks kda_options > "$OUT/kdaopts/check.log" 2>&1
+    log "kdaopts check (CPU twins): rc $?; bench/kda.py and bench/train.py need CUDA"
+  else
+    timeout --kill-after=5 100 python bench/kda.py --shapes 4x4096 --heads 8 --dim 128 --hidden 1024 \
+      --out "$OUT/kdaopts/kda.json" > "$OUT/kdaopts/kda.log" 2>&1
+    log "kdaopts kda.py: rc $?"
+    timeout --kill-after=5 60 python bench/gpu_check.py --checks kda_chunk kda_options \
+      --out "$OUT/kdaopts/check.json" > "$OUT/kdaopts/check.log" 2>&1
+    log "kdaopts check: rc $?"
+    for switch in ${K3_KDAOPTS_ARMS:-default kda_keep=1 kda_chunk=32}; do
+      [ "$(left)" -lt 70 ] && { log "kdaopts $switch skipped: $(left) s left"; continue; }
+      name=${switch//[=,]/_}
+      kernels=(); [ "$switch" != default ] && kernels=(--kernels "$switch")
+      timeout --kill-after=5 75 python bench/train.py --variants k3-small-graphed-step --steps 6 \
+        ${kernels[@]+"${kernels[@]}"} --out "$OUT/kdaopts/train_$name.json" > "$OUT/kdaopts/train_$name.log" 2>&1
+      log "kdaopts step $switch: rc $?"
     done
   fi
 fi

@@ -9,6 +9,10 @@ Rows per shape (B x T), forward (no grad) and forward+backward, median ms over r
   k3 KDA layer          k3.layers.kda.KimiDeltaAttention at the same widths (low-rank output gate like fla's)
   k3 layer, unfused     the same with K3_FUSED_BACKEND=torch (PyTorch short conv and gated norm: the layer
                         before fla's fused kernels), for the before/after in one run
+  k3 op keep / c32 / keep+c32   the op with fla's training options (k3.ops.kda.training_options): the forward's
+                        intermediates kept for the backward (K3_KDA_KEEP_INTERMEDIATES=1), chunks of 32
+                        (K3_KDA_CHUNK=32), both; with their peak memory. `small`'s shape: --shapes 4x4096 --heads 8
+                        --hidden 1024
 Ratios: op vs bare kernel, k3 layer vs fla layer ("layer overhead"), and each layer vs the bare kernel.
 """
 
@@ -20,10 +24,11 @@ import torch
 
 from common import device_name, print_table, reset_peak_memory, time_ms, write_json
 
+from k3 import kernels
 from k3.config import ModelConfig
 from k3.layers.kda import KimiDeltaAttention
 from k3.ops.fused_backend import set_fused_backend
-from k3.ops.kda import chunk_kda, kda_backend, kda_gate
+from k3.ops.kda import chunk_kda, kda_backend, kda_gate, training_options
 
 LOWER_BOUND = -5.0
 
@@ -46,11 +51,16 @@ def run_bare(fla_chunk, x: dict, backward: bool):
         o.backward(torch.ones_like(o))
 
 
-def run_op(x: dict, backward: bool):
+# The op's variants with fla's training options, as k3.ops.kda.training_options gives them under each switch.
+OPTION_VARIANTS = {"op_keep": dict(kda_keep="1"), "op_c32": dict(kda_chunk="32"),
+                   "op_keep_c32": dict(kda_keep="1", kda_chunk="32")}
+
+
+def run_op(x: dict, backward: bool, options: dict | None = None):
     leaves = [x[n].requires_grad_(backward) for n in ("q", "k", "v", "raw_gate", "beta_logits")]
     o, _ = chunk_kda(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], use_qk_l2norm_in_kernel=True,
                      use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"], lower_bound=LOWER_BOUND,
-                     safe_gate=True, use_beta_sigmoid_in_kernel=True)
+                     safe_gate=True, use_beta_sigmoid_in_kernel=True, **(options or {}))
     if backward:
         o.backward(torch.ones_like(o))
 
@@ -98,27 +108,36 @@ def main() -> None:
             mode = "fwd+bwd" if backward else "fwd"
             hidden.requires_grad_(backward)
             with torch.set_grad_enabled(backward):
-                timings = {}
-                for name, fn in [("bare", lambda: run_bare(fla_chunk, x, backward)),
-                                 ("op", lambda: run_op(x, backward)),
-                                 ("fla_layer", lambda: run_layer(theirs, hidden, backward, True)),
-                                 ("k3_layer", lambda: run_layer(ours, hidden, backward, False)),
-                                 ("k3_unfused", lambda: run_layer(ours, hidden, backward, False, True))]:
+                timings, peaks = {}, {}
+                variants = [("bare", lambda: run_bare(fla_chunk, x, backward)),
+                            ("op", lambda: run_op(x, backward)),
+                            ("fla_layer", lambda: run_layer(theirs, hidden, backward, True)),
+                            ("k3_layer", lambda: run_layer(ours, hidden, backward, False)),
+                            ("k3_unfused", lambda: run_layer(ours, hidden, backward, False, True))]
+                for name, switches in OPTION_VARIANTS.items():
+                    with kernels.use(**switches):
+                        options = training_options()
+                    variants.append((name, lambda options=options: run_op(x, backward, options)))
+                for name, fn in variants:
                     reset_peak_memory()
                     timings[name] = time_ms(fn, warmup=3, repeats=args.repeats)
+                    peaks[name] = torch.cuda.max_memory_allocated() / 2**30
             r = dict(B=B, T=T, mode=mode, **{f"{k}_ms": v for k, v in timings.items()},
+                     **{f"{k}_peak_gib": v for k, v in peaks.items()},
                      op_overhead=timings["op"] / timings["bare"] - 1,
                      layer_overhead_vs_fla_layer=timings["k3_layer"] / timings["fla_layer"] - 1,
                      k3_layer_vs_bare=timings["k3_layer"] / timings["bare"],
                      fla_layer_vs_bare=timings["fla_layer"] / timings["bare"])
             results.append(r)
             rows.append([f"{B}x{T}", mode, timings["bare"], timings["op"], timings["fla_layer"], timings["k3_layer"],
-                         timings["k3_unfused"],
+                         timings["k3_unfused"], *(timings[name] for name in OPTION_VARIANTS),
+                         *(f"{peaks[name] - peaks['op']:+.2f}" for name in OPTION_VARIANTS),
                          f"{100 * r['op_overhead']:+.1f}%", f"{100 * r['layer_overhead_vs_fla_layer']:+.1f}%",
                          f"{r['k3_layer_vs_bare']:.2f}x", f"{r['fla_layer_vs_bare']:.2f}x"])
             print(rows[-1], flush=True)
     print_table(f"KDA: k3 vs fla on {device_name()} (ms, median of {args.repeats})",
-                ["BxT", "mode", "fla kernel", "k3 op", "fla layer", "k3 layer", "k3 unfused", "op ovh", "layer ovh vs fla layer",
+                ["BxT", "mode", "fla kernel", "k3 op", "fla layer", "k3 layer", "k3 unfused", "op keep", "op c32",
+                 "op keep+c32", "keep GiB+", "c32 GiB+", "keep+c32 GiB+", "op ovh", "layer ovh vs fla layer",
                  "k3 layer/kernel", "fla layer/kernel"], rows)
     write_json(args.out, {"bench": "kda", "heads": H, "dim": D, "hidden": args.hidden, "results": results})
 

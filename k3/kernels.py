@@ -76,11 +76,18 @@ _R17 = ("round-seventeen-fewer-gradient-additions-in-the-training-step-every-row
         "one-h100")
 _DECODE5 = "decode-round-five-router-kernel-experts-in-pair-order-skinny-projections-one-h200"
 _DECODE6 = "decode-round-six-norms-and-router-logits-left-to-inductor-one-h200"
+_KDA_TRAIN = "2026-12-07-night-later-flas-kda-options-for-training-intermediates-kept-chunks-of-32-not-yet-timed"
 
 SWITCHES: dict[str, Switch] = {s.name: s for s in (
     Switch("kda", "K3_KDA_BACKEND", ("auto", "torch", "fla"), "auto",
            "KDA's chunked and recurrent scans: fla's Triton kernels on CUDA, k3/ops/kda's PyTorch scans elsewhere",
            _R17),
+    _flag("kda_keep", "K3_KDA_KEEP_INTERMEDIATES", "0",
+          "training keeps fla's KDA intermediates for the backward, not recomputed: ~3.7 ms of kernels, untimed",
+          _KDA_TRAIN),
+    Switch("kda_chunk", "K3_KDA_CHUNK", ("64", "32"), "64",
+           "fla's KDA chunk length in training: 64 (fla's default) or 32, untimed for `small`", _KDA_TRAIN,
+           reference=None),
     Switch("kda_launch", "K3_KDA_RECURRENT_LAUNCH", ("auto", "fla"), "auto",
            "in-place decode launch of fla's recurrent KDA kernel: k3's blocks beat fla's launcher 27.5 -> 22.4 us",
            _R12, reference=None, pattern=r"\d+,\d+,\d+"),

@@ -73,7 +73,7 @@ def test_every_k3_variable_named_in_the_package_is_declared_in_the_registry():
     undeclared = {name: where for name, where in named.items() if name not in declared | edge | identifiers}
     assert not undeclared, f"K3_ variables named outside k3/kernels.py's registry: {undeclared}"
     assert {"K3_MOE_BACKEND", "K3_ATTN_RES_ACCUMULATE", "K3_AUTOTUNE_CONFIGS"} <= set(named)  # the scan sees them
-    assert len(kernels.SWITCHES) == 25 and len({s.env for s in kernels.SWITCHES.values()}) == 25
+    assert len(kernels.SWITCHES) == 27 and len({s.env for s in kernels.SWITCHES.values()}) == 27
 
 
 def test_only_the_registry_torchrun_sandbox_paths_and_the_cli_read_the_environment():
@@ -160,8 +160,8 @@ def test_reference_selects_every_twin_and_then_restores():
     with kernels.reference():
         chosen = {s.name: kernels.choice(s.name) for s in kernels.SWITCHES.values()}
         assert fused_backend() == "torch" and attn_res_backend() == "torch"
-    assert chosen["kda_launch"] == "auto"  # a launch shape, no twin
-    assert {name: value for name, value in chosen.items() if name != "kda_launch"} == {
+    assert chosen["kda_launch"] == "auto" and chosen["kda_chunk"] == "64"  # tuning knobs, no twin: left as they are
+    assert {name: value for name, value in chosen.items() if kernels.SWITCHES[name].reference is not None} == {
         s.name: s.reference for s in kernels.SWITCHES.values() if s.reference is not None}
     assert chosen["join_projections"] == chosen["attn_res_accumulate"] == chosen["compile_decode"] == "0"
     assert all(kernels.source(name) == "default" for name in kernels.SWITCHES)

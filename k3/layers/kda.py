@@ -20,7 +20,7 @@ from k3.layers.norm import GatedRMSNorm
 from k3.layers.fused_weights import Group, fused, linear_group
 from k3.ops.conv_step_triton import short_conv_step_inplace
 from k3.ops.linear_triton import project
-from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace
+from k3.ops.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_inplace, training_options
 from k3.ops.short_conv import short_conv, short_conv_parts
 
 # A padded token's beta and decay-gate logit: sigmoid and softplus of it are 0 in fp32 and bf16 (no write, no decay).
@@ -154,10 +154,11 @@ class KimiDeltaAttention(nn.Module):
         else:
             state = cache.state if cache is not None else None
             kernel = fused_recurrent_kda if recurrent else chunk_kda
+            trained = training_options() if kernel is chunk_kda and torch.is_grad_enabled() else {}
             o, new_state = kernel(q.view(shape), k.view(shape), v.view(shape), raw_gate, beta_logits,
                                   initial_state=state, output_final_state=cache is not None,
                                   use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens, **self.gate_kwargs(),
-                                  **packed_kwargs)
+                                  **packed_kwargs, **trained)
             if cache is not None:
                 cache.update(new_state, new_tails)
         gate = g_in if hasattr(self, "g_proj") else project(self.g_b_proj, g_in)

@@ -35,6 +35,7 @@ __all__ = [
     "kda_gate",
     "set_kda_backend",
     "kda_backend",
+    "training_options",
 ]
 
 _ENV = kernels.SWITCHES["kda"].env
@@ -103,6 +104,20 @@ def _use_fla(x: torch.Tensor) -> bool:
         raise RuntimeError(f"KDA backend 'fla' forced but the inputs are on {x.device}; fla's kernels need CUDA "
                            f"tensors (set {_ENV}=auto or torch for other devices)")
     return True
+
+
+def training_options() -> dict:
+    """fla keywords for a chunked KDA call that autograd will differentiate: keep the forward's intermediates for
+    the backward (fla's disable_recompute; K3_KDA_KEEP_INTERMEDIATES=1) where fla would recompute them (the gate's
+    cumsum, w and u, the chunk states h), and the chunk length (K3_KDA_CHUNK; fla takes 32 or 64). Neither changes
+    the result, so the PyTorch twins accept and ignore them (k3.ops.kda.utils)."""
+    options = {}
+    if kernels.enabled("kda_keep"):
+        options["disable_recompute"] = True
+    chunk = int(kernels.choice("kda_chunk"))
+    if chunk != 64:
+        options["chunk_size"] = chunk
+    return options
 
 
 # fla's keyword options that the custom ops below carry; a call with any other keyword takes fla directly.
