@@ -164,6 +164,9 @@ if run kdaopts 300; then  # fla's KDA training options: the op, its exactness, t
     timeout --kill-after=5 60 python bench/gpu_check.py --checks kda_chunk kda_options \
       --out "$OUT/kdaopts/check.json" > "$OUT/kdaopts/check.log" 2>&1
     log "kdaopts check: rc $?"
+    timeout --kill-after=5 40 python -m pytest -v -p no:cacheprovider tests/ops/test_kda_training_options.py \
+      > "$OUT/kdaopts/tests.log" 2>&1
+    log "kdaopts tests: rc $?"
     for switch in ${K3_KDAOPTS_ARMS:-default kda_keep=1 kda_chunk=32}; do
       [ "$(left)" -lt 70 ] && { log "kdaopts $switch skipped: $(left) s left"; continue; }
       name=${switch//[=,]/_}

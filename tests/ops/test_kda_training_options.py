@@ -63,3 +63,31 @@ def test_training_calls_carry_the_options_and_inference_calls_do_not(monkeypatch
         assert seen == [{}, {"disable_recompute": True, "chunk_size": 32}, {}]
         for a, b in zip(plain, kept):  # the twin behind the stand-in ignores both options
             assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and fla")
+def test_kept_intermediates_give_the_recomputed_gradients_cuda():
+    """fla's chunk_kda with its forward's intermediates kept (disable_recompute) against recomputing them, through
+    the KDA layer at `small`'s head shape in bf16 with packed documents: the same kernels, so within 1e-3."""
+    from k3.ops.kda import _use_fla
+    torch.manual_seed(6)
+    config = ModelConfig.from_preset("small", num_layers=1, full_attn_layers=[])
+    layer = KimiDeltaAttention(config, 0).cuda()
+    layer.reset_gate_parameters()
+    layer = layer.bfloat16()
+    x = torch.randn(1, 1024, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu_seqlens = torch.tensor([0, 300, 700, 1024], device="cuda")
+    position_in_doc = torch.cat([torch.arange(n, device="cuda") for n in (300, 400, 324)])
+    assert _use_fla(x)
+
+    def run():
+        y = layer(x, cu_seqlens=cu_seqlens, position_in_doc=position_in_doc)
+        weights = torch.linspace(-1, 1, y.shape[-1], device="cuda", dtype=y.dtype)
+        return [y, *torch.autograd.grad((y.float() * weights).sum(), [x, *layer.parameters()])]
+
+    recomputed = run()
+    with kernels.use(kda_keep="1"):
+        kept = run()
+    for a, b in zip(kept, recomputed):
+        err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+        assert err < 1e-3, err
