@@ -116,6 +116,9 @@ class StubEngine:
     def warmup(self) -> float:
         return 0.0  # nothing to compile
 
+    def gather_wait_s(self) -> float:
+        return 0.0  # prompts start at the next step: nothing to gather
+
     def check_prompt(self, ids, params, name: str = "the prompt") -> None:
         if not ids:
             raise ValueError(f"{name} is empty")

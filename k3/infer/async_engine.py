@@ -164,7 +164,7 @@ class AsyncEngine(EventStreams):
                 with self._count_lock:  # the snapshot and the inbox count change together
                     self._stats = stats
                     self._queued -= moved
-            gathering = busy and not events and getattr(self.engine, "gather_wait_s", lambda: 0.0)()
+            gathering = busy and not events and self.engine.gather_wait_s()
             if not busy or gathering:  # idle, or new prompts waiting for more to arrive (woken by each one)
                 self._wakeup.wait(min(gathering or self.idle_wait_s, self.idle_wait_s))
                 self._wakeup.clear()
