@@ -21,6 +21,7 @@ set -u
 FILES=(
   tests/ops/test_kda.py
   tests/ops/test_kda_layer_ops.py
+  tests/ops/test_kda_training_options.py
   tests/layers/test_kda_inplace_state.py
   tests/train/test_graphed_step.py
   tests/train/test_trainer.py
