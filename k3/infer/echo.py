@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable
 
+from k3.infer.protocol import reported_logprob
+
 
 async def score_prompts(async_engine, prompts: list[list[int]], top_k: int) -> list:
     """engine.score of every prompt from its second token -> list of k3.infer.engine.ScoreOutput."""
@@ -21,10 +23,10 @@ def prompt_logprobs(ids: list[int], scored, top: int, token_text: Callable[[int]
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    tops = [None] + [{token_text(t): lp for t, lp in row[:top]} for row in (scored.top_logprobs or
-                                                                           [[] for _ in scored.logprobs])]
-    return {"tokens": tokens, "token_logprobs": [None] + list(scored.logprobs), "top_logprobs": tops,
-            "text_offset": offsets}
+    tops = [None] + [{token_text(t): reported_logprob(lp) for t, lp in row[:top]}
+                     for row in (scored.top_logprobs or [[] for _ in scored.logprobs])]
+    return {"tokens": tokens, "token_logprobs": [None] + [reported_logprob(lp) for lp in scored.logprobs],
+            "top_logprobs": tops, "text_offset": offsets}
 
 
 def join_logprobs(prompt: dict[str, Any] | None, completion: dict[str, Any] | None, shift: int) -> dict | None:

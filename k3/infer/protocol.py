@@ -56,6 +56,12 @@ MAX_N = 64
 SEED_RANGE = (-2**63, 2**64)  # what torch.Generator.manual_seed takes (a 64-bit value, either sign)
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+# A request body's arrays and objects nest at most this deep (the body itself is level 1); a JSON schema of 29
+# nested objects fits, and everything downstream that recurses stays far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
+# What a response says for a token the sampler had ruled out (a grammar's mask: log probability -inf), as vLLM's
+# OpenAI server does: JSON has no -inf, and a client reading floats gets one.
+LOGPROB_FLOOR = -9999.0
 
 
 class APIError(Exception):
@@ -261,6 +267,33 @@ def _describe(error: dict[str, Any]) -> tuple[str, str]:
     return param, message
 
 
+def reported_logprob(logprob: float) -> float:
+    """A log probability as a response carries it: -inf (and NaN) as LOGPROB_FLOOR."""
+    return logprob if logprob >= LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _nesting_error() -> APIError:
+    return APIError(f"the request body nests JSON arrays and objects more than {MAX_JSON_DEPTH} levels deep; at most "
+                    f"{MAX_JSON_DEPTH} are accepted", code="invalid_json")
+
+
+def json_depth(data: Any, limit: int) -> int:
+    """How deep `data` (parsed JSON) nests its arrays and objects (a scalar 0, `{}` 1), counted without
+    recursion and only until it passes `limit` (then limit + 1)."""
+    deepest = 0
+    stack = [(data, 1)] if isinstance(data, (dict, list)) else []
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > limit:
+            break
+        children = node.values() if isinstance(node, dict) else node
+        if {dict, list}.isdisjoint(map(type, children)):  # a flat array (a prompt's ids) checked at C speed
+            continue
+        stack.extend((child, depth + 1) for child in children if type(child) in (dict, list))
+    return deepest
+
+
 def parse_request(body: bytes, kind: type[_SamplingRequest]) -> _SamplingRequest:
     """Raw request body -> a checked request, or APIError(400) saying what is wrong."""
     try:
@@ -268,8 +301,14 @@ def parse_request(body: bytes, kind: type[_SamplingRequest]) -> _SamplingRequest
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise APIError(f"the request body is not valid JSON ({error}); send a JSON object with "
                        f"Content-Type: application/json", code="invalid_json") from error
+    except RecursionError as error:  # past Python's recursion limit
+        raise _nesting_error() from error
     if not isinstance(data, dict):
         raise APIError(f"the request body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    # Whatever reads the request later may recurse (validation, the chat template, a grammar compiler, the error's
+    # own echo of the input): a bound here keeps every such step far from the recursion limit.
+    if json_depth(data, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise _nesting_error()
     for name in UNSUPPORTED_FIELDS:
         if data.get(name) is not None and name not in kind.model_fields:
             raise APIError(f"'{name}' is not supported by this endpoint; leave it out", param=name,

@@ -42,7 +42,7 @@ from k3.infer.echo import join_logprobs, prompt_logprobs, score_prompts
 from k3.infer.metrics import ServerMetrics
 from k3.infer.origins import add_origin_checks
 from k3.infer.protocol import (IMAGE_MARKER, APIError, ChatCompletionRequest, CompletionRequest, check_model,
-                               check_prompt, parse_request, resolve_max_tokens, sampling_params)
+                               check_prompt, parse_request, reported_logprob, resolve_max_tokens, sampling_params)
 from k3.infer.sse import SSE_DONE, sse_chunks, sse_event
 from k3.infer.warm_requests import send_warm_requests
 
@@ -284,9 +284,9 @@ class _Generation:
         first = len(choice.token_ids)
         token = int(event.token_id)
         choice.token_ids.append(token)
-        if event.logprob is not None:
-            choice.logprobs.append(float(event.logprob))
-            choice.top_logprobs.append(list(event.top_logprobs or []))
+        if event.logprob is not None:  # masked tokens' -inf (a grammar's) as LOGPROB_FLOOR: JSON has no -inf
+            choice.logprobs.append(reported_logprob(float(event.logprob)))
+            choice.top_logprobs.append([(t, reported_logprob(lp)) for t, lp in event.top_logprobs or []])
         stop_token = event.finished and event.finish_reason == "stop" and token in self.stop_ids
         text = "" if stop_token else choice.assembler.push(token)
         if choice.assembler.stopped:

@@ -9,8 +9,8 @@ import pytest
 from k3.infer.chat_template import ChatTemplate, load_chat_template, render_default
 from k3.infer.detokenize import IncrementalDecoder, TextAssembler
 from k3.infer.metrics import Histogram, ServerMetrics
-from k3.infer.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_model, check_prompt,
-                               parse_request, resolve_max_tokens)
+from k3.infer.protocol import (LOGPROB_FLOOR, MAX_JSON_DEPTH, APIError, ChatCompletionRequest, CompletionRequest,
+                               check_model, check_prompt, parse_request, reported_logprob, resolve_max_tokens)
 from k3.infer.sse import SSE_DONE, parse_sse, sse_chunks, sse_event
 
 TEXTS = ["héllo wörld, ça va? 你好世界 🙂🙃 naïve café", "print('line 1')\n\tx = [1, 2, 3]  # ✓", "ab" * 40]
@@ -139,6 +139,33 @@ def test_malformed_bodies():
     assert "not valid JSON" in refused(b'{"model": "m", "prompt": ').message
     assert "not valid JSON" in refused(b"\xff\xfe").message
     assert "must be a JSON object" in refused(b"[1, 2]").message
+
+
+def _nested_schema(levels: int) -> str:
+    return '{"type": "object", "properties": {"a": ' * levels + '{"type": "integer"}' + "}}" * levels
+
+
+@pytest.mark.parametrize("raw, kind", [
+    # past Python's recursion limit: json.loads itself gives up (it was a 500)
+    ('{"model": "m", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", CompletionRequest),
+    ('{"model": "m", "prompt": "x", "logit_bias": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}", CompletionRequest),
+    # within it, but deep enough to exhaust whatever recurses later (validation, templates, grammar compilers)
+    ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", '
+     '"json_schema": {"name": "s", "schema": ' + _nested_schema(400) + "}}}", ChatCompletionRequest),
+    ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", "function": '
+     '{"name": "f", "parameters": ' + _nested_schema(3000) + "}}]}", ChatCompletionRequest),
+])
+def test_json_nested_past_the_limit_is_a_400(raw, kind):
+    error = refused(raw, kind)
+    assert error.code == "invalid_json" and f"at most {MAX_JSON_DEPTH}" in error.message, error.message
+
+
+def test_json_nested_to_the_limit_is_accepted():
+    depth_of_wrappers = 6  # body, response_format, json_schema, schema's own object, properties, "a"
+    levels = (MAX_JSON_DEPTH - depth_of_wrappers) // 2
+    raw = ('{"model": "m", "messages": [{"role": "user", "content": "x"}], "response_format": {"type": '
+           '"json_schema", "json_schema": {"name": "s", "schema": ' + _nested_schema(levels) + "}}}")
+    assert parse_request(raw.encode(), ChatCompletionRequest).response_format is not None
 
 
 def test_model_prompt_and_length_checks():
@@ -292,3 +319,9 @@ def test_the_tokens_per_second_window_is_pruned_without_scrapes():
         metrics.tokens(1, now=i * 0.005)
     assert len(metrics._recent) <= 10 / 0.01 + 1
     assert metrics.tokens_per_second(now=100_000 * 0.005) == pytest.approx(200, rel=0.01)
+
+
+def test_a_ruled_out_token_is_reported_at_the_floor():
+    assert reported_logprob(-0.25) == -0.25 and reported_logprob(LOGPROB_FLOOR) == LOGPROB_FLOOR
+    assert reported_logprob(float("-inf")) == reported_logprob(float("nan")) == LOGPROB_FLOOR
+    json.dumps([reported_logprob(float("-inf"))], allow_nan=False)  # what a response renderer does

@@ -253,6 +253,23 @@ def test_8_constrained_requests_parse_and_validate(served):
     _constrained_requests(served, 8)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_top_logprobs_of_a_constrained_reply_report_ruled_out_tokens_at_the_floor(served, client, stream):
+    """A grammar masks most of the vocabulary to -inf, so 20 top logprobs name ruled-out tokens: JSON has no -inf
+    (this was a 500), so they come back at LOGPROB_FLOOR, as vLLM reports them."""
+    from k3.infer.protocol import LOGPROB_FLOOR
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "value", "schema": POINT}}
+    out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, temperature=0, logprobs=True,
+                                         top_logprobs=20, response_format=fmt, stream=stream)
+    entries = [entry for chunk in out for entry in (chunk.choices[0].logprobs.content or [])
+               if chunk.choices and chunk.choices[0].logprobs] if stream else out.choices[0].logprobs.content
+    assert entries
+    tops = [top.logprob for entry in entries for top in entry.top_logprobs]
+    assert all(LOGPROB_FLOOR <= entry.logprob <= 0 for entry in entries)
+    assert all(LOGPROB_FLOOR <= lp <= 0 for lp in tops) and LOGPROB_FLOOR in tops
+
+
 def test_echo_logprobs_equal_score_and_a_plain_forward(served):
     import torch
 
