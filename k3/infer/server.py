@@ -669,8 +669,8 @@ def create_app(async_engine, model_name: str, tokenizer, max_context: int, max_q
                            param="messages")
         embeds = None
         try:
-            if urls:
-                text = server.chat_template.render(messages, plan.tools)
+            if urls:  # off the event loop as below: a template may take up to its render deadline
+                text = await asyncio.to_thread(server.chat_template.render, messages, plan.tools)
             else:  # message by message, as the model was trained (k3.chat)
                 ids = await asyncio.to_thread(server.chat_template.encode, messages, tokenizer, plan.tools)
         except ValueError as error:

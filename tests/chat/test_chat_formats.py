@@ -129,6 +129,49 @@ def test_templates_are_sandboxed_and_bounded():
         ChatFormat("{{ ''.__class__.__mro__[1].__subclasses__() }}").render([{"role": "user", "content": "a"}])
 
 
+def test_a_template_that_spins_without_writing_is_stopped_at_its_deadline(monkeypatch):
+    """Output is bounded, but a loop that writes nothing is not: three nested ranges of the sandbox's cap are 1e15
+    iterations (hours of a server's worker thread, once per chat request). Rendering has a deadline."""
+    import time
+
+    from k3.chat import render
+
+    monkeypatch.setattr(render, "RENDER_DEADLINE_S", 0.2)
+    spin = "{% for i in range(100000) %}{% for j in range(100000) %}{% for k in range(100000) %}{% endfor %}" \
+           "{% endfor %}{% endfor %}"
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="took more than 0.2 s"):
+        ChatFormat(spin).render([{"role": "user", "content": "a"}])
+    assert time.monotonic() - start < 5
+    assert ChatFormat("{{ messages[0].content }}").render([{"role": "user", "content": "a"}]) == "a"
+
+
+def test_a_render_that_ends_at_its_deadline_leaves_nothing_pending(monkeypatch):
+    """The watchdog raises inside the render's thread; a render that ends as its deadline passes must not get that
+    exception later, outside the render. Deadlines about one render long: each render either returns or says it
+    ran out of time, and nothing arrives after."""
+    import time
+
+    from k3.chat import render
+
+    monkeypatch.setattr(render, "RENDER_DEADLINE_S", 0.0005)
+    # Loops of 1,000 to 2M empty iterations: on any machine some end before the deadline, some about then, and some
+    # run past it by more than the interpreter's 5 ms thread switch interval (the watchdog needs the GIL to fire).
+    fmt = ChatFormat("{% for i in range(messages[0].content | int) %}{% for j in range(1000) %}{% endfor %}"
+                     "{% endfor %}done")
+    outcomes = []
+    for n in [2 ** (i % 12) for i in range(360)]:
+        try:
+            outcomes.append(fmt.render([{"role": "user", "content": str(n)}]))
+        except ValueError as error:
+            assert "took more than" in str(error)
+            outcomes.append("timeout")
+    deadline = time.monotonic() + 0.05
+    while time.monotonic() < deadline:  # bytecodes after every render: a stray exception would surface here
+        sum(range(100))
+    assert set(outcomes) <= {"done", "timeout"} and "timeout" in outcomes
+
+
 @pytest.mark.parametrize("syntax,text", [
     ("kimi_k2", '<think>plan</think>On it.<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0'
                 '<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|><|tool_call_begin|>functions.g:1'
