@@ -286,6 +286,7 @@ def load_hf_weights(model: K3ForCausalLM, path: str | os.PathLike, fmt: str, dty
     by_file: dict[str, list[str]] = {}
     for name, file in mapping.items():
         by_file.setdefault(file, []).append(name)
+    _check_expert_counts(mapping, fmt, config, shapes, directory)
     with _Shards(directory, mapping) as shards:
         for file in tqdm(sorted(by_file), desc="loading shards", unit="shard", disable=not progress):
             for name in sorted(by_file[file]):
@@ -323,6 +324,25 @@ def load_hf_weights(model: K3ForCausalLM, path: str | os.PathLike, fmt: str, dty
     if still_meta:
         raise RuntimeError(f"after loading, {still_meta[:5]} are still unmaterialised (meta tensors)")
     return model
+
+
+def _check_expert_counts(mapping: dict[str, str], fmt: str, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+                         directory: Path) -> None:
+    """Every stacked expert tensor [E, ...] must find its E experts among the checkpoint's names, checked from
+    the names alone: the assembler allocates a stacked tensor at the config's E on its first expert, and a config
+    that claims far more experts than the files hold (a stranger's config.json) would allocate that first."""
+    present: dict[str, set[int]] = {}
+    whole: set[str] = set()  # stored stacked, all experts in one tensor (its shape is checked before it is copied)
+    for name in mapping:
+        for piece in _pieces_for(name, fmt, config, shapes, mapping) or []:
+            if piece.expert is not None:
+                present.setdefault(piece.target, set()).add(piece.expert)
+            elif is_stacked_expert(piece.target):
+                whole.add(piece.target)
+    for target, shape in shapes.items():
+        if is_stacked_expert(target) and target not in whole and len(present.get(target, ())) < shape[0]:
+            raise ValueError(f"{directory} holds {len(present.get(target, ()))} of the {shape[0]} experts "
+                             f"config.json gives {target}; the weights do not belong to this config")
 
 
 def _dequantize(name: str, packed: torch.Tensor, shards: _Shards, mapping: dict[str, str],

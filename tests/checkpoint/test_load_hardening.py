@@ -97,3 +97,21 @@ def test_a_json_list_as_config_is_refused(tmp_path, model):
     (directory / "config.json").write_text("[1, 2, 3]")
     with pytest.raises(ValueError, match="holds a JSON list; a model config is a JSON object"):
         from_pretrained(directory, progress=False)
+
+
+def test_a_config_with_more_experts_than_the_files_hold_is_refused_before_allocating(tmp_path, model, monkeypatch):
+    """config.json is a stranger's too: 10^7 experts against the files' 8 would allocate each stacked expert tensor
+    at the config's size (here 40 GB a tensor) before finding the rest missing. Refused from the names alone."""
+    from k3.checkpoint import hf_load
+
+    directory = save_pretrained(model, None, tmp_path / "hf", format="kimi_k3", progress=False)
+    config = json.loads((directory / "config.json").read_text())
+    config["text_config"]["num_experts"] = 10**7
+    (directory / "config.json").write_text(json.dumps(config))
+    real_assembler = hf_load._Assembler
+    assemblers = []
+    monkeypatch.setattr(hf_load, "_Assembler", lambda *a, **k: assemblers.append(real_assembler(*a, **k))
+                        or assemblers[-1])
+    with pytest.raises(ValueError, match="holds 8 of the 10000000 experts"):
+        from_pretrained(directory, progress=False)
+    assert all(not assembler.tensors for assembler in assemblers)  # nothing read, nothing allocated
