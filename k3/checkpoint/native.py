@@ -96,8 +96,10 @@ def check_finite(state_dict: dict[str, torch.Tensor], source: str) -> None:
                              f"checkpoint is damaged (or was saved after training diverged): use an earlier one")
 
 
-def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str) -> None:
-    """load_state_dict with an error that says which names or shapes disagree, or which tensor is not finite."""
+def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], source: str,
+                     assign: bool = False) -> None:
+    """load_state_dict with an error that says which names or shapes disagree, or which tensor is not finite.
+    assign: the checkpoint's tensors become the model's (a meta-device model is materialised from them)."""
     own = model.state_dict()
     missing = sorted(set(own) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(own))
@@ -114,16 +116,28 @@ def load_model_state(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]
         raise ValueError(f"checkpoint {source} does not match the model config: " + "; ".join(parts)
                          + ". Load it with the config saved in the checkpoint, or train a new run.")
     check_finite(state_dict, source)
-    model.load_state_dict(state_dict)
+    model.load_state_dict(state_dict, assign=assign)
 
 
 def model_from_checkpoint(state: dict[str, Any], source: str = "checkpoint"):
-    """Rebuild K3ForCausalLM from a checkpoint dict (its saved config), in eval mode."""
+    """Rebuild K3ForCausalLM from a checkpoint dict (its saved config), in eval mode. Built on the meta device
+    and compared with the checkpoint's names and shapes before any weight is allocated: the config is the
+    checkpoint author's, and one claiming a vocabulary of 10^9 made a 256 GB allocation before the comparison."""
     from k3.model import K3ForCausalLM
 
     config = ModelConfig.from_dict(state["config"])
-    model = K3ForCausalLM(config)
-    load_model_state(model, state["model"], source)
+    with torch.device("meta"):
+        model = K3ForCausalLM(config)
+    own = model.state_dict()
+    # Each tensor in the dtype the model would have built it in (as copying into a built model did).
+    weights = {name: t.to(own[name].dtype) if name in own and t.is_floating_point() else t
+               for name, t in state["model"].items()}
+    load_model_state(model, weights, source, assign=True)
+    if config.tie_word_embeddings:  # assigning both names would untie them
+        model.lm_head.weight = model.model.embed_tokens.weight
+    still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if still_meta:
+        raise RuntimeError(f"after loading {source}, {still_meta[:5]} are still unmaterialised (meta tensors)")
     return model.eval()
 
 

@@ -115,3 +115,30 @@ def test_a_config_with_more_experts_than_the_files_hold_is_refused_before_alloca
     with pytest.raises(ValueError, match="holds 8 of the 10000000 experts"):
         from_pretrained(directory, progress=False)
     assert all(not assembler.tensors for assembler in assemblers)  # nothing read, nothing allocated
+
+
+@pytest.mark.parametrize("field,value", [("vocab_size", 10**9), ("num_experts", 10**6), ("hidden_size", 10**6)])
+def test_a_native_config_larger_than_its_weights_is_refused_before_allocating(tmp_path, model, field, value):
+    """A native checkpoint's config is its author's: the model was built at the config's size (a 256 GB embedding
+    for a vocabulary of 10^9; 27 s of initialising for a width of 10^6) before its shapes were compared. Now it is
+    built on the meta device and the comparison comes first."""
+    config = model.config.to_dict()
+    config[field] = value
+    native.save_checkpoint(tmp_path / "checkpoint.pt", {"model": model.state_dict(), "config": config, "step": 0})
+    with pytest.raises(ValueError, match="shape mismatches"):
+        native.model_from_checkpoint(native.load_checkpoint(tmp_path), "run")
+
+
+def test_a_native_checkpoint_loads_as_it_did(tmp_path):
+    """Built on the meta device and assigned: the same values, fp32 parameters from bf16 weights (as copying into
+    a built model gave), gradients on, tied embeddings still one tensor."""
+    for tie in (False, True):
+        original = K3ForCausalLM(ModelConfig.from_preset("debug", tie_word_embeddings=tie)).eval()
+        weights = {name: t.bfloat16() for name, t in original.state_dict().items()}
+        native.save_checkpoint(tmp_path / "checkpoint.pt", {"model": weights, "config": original.config.to_dict(),
+                                                            "step": 0})
+        loaded = native.model_from_checkpoint(native.load_checkpoint(tmp_path), "run")
+        assert all(p.dtype == torch.float32 and p.requires_grad and not p.is_meta for p in loaded.parameters())
+        assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
+        for name, t in loaded.state_dict().items():
+            assert torch.equal(t, weights[name].float()), name
