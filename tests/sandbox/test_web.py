@@ -1,5 +1,6 @@
 """The offline web: pages, index and tools; reachable in a network-less sandbox; nothing outside it."""
 
+import json
 import os
 
 import pytest
@@ -124,3 +125,24 @@ def test_a_garbage_frame_to_the_relay_does_not_break_it(box, tools):
     result = box.exec("python3 /tmp/garbage.py")
     assert result.ok and b"bad request" in result.stdout_bytes
     assert box.exec("web search heappush").ok  # still serving
+
+
+def test_the_cache_is_json_and_a_pickle_in_its_place_is_never_read(tmp_path):
+    """Reading a pickle runs the code it names; the cache is JSON, and a file of another kind where it lies is
+    rebuilt over, never executed."""
+    import pickle
+
+    modules = ["heapq", "bisect", "string", "textwrap"]  # BM25 gives a term in half of two pages no weight
+    corpus, _ = load_or_build(str(tmp_path), modules, docs=False)
+    [cached] = os.listdir(tmp_path)
+    assert cached.endswith(".json") and json.loads((tmp_path / cached).read_text())["source"] == corpus.source
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    (tmp_path / cached).write_bytes(pickle.dumps(Payload()))
+    rebuilt, index = load_or_build(str(tmp_path), modules, docs=False)
+    assert not marker.exists() and set(rebuilt.pages) == set(corpus.pages)
+    assert rebuilt.modules == corpus.modules and index.search("heappush")[0][0] == module_url("heapq")
