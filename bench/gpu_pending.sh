@@ -293,7 +293,8 @@ if run gather 230; then  # k3 serve (engine process): one client process then se
         --engine-modes process --gather-prompts-ms "$ms" "${client_option[@]}" --out "$OUT/gather/serve_$name.json" \
         > "$OUT/gather/serve_$name.log" 2>&1
     else
-      timeout --kill-after=10 $(( $(left) < 120 ? $(left) - 10 : 110 )) python bench/serve.py --preset small \
+      # 110 s cut the first two arms short on a cache without the engine's kernels (2026-12-07): 170 at most
+      timeout --kill-after=10 $(( $(left) < 180 ? $(left) - 10 : 170 )) python bench/serve.py --preset small \
         --concurrency 16 64 --skip transformers --engine-modes process --gather-prompts-ms "$ms" "${client_option[@]}" \
         --out "$OUT/gather/serve_$name.json" > "$OUT/gather/serve_$name.log" 2>&1
     fi
