@@ -286,11 +286,13 @@ def load_hf_weights(model: K3ForCausalLM, path: str | os.PathLike, fmt: str, dty
     by_file: dict[str, list[str]] = {}
     for name, file in mapping.items():
         by_file.setdefault(file, []).append(name)
-    _check_expert_counts(mapping, fmt, config, shapes, directory)
+    # Each name parsed once: the expert check reads all of them before anything is loaded.
+    pieces_of = {name: _pieces_for(name, fmt, config, shapes, mapping) for name in mapping}
+    _check_expert_counts(pieces_of, shapes, directory)
     with _Shards(directory, mapping) as shards:
         for file in tqdm(sorted(by_file), desc="loading shards", unit="shard", disable=not progress):
             for name in sorted(by_file[file]):
-                pieces = _pieces_for(name, fmt, config, shapes, mapping)
+                pieces = pieces_of[name]
                 if pieces is None:
                     continue
                 if not pieces:
@@ -326,15 +328,15 @@ def load_hf_weights(model: K3ForCausalLM, path: str | os.PathLike, fmt: str, dty
     return model
 
 
-def _check_expert_counts(mapping: dict[str, str], fmt: str, config: ModelConfig, shapes: dict[str, tuple[int, ...]],
+def _check_expert_counts(pieces_of: dict[str, list[Piece] | None], shapes: dict[str, tuple[int, ...]],
                          directory: Path) -> None:
     """Every stacked expert tensor [E, ...] must find its E experts among the checkpoint's names, checked from
     the names alone: the assembler allocates a stacked tensor at the config's E on its first expert, and a config
     that claims far more experts than the files hold (a stranger's config.json) would allocate that first."""
     present: dict[str, set[int]] = {}
     whole: set[str] = set()  # stored stacked, all experts in one tensor (its shape is checked before it is copied)
-    for name in mapping:
-        for piece in _pieces_for(name, fmt, config, shapes, mapping) or []:
+    for pieces in pieces_of.values():
+        for piece in pieces or []:
             if piece.expert is not None:
                 present.setdefault(piece.target, set()).add(piece.expert)
             elif is_stacked_expert(piece.target):
